@@ -1,0 +1,152 @@
+"""The Python API shared by the CLI, the REPL, scripting and perplexity.
+
+    >>> from localllm import LLM
+    >>> llm = LLM("gemma3-270m")                     # a models.toml name or a .gguf path
+    >>> "".join(llm.generate("The capital of France is", n_predict=16, temp=0))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from .errors import ContextOverflowError, LocalLLMError
+from .generate import Step, Timings, generate_tokens
+from .registry import ModelEntry, load_registry
+from .runtime import Session, load_model
+from .sampling import SamplingParams, build_sampler
+
+
+class LLM:
+    """A loaded model.
+
+    Args:
+        model: a name from models.toml, or a path to a .gguf file (default: the registry's
+            default model).
+        device: "auto" (CUDA when available), "cpu" or "cuda".
+        ctx_size: context size of sessions, in tokens (capped at the model's context length).
+        batch_size: most tokens per forward during prefill.
+        verbose: print load progress on stderr when it is a terminal.
+    Raises:
+        ModelNotFoundError, GGUFError, UnsupportedError: see :func:`load_model`.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        device: str = "auto",
+        ctx_size: int = 4096,
+        batch_size: int = 512,
+        verbose: bool = False,
+        progress: bool | None = None,
+    ) -> None:
+        path, entry = load_registry().resolve(model)
+        self.path: Path = path
+        self.entry: ModelEntry | None = entry
+        self.loaded = load_model(path, device=device, progress=progress)
+        self.tokenizer = self.loaded.tokenizer
+        self.args = self.loaded.args
+        self.metadata: dict = self.loaded.gguf.metadata
+        self.device = self.loaded.device
+        self.ctx_size = max(1, min(ctx_size, self.args.context_length))
+        self.batch_size = batch_size
+        self.verbose = verbose
+        self.last_timings: Timings | None = None
+        self._session: Session | None = None
+
+    # ---- tokens ---------------------------------------------------------------------------
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Token ids of ``text`` (BOS first when ``add_bos`` and the vocabulary uses one)."""
+        return self.tokenizer.encode(text, add_bos=add_bos and self.tokenizer.add_bos,
+                                     special=special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    # ---- evaluation -----------------------------------------------------------------------
+    def session(self, ctx_size: int | None = None) -> Session:
+        """A fresh sequence with its own KV cache."""
+        return Session(self.loaded, ctx_size=ctx_size or self.ctx_size, batch_size=self.batch_size)
+
+    def _shared_session(self) -> Session:
+        if self._session is None:
+            self._session = self.session()
+        return self._session
+
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """Next-token logits after ``ids``: float32 tensor of shape (n_vocab,), on the CPU.
+
+        Raises:
+            ContextOverflowError: ``ids`` does not fit in the context.
+        """
+        if not ids:
+            raise LocalLLMError("logits() needs at least one token")
+        session = self.session(ctx_size=max(self.ctx_size, len(ids)))
+        return session.eval(ids).cpu()
+
+    # ---- generation -----------------------------------------------------------------------
+    def sampling_params(self, params: SamplingParams | None = None, **overrides) -> SamplingParams:
+        """The model's defaults (models.toml), then ``params``, then keyword ``overrides``."""
+        if params is None:
+            params = SamplingParams.from_dict(dict(self.entry.sampling) if self.entry else {})
+        params = dataclasses.replace(params, **overrides) if overrides else params
+        params.validate()
+        return params
+
+    def encode_prompt(self, prompt: str | Sequence[int], *, special: bool = False) -> list[int]:
+        ids = self.tokenize(prompt, special=special) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise LocalLLMError("the prompt is empty")
+        return ids
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        params: SamplingParams | None = None,
+        n_predict: int = -1,
+        stop: Sequence[str] = (),
+        constraint=None,
+        session: Session | None = None,
+        special: bool = False,
+        **sampling,
+    ) -> Iterator[Step]:
+        """Generate from ``prompt``, yielding a :class:`Step` per token.
+
+        Args:
+            prompt: text (tokenized with BOS) or token ids.
+            params / sampling: sampling settings (llama.cpp names: temp, top_k, min_p ...).
+            n_predict: most tokens to generate (-1: until end of generation or full context).
+            stop: stop strings.
+            constraint: a grammar constraint (:mod:`localllm.grammar`).
+            session: reuse this session's cache (default: the LLM's own session, whose cache
+                prefix is reused between calls).
+        Raises:
+            ContextOverflowError: the prompt leaves no room to generate in the context.
+            ParameterError: a sampling parameter is out of range.
+        """
+        ids = self.encode_prompt(prompt, special=special)
+        session = session or self._shared_session()
+        if len(ids) >= session.ctx_size:
+            raise ContextOverflowError(
+                f"the prompt is {len(ids)} tokens; the context holds {session.ctx_size} "
+                "(raise --ctx-size or shorten the prompt)"
+            )
+        params = self.sampling_params(params, **sampling)
+        sampler = build_sampler(params, self.tokenizer, constraint=constraint)
+        self.last_sampler = sampler
+        self.last_timings = Timings()
+        yield from generate_tokens(
+            session, ids, sampler, n_predict=n_predict, stop=stop, constraint=constraint,
+            timings=self.last_timings,
+        )
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> Iterator[str]:
+        """Like :meth:`stream`, yielding only the text pieces."""
+        for step in self.stream(prompt, **kwargs):
+            if step.text:
+                yield step.text

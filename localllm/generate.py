@@ -1,0 +1,138 @@
+"""The decode loop: a generator of :class:`Step` that every front end consumes.
+
+``generate_tokens`` prefills the prompt (reusing whatever prefix the session's cache
+already holds), then samples, yields and feeds back one token at a time until an
+end-of-generation token, ``n_predict`` tokens, a full context, a stop string, or the
+constraint (grammar) completes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .runtime import Session
+from .stop import StopMatcher
+from .tokenizer import StreamDecoder
+
+
+@dataclass
+class Step:
+    """One generated token.
+
+    Attributes:
+        token: the token id (-1 for the closing step that only carries text/finish_reason).
+        text: text released by this step (may be empty while UTF-8 or a possible stop string
+            is held back).
+        logprob: log-probability of ``token`` under the raw model distribution.
+        finish_reason: set on the last step: "eog", "length", "ctx", "stop" or "grammar".
+    """
+
+    token: int
+    text: str
+    logprob: float | None = None
+    finish_reason: str | None = None
+    trace: object | None = None
+
+
+@dataclass
+class Timings:
+    """Wall-clock figures of one generation (seconds, tokens)."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0
+    generate_seconds: float = 0.0
+    reused_tokens: int = 0
+    first_token_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def prefill(session: Session, prompt_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
+    """Bring the session's cache to exactly ``prompt_ids`` and return the next-token logits.
+
+    Tokens already in the cache are reused (at least the last prompt token is recomputed,
+    for its logits). Returns (logits (n_vocab,) float32, number of reused tokens).
+    """
+    keep = min(common_prefix(session.tokens, prompt_ids), len(prompt_ids) - 1)
+    session.truncate(keep)
+    reused = session.n_past
+    return session.eval(prompt_ids[reused:]), reused
+
+
+def generate_tokens(
+    session: Session,
+    prompt_ids: Sequence[int],
+    sampler,
+    *,
+    n_predict: int = -1,
+    stop: Sequence[str] = (),
+    constraint=None,
+    timings: Timings | None = None,
+) -> Iterator[Step]:
+    """Generate from ``prompt_ids``; yields one :class:`Step` per token.
+
+    Args:
+        sampler: has ``sample(logits) -> int`` and ``accept(token)``
+            (:func:`localllm.sampling.build_sampler`).
+        n_predict: most tokens to generate (-1: until the context is full).
+        stop: strings that end generation; never included in the text.
+        constraint: a grammar constraint; generation ends when it is finished.
+        timings: filled in as generation goes.
+    Raises:
+        ContextOverflowError: the prompt does not fit in the context.
+    """
+    tok = session.loaded.tokenizer
+    timings = timings if timings is not None else Timings()
+    t0 = time.perf_counter()
+    logits, timings.reused_tokens = prefill(session, prompt_ids)
+    timings.prompt_tokens = len(prompt_ids) - timings.reused_tokens
+    timings.prompt_seconds = time.perf_counter() - t0
+    decoder = StreamDecoder(tok)
+    stopper = StopMatcher(stop)
+    t1 = time.perf_counter()
+    n = 0
+    while True:
+        token = sampler.sample(logits)
+        sampler.accept(token)
+        n += 1
+        timings.generated_tokens = n
+        if n == 1:
+            timings.first_token_seconds = time.perf_counter() - t0
+        logprob = float(torch.log_softmax(logits, -1)[token])
+        trace = sampler.last_trace
+        if token in tok.eog_ids:  # --ignore-eos masks these in the sampler
+            text, stopped = stopper.push(decoder.flush())
+            yield Step(token, text + ("" if stopped else stopper.flush()), logprob, "eog", trace)
+            break
+        text, stopped = stopper.push(decoder.push(token))
+        if stopped:
+            yield Step(token, text, logprob, "stop", trace)
+            break
+        finish = None
+        if constraint is not None and constraint.is_finished():
+            finish = "grammar"
+        elif n_predict >= 0 and n >= n_predict:
+            finish = "length"
+        elif session.n_past + 1 > session.ctx_size:
+            finish = "ctx"
+        if finish:
+            tail, stopped = stopper.push(decoder.flush())
+            yield Step(token, text + tail + ("" if stopped else stopper.flush()), logprob, finish, trace)
+            break
+        yield Step(token, text, logprob, None, trace)
+        logits = session.eval([token])
+        timings.generate_seconds = time.perf_counter() - t1
+    timings.generate_seconds = time.perf_counter() - t1
+

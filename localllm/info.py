@@ -1,0 +1,55 @@
+"""``localllm info``: what a GGUF file holds, without loading its weights."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+from rich.console import Console
+from rich.table import Table
+
+from .gguf_file import open_gguf
+from .models import architecture
+from .quants import bits_per_weight
+from .registry import load_registry
+from .tokenizer import Tokenizer
+
+
+def print_info(model: str | None, console: Console | None = None) -> None:
+    """Architecture, hyperparameters, tokenizer, and tensor bytes per quant type."""
+    console = console or Console()
+    path, _ = load_registry().resolve(model)
+    gguf = open_gguf(path)
+    md = gguf.metadata
+    tok = Tokenizer(md)
+    args = architecture(gguf.architecture).ModelArgs.from_gguf(md, tok.n_vocab)
+    console.print(f"[bold]{md.get('general.name', path.name)}[/bold]  {path}")
+    console.print(f"GGUF v{gguf.version}, architecture {gguf.architecture}, "
+                  f"file type {md.get('general.file_type', '?')}")
+    hp = Table("hyperparameter", "value", title="model")
+    for f in dataclasses.fields(args):
+        hp.add_row(f.name, str(getattr(args, f.name)))
+    console.print(hp)
+    console.print(
+        f"tokenizer: {tok.model_type} (pre: {md.get('tokenizer.ggml.pre', '-')}), "
+        f"{tok.n_vocab} tokens, BOS {tok.bos_id}, EOS {tok.eos_id}, "
+        f"end of generation {sorted(tok.eog_ids)}, add_bos {tok.add_bos}, "
+        f"chat template: {'yes' if 'tokenizer.chat_template' in md else 'none'}"
+    )
+    per_type: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for t in gguf.tensors.values():
+        row = per_type[t.qtype.name]
+        row[0] += 1
+        row[1] += t.n_elements
+        row[2] += t.n_bytes
+    table = Table("type", "tensors", "parameters", "MiB", "bits/weight", title="tensors")
+    total_e = total_b = 0
+    for name, (n, elems, nbytes) in sorted(per_type.items(), key=lambda kv: -kv[1][2]):
+        bpw = bits_per_weight(gguf.tensors[next(k for k, t in gguf.tensors.items()
+                                                 if t.qtype.name == name)].qtype)
+        table.add_row(name, str(n), f"{elems:,}", f"{nbytes / 2**20:.1f}", f"{bpw:.2f}")
+        total_e += elems
+        total_b += nbytes
+    table.add_row("total", str(len(gguf.tensors)), f"{total_e:,}", f"{total_b / 2**20:.1f}",
+                  f"{8 * total_b / total_e:.2f}")
+    console.print(table)

@@ -1,0 +1,153 @@
+"""Building blocks shared by the architectures: weights, linear layers, norms, RoPE, attention.
+
+Compute convention on the CPU: weights are dequantized once at load to float16 (half the
+memory of float32, and torch's float16 GEMV is several times faster than float32 here);
+the residual stream, norms and attention run in float32. A matrix product with one or a
+few rows (decode) multiplies in float16; with many rows (prefill) the weight is upcast to
+float32 for the product, where torch's float32 GEMM is much faster than its float16 one.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import attention_mask
+from ..errors import GGUFError
+from ..gguf_file import GGUFFile
+from ..quants import dequantize
+
+# Above this many rows a product takes the float32 GEMM path (see the module docstring).
+GEMV_MAX_ROWS = 8
+
+
+class Weights:
+    """Loads tensors of a GGUF file by name, dequantized, checked against expected shapes.
+
+    Args:
+        gguf: the opened file.
+        device: torch device for the weights.
+        dtype: storage dtype of matrices (float16 on CPU); vectors (norms, biases) are float32.
+        progress: called with the number of bytes of each tensor loaded.
+    """
+
+    def __init__(self, gguf: GGUFFile, device, dtype, progress: Callable[[int], None] | None = None):
+        self.gguf, self.device, self.dtype = gguf, device, dtype
+        self.progress = progress or (lambda n: None)
+
+    def has(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def get(self, name: str, shape: tuple[int, ...], *, dtype=None) -> torch.Tensor:
+        """Tensor ``name`` dequantized to ``dtype`` with torch shape ``shape``.
+
+        Raises:
+            GGUFError: the tensor is missing or its shape contradicts the hyperparameters.
+        """
+        info = self.gguf.tensor(name)
+        if tuple(info.shape) != tuple(shape):
+            raise GGUFError(
+                f"{self.gguf.path.name}: tensor {name!r} has shape {list(info.shape)}, "
+                f"expected {list(shape)} from the hyperparameters"
+            )
+        if dtype is None:
+            dtype = self.dtype if len(shape) > 1 else torch.float32
+        with warnings.catch_warnings():  # the map is read-only and is never written through
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(info.data)
+        try:
+            out = dequantize(data, info.qtype, info.shape, dtype=dtype)
+        except GGUFError:
+            raise
+        except Exception as e:
+            e.args = (f"tensor {name!r}: {e.args[0] if e.args else e}",)
+            raise
+        self.progress(info.n_bytes)
+        return out.to(self.device)
+
+
+class Linear:
+    """``y = x @ W.T (+ b)`` for a weight of shape (out_features, in_features)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight  # (out, in), float16 on CPU
+        self.bias = bias  # (out,) float32 or None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, in) float32 -> (T, out) float32."""
+        w = self.weight
+        if x.shape[0] <= GEMV_MAX_ROWS or w.device.type != "cpu":
+            y = F.linear(x.to(w.dtype), w).float()
+        else:
+            y = F.linear(x, w.float())
+        return y if self.bias is None else y + self.bias
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (Zhang & Sennrich 2019), float32: x / rms(x) * weight."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_inv_freq(
+    head_dim: int, base: float, freq_factors: torch.Tensor | None = None, device=None
+) -> torch.Tensor:
+    """RoPE inverse frequencies (head_dim/2,) float32: base^(-2i/d) / factor_i.
+
+    ``freq_factors`` is llama.cpp's ``rope_freqs.weight`` (Llama 3.1 long-context scaling).
+    """
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    return inv if freq_factors is None else inv / freq_factors.to(inv.device)
+
+
+def apply_rope(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *, neox: bool, scale: float = 1.0
+) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021) on x: (n_heads, T, head_dim) float32.
+
+    ``neox``: rotate the two halves of each head (GPT-NeoX, llama.cpp's LLAMA_ROPE_TYPE_NEOX);
+    otherwise rotate adjacent pairs (llama.cpp's LLAMA_ROPE_TYPE_NORM). ``scale`` multiplies
+    positions (linear RoPE scaling: 1 / factor).
+    """
+    angles = (positions.float() * scale)[:, None] * inv_freq[None, :]  # (T, hd/2)
+    cos, sin = angles.cos(), angles.sin()
+    if neox:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+
+
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    *,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads.
+
+    q: (n_heads, T, hd); keys/values: (n_kv_heads, S, hd) -> (T, n_heads * hd) float32.
+    """
+    n_heads, t, hd = q.shape
+    group = n_heads // keys.shape[0]
+    mask = attention_mask(q_positions, k_positions, window)  # (T, S)
+    k = keys.float().repeat_interleave(group, dim=0) if group > 1 else keys.float()
+    v = values.float().repeat_interleave(group, dim=0) if group > 1 else values.float()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (nh, T, hd)
+    return out.transpose(0, 1).reshape(t, n_heads * hd)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def default_attention_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

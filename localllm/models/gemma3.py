@@ -1,0 +1,155 @@
+"""Gemma 3 (text), as llama.cpp's ``src/models/gemma3.cpp`` computes it.
+
+Per layer::
+
+    h   = x + post_attn_norm(attn(attn_norm(x)))      # QK-norm, NEOX RoPE
+    out = h + post_ffw_norm(down(gelu_tanh(gate(n)) * up(n))),  n = ffn_norm(h)
+
+The input embedding is scaled by sqrt(d_model); the output projection is tied to it.
+Five of every six layers use sliding-window attention (window 512 for the small models)
+with their own RoPE base (10,000); the sixth is global (base from the metadata). The GGUF
+norm weights already include Gemma's "+1" (llama.cpp's converter adds it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import KVCache, RingKVCache
+from .common import Linear, Weights, apply_rope, attend, gelu_tanh, rms_norm, rope_inv_freq
+
+
+@dataclass
+class ModelArgs:
+    """Hyperparameters from ``gemma3.*`` metadata keys."""
+
+    n_vocab: int
+    n_layers: int  # gemma3.block_count
+    d_model: int  # gemma3.embedding_length
+    n_heads: int  # gemma3.attention.head_count
+    n_kv_heads: int  # gemma3.attention.head_count_kv
+    head_dim: int  # gemma3.attention.key_length
+    ffn_dim: int  # gemma3.feed_forward_length
+    context_length: int
+    norm_eps: float = 1e-6
+    rope_base: float = 1_000_000.0  # global layers
+    rope_base_swa: float = 10_000.0  # sliding-window layers (llama.cpp's rope_freq_base_train_swa)
+    rope_scale: float = 1.0  # linear scaling of global layers: 1 / rope.scaling.factor
+    sliding_window: int = 512
+    swa_pattern: int = 6  # every 6th layer is global
+
+    @classmethod
+    def from_gguf(cls, md: dict, n_vocab: int) -> ModelArgs:
+        a = "gemma3."
+        factor = md.get(a + "rope.scaling.factor")
+        use_linear = md.get(a + "rope.scaling.type", "linear" if factor else "none") == "linear"
+        n_heads = int(md[a + "attention.head_count"])
+        d_model = int(md[a + "embedding_length"])
+        return cls(
+            n_vocab=n_vocab,
+            n_layers=int(md[a + "block_count"]),
+            d_model=d_model,
+            n_heads=n_heads,
+            n_kv_heads=int(md.get(a + "attention.head_count_kv", n_heads)),
+            head_dim=int(md.get(a + "attention.key_length", d_model // n_heads)),
+            ffn_dim=int(md[a + "feed_forward_length"]),
+            context_length=int(md.get(a + "context_length", 131072)),
+            norm_eps=float(md.get(a + "attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_base=float(md.get(a + "rope.freq_base", 1_000_000.0)),
+            rope_scale=1.0 / float(factor) if (factor and use_linear) else 1.0,
+            sliding_window=int(md.get(a + "attention.sliding_window", 512)),
+        )
+
+    def is_sliding(self, layer: int) -> bool:
+        return (layer + 1) % self.swa_pattern != 0
+
+    @property
+    def attention_scale(self) -> float:
+        # llama.cpp: 1/sqrt(head_dim), except the 27B model which uses d_model / n_heads.
+        return 1.0 / math.sqrt(self.head_dim)
+
+
+class Block:
+    def __init__(self, w: Weights, i: int, args: ModelArgs) -> None:
+        p, d, hd = f"blk.{i}.", args.d_model, args.head_dim
+        self.attn_norm = w.get(p + "attn_norm.weight", (d,))
+        self.wq = Linear(w.get(p + "attn_q.weight", (args.n_heads * hd, d)))
+        self.wk = Linear(w.get(p + "attn_k.weight", (args.n_kv_heads * hd, d)))
+        self.wv = Linear(w.get(p + "attn_v.weight", (args.n_kv_heads * hd, d)))
+        self.q_norm = w.get(p + "attn_q_norm.weight", (hd,))
+        self.k_norm = w.get(p + "attn_k_norm.weight", (hd,))
+        self.wo = Linear(w.get(p + "attn_output.weight", (d, args.n_heads * hd)))
+        self.post_attn_norm = w.get(p + "post_attention_norm.weight", (d,))
+        self.ffn_norm = w.get(p + "ffn_norm.weight", (d,))
+        self.gate = Linear(w.get(p + "ffn_gate.weight", (args.ffn_dim, d)))
+        self.up = Linear(w.get(p + "ffn_up.weight", (args.ffn_dim, d)))
+        self.down = Linear(w.get(p + "ffn_down.weight", (d, args.ffn_dim)))
+        self.post_ffw_norm = w.get(p + "post_ffw_norm.weight", (d,))
+        self.sliding = args.is_sliding(i)
+
+
+class Model:
+    """Gemma 3 text model over a GGUF file's weights."""
+
+    def __init__(self, args: ModelArgs, w: Weights) -> None:
+        self.args = args
+        self.device = w.device
+        self.tok_embd = w.get("token_embd.weight", (args.n_vocab, args.d_model))
+        self.blocks = [Block(w, i, args) for i in range(args.n_layers)]
+        self.output_norm = w.get("output_norm.weight", (args.d_model,))
+        tied = not w.has("output.weight")  # Gemma ties the output projection to the embedding
+        self.lm_head = Linear(
+            self.tok_embd if tied else w.get("output.weight", (args.n_vocab, args.d_model))
+        )
+        self.inv_freq_global = rope_inv_freq(args.head_dim, args.rope_base, device=w.device)
+        self.inv_freq_local = rope_inv_freq(args.head_dim, args.rope_base_swa, device=w.device)
+
+    def make_caches(self, ctx_size: int, *, slack: int) -> list:
+        a = self.args
+        return [
+            RingKVCache(a.sliding_window, a.n_kv_heads, a.head_dim, slack=slack,
+                        dtype=torch.float32, device=self.device)
+            if b.sliding and a.sliding_window < ctx_size
+            else KVCache(ctx_size, a.n_kv_heads, a.head_dim, dtype=torch.float32, device=self.device)
+            for b in self.blocks
+        ]
+
+    def forward(
+        self, tokens: torch.Tensor, pos: int, caches: list, *, all_logits: bool = False
+    ) -> torch.Tensor:
+        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits (T or 1, n_vocab) float32."""
+        a = self.args
+        t = tokens.shape[0]
+        positions = torch.arange(pos, pos + t, device=self.device)
+        x = self.tok_embd[tokens].float() * math.sqrt(a.d_model)  # (T, d)
+        for block, cache in zip(self.blocks, caches):
+            x = self._block(block, cache, x, pos, positions)
+        if not all_logits:
+            x = x[-1:]
+        x = rms_norm(x, self.output_norm, a.norm_eps)
+        return self.lm_head(x)
+
+    def _block(self, b: Block, cache, x: torch.Tensor, pos: int, positions: torch.Tensor):
+        a = self.args
+        t, hd = x.shape[0], a.head_dim
+        n = rms_norm(x, b.attn_norm, a.norm_eps)
+        q = b.wq(n).view(t, a.n_heads, hd).transpose(0, 1)  # (nh, T, hd)
+        k = b.wk(n).view(t, a.n_kv_heads, hd).transpose(0, 1)  # (nkv, T, hd)
+        v = b.wv(n).view(t, a.n_kv_heads, hd).transpose(0, 1)
+        q, k = rms_norm(q, b.q_norm, a.norm_eps), rms_norm(k, b.k_norm, a.norm_eps)
+        if b.sliding:
+            q = apply_rope(q, positions, self.inv_freq_local, neox=True)
+            k = apply_rope(k, positions, self.inv_freq_local, neox=True)
+        else:
+            q = apply_rope(q, positions, self.inv_freq_global, neox=True, scale=a.rope_scale)
+            k = apply_rope(k, positions, self.inv_freq_global, neox=True, scale=a.rope_scale)
+        keys, values, k_pos = cache.update(pos, k, v)
+        window = a.sliding_window if b.sliding else None
+        attn = attend(q, keys, values, positions, k_pos, window=window, scale=a.attention_scale)
+        h = x + rms_norm(b.wo(attn), b.post_attn_norm, a.norm_eps)
+        n = rms_norm(h, b.ffn_norm, a.norm_eps)
+        f = b.down(gelu_tanh(b.gate(n)) * b.up(n))
+        return h + rms_norm(f, b.post_ffw_norm, a.norm_eps)

@@ -1,0 +1,155 @@
+"""The Llama family: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` (llama.cpp's
+``src/models/llama.cpp``, ``qwen2.cpp``, ``qwen3.cpp``).
+
+Per layer::
+
+    h   = x + wo(attn(attn_norm(x)))          # GQA; Qwen2 has QKV biases, Qwen3 QK-norm
+    out = h + down(silu(gate(n)) * up(n)),  n = ffn_norm(h)
+
+RoPE: adjacent pairs for ``llama``/``mistral`` (the converter permutes Q/K for that),
+halves (NEOX) for ``qwen2``/``qwen3``; linear scaling from ``rope.scaling.factor`` and
+Llama 3.1's per-frequency factors from the ``rope_freqs.weight`` tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import KVCache, RingKVCache
+from .common import Linear, Weights, apply_rope, attend, rms_norm, rope_inv_freq
+
+NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3"})
+
+
+@dataclass
+class ModelArgs:
+    """Hyperparameters from ``{arch}.*`` metadata keys."""
+
+    arch: str
+    n_vocab: int
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    context_length: int
+    norm_eps: float = 1e-5
+    rope_base: float = 10_000.0
+    rope_scale: float = 1.0
+    sliding_window: int | None = None  # mistral-style SWA on every layer, when given
+
+    @classmethod
+    def from_gguf(cls, md: dict, n_vocab: int) -> ModelArgs:
+        arch = md["general.architecture"]
+        a = arch + "."
+        n_heads = int(md[a + "attention.head_count"])
+        d_model = int(md[a + "embedding_length"])
+        factor = md.get(a + "rope.scaling.factor")
+        use_linear = md.get(a + "rope.scaling.type", "linear" if factor else "none") == "linear"
+        window = md.get(a + "attention.sliding_window")
+        return cls(
+            arch=arch,
+            n_vocab=n_vocab,
+            n_layers=int(md[a + "block_count"]),
+            d_model=d_model,
+            n_heads=n_heads,
+            n_kv_heads=int(md.get(a + "attention.head_count_kv", n_heads)),
+            head_dim=int(md.get(a + "attention.key_length", d_model // n_heads)),
+            ffn_dim=int(md[a + "feed_forward_length"]),
+            context_length=int(md.get(a + "context_length", 4096)),
+            norm_eps=float(md.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_base=float(md.get(a + "rope.freq_base", 10_000.0)),
+            rope_scale=1.0 / float(factor) if (factor and use_linear) else 1.0,
+            sliding_window=int(window) if window else None,
+        )
+
+    @property
+    def neox(self) -> bool:
+        return self.arch in NEOX_ARCHITECTURES
+
+    @property
+    def attention_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+
+class Block:
+    def __init__(self, w: Weights, i: int, args: ModelArgs) -> None:
+        p, d, hd = f"blk.{i}.", args.d_model, args.head_dim
+        nq, nkv = args.n_heads * hd, args.n_kv_heads * hd
+
+        def bias(name: str, n: int):
+            return w.get(p + name, (n,)) if w.has(p + name) else None
+
+        self.attn_norm = w.get(p + "attn_norm.weight", (d,))
+        self.wq = Linear(w.get(p + "attn_q.weight", (nq, d)), bias("attn_q.bias", nq))
+        self.wk = Linear(w.get(p + "attn_k.weight", (nkv, d)), bias("attn_k.bias", nkv))
+        self.wv = Linear(w.get(p + "attn_v.weight", (nkv, d)), bias("attn_v.bias", nkv))
+        self.q_norm = w.get(p + "attn_q_norm.weight", (hd,)) if w.has(p + "attn_q_norm.weight") else None
+        self.k_norm = w.get(p + "attn_k_norm.weight", (hd,)) if w.has(p + "attn_k_norm.weight") else None
+        self.wo = Linear(w.get(p + "attn_output.weight", (d, nq)), bias("attn_output.bias", d))
+        self.ffn_norm = w.get(p + "ffn_norm.weight", (d,))
+        self.gate = Linear(w.get(p + "ffn_gate.weight", (args.ffn_dim, d)))
+        self.up = Linear(w.get(p + "ffn_up.weight", (args.ffn_dim, d)))
+        self.down = Linear(w.get(p + "ffn_down.weight", (d, args.ffn_dim)))
+
+
+class Model:
+    """A Llama-family decoder over a GGUF file's weights."""
+
+    def __init__(self, args: ModelArgs, w: Weights) -> None:
+        self.args = args
+        self.device = w.device
+        self.tok_embd = w.get("token_embd.weight", (args.n_vocab, args.d_model))
+        self.blocks = [Block(w, i, args) for i in range(args.n_layers)]
+        self.output_norm = w.get("output_norm.weight", (args.d_model,))
+        tied = not w.has("output.weight")
+        self.lm_head = Linear(
+            self.tok_embd if tied else w.get("output.weight", (args.n_vocab, args.d_model))
+        )
+        factors = (
+            w.get("rope_freqs.weight", (args.head_dim // 2,)) if w.has("rope_freqs.weight") else None
+        )
+        self.inv_freq = rope_inv_freq(args.head_dim, args.rope_base, factors, device=w.device)
+
+    def make_caches(self, ctx_size: int, *, slack: int) -> list:
+        a = self.args
+
+        def cache():
+            if a.sliding_window and a.sliding_window < ctx_size:
+                return RingKVCache(a.sliding_window, a.n_kv_heads, a.head_dim, slack=slack,
+                                   dtype=torch.float32, device=self.device)
+            return KVCache(ctx_size, a.n_kv_heads, a.head_dim, dtype=torch.float32, device=self.device)
+
+        return [cache() for _ in self.blocks]
+
+    def forward(
+        self, tokens: torch.Tensor, pos: int, caches: list, *, all_logits: bool = False
+    ) -> torch.Tensor:
+        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits (T or 1, n_vocab) float32."""
+        a = self.args
+        t = tokens.shape[0]
+        positions = torch.arange(pos, pos + t, device=self.device)
+        x = self.tok_embd[tokens].float()  # (T, d)
+        for b, cache in zip(self.blocks, caches):
+            n = rms_norm(x, b.attn_norm, a.norm_eps)
+            q = b.wq(n).view(t, a.n_heads, a.head_dim).transpose(0, 1)  # (nh, T, hd)
+            k = b.wk(n).view(t, a.n_kv_heads, a.head_dim).transpose(0, 1)  # (nkv, T, hd)
+            v = b.wv(n).view(t, a.n_kv_heads, a.head_dim).transpose(0, 1)
+            if b.q_norm is not None:
+                q, k = rms_norm(q, b.q_norm, a.norm_eps), rms_norm(k, b.k_norm, a.norm_eps)
+            q = apply_rope(q, positions, self.inv_freq, neox=a.neox, scale=a.rope_scale)
+            k = apply_rope(k, positions, self.inv_freq, neox=a.neox, scale=a.rope_scale)
+            keys, values, k_pos = cache.update(pos, k, v)
+            attn = attend(q, keys, values, positions, k_pos, window=cache.window,
+                          scale=a.attention_scale)
+            h = x + b.wo(attn)
+            n = rms_norm(h, b.ffn_norm, a.norm_eps)
+            x = h + b.down(F.silu(b.gate(n)) * b.up(n))
+        if not all_logits:
+            x = x[-1:]
+        return self.lm_head(rms_norm(x, self.output_norm, a.norm_eps))

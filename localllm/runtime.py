@@ -1,0 +1,179 @@
+"""Loading a model onto a device, and the single-sequence :class:`Session` that runs it.
+
+A session owns one KV cache per layer, preallocated to ``ctx_size``, and the list of tokens
+the cache holds. ``eval`` appends tokens: a prompt is prefilled in chunks of
+``batch_size`` tokens (one forward each), a decode step is a one-token forward.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import ContextOverflowError, LocalLLMError
+from .gguf_file import GGUFFile, open_gguf
+from .models import architecture
+from .models.common import Weights
+from .tokenizer import Tokenizer
+
+# Extra cells kept by sliding-window caches so that a rollback of up to this many tokens
+# (a chat turn re-rendered by its template) needs no recomputation.
+RING_SLACK = 256
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> CUDA when a GPU is usable, else CPU.
+
+    Raises:
+        LocalLLMError: ``cuda`` was asked for without a usable GPU, or the name is unknown.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise LocalLLMError("--device cuda: no usable CUDA GPU (torch.cuda.is_available() is False)")
+    if device not in ("cpu", "cuda"):
+        raise LocalLLMError(f"--device must be auto, cpu or cuda, got {device!r}")
+    return torch.device(device)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: file, tokenizer, hyperparameters and weights on ``device``."""
+
+    gguf: GGUFFile
+    tokenizer: Tokenizer
+    args: object
+    model: object
+    device: torch.device
+    load_seconds: float
+
+
+def load_model(
+    path: str | Path,
+    *,
+    device: str = "auto",
+    progress: bool | None = None,
+    dtype: torch.dtype = torch.float16,
+) -> LoadedModel:
+    """Open, validate and load a GGUF model, matrices dequantized to ``dtype``.
+
+    Args:
+        dtype: storage dtype of weight matrices (float16 by default; float32 for exact checks).
+        progress: show a progress bar on stderr (default: when stderr is a terminal).
+    Raises:
+        GGUFError, UnsupportedError: the file is malformed or uses something unsupported.
+    """
+    t0 = time.perf_counter()
+    gguf = open_gguf(path)
+    arch = architecture(gguf.architecture)
+    tokenizer = Tokenizer(gguf.metadata)
+    args = arch.ModelArgs.from_gguf(gguf.metadata, tokenizer.n_vocab)
+    dev = resolve_device(device)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    total = sum(t.n_bytes for t in gguf.tensors.values())
+    if progress:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+        bar = Progress(
+            TextColumn(f"loading {gguf.path.name}"), BarColumn(), DownloadColumn(),
+            transient=True, console=_stderr_console(),
+        )
+        with bar:
+            task = bar.add_task("load", total=total)
+            weights = Weights(gguf, dev, dtype, lambda n: bar.advance(task, n))
+            model = arch.Model(args, weights)
+    else:
+        model = arch.Model(args, Weights(gguf, dev, dtype))
+    return LoadedModel(gguf, tokenizer, args, model, dev, time.perf_counter() - t0)
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+class Session:
+    """One sequence and its KV cache.
+
+    Args:
+        loaded: the model.
+        ctx_size: context size in tokens (capped at the model's context length).
+        batch_size: the most tokens evaluated in one forward during prefill.
+    Attributes:
+        tokens: the tokens currently held by the cache, in order.
+    """
+
+    def __init__(self, loaded: LoadedModel, *, ctx_size: int = 4096, batch_size: int = 512) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.ctx_size = max(1, min(ctx_size, loaded.args.context_length))
+        self.batch_size = max(1, batch_size)
+        self.caches = self.model.make_caches(self.ctx_size, slack=RING_SLACK)
+        self.tokens: list[int] = []
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    @torch.inference_mode()
+    def eval(self, ids: Sequence[int], *, all_logits: bool = False) -> torch.Tensor:
+        """Append ``ids`` to the sequence and run them through the model.
+
+        Returns float32 logits: (n_vocab,) for the last position, or (len(ids), n_vocab)
+        when ``all_logits``.
+        Raises:
+            ContextOverflowError: the sequence would exceed ``ctx_size``.
+        """
+        ids = list(ids)
+        if not ids:
+            raise ValueError("eval needs at least one token")
+        if self.n_past + len(ids) > self.ctx_size:
+            raise ContextOverflowError(
+                f"{self.n_past + len(ids)} tokens do not fit in the context of {self.ctx_size} "
+                "tokens (raise --ctx-size or shorten the prompt)"
+            )
+        device = self.loaded.device
+        outs = []
+        for start in range(0, len(ids), self.batch_size):
+            chunk = ids[start : start + self.batch_size]
+            last_chunk = start + self.batch_size >= len(ids)
+            tokens = torch.tensor(chunk, dtype=torch.long, device=device)
+            if all_logits or last_chunk:
+                outs.append(self.model.forward(tokens, self.n_past, self.caches, all_logits=all_logits))
+            else:
+                self._forward_no_logits(tokens)
+            self.tokens += chunk
+        logits = torch.cat(outs) if all_logits else outs[-1][-1]
+        return logits.float()
+
+    def _forward_no_logits(self, tokens: torch.Tensor) -> None:
+        # Intermediate prefill chunks only fill the cache; the one-row head costs little.
+        self.model.forward(tokens, self.n_past, self.caches, all_logits=False)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens; recompute the cache when a ring buffer forgot them."""
+        n = max(0, min(n, self.n_past))
+        if n == self.n_past:
+            return
+        if all(c.can_truncate(n) for c in self.caches):
+            for c in self.caches:
+                c.truncate(n)
+            del self.tokens[n:]
+            return
+        keep = self.tokens[:n]
+        self.reset()
+        if keep:
+            self.eval(keep)
+
+    def reset(self) -> None:
+        """Forget every token."""
+        for c in self.caches:
+            c.reset()
+        self.tokens = []

@@ -1,0 +1,311 @@
+"""Tokenizers built from GGUF metadata, matching llama.cpp's ``llama-vocab.cpp``.
+
+Two vocabulary types are supported, under the names llama.cpp gives them in
+``tokenizer.ggml.model``:
+
+* ``llama``: SentencePiece BPE (Llama 1/2, Mistral, Gemma). Encoding goes through the
+  ``sentencepiece`` library, fed a model proto rebuilt from the GGUF vocabulary
+  (pieces, scores, token types).
+* ``gpt2``: byte-level BPE (Llama 3, Qwen 2/3, ...). Encoding goes through the
+  ``tokenizers`` library with the pre-tokenizer regex that ``tokenizer.ggml.pre`` names.
+
+Special tokens follow llama.cpp: CONTROL tokens are only recognised in the text when
+``special=True``; USER_DEFINED tokens are always recognised. Decoding is our own:
+each token maps to the bytes it contributes (:meth:`Tokenizer.token_bytes`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from functools import lru_cache
+
+from .errors import GGUFError, UnsupportedError
+
+# GGUF token types (gguf.TokenType; identical to sentencepiece's piece types).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Texts of tokens that end a turn in the families we know; llama.cpp collects the same
+# set into its end-of-generation list when the metadata does not name them.
+_EOG_TEXTS = (
+    "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>",
+    "<|end_of_text|>", "<EOT>", "<|return|>", "<|call|>", "<end_of_utterance>",
+)
+_SPECIAL_ID_KEYS = ("bos", "eos", "eot", "eom", "unknown", "padding", "sep")
+
+# Pre-tokenizer regexes by ``tokenizer.ggml.pre`` (llama.cpp's llama-vocab.cpp lists the same).
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_REGEX = {
+    "default": _GPT2_REGEX,
+    "gpt2": _GPT2_REGEX,
+    "llama3": _LLAMA3_REGEX,
+    "llama-bpe": _LLAMA3_REGEX,
+    "smaug-bpe": _LLAMA3_REGEX,
+    "qwen2": _QWEN2_REGEX,
+    "deepseek-r1-qwen": _QWEN2_REGEX,
+}
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable-unicode alphabet for bytes, inverted: char -> byte value."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class Tokenizer:
+    """Text <-> token ids for one GGUF vocabulary.
+
+    Attributes:
+        n_vocab: vocabulary size (tokens).
+        bos_id / eos_id: from ``tokenizer.ggml.bos_token_id`` / ``eos_token_id`` (or None).
+        eog_ids: every end-of-generation token id (EOS, EOT, EOM and known turn-end texts).
+        add_bos: ``tokenizer.ggml.add_bos_token`` (llama.cpp's default: True for ``llama``).
+    """
+
+    def __init__(self, metadata: dict) -> None:
+        self.model_type: str = metadata.get("tokenizer.ggml.model", "")
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if self.model_type not in ("llama", "gpt2"):
+            raise UnsupportedError(
+                f"tokenizer type {self.model_type!r} is not supported (supported: llama, gpt2)"
+            )
+        if not tokens:
+            raise GGUFError("tokenizer.ggml.tokens is missing or empty")
+        self.tokens: list[str] = list(tokens)
+        self.n_vocab = len(self.tokens)
+        types = metadata.get("tokenizer.ggml.token_type")
+        self.types: list[int] = list(types) if types is not None else [NORMAL] * self.n_vocab
+        self.scores = metadata.get("tokenizer.ggml.scores")
+        if len(self.types) != self.n_vocab or (
+            self.scores is not None and len(self.scores) != self.n_vocab
+        ):
+            raise GGUFError("tokenizer.ggml.token_type/scores lengths differ from tokens")
+
+        def special_id(name: str) -> int | None:
+            value = metadata.get(f"tokenizer.ggml.{name}_token_id")
+            if value is None:
+                return None
+            if not 0 <= int(value) < self.n_vocab:
+                raise GGUFError(
+                    f"tokenizer.ggml.{name}_token_id = {value} is outside the vocabulary "
+                    f"(size {self.n_vocab})"
+                )
+            return int(value)
+
+        ids = {name: special_id(name) for name in _SPECIAL_ID_KEYS}
+        self.bos_id, self.eos_id = ids["bos"], ids["eos"]
+        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", self.model_type == "llama"))
+        self.add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+        self.add_space_prefix = bool(
+            metadata.get("tokenizer.ggml.add_space_prefix", self.model_type == "llama")
+        )
+        eog = {i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None}
+        text_to_id = {t: i for i, t in enumerate(self.tokens) if self.types[i] != NORMAL}
+        eog.update(text_to_id[t] for t in _EOG_TEXTS if t in text_to_id)
+        self.eog_ids: frozenset[int] = frozenset(eog)
+
+        # Texts recognised as single tokens before the BPE runs (llama.cpp's
+        # tokenizer_st_partition): CONTROL only with special=True, USER_DEFINED always.
+        control = [t for i, t in enumerate(self.tokens) if self.types[i] in (CONTROL, UNKNOWN) and t]
+        user = [t for i, t in enumerate(self.tokens) if self.types[i] == USER_DEFINED and t]
+        self._special_re = _alternation(control + user)
+        self._user_re = _alternation(user)
+        self._text_to_id = text_to_id
+        self._bytes_cache: list[bytes | None] = [None] * self.n_vocab
+        if self.model_type == "llama":
+            self._sp = _build_sentencepiece(self.tokens, self.scores, self.types, ids)
+        else:
+            merges = metadata.get("tokenizer.ggml.merges")
+            if not merges:
+                raise GGUFError("tokenizer.ggml.merges is missing for a gpt2 vocabulary")
+            pre = metadata.get("tokenizer.ggml.pre", "default")
+            self._bpe = _build_byte_bpe(self.tokens, list(merges), pre)
+
+    # ---- encoding -------------------------------------------------------------------------
+    def encode(self, text: str, *, add_bos: bool | None = None, special: bool = False) -> list[int]:
+        """Token ids of ``text``.
+
+        Args:
+            add_bos: prepend BOS (default: the vocabulary's ``add_bos_token``).
+            special: recognise CONTROL token texts (``<start_of_turn>`` ...) as single tokens;
+                leave False for raw user input.
+        """
+        add_bos = self.add_bos if add_bos is None else add_bos
+        ids: list[int] = [self.bos_id] if add_bos and self.bos_id is not None else []
+        pattern = self._special_re if special else self._user_re
+        prev_special = True
+        pos = 0
+        for m in pattern.finditer(text) if pattern is not None else ():
+            if m.start() > pos:
+                ids += self._encode_raw(text[pos : m.start()], prev_special)
+            ids.append(self._text_to_id[m.group(0)])
+            prev_special, pos = True, m.end()
+        if pos < len(text):
+            ids += self._encode_raw(text[pos:], prev_special)
+        if self.add_eos and self.eos_id is not None:
+            ids.append(self.eos_id)
+        return ids
+
+    def _encode_raw(self, text: str, after_special: bool) -> list[int]:
+        if self.model_type == "llama":
+            if self.add_space_prefix and after_special:
+                text = " " + text
+            return self._sp.encode(text)
+        return self._bpe.encode(text, add_special_tokens=False).ids
+
+    # ---- decoding -------------------------------------------------------------------------
+    def token_text(self, token: int) -> str:
+        """The raw vocabulary piece of ``token`` (``▁`` and ``<0x0A>`` as stored)."""
+        return self.tokens[token]
+
+    def is_control(self, token: int) -> bool:
+        return self.types[token] in (CONTROL, UNKNOWN, UNUSED)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes ``token`` contributes to the output text (b'' for control tokens)."""
+        cached = self._bytes_cache[token]
+        if cached is None:
+            cached = self._bytes_cache[token] = self._piece_bytes(token)
+        return cached
+
+    def _piece_bytes(self, token: int) -> bytes:
+        text, kind = self.tokens[token], self.types[token]
+        if kind in (CONTROL, UNKNOWN, UNUSED):
+            return b""
+        if kind == BYTE:
+            return bytes([int(text[3:-1], 16)])
+        if kind == USER_DEFINED:
+            return text.encode("utf-8")
+        if self.model_type == "llama":
+            return text.replace("▁", " ").encode("utf-8")
+        table = _byte_decoder()
+        try:
+            return bytes(table[c] for c in text)
+        except KeyError:  # a piece outside the byte alphabet: take it literally
+            return text.encode("utf-8")
+
+    def special_bytes(self, token: int) -> bytes:
+        """Like :meth:`token_bytes`, but control tokens render as their text."""
+        return self.tokens[token].encode("utf-8") if self.is_control(token) else self.token_bytes(token)
+
+    def decode(self, ids: Sequence[int], *, special: bool = False) -> str:
+        """Text of ``ids``; invalid UTF-8 is replaced. ``special`` renders control tokens."""
+        piece = self.special_bytes if special else self.token_bytes
+        data = b"".join(piece(i) for i in ids)
+        if self.model_type == "llama" and self.add_space_prefix and data.startswith(b" "):
+            data = data[1:]  # the space the encoder prefixed (llama.cpp strips it too)
+        return data.decode("utf-8", errors="replace")
+
+
+class StreamDecoder:
+    """Turns a stream of token ids into text pieces that are always whole UTF-8.
+
+    Bytes of a character split across tokens (byte-fallback tokens, byte-level BPE) are
+    held back until the character is complete; :meth:`flush` returns what remains.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, special: bool = False) -> None:
+        self._piece = tokenizer.special_bytes if special else tokenizer.token_bytes
+        self._pending = b""
+
+    def push(self, token: int) -> str:
+        data = self._pending + self._piece(token)
+        cut = _complete_utf8_prefix(data)
+        self._pending = data[cut:]
+        return data[:cut].decode("utf-8", errors="replace")
+
+    def flush(self) -> str:
+        data, self._pending = self._pending, b""
+        return data.decode("utf-8", errors="replace")
+
+
+def _complete_utf8_prefix(data: bytes) -> int:
+    """Length of the longest prefix of ``data`` that does not end inside a UTF-8 character."""
+    n = len(data)
+    for back in range(1, min(4, n) + 1):
+        b = data[n - back]
+        if b & 0xC0 == 0x80:  # continuation byte: keep looking for the lead byte
+            continue
+        need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
+        return n if back >= need else n - back
+    return n  # only continuation bytes (invalid): let the replacement character show it
+
+
+def _alternation(texts: list[str]) -> re.Pattern | None:
+    if not texts:
+        return None
+    texts = sorted(set(texts), key=len, reverse=True)  # longest match first, as llama.cpp
+    return re.compile("|".join(map(re.escape, texts)))
+
+
+def _build_sentencepiece(tokens, scores, types, ids):
+    """A SentencePiece BPE processor holding exactly the GGUF vocabulary."""
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.trainer_spec.model_type = pb.TrainerSpec.BPE
+    proto.trainer_spec.vocab_size = len(tokens)
+    proto.trainer_spec.byte_fallback = BYTE in types
+    proto.trainer_spec.unk_id = ids["unknown"] if ids["unknown"] is not None else 0
+    proto.trainer_spec.bos_id = ids["bos"] if ids["bos"] is not None else -1
+    proto.trainer_spec.eos_id = ids["eos"] if ids["eos"] is not None else -1
+    proto.trainer_spec.pad_id = ids["padding"] if ids["padding"] is not None else -1
+    # The space prefix and special-token splitting are done by us, as llama.cpp does them.
+    proto.normalizer_spec.name = "identity"
+    proto.normalizer_spec.add_dummy_prefix = False
+    proto.normalizer_spec.remove_extra_whitespaces = False
+    proto.normalizer_spec.escape_whitespaces = True
+    seen: set[str] = set()
+    for i, text in enumerate(tokens):
+        piece = proto.pieces.add()
+        kind = types[i]
+        if text in seen or not text:  # sentencepiece rejects duplicates and empty pieces
+            text, kind = f"<localllm-unused-{i}>", UNUSED
+        seen.add(text)
+        piece.piece = text
+        piece.score = float(scores[i]) if scores is not None else 0.0
+        piece.type = kind if kind in (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE) else NORMAL
+    if proto.trainer_spec.unk_id >= 0:
+        proto.pieces[proto.trainer_spec.unk_id].type = UNKNOWN
+    processor = spm.SentencePieceProcessor()
+    processor.LoadFromSerializedProto(proto.SerializeToString())
+    return processor
+
+
+def _build_byte_bpe(tokens, merges, pre):
+    """A ``tokenizers`` byte-level BPE holding the GGUF vocabulary and merges."""
+    from tokenizers import Regex, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import BPE
+
+    if pre not in PRE_TOKENIZER_REGEX:
+        raise UnsupportedError(f"tokenizer.ggml.pre {pre!r} is not supported")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bpe = HFTokenizer(BPE(vocab, pairs, ignore_merges=pre in ("llama3", "llama-bpe")))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRE_TOKENIZER_REGEX[pre]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    return bpe

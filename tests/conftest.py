@@ -1,0 +1,55 @@
+"""Shared fixtures: the real default model (loaded once) and tiny random models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REFERENCE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "gemma3-270m-q4_k_m"
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The default model (gemma3-270m Q4_K_M) on the CPU, loaded once per test session."""
+    from localllm import LLM
+
+    return LLM("gemma3-270m", device="cpu", ctx_size=4096)
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """llama.cpp's outputs for the default model (../shared/reference)."""
+    path = REFERENCE_DIR / "reference.json"
+    if not path.exists():
+        pytest.skip(f"llama.cpp reference data not found at {REFERENCE_DIR}")
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    """Factory: path of a tiny random model of architecture ``arch`` (cached per session)."""
+    from tiny_model import write_tiny_gguf
+
+    cache: dict = {}
+
+    def make(arch: str = "gemma3", **kw) -> Path:
+        key = (arch, tuple(sorted(kw.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp("tiny") / f"tiny-{arch}.gguf"
+            cache[key] = write_tiny_gguf(path, arch, **kw)
+        return cache[key]
+
+    return make

@@ -94,6 +94,14 @@ class RingKVCache:
         """
         t = k.shape[1]
         device = self.k.device
+        if t == 1:
+            # Decode: write first, then the ring itself holds the window (no concatenation).
+            slot = pos % self.size
+            self.k[:, slot] = k[:, 0]
+            self.v[:, slot] = v[:, 0]
+            self.positions[slot] = pos
+            self.n = pos + 1
+            return self.k, self.v, self.positions
         old_pos = torch.where(self.positions < pos, self.positions, -1)
         new_pos = torch.arange(pos, pos + t, device=device)
         keys = torch.cat([self.k, k], dim=1)

@@ -47,13 +47,13 @@ def chunk_token_ranges(n_tokens: int, n_ctx: int, max_chunks: int = -1) -> list[
     return [(i * n_ctx, (i + 1) * n_ctx) for i in range(n_chunks)]
 
 
-def scored_nll(logits: torch.Tensor, tokens: Sequence[int], first: int) -> torch.Tensor:
-    """NLL (nats) of ``tokens[j+1]`` under ``logits[j]`` for j = first .. len(tokens)-2.
+def scored_nll(logits: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
+    """NLL (nats) of ``tokens[j+1]`` under ``logits[j]`` for j = 0 .. len(tokens)-2.
 
-    logits: (n_ctx, n_vocab) float32 -> (n_ctx - 1 - first,) float64.
+    logits: (n, n_vocab) float32 for the positions of ``tokens`` -> (n - 1,) float64.
     """
-    target = torch.tensor(tokens[first + 1 :], dtype=torch.long, device=logits.device)
-    logp = torch.log_softmax(logits[first:-1].double(), dim=-1)
+    target = torch.tensor(tokens[1:], dtype=torch.long, device=logits.device)
+    logp = torch.log_softmax(logits[:-1].double(), dim=-1)
     return -logp.gather(1, target[:, None])[:, 0].cpu()
 
 
@@ -70,8 +70,8 @@ def perplexity_chunks(
         if bos is not None and llm.tokenizer.add_bos:
             chunk[0] = bos
         session.reset()
-        logits = session.eval(chunk, all_logits=True)  # (n_ctx, n_vocab)
-        yield i, scored_nll(logits, chunk, first)
+        logits = session.eval(chunk, all_logits=True, logits_start=first)  # (n_ctx-first, V)
+        yield i, scored_nll(logits, chunk[first:])
 
 
 def summarize(nll: torch.Tensor, n_chunks: int) -> PerplexityResult:

@@ -123,11 +123,14 @@ class Session:
         return len(self.tokens)
 
     @torch.inference_mode()
-    def eval(self, ids: Sequence[int], *, all_logits: bool = False) -> torch.Tensor:
+    def eval(
+        self, ids: Sequence[int], *, all_logits: bool = False, logits_start: int = 0
+    ) -> torch.Tensor:
         """Append ``ids`` to the sequence and run them through the model.
 
-        Returns float32 logits: (n_vocab,) for the last position, or (len(ids), n_vocab)
-        when ``all_logits``.
+        Returns float32 logits: (n_vocab,) for the last position, or, when ``all_logits``,
+        (len(ids) - logits_start, n_vocab) for positions ``logits_start ..`` of ``ids`` (the
+        output projection is the costliest product: perplexity skips unscored rows).
         Raises:
             ContextOverflowError: the sequence would exceed ``ctx_size``.
         """
@@ -143,10 +146,14 @@ class Session:
         outs = []
         for start in range(0, len(ids), self.batch_size):
             chunk = ids[start : start + self.batch_size]
-            last_chunk = start + self.batch_size >= len(ids)
+            end = start + len(chunk)
             tokens = torch.tensor(chunk, dtype=torch.long, device=device)
-            if all_logits or last_chunk:
-                outs.append(self.model.forward(tokens, self.n_past, self.caches, all_logits=all_logits))
+            if all_logits and end > logits_start:
+                outs.append(self.model.forward(
+                    tokens, self.n_past, self.caches, all_logits=True,
+                    logits_start=max(0, logits_start - start)))
+            elif end == len(ids) and not all_logits:
+                outs.append(self.model.forward(tokens, self.n_past, self.caches))
             else:
                 self._forward_no_logits(tokens)
             self.tokens += chunk

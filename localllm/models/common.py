@@ -87,6 +87,28 @@ class Linear:
         return y if self.bias is None else y + self.bias
 
 
+class FusedLinear:
+    """Several projections of the same input in one product (Q/K/V, gate/up).
+
+    One larger matrix product costs less than several small ones, above all in decode.
+    Returns the outputs as a tuple, in the order of ``weights``.
+    """
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None):
+        self.sizes = [w.shape[0] for w in weights]
+        bias = None
+        if biases is not None and any(b is not None for b in biases):
+            bias = torch.cat([
+                b if b is not None else torch.zeros(n, device=weights[0].device)
+                for b, n in zip(biases, self.sizes)
+            ])
+        self.linear = Linear(torch.cat(weights), bias)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x: (T, in) -> one (T, out_i) tensor per weight."""
+        return self.linear(x).split(self.sizes, dim=-1)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim (Zhang & Sennrich 2019), float32: x / rms(x) * weight."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVCache, RingKVCache
-from .common import Linear, Weights, apply_rope, attend, gelu_tanh, rms_norm, rope_inv_freq
+from .common import FusedLinear, Linear, Weights, apply_rope, attend, gelu_tanh, rms_norm, rope_inv_freq
 
 
 @dataclass
@@ -76,16 +76,20 @@ class Block:
     def __init__(self, w: Weights, i: int, args: ModelArgs) -> None:
         p, d, hd = f"blk.{i}.", args.d_model, args.head_dim
         self.attn_norm = w.get(p + "attn_norm.weight", (d,))
-        self.wq = Linear(w.get(p + "attn_q.weight", (args.n_heads * hd, d)))
-        self.wk = Linear(w.get(p + "attn_k.weight", (args.n_kv_heads * hd, d)))
-        self.wv = Linear(w.get(p + "attn_v.weight", (args.n_kv_heads * hd, d)))
+        self.wqkv = FusedLinear([
+            w.get(p + "attn_q.weight", (args.n_heads * hd, d)),
+            w.get(p + "attn_k.weight", (args.n_kv_heads * hd, d)),
+            w.get(p + "attn_v.weight", (args.n_kv_heads * hd, d)),
+        ])
         self.q_norm = w.get(p + "attn_q_norm.weight", (hd,))
         self.k_norm = w.get(p + "attn_k_norm.weight", (hd,))
         self.wo = Linear(w.get(p + "attn_output.weight", (d, args.n_heads * hd)))
         self.post_attn_norm = w.get(p + "post_attention_norm.weight", (d,))
         self.ffn_norm = w.get(p + "ffn_norm.weight", (d,))
-        self.gate = Linear(w.get(p + "ffn_gate.weight", (args.ffn_dim, d)))
-        self.up = Linear(w.get(p + "ffn_up.weight", (args.ffn_dim, d)))
+        self.gate_up = FusedLinear([
+            w.get(p + "ffn_gate.weight", (args.ffn_dim, d)),
+            w.get(p + "ffn_up.weight", (args.ffn_dim, d)),
+        ])
         self.down = Linear(w.get(p + "ffn_down.weight", (d, args.ffn_dim)))
         self.post_ffw_norm = w.get(p + "post_ffw_norm.weight", (d,))
         self.sliding = args.is_sliding(i)
@@ -118,17 +122,23 @@ class Model:
         ]
 
     def forward(
-        self, tokens: torch.Tensor, pos: int, caches: list, *, all_logits: bool = False
+        self,
+        tokens: torch.Tensor,
+        pos: int,
+        caches: list,
+        *,
+        all_logits: bool = False,
+        logits_start: int = 0,
     ) -> torch.Tensor:
-        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits (T or 1, n_vocab) float32."""
+        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
+        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits."""
         a = self.args
         t = tokens.shape[0]
         positions = torch.arange(pos, pos + t, device=self.device)
         x = self.tok_embd[tokens].float() * math.sqrt(a.d_model)  # (T, d)
         for block, cache in zip(self.blocks, caches):
             x = self._block(block, cache, x, pos, positions)
-        if not all_logits:
-            x = x[-1:]
+        x = x[logits_start:] if all_logits else x[-1:]
         x = rms_norm(x, self.output_norm, a.norm_eps)
         return self.lm_head(x)
 
@@ -136,9 +146,10 @@ class Model:
         a = self.args
         t, hd = x.shape[0], a.head_dim
         n = rms_norm(x, b.attn_norm, a.norm_eps)
-        q = b.wq(n).view(t, a.n_heads, hd).transpose(0, 1)  # (nh, T, hd)
-        k = b.wk(n).view(t, a.n_kv_heads, hd).transpose(0, 1)  # (nkv, T, hd)
-        v = b.wv(n).view(t, a.n_kv_heads, hd).transpose(0, 1)
+        q, k, v = b.wqkv(n)
+        q = q.reshape(t, a.n_heads, hd).transpose(0, 1)  # (nh, T, hd)
+        k = k.reshape(t, a.n_kv_heads, hd).transpose(0, 1)  # (nkv, T, hd)
+        v = v.reshape(t, a.n_kv_heads, hd).transpose(0, 1)
         q, k = rms_norm(q, b.q_norm, a.norm_eps), rms_norm(k, b.k_norm, a.norm_eps)
         if b.sliding:
             q = apply_rope(q, positions, self.inv_freq_local, neox=True)
@@ -151,5 +162,6 @@ class Model:
         attn = attend(q, keys, values, positions, k_pos, window=window, scale=a.attention_scale)
         h = x + rms_norm(b.wo(attn), b.post_attn_norm, a.norm_eps)
         n = rms_norm(h, b.ffn_norm, a.norm_eps)
-        f = b.down(gelu_tanh(b.gate(n)) * b.up(n))
+        gate, up = b.gate_up(n)
+        f = b.down(gelu_tanh(gate) * up)
         return h + rms_norm(f, b.post_ffw_norm, a.norm_eps)

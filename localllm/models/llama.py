@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import KVCache, RingKVCache
-from .common import Linear, Weights, apply_rope, attend, rms_norm, rope_inv_freq
+from .common import FusedLinear, Linear, Weights, apply_rope, attend, rms_norm, rope_inv_freq
 
 NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3"})
 
@@ -86,15 +86,19 @@ class Block:
             return w.get(p + name, (n,)) if w.has(p + name) else None
 
         self.attn_norm = w.get(p + "attn_norm.weight", (d,))
-        self.wq = Linear(w.get(p + "attn_q.weight", (nq, d)), bias("attn_q.bias", nq))
-        self.wk = Linear(w.get(p + "attn_k.weight", (nkv, d)), bias("attn_k.bias", nkv))
-        self.wv = Linear(w.get(p + "attn_v.weight", (nkv, d)), bias("attn_v.bias", nkv))
+        self.wqkv = FusedLinear(
+            [w.get(p + "attn_q.weight", (nq, d)), w.get(p + "attn_k.weight", (nkv, d)),
+             w.get(p + "attn_v.weight", (nkv, d))],
+            [bias("attn_q.bias", nq), bias("attn_k.bias", nkv), bias("attn_v.bias", nkv)],
+        )
         self.q_norm = w.get(p + "attn_q_norm.weight", (hd,)) if w.has(p + "attn_q_norm.weight") else None
         self.k_norm = w.get(p + "attn_k_norm.weight", (hd,)) if w.has(p + "attn_k_norm.weight") else None
         self.wo = Linear(w.get(p + "attn_output.weight", (d, nq)), bias("attn_output.bias", d))
         self.ffn_norm = w.get(p + "ffn_norm.weight", (d,))
-        self.gate = Linear(w.get(p + "ffn_gate.weight", (args.ffn_dim, d)))
-        self.up = Linear(w.get(p + "ffn_up.weight", (args.ffn_dim, d)))
+        self.gate_up = FusedLinear([
+            w.get(p + "ffn_gate.weight", (args.ffn_dim, d)),
+            w.get(p + "ffn_up.weight", (args.ffn_dim, d)),
+        ])
         self.down = Linear(w.get(p + "ffn_down.weight", (d, args.ffn_dim)))
 
 
@@ -128,18 +132,26 @@ class Model:
         return [cache() for _ in self.blocks]
 
     def forward(
-        self, tokens: torch.Tensor, pos: int, caches: list, *, all_logits: bool = False
+        self,
+        tokens: torch.Tensor,
+        pos: int,
+        caches: list,
+        *,
+        all_logits: bool = False,
+        logits_start: int = 0,
     ) -> torch.Tensor:
-        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits (T or 1, n_vocab) float32."""
+        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
+        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits."""
         a = self.args
         t = tokens.shape[0]
         positions = torch.arange(pos, pos + t, device=self.device)
         x = self.tok_embd[tokens].float()  # (T, d)
         for b, cache in zip(self.blocks, caches):
             n = rms_norm(x, b.attn_norm, a.norm_eps)
-            q = b.wq(n).view(t, a.n_heads, a.head_dim).transpose(0, 1)  # (nh, T, hd)
-            k = b.wk(n).view(t, a.n_kv_heads, a.head_dim).transpose(0, 1)  # (nkv, T, hd)
-            v = b.wv(n).view(t, a.n_kv_heads, a.head_dim).transpose(0, 1)
+            q, k, v = b.wqkv(n)
+            q = q.reshape(t, a.n_heads, a.head_dim).transpose(0, 1)  # (nh, T, hd)
+            k = k.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)  # (nkv, T, hd)
+            v = v.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)
             if b.q_norm is not None:
                 q, k = rms_norm(q, b.q_norm, a.norm_eps), rms_norm(k, b.k_norm, a.norm_eps)
             q = apply_rope(q, positions, self.inv_freq, neox=a.neox, scale=a.rope_scale)
@@ -149,7 +161,7 @@ class Model:
                           scale=a.attention_scale)
             h = x + b.wo(attn)
             n = rms_norm(h, b.ffn_norm, a.norm_eps)
-            x = h + b.down(F.silu(b.gate(n)) * b.up(n))
-        if not all_logits:
-            x = x[-1:]
+            gate, up = b.gate_up(n)
+            x = h + b.down(F.silu(gate) * up)
+        x = x[logits_start:] if all_logits else x[-1:]
         return self.lm_head(rms_norm(x, self.output_norm, a.norm_eps))

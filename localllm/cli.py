@@ -238,6 +238,9 @@ def bench(
 
 
 # --- commands registered by other modules ---
+app.command("chat")(_attach_sampling(__import__("localllm.repl", fromlist=["_"]).chat_command))
+app.command("quantize", no_args_is_help=True)(
+    __import__("localllm.quantize.command", fromlist=["_"]).quantize_command)
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ import torch
 
 from .errors import ContextOverflowError, LocalLLMError
 from .gguf_file import GGUFFile, open_gguf
+from .gguf_validate import validate_vocab
 from .models import architecture
 from .models.common import Weights
 from .tokenizer import Tokenizer
@@ -71,6 +72,7 @@ def load_model(
     t0 = time.perf_counter()
     gguf = open_gguf(path)
     arch = architecture(gguf.architecture)
+    validate_vocab(gguf.metadata, gguf.path.name)
     tokenizer = Tokenizer(gguf.metadata)
     args = arch.ModelArgs.from_gguf(gguf.metadata, tokenizer.n_vocab)
     dev = resolve_device(device)

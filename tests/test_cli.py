@@ -86,6 +86,16 @@ def test_unknown_architecture(monkeypatch, capsys, workdir):
     assert_one_line_error(code, err, "mamba9")
 
 
+def test_unsupported_quant_type_names_tensor_and_type(monkeypatch, capsys, workdir):
+    import gguf
+
+    from tiny_model import write_tiny_gguf
+
+    f = write_tiny_gguf(workdir / "iq.gguf", "llama", qtype=gguf.GGMLQuantizationType.IQ4_NL)
+    code, _, err = run_cli(monkeypatch, capsys, "run", str(f), "hello")
+    assert_one_line_error(code, err, "token_embd.weight", "IQ4_NL")
+
+
 def test_unknown_model_name(monkeypatch, capsys, workdir):
     code, _, err = run_cli(monkeypatch, capsys, "run", "no-such-model", "hello")
     assert_one_line_error(code, err, "no-such-model", "models.toml")

@@ -71,7 +71,8 @@ def write_tiny_gguf(
     seed: int = 0,
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F16,
 ) -> Path:
-    """Write a random-weights model; matrices stored as ``qtype`` (F32, F16 or Q8_0)."""
+    """Write a random-weights model; matrices stored as ``qtype`` (F32, F16, legacy quants;
+    other types get random bytes)."""
     path = Path(path)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
@@ -96,8 +97,14 @@ def write_tiny_gguf(
             w.add_tensor(name, a)
         elif qtype == gguf.GGMLQuantizationType.F16:
             w.add_tensor(name, a.astype(np.float16))
-        else:
+        elif qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0,
+                       gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q4_1,
+                       gguf.GGMLQuantizationType.Q5_1):
             w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:  # a type gguf-py cannot quantize: random bytes of the right size
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            raw = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=qtype)
 
     def vec(name: str, n: int, center: float = 1.0) -> None:
         w.add_tensor(name, (center + 0.1 * rng.standard_normal(n)).astype(np.float32))

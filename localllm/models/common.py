@@ -10,14 +10,13 @@ float32 for the product, where torch's float32 GEMM is much faster than its floa
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..cache import attention_mask
-from ..errors import GGUFError
+from ..errors import GGUFError, UnsupportedError
 from ..gguf_file import GGUFFile
 from ..quants import dequantize
 
@@ -56,16 +55,13 @@ class Weights:
             )
         if dtype is None:
             dtype = self.dtype if len(shape) > 1 else torch.float32
-        with warnings.catch_warnings():  # the map is read-only and is never written through
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(info.data)
         try:
-            out = dequantize(data, info.qtype, info.shape, dtype=dtype)
-        except GGUFError:
-            raise
-        except Exception as e:
-            e.args = (f"tensor {name!r}: {e.args[0] if e.args else e}",)
-            raise
+            out = dequantize(info.data, info.qtype, info.shape, dtype=dtype)
+        except UnsupportedError:
+            raise UnsupportedError(
+                f"{self.gguf.path.name}: tensor {name!r} has type {info.qtype.name}, "
+                "which localllm cannot dequantize"
+            ) from None
         self.progress(info.n_bytes)
         return out.to(self.device)
 

@@ -1,0 +1,222 @@
+"""Built-in chat templates (our own Jinja), used when a model's metadata carries none.
+
+Each reproduces the turn format of a model family as documented by its authors; the
+wording of tool instructions is ours. They share the ``text`` macro, which accepts a
+message ``content`` given as a string, as OpenAI-style parts (``[{"type": "text",
+"text": ...}]``) or as None.
+"""
+
+from __future__ import annotations
+
+_PRELUDE = """\
+{%- macro text(c) -%}
+  {%- if c is string -%}{{ c }}
+  {%- elif c is mapping -%}{{ c.get('text', '') }}
+  {%- elif c is iterable -%}
+    {%- for p in c -%}
+      {%- if p is string -%}{{ p }}{%- elif p.type == 'text' -%}{{ p.text }}{%- endif -%}
+    {%- endfor -%}
+  {%- elif c is defined and c is not none -%}{{ c }}
+  {%- endif -%}
+{%- endmacro -%}
+{%- macro call_json(call) -%}
+  {%- set f = call.function if call.function is defined else call -%}
+  {{- {'name': f.name, 'arguments': f.arguments} | tojson -}}
+{%- endmacro -%}
+"""
+
+# Gemma: "model" is the assistant role; there is no system role, so the system text is
+# folded into the first user turn, as Google's template does.
+_GEMMA = """\
+{{- bos_token -}}
+{%- set ns = namespace(prefix='') -%}
+{%- if messages and messages[0]['role'] == 'system' -%}
+  {%- set ns.prefix = text(messages[0]['content']) | trim ~ '\\n\\n' -%}
+  {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+  {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- if tools -%}
+  {%- set ns.prefix = ns.prefix ~ 'Tools you can call (JSON schemas):\\n' ~ (tools | tojson(indent=2))
+      ~ '\\nTo call one, reply with only ```tool_call\\n{"name": ..., "arguments": {...}}\\n```\\n\\n' -%}
+{%- endif -%}
+{%- for m in loop_messages -%}
+  {{- '<start_of_turn>' ~ ('model' if m['role'] == 'assistant' else 'user') ~ '\\n' -}}
+  {%- if loop.first -%}{{ ns.prefix }}{%- endif -%}
+  {%- if m['role'] == 'tool' -%}
+    {{- '```tool_response\\n' ~ text(m['content']) | trim ~ '\\n```' -}}
+  {%- else -%}
+    {{- text(m['content']) | trim -}}
+  {%- endif -%}
+  {%- for call in m.tool_calls or [] -%}
+    {{- '```tool_call\\n' ~ call_json(call) ~ '\\n```' -}}
+  {%- endfor -%}
+  {{- '<end_of_turn>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}
+"""
+
+# Llama 3: header-delimited turns; tool results use the "ipython" role.
+_LLAMA3 = """\
+{{- bos_token -}}
+{%- set ns = namespace(system='') -%}
+{%- if messages and messages[0]['role'] == 'system' -%}
+  {%- set ns.system = text(messages[0]['content']) | trim -%}
+  {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+  {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- if tools -%}
+  {%- set ns.system = (ns.system ~ '\\n\\n' if ns.system else '')
+      ~ 'You can call these functions. To call one, reply with only a JSON object '
+      ~ '{"name": function name, "parameters": {argument: value}}.\\n' -%}
+  {%- for t in tools -%}{%- set ns.system = ns.system ~ '\\n' ~ (t | tojson(indent=4)) -%}{%- endfor -%}
+{%- endif -%}
+{%- if ns.system -%}
+  {{- '<|start_header_id|>system<|end_header_id|>\\n\\n' ~ ns.system ~ '<|eot_id|>' -}}
+{%- endif -%}
+{%- for m in loop_messages -%}
+  {{- '<|start_header_id|>' ~ ('ipython' if m['role'] == 'tool' else m['role'])
+      ~ '<|end_header_id|>\\n\\n' -}}
+  {{- text(m['content']) | trim -}}
+  {%- for call in m.tool_calls or [] -%}{{ call_json(call) }}{%- endfor -%}
+  {{- '<|eot_id|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif -%}
+"""
+
+# ChatML (Qwen, many fine-tunes); tools in the Qwen 2.5 style: <tools> in the system turn,
+# <tool_call> in assistant turns, <tool_response> in a user turn.
+_CHATML = """\
+{%- set has_system = messages and messages[0]['role'] == 'system' -%}
+{%- set loop_messages = messages[1:] if has_system else messages -%}
+{%- if tools -%}
+  {{- '<|im_start|>system\\n' -}}
+  {%- if has_system -%}{{ text(messages[0]['content']) ~ '\\n\\n' }}{%- endif -%}
+  {{- '# Tools\\n\\nYou may call functions. Their signatures are in <tools></tools>:\\n<tools>' -}}
+  {%- for t in tools -%}{{ '\\n' ~ (t | tojson) }}{%- endfor -%}
+  {{- '\\n</tools>\\n\\nFor each call, reply with a JSON object inside <tool_call></tool_call>:\\n'
+      ~ '<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>'
+      ~ '<|im_end|>\\n' -}}
+{%- elif has_system -%}
+  {{- '<|im_start|>system\\n' ~ text(messages[0]['content']) ~ '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- for m in loop_messages -%}
+  {%- if m['role'] == 'tool' -%}
+    {{- '<|im_start|>user\\n<tool_response>\\n' ~ text(m['content'])
+        ~ '\\n</tool_response><|im_end|>\\n' -}}
+  {%- else -%}
+    {{- '<|im_start|>' ~ m['role'] -}}
+    {%- set body = text(m['content']) -%}
+    {%- if body or not m.tool_calls -%}{{ '\\n' ~ body }}{%- endif -%}
+    {%- for call in m.tool_calls or [] -%}
+      {{- '\\n<tool_call>\\n' ~ call_json(call) ~ '\\n</tool_call>' -}}
+    {%- endfor -%}
+    {{- '<|im_end|>\\n' -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}
+"""
+
+# Mistral (v1 instruct): the system text is prepended to the first user message.
+_MISTRAL = """\
+{{- bos_token -}}
+{%- set ns = namespace(system='') -%}
+{%- if messages and messages[0]['role'] == 'system' -%}
+  {%- set ns.system = text(messages[0]['content']) ~ '\\n\\n' -%}
+  {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+  {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- if tools -%}
+  {{- '[AVAILABLE_TOOLS] ' ~ (tools | tojson) ~ '[/AVAILABLE_TOOLS]' -}}
+{%- endif -%}
+{%- for m in loop_messages -%}
+  {%- if m['role'] == 'user' -%}
+    {{- '[INST] ' ~ (ns.system if loop.first else '') ~ text(m['content']) | trim ~ ' [/INST]' -}}
+  {%- elif m['role'] == 'assistant' -%}
+    {{- ' ' ~ text(m['content']) | trim -}}
+    {%- for call in m.tool_calls or [] -%}{{ '[TOOL_CALLS] ' ~ call_json(call) }}{%- endfor -%}
+    {{- eos_token -}}
+  {%- elif m['role'] == 'tool' -%}
+    {{- '[TOOL_RESULTS] ' ~ text(m['content']) ~ '[/TOOL_RESULTS]' -}}
+  {%- else -%}
+    {{- raise_exception('mistral template: unsupported role ' ~ m['role']) -}}
+  {%- endif -%}
+{%- endfor -%}
+"""
+
+# Llama 2 chat: <<SYS>> block inside the first [INST].
+_LLAMA2 = """\
+{%- set ns = namespace(system='') -%}
+{%- if messages and messages[0]['role'] == 'system' -%}
+  {%- set ns.system = '<<SYS>>\\n' ~ text(messages[0]['content']) | trim ~ '\\n<</SYS>>\\n\\n' -%}
+  {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+  {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for m in loop_messages -%}
+  {%- if m['role'] == 'assistant' -%}
+    {{- ' ' ~ text(m['content']) | trim ~ ' ' ~ eos_token -}}
+  {%- else -%}
+    {{- bos_token ~ '[INST] ' ~ (ns.system if loop.first else '') ~ text(m['content']) | trim
+        ~ ' [/INST]' -}}
+  {%- endif -%}
+{%- endfor -%}
+"""
+
+# Phi-3: <|role|> markers, <|end|> after each turn.
+_PHI3 = """\
+{%- for m in messages -%}
+  {{- '<|' ~ ('user' if m['role'] == 'tool' else m['role']) ~ '|>\\n' ~ text(m['content']) -}}
+  {%- for call in m.tool_calls or [] -%}{{ call_json(call) }}{%- endfor -%}
+  {{- '<|end|>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}
+"""
+
+BUILTIN_TEMPLATES: dict[str, str] = {
+    name: _PRELUDE + body
+    for name, body in {
+        "gemma": _GEMMA,
+        "llama3": _LLAMA3,
+        "chatml": _CHATML,
+        "mistral": _MISTRAL,
+        "llama2": _LLAMA2,
+        "phi3": _PHI3,
+    }.items()
+}
+
+# Vocabulary marker -> template: a token only that family's vocabulary has.
+_VOCAB_MARKERS = (
+    ("<start_of_turn>", "gemma"),
+    ("<|start_header_id|>", "llama3"),
+    ("<|im_start|>", "chatml"),
+    ("<|assistant|>", "phi3"),
+    ("[INST]", "mistral"),
+)
+_ARCH_DEFAULTS = {
+    "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma",
+    "qwen2": "chatml", "qwen3": "chatml", "qwen2moe": "chatml", "qwen3moe": "chatml",
+    "phi3": "phi3", "mistral": "mistral", "mistral3": "mistral",
+}
+
+
+def guess_builtin(metadata: dict) -> str:
+    """Name of the built-in template for a model without one in its metadata.
+
+    Decided by a turn-marker token of the vocabulary, then the architecture
+    (``general.architecture``); a llama SentencePiece vocabulary gets llama2, any other
+    model ChatML.
+    """
+    tokens = metadata.get("tokenizer.ggml.tokens") or ()
+    vocab = set(tokens) if len(tokens) < 2_000_000 else set()
+    for marker, name in _VOCAB_MARKERS:
+        if marker in vocab:
+            return name
+    arch = str(metadata.get("general.architecture", ""))
+    if arch in _ARCH_DEFAULTS:
+        return _ARCH_DEFAULTS[arch]
+    if arch == "llama":
+        return "llama2" if metadata.get("tokenizer.ggml.model") == "llama" else "llama3"
+    return "chatml"

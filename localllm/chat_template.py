@@ -1,0 +1,431 @@
+"""Chat templates: GGUF ``tokenizer.chat_template`` rendered in a bounded Jinja sandbox.
+
+A chat template is untrusted code that ships inside a model file. It is rendered with
+Jinja's :class:`~jinja2.sandbox.ImmutableSandboxedEnvironment` (no attribute starting with
+``_``, no mutating calls), extended here so that a template also cannot
+
+* reach Python internals through ``cycler``/``joiner``/``lipsum`` (removed from the
+  globals) or an unsafe attribute (refused at once instead of rendering as empty);
+* build huge values: ``*``, ``**``, ``+`` and ``%`` are intercepted and refused when the
+  result would exceed the output limit, ``str.format``/``%``/``center``/``indent`` widths
+  are capped, and every value read or passed to a call is size-checked;
+* run for ever: a trace function on the template's own frames checks a deadline on each
+  line, and the call hook checks it too.
+
+The globals and filters follow Hugging Face transformers' ``apply_chat_template``
+(``raise_exception``, ``strftime_now``, ``tojson`` without HTML escaping, loop controls,
+``trim_blocks``/``lstrip_blocks``, the ``{% generation %}`` tag), so templates written for
+it render identically.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import ClassVar
+
+import jinja2
+import jinja2.ext
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+from .chat_builtin import BUILTIN_TEMPLATES, guess_builtin
+from .errors import LocalLLMError, TemplateError
+
+MAX_OUTPUT_CHARS = 4_000_000  # far above any context window's worth of text
+MAX_RENDER_SECONDS = 5.0
+MAX_FORMAT_WIDTH = 10_000  # width/precision allowed in %-format, str.format, center, indent
+MAX_INT_BITS = 100_000
+_TEMPLATE_FILENAME = "<chat template>"
+
+
+class _Timeout(Exception):
+    pass
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _check_size(value: object) -> object:
+    if isinstance(value, (str, list, tuple, bytes)) and len(value) > MAX_OUTPUT_CHARS:
+        raise _TooLarge(f"a value of {len(value)} items exceeds the limit of {MAX_OUTPUT_CHARS}")
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+        raise _TooLarge(f"an integer of {value.bit_length()} bits exceeds {MAX_INT_BITS} bits")
+    return value
+
+
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?[a-zA-Z%]")
+
+
+def _check_percent_format(fmt: str) -> None:
+    for width, precision in _PERCENT_SPEC.findall(fmt):
+        for n in (width, precision):
+            if n == "*" or (n and int(n) > MAX_FORMAT_WIDTH):
+                raise SecurityError(f"format width {n!r} is not allowed")
+
+
+def _check_brace_format(fmt: str) -> None:
+    for _, _, spec, _ in string.Formatter().parse(fmt):
+        if spec and "{" in spec:
+            raise SecurityError("nested format specifications are not allowed")
+        for n in re.findall(r"\d+", spec or ""):
+            if int(n) > MAX_FORMAT_WIDTH:
+                raise SecurityError(f"format width {n} is not allowed")
+
+
+def _check_width(width: object) -> None:
+    if isinstance(width, int) and abs(width) > MAX_FORMAT_WIDTH:
+        raise SecurityError(f"width {width} is not allowed")
+    if isinstance(width, str) and len(width) > MAX_FORMAT_WIDTH:
+        raise SecurityError("indent string too long")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers marks assistant text with
+    it for training masks); rendering just emits the body."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """Immutable sandbox that also bounds sizes and time (see the module docstring)."""
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def __init__(self) -> None:
+        super().__init__(
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[jinja2.ext.loopcontrols, _GenerationTag],
+            autoescape=False,
+            keep_trailing_newline=False,
+        )
+        self.deadline = float("inf")
+        for name in ("cycler", "joiner", "lipsum"):
+            self.globals.pop(name, None)
+        self.globals["raise_exception"] = _raise_exception
+        self.globals["strftime_now"] = _strftime_now
+        self.filters["tojson"] = _tojson
+        for name in ("center", "indent"):
+            self.filters[name] = _width_checked(self.filters[name])
+        self.filters["format"] = _checked_format_filter(self.filters["format"])
+
+    def check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise _Timeout
+
+    # -- hooks of SandboxedEnvironment ------------------------------------------------------
+    def unsafe_undefined(self, obj, attribute):
+        # Jinja renders an unsafe attribute as an empty Undefined; refuse it outright.
+        raise SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
+        )
+
+    def getattr(self, obj, attribute):
+        self.check_time()
+        if isinstance(attribute, str) and attribute.startswith("__"):
+            # Even where Jinja would answer Undefined, a dunder name is an escape attempt.
+            self.unsafe_undefined(obj, attribute)
+        return _check_size(super().getattr(obj, attribute))
+
+    def getitem(self, obj, argument):
+        self.check_time()
+        if isinstance(argument, str) and argument.startswith("__"):
+            self.unsafe_undefined(obj, argument)
+        return _check_size(super().getitem(obj, argument))
+
+    def call(self, context, obj, /, *args, **kwargs):
+        self.check_time()
+        for a in (*args, *kwargs.values()):
+            _check_size(a)
+        return _check_size(super().call(context, obj, *args, **kwargs))
+
+    def wrap_str_format(self, value):
+        wrapper = super().wrap_str_format(value)
+        if wrapper is None:
+            return None
+        fmt = value.__self__
+
+        def checked(*args, **kwargs):
+            _check_brace_format(fmt)
+            return _check_size(wrapper(*args, **kwargs))
+
+        return checked
+
+    def call_binop(self, context, operator, left, right):
+        self.check_time()
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if (isinstance(seq, (str, list, tuple)) and isinstance(n, int)
+                        and len(seq) * max(n, 0) > MAX_OUTPUT_CHARS):
+                    raise _TooLarge("a repeated string or list would exceed the output limit")
+            if (isinstance(left, int) and isinstance(right, int)
+                    and left.bit_length() + right.bit_length() > MAX_INT_BITS):
+                raise _TooLarge("integer product too large")
+        elif operator == "**":
+            if (isinstance(left, int) and isinstance(right, int) and abs(left) > 1
+                    and right * left.bit_length() > MAX_INT_BITS):
+                raise _TooLarge("integer power too large")
+        elif operator == "%" and isinstance(left, str):
+            _check_percent_format(left)
+        elif (operator == "+" and isinstance(left, (str, list, tuple))
+              and isinstance(right, (str, list, tuple))
+              and len(left) + len(right) > MAX_OUTPUT_CHARS):
+            raise _TooLarge("a concatenation would exceed the output limit")
+        return _check_size(super().call_binop(context, operator, left, right))
+
+
+def _width_checked(filt):
+    def checked(value, width=80, *args, **kwargs):
+        _check_width(width)
+        return filt(value, width, *args, **kwargs)
+
+    return checked
+
+
+def _checked_format_filter(filt):
+    def checked(value, *args, **kwargs):
+        _check_percent_format(str(value))
+        return filt(value, *args, **kwargs)
+
+    return checked
+
+
+class _RaisedByTemplate(Exception):
+    pass
+
+
+def _raise_exception(message: str) -> None:
+    raise _RaisedByTemplate(str(message))
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None,
+            sort_keys: bool = False) -> str:
+    """JSON like transformers' ``tojson``: no HTML escaping, non-ASCII kept."""
+    if isinstance(indent, int) and indent > 64:
+        raise SecurityError(f"tojson indent {indent} is not allowed")
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _validate_messages(messages: Sequence[dict]) -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise TemplateError(f"message {i} must be an object with a string 'role'")
+        out.append(m)
+    return out
+
+
+@dataclass
+class ChatTemplate:
+    """A compiled chat template.
+
+    Attributes:
+        name: where it came from ("gemma (built-in)", "metadata", a file path ...).
+        source: the Jinja text.
+        bos_token / eos_token: texts of the vocabulary's BOS / EOS tokens ("" when none).
+    """
+
+    name: str
+    source: str
+    bos_token: str = ""
+    eos_token: str = ""
+    time_limit: float = MAX_RENDER_SECONDS
+
+    def __post_init__(self) -> None:
+        self._env = _BoundedSandbox()
+        try:
+            self._template = self._env.from_string(self.source)
+        except jinja2.TemplateSyntaxError as e:
+            raise TemplateError(
+                f"chat template {self.name}: syntax error at line {e.lineno}: {_one_line(e.message)}"
+            ) from None
+        # from_string compiles to filename "<template>"; our tracer keys on the code's file.
+        self._code_file = self._template.root_render_func.__code__.co_filename
+
+    def render(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
+        **kwargs,
+    ) -> str:
+        """The conversation as prompt text.
+
+        Args:
+            messages: ``{"role": ..., "content": ...}`` dicts (content str, parts list or None;
+                optional ``tool_calls``).
+            add_generation_prompt: end with the opening of an assistant turn.
+            tools: JSON-schema tool descriptions, passed to the template as ``tools``.
+            kwargs: further template variables (e.g. ``enable_thinking``).
+        Raises:
+            TemplateError: the template raised, failed, tried to escape the sandbox, or went
+                over the size (``MAX_OUTPUT_CHARS``) or time (``MAX_RENDER_SECONDS``) limits.
+        """
+        ctx = dict(kwargs)
+        ctx.update(
+            messages=_validate_messages(messages),
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+        where = f"chat template {self.name}"
+        try:
+            return self._render_bounded(ctx)
+        except _RaisedByTemplate as e:
+            raise TemplateError(f"{where} raised: {_one_line(e)}") from None
+        except SecurityError as e:
+            raise TemplateError(f"{where} refused: {_one_line(e)}") from None
+        except _Timeout:
+            raise TemplateError(
+                f"{where} stopped: rendering took longer than {self.time_limit:g} s"
+            ) from None
+        except (_TooLarge, MemoryError, OverflowError) as e:
+            raise TemplateError(f"{where} stopped: output too large ({_one_line(e)})") from None
+        except RecursionError:
+            raise TemplateError(f"{where} stopped: recursion too deep") from None
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"{where}: {type(e).__name__}: {_one_line(e)}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError,
+                ZeroDivisionError) as e:
+            raise TemplateError(f"{where}: {type(e).__name__}: {_one_line(e)}") from None
+
+    def _render_bounded(self, ctx: dict) -> str:
+        env = self._env
+        env.deadline = time.monotonic() + self.time_limit
+        code_file = self._code_file
+
+        def on_line(frame, event, arg):
+            if time.monotonic() > env.deadline:
+                raise _Timeout
+            return on_line
+
+        def on_call(frame, event, arg):
+            # Only the template's own frames are traced line by line: loops in them are
+            # what can run without calling any hook.
+            return on_line if frame.f_code.co_filename == code_file else None
+
+        chunks: list[str] = []
+        size = 0
+        previous = sys.gettrace()
+        sys.settrace(on_call)
+        try:
+            for chunk in self._template.generate(**ctx):
+                size += len(chunk)
+                if size > MAX_OUTPUT_CHARS:
+                    raise _TooLarge(f"more than {MAX_OUTPUT_CHARS} characters")
+                chunks.append(chunk)
+        finally:
+            sys.settrace(previous)
+            env.deadline = float("inf")
+        return "".join(chunks)
+
+    def starts_with_bos(self, text: str) -> bool:
+        """True when ``text`` begins with the BOS token's text (then tokenize without BOS)."""
+        return bool(self.bos_token) and text.startswith(self.bos_token)
+
+    def encode(self, tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True,
+               tools: list | None = None, **kwargs) -> list[int]:
+        """Render and tokenize: special-token texts are parsed, and BOS is added only when
+        the vocabulary wants one and the template did not already write it."""
+        text = self.render(messages, add_generation_prompt, tools, **kwargs)
+        add_bos = tokenizer.add_bos and not self.starts_with_bos(text)
+        return tokenizer.encode(text, add_bos=add_bos, special=True)
+
+
+def _token_text(metadata: dict, key: str) -> str:
+    tokens = metadata.get("tokenizer.ggml.tokens") or ()
+    i = metadata.get(key)
+    return str(tokens[int(i)]) if i is not None and 0 <= int(i) < len(tokens) else ""
+
+
+def select_template(metadata: dict, override: str | None = None) -> ChatTemplate:
+    """The chat template for a model.
+
+    Args:
+        metadata: GGUF metadata (key -> value).
+        override: ``--chat-template`` or models.toml ``chat_template``: a built-in name
+            (gemma, llama3, chatml, mistral, llama2, phi3), the NAME of a metadata variant
+            ``tokenizer.chat_template.NAME``, a template file, or Jinja text itself.
+            Without it: the metadata's ``tokenizer.chat_template``, else the built-in that
+            :func:`localllm.chat_builtin.guess_builtin` picks.
+    Raises:
+        TemplateError: an unknown name or missing file, or a template with a syntax error.
+    """
+    bos = _token_text(metadata, "tokenizer.ggml.bos_token_id")
+    eos = _token_text(metadata, "tokenizer.ggml.eos_token_id")
+
+    def make(name: str, source: str) -> ChatTemplate:
+        return ChatTemplate(name, source, bos, eos)
+
+    if override:
+        if override in BUILTIN_TEMPLATES:
+            return make(f"{override} (built-in)", BUILTIN_TEMPLATES[override])
+        variant = metadata.get(f"tokenizer.chat_template.{override}")
+        if isinstance(variant, str):
+            return make(f"tokenizer.chat_template.{override}", variant)
+        if "{{" in override or "{%" in override:
+            return make("--chat-template text", override)
+        path = Path(override).expanduser()
+        if path.is_file():
+            try:
+                return make(str(path), path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError) as e:
+                raise TemplateError(f"--chat-template {override}: cannot read: {e}") from None
+        known = ", ".join(sorted(BUILTIN_TEMPLATES))
+        raise TemplateError(
+            f"--chat-template {override}: no such file, and not a built-in template ({known})"
+        )
+    source = metadata.get("tokenizer.chat_template")
+    if isinstance(source, str) and source.strip():
+        return make("tokenizer.chat_template", source)
+    name = guess_builtin(metadata)
+    return make(f"{name} (built-in)", BUILTIN_TEMPLATES[name])
+
+
+def template_for(llm, override: str | None = None) -> ChatTemplate:
+    """:func:`select_template` for a loaded LLM: ``override`` (the CLI flag) wins over the
+    model's models.toml ``chat_template``."""
+    entry = getattr(llm, "entry", None)
+    chosen = override or (entry.chat_template if entry is not None else None)
+    return select_template(llm.metadata, chosen)
+
+
+def apply_chat(llm, prompt: str, system: str | None = None,
+               template: str | None = None) -> list[int]:
+    """Token ids of a one-shot chat prompt (``localllm run --chat``): an optional system
+    message and one user message, rendered with the generation prompt.
+
+    Raises:
+        TemplateError: see :func:`select_template` and :meth:`ChatTemplate.render`.
+    """
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    ids = template_for(llm, template).encode(llm.tokenizer, messages)
+    if not ids:
+        raise LocalLLMError("the chat template rendered an empty prompt")
+    return ids

@@ -1,0 +1,449 @@
+"""The chat REPL (localllm.repl), driven programmatically.
+
+Unit tests use a fake model: a real SentencePiece tokenizer over a tiny vocabulary and a
+fake session whose "logits" spell out a scripted reply after each ``<start_of_turn>model``
+header, so every behaviour (streaming, KV reuse, Ctrl-C, context shift, stop strings) is
+checked exactly and fast.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+from rich.console import Console
+
+from localllm.errors import ParameterError
+from localllm.repl import ChatREPL
+from localllm.tokenizer import Tokenizer
+
+PIECES = ["▁", "▁t", "▁th", "▁the", "he", "e", "t", "h", "▁a", "a", "n", "▁an", "d", "▁and",
+          "o", "▁o", "f", "▁of", "s", "r", "i", "▁i", "▁is", "l", "c"]
+
+
+def fake_metadata() -> dict:
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    types = [3, 3, 3, 2, 3, 3]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    tokens += PIECES
+    types += [1] * len(PIECES)
+    return {
+        "general.architecture": "gemma3",
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": [0.0] * 262 + [-float(i) for i in range(len(PIECES))],
+        "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.unknown_token_id": 3,
+        "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_space_prefix": False,
+    }
+
+
+class FakeSession:
+    """Session stand-in: after the last ``<start_of_turn>model\\n`` the next token is the
+    next token of ``reply``, then ``<end_of_turn>``."""
+
+    def __init__(self, llm, ctx_size: int):
+        self.llm = llm
+        self.ctx_size = ctx_size
+        self.tokens: list[int] = []
+        self.evals: list[int] = []  # sizes of eval calls
+        self.output_sizes: list[int] = []
+
+    def _next(self) -> int:
+        tok, header = self.llm.tokenizer, self.llm.header
+        toks = self.tokens
+        starts = [i for i in range(len(toks) - len(header) + 1)
+                  if toks[i : i + len(header)] == header]
+        if not starts:
+            return tok.eos_id
+        pos = len(toks) - starts[-1] - len(header)
+        if pos == self.llm.interrupt_at:
+            self.llm.interrupt_at = None
+            raise KeyboardInterrupt
+        reply = tok.encode(self.llm.reply, add_bos=False)
+        return reply[pos] if pos < len(reply) else self.llm.end_of_turn
+
+    def eval(self, ids):
+        ids = list(ids)
+        assert ids and len(self.tokens) + len(ids) <= self.ctx_size, "context overflow"
+        self.evals.append(len(ids))
+        self.output_sizes.append(len(self.llm.out.getvalue()))
+        self.tokens += ids
+        logits = torch.full((self.llm.tokenizer.n_vocab,), -1e9)
+        logits[self._next()] = 0.0
+        return logits
+
+    def truncate(self, n: int) -> None:
+        del self.tokens[n:]
+
+    def reset(self) -> None:
+        self.tokens = []
+
+
+@dataclass
+class FakeParams:
+    temp: float = 0.8
+    top_k: int = 40
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if self.temp < 0:
+            raise ParameterError(f"--temp must be >= 0, got {self.temp}")
+
+
+class ArgmaxSampler:
+    def __init__(self):
+        self.accepted: list[int] = []
+
+    def sample(self, logits) -> int:
+        return int(torch.argmax(logits))
+
+    def accept(self, token: int) -> None:
+        self.accepted.append(token)
+
+
+class FakeLLM:
+    entry = None
+    path = "fake.gguf"
+
+    def __init__(self, reply: str = "the tale", ctx_size: int = 512):
+        self.metadata = fake_metadata()
+        self.tokenizer = Tokenizer(self.metadata)
+        self.header = self.tokenizer.encode("<start_of_turn>model\n", add_bos=False, special=True)
+        self.end_of_turn = self.tokenizer.encode("<end_of_turn>", add_bos=False, special=True)[0]
+        self.reply = reply
+        self.ctx_size = ctx_size
+        self.interrupt_at: int | None = None
+        self.out = io.StringIO()
+        self.sessions: list[FakeSession] = []
+
+    def session(self):
+        self.sessions.append(FakeSession(self, self.ctx_size))
+        return self.sessions[-1]
+
+    def sampling_params(self):
+        return FakeParams()
+
+
+def make_repl(reply="the tale", ctx_size=512, **kw):
+    llm = FakeLLM(reply, ctx_size)
+    console = Console(file=llm.out, width=200, color_system=None, highlight=False)
+    repl = ChatREPL(llm, console=console, make_sampler=lambda p: ArgmaxSampler(), **kw)
+    return llm, repl
+
+
+def test_streamed_reply_and_stats_line():
+    llm, repl = make_repl("the tale and the sand")
+    assert repl.template.name == "gemma (built-in)"
+    assert repl.handle_line("hello there")
+    out = llm.out.getvalue()
+    assert "the tale and the sand\n" in out
+    assert repl.messages == [{"role": "user", "content": "hello there"},
+                             {"role": "assistant", "content": "the tale and the sand"}]
+    # output grew between decode steps: the reply was streamed, not printed at the end
+    sizes = repl.session.output_sizes
+    assert len(set(sizes[1:])) > 3
+    n = len(llm.tokenizer.encode("the tale and the sand", add_bos=False))
+    stats = out.strip().splitlines()[-1]
+    assert stats.startswith(f"{n} tokens, ") and "tok/s" in stats
+    assert stats.endswith(f"context {len(repl.session.tokens)}/512")
+
+
+def test_kv_cache_reused_across_turns():
+    _llm, repl = make_repl("the tale")
+    repl.handle_line("hi")
+    first = repl.stats.prompt_evaluated
+    for i in range(4):
+        repl.handle_line("and the sand " * (i + 1))
+    # turn 5 evaluates only its own tokens, however long the history
+    history = repl._encode(repl.window()[:-2], add_generation_prompt=False)
+    prompt = repl._encode(repl.window()[:-1])
+    assert repl.stats.prompt_reused > first
+    assert repl.stats.prompt_reused >= len(history) - 2
+    assert repl.stats.prompt_evaluated == len(prompt) - repl.stats.prompt_reused
+    assert len(repl.messages) == 10
+
+
+def test_ctrl_c_mid_reply_keeps_the_session():
+    llm, repl = make_repl("the tale and the sand")
+    llm.interrupt_at = 3
+    repl.handle_line("tell me")
+    out = llm.out.getvalue()
+    assert "[interrupted]" in out
+    partial = repl.messages[-1]
+    assert partial["role"] == "assistant"
+    assert "the tale and the sand".startswith(partial["content"]) and partial["content"]
+    assert partial["content"] != "the tale and the sand"
+    # the session goes on; the partial reply is closed by the template
+    repl.handle_line("again")
+    assert repl.messages[-1]["content"] == "the tale and the sand"
+    rendered = repl.template.render(repl.window(), add_generation_prompt=False)
+    assert f"<start_of_turn>model\n{partial['content'].strip()}<end_of_turn>\n" in rendered
+
+
+def test_clear_forgets_conversation_and_cache():
+    llm, repl = make_repl()
+    repl.handle_line("hi")
+    assert repl.session.tokens
+    repl.handle_line("/clear")
+    assert repl.messages == [] and repl.session.tokens == []
+    assert "conversation cleared" in llm.out.getvalue()
+
+
+def test_save_load_round_trip(tmp_path):
+    _llm, repl = make_repl("the tale", system="Be brief.")
+    repl.handle_line("first ünïcode")
+    repl.handle_line("second")
+    f = tmp_path / "conv.json"
+    repl.handle_line(f"/save {f}")
+    data = json.loads(f.read_text())
+    assert data["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert len(data["messages"]) == 5
+
+    llm2, other = make_repl("the tale")
+    other.handle_line(f"/load {f}")
+    assert other.system == "Be brief." and other.messages == repl.messages
+    assert other._encode(other.window()) == repl._encode(repl.window())
+    other.handle_line(f"/load {tmp_path / 'missing.json'}")
+    assert "error: /load" in llm2.out.getvalue()
+    (tmp_path / "bad.json").write_text("[{\"content\": 1}]")
+    other.handle_line(f"/load {tmp_path / 'bad.json'}")
+    assert "message 0 needs 'role'" in llm2.out.getvalue()
+    assert other.messages == repl.messages  # a failed load changes nothing
+
+
+def test_long_conversation_shifts_context_and_goes_on():
+    _llm, repl = make_repl("the tale and the sand of the", ctx_size=96, system="Be brief.")
+    for i in range(8):
+        repl.handle_line(f"the sand {i}")
+        assert repl.messages[-1] == {"role": "assistant", "content": "the tale and the sand of the"}
+        assert len(repl.session.tokens) <= 96
+    assert repl.window_start > 0
+    window = repl.window()
+    assert window[0] == {"role": "system", "content": "Be brief."}
+    assert window[1]["role"] == "user"
+    assert len(repl.messages) == 16  # the full history is kept for /save
+    # the cache holds exactly the tokens of the window (nothing silently corrupted)
+    prompt = repl._encode(window[:-1])
+    assert repl.session.tokens[: len(prompt)] == prompt
+
+
+def test_context_shift_during_a_long_reply():
+    llm, repl = make_repl("the tale and the sand " * 4, ctx_size=100, system="Be brief.")
+    repl.handle_line("a")
+    repl.handle_line("b")
+    repl.handle_line("c")
+    out = llm.out.getvalue()
+    assert "[context shift: dropped" in out
+    assert repl.messages[-1]["content"] == "the tale and the sand " * 4
+    assert len(repl.session.tokens) <= 100
+    prompt = repl._encode(repl.window()[:-1])
+    assert repl.session.tokens[: len(prompt)] == prompt
+    assert repl.window()[0]["role"] == "system"
+
+
+def test_template_error_is_one_line_and_session_continues():
+    from localllm.chat_template import ChatTemplate
+
+    bad = ChatTemplate("bad", "{% if messages|length > 2 %}{{ raise_exception('too long') }}"
+                       "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    llm, repl = make_repl(template=bad)
+    repl.handle_line("hi")
+    repl.handle_line("again")
+    assert "error: chat template bad raised: too long" in llm.out.getvalue()
+    assert [m["role"] for m in repl.messages] == ["user", "assistant"]
+
+
+def test_no_context_shift_ends_the_reply():
+    llm, repl = make_repl("the tale and the sand " * 4, ctx_size=56, context_shift=False)
+    repl.handle_line("a")
+    out = llm.out.getvalue()
+    assert "--no-context-shift" in out
+    assert repl.stats.finish == "ctx"
+    repl.handle_line("b")  # full: a clear message, the session continues
+    assert "the context is full" in llm.out.getvalue()
+    repl.handle_line("/clear")
+    repl.handle_line("c")
+    assert repl.messages[-1]["role"] == "assistant"
+
+
+def test_message_longer_than_the_context():
+    llm, repl = make_repl("the tale", ctx_size=64)
+    repl.handle_line("hi")
+    before = list(repl.messages)
+    repl.handle_line("the sand " * 60)
+    assert "the context holds 64" in llm.out.getvalue()
+    assert repl.messages == before
+    repl.handle_line("ok")
+    assert repl.messages[-1]["content"] == "the tale"
+
+
+def test_stop_string_split_across_tokens_is_never_printed():
+    llm, repl = make_repl("the tale and the sand", stop=["le an"])
+    pieces = [llm.tokenizer.decode([t]) for t in
+              llm.tokenizer.encode("the tale and the sand", add_bos=False)]
+    assert "le an" not in pieces  # the stop really spans several tokens
+    repl.handle_line("hi")
+    out = llm.out.getvalue()
+    assert "le an" not in out and "the ta\n" in out
+    assert repl.messages[-1]["content"] == "the ta"
+    assert repl.stats.finish == "stop"
+
+
+def test_multiline_input():
+    _llm, repl = make_repl()
+    repl.handle_line("one \\")
+    assert repl.continuing and not repl.messages
+    repl.handle_line("two")
+    assert repl.messages[0]["content"] == "one \ntwo"
+    repl.handle_line('"""')
+    repl.handle_line("/not a command")
+    repl.handle_line("")
+    repl.handle_line('last"""')
+    assert repl.messages[2]["content"] == "/not a command\n\nlast"
+    repl.handle_line('"""inline"""')
+    assert repl.messages[4]["content"] == "inline"
+    repl.handle_line('"""first')
+    repl.handle_line("second")
+    assert repl.continuing
+    repl.handle_line('"""')
+    assert repl.messages[6]["content"] == "first\nsecond"
+
+
+def test_commands_set_show_system_regen_unknown():
+    llm, repl = make_repl()
+    repl.handle_line("/set top-k 5")
+    repl.handle_line("/set --temp 0.25")
+    assert repl.params.top_k == 5 and repl.params.temp == 0.25
+    repl.handle_line("/set temperature -1")
+    assert repl.params.temp == 0.25
+    repl.handle_line("/set top_k many")
+    repl.handle_line("/set nope 1")
+    repl.handle_line("/set n 3")
+    assert repl.n_predict == 3
+    repl.handle_line("/frobnicate")
+    repl.handle_line("/system You are terse.")
+    repl.handle_line("hi")
+    three = llm.tokenizer.decode(llm.tokenizer.encode("the tale", add_bos=False)[:3])
+    assert repl.messages[-1]["content"] == three  # -n 3: three tokens
+    repl.handle_line("/set n -1")
+    repl.handle_line("/regen")
+    assert len(repl.messages) == 2 and repl.messages[-1]["content"] == "the tale"
+    repl.handle_line("/show")
+    out = llm.out.getvalue()
+    assert "--temp must be >= 0" in out
+    assert "'many' is not a valid int" in out
+    assert "/set nope: unknown parameter" in out
+    assert "unknown command /frobnicate (try /help)" in out
+    assert "template   gemma (built-in)" in out and "system     'You are terse.'" in out
+    assert "<start_of_turn>user\nYou are terse.\n\nhi" in repl.template.render(repl.window())
+    assert repl.handle_line("/exit") is False
+
+
+def test_set_uses_llama_cpp_flag_names():
+    from localllm.sampling import SamplingParams
+
+    llm = FakeLLM()
+    repl = ChatREPL(llm, console=Console(file=llm.out, width=200), params=SamplingParams(),
+                    make_sampler=lambda p: ArgmaxSampler())
+    for line in ("/set repeat-penalty 1.1", "/set --typical 0.5", "/set samplers top_k;temp",
+                 "/set seed 42", '/set logit-bias {"5": -1}', "/set mirostat 3"):
+        repl.handle_line(line)
+    p = repl.params
+    assert (p.penalty_repeat, p.typ_p, p.seed) == (1.1, 0.5, 42)
+    assert p.samplers == ["top_k", "temperature"] and p.logit_bias == {5: -1.0}
+    assert p.mirostat == 0 and "--mirostat (mirostat) must be 0 (off), 1 or 2" in llm.out.getvalue()
+
+
+def test_prompt_toolkit_pipe_input(tmp_path):
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    llm, repl = make_repl("the tale")
+    with create_pipe_input() as inp:
+        inp.send_text("hello\r")
+        inp.send_text("/help\r")
+        inp.send_text("/exit\r")
+        repl.run(input=inp, output=DummyOutput(), history_file=tmp_path / "hist")
+    out = llm.out.getvalue()
+    assert "the tale" in out and "/regen" in out
+    assert "hello" in (tmp_path / "hist").read_text()
+    assert repl.messages[0]["content"] == "hello"
+
+
+def test_piped_stdin(monkeypatch):
+    llm, repl = make_repl("the tale")
+    monkeypatch.setattr("sys.stdin", io.StringIO("one \\\ntwo\n/show\n"))
+    repl.run()
+    assert repl.messages[0]["content"] == "one \ntwo"
+    assert "template   gemma" in llm.out.getvalue()
+
+
+def test_ctrl_d_leaves(tmp_path):
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    _llm, repl = make_repl()
+    with create_pipe_input() as inp:
+        inp.send_text("\x04")
+        repl.run(input=inp, output=DummyOutput(), history_file=tmp_path / "hist")
+    assert repl.messages == []
+
+
+@pytest.mark.slow
+def test_real_model_two_turns(llm):
+    out = io.StringIO()
+    repl = ChatREPL(llm, console=Console(file=out, width=120, color_system=None),
+                    params=llm.sampling_params(temp=0.0), n_predict=12)
+    assert repl.template.name == "gemma (built-in)"
+    repl.handle_line("What is the capital of France? Answer in one word.")
+    assert repl.messages[-1]["role"] == "assistant" and repl.messages[-1]["content"].strip()
+    first_prompt = repl.stats.prompt_evaluated
+    repl.handle_line("And of Italy?")
+    assert repl.messages[-1]["content"].strip()
+    assert 0 < repl.stats.prompt_evaluated < first_prompt + 20
+    assert repl.stats.prompt_reused >= first_prompt
+
+
+def test_template_tokens_single_bos_and_special_ids():
+    llm, repl = make_repl(system="Be brief.")
+    tok = llm.tokenizer
+    ids = repl._encode(repl.window() + [{"role": "user", "content": "hi"}])
+    assert ids.count(tok.bos_id) == 1 and ids[0] == tok.bos_id
+    start, end = tok.encode("<start_of_turn><end_of_turn>", add_bos=False, special=True)
+    assert ids[1] == start and ids.count(start) == 2 and ids.count(end) == 1
+    # the rendered text is tokenized with special=True, as llama.cpp's chat does
+    assert tok.decode(ids).endswith("model\n")
+
+
+def test_tiny_real_model_cache_stays_exact_through_shifts(tiny_model_path):
+    """Real Session + sampler on a tiny random llama (global attention): after turns that reuse the cache and a
+    context shift, the cache gives the same logits as a fresh evaluation of its tokens."""
+    from localllm import LLM
+
+    llm = LLM(tiny_model_path("llama"), device="cpu", ctx_size=96)
+    out = io.StringIO()
+    repl = ChatREPL(llm, console=Console(file=out, width=200, color_system=None),
+                    params=llm.sampling_params(temp=0.0), n_predict=6, system="the")
+    for i in range(10):
+        repl.handle_line(f"the {i} and the sand")
+        assert repl.messages[-1]["role"] == "assistant"
+    assert repl.window_start > 0  # shifted
+    tokens = list(repl.session.tokens)
+    fresh = llm.session(ctx_size=96)
+    expect = fresh.eval(tokens[:-1])
+    repl.session.truncate(len(tokens) - 1)
+    got = repl.session.eval(tokens[-1:])
+    want = fresh.eval(tokens[-1:])
+    # float16 weights: chunked vs one-shot prefill differ in rounding only; a stale or
+    # misplaced cache entry would move the logits by whole units
+    assert torch.allclose(got, want, atol=0.05), (got - want).abs().max()
+    assert expect.shape == got.shape

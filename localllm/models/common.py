@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import attention_mask
-from ..errors import GGUFError, UnsupportedError
+from ..errors import UnsupportedError
 from ..gguf_file import GGUFFile
+from ..gguf_validate import check_tensor_shape
 from ..quants import dequantize
 
 # Above this many rows a product takes the float32 GEMM path (see the module docstring).
@@ -48,11 +49,7 @@ class Weights:
             GGUFError: the tensor is missing or its shape contradicts the hyperparameters.
         """
         info = self.gguf.tensor(name)
-        if tuple(info.shape) != tuple(shape):
-            raise GGUFError(
-                f"{self.gguf.path.name}: tensor {name!r} has shape {list(info.shape)}, "
-                f"expected {list(shape)} from the hyperparameters"
-            )
+        check_tensor_shape(name, shape, info.shape, self.gguf.path.name)
         if dtype is None:
             dtype = self.dtype if len(shape) > 1 else torch.float32
         try:

@@ -1,0 +1,256 @@
+"""Per-element decoding of ggml blocks inside Triton kernels.
+
+:func:`decode` turns (pointer to a block, index of a weight in that block) into the weight's
+float32 value, for tensors of any shape: the dequantize, GEMV and GEMM kernels all call it on
+their tiles, so the bit layouts live in one place. The layouts and the float operation order
+are those of the torch reference, ``localllm/quants.py`` (diagrams there), which follows
+llama.cpp's ``dequantize_row_q*`` (``ggml/src/ggml-quants.c``); with fp contraction disabled
+the result is bit-exact with it.
+
+Type codes are ``gguf.GGMLQuantizationType`` values, written as literals because kernels may
+only read constexpr globals.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+from gguf import GGMLQuantizationType as T
+
+from ._jit import device_fn
+
+# ggml types decode() handles: code -> (weights per block, bytes per block).
+KERNEL_TYPES = (
+    T.F32,  # 0
+    T.F16,  # 1
+    T.Q4_0,  # 2
+    T.Q4_1,  # 3
+    T.Q5_0,  # 6
+    T.Q5_1,  # 7
+    T.Q8_0,  # 8
+    T.Q2_K,  # 10
+    T.Q3_K,  # 11
+    T.Q4_K,  # 12
+    T.Q5_K,  # 13
+    T.Q6_K,  # 14
+    T.BF16,  # 30
+)
+
+
+@device_fn
+def _u8(p, mask):
+    """Byte at ``p`` as int32 (0 where masked)."""
+    return tl.load(p, mask=mask, other=0).to(tl.int32)
+
+
+@device_fn
+def _i8(p, mask):
+    """Signed byte at ``p`` as int32."""
+    v = tl.load(p, mask=mask, other=0).to(tl.int32)
+    return v - ((v >> 7) << 8)
+
+
+@device_fn
+def _f16(p, mask):
+    """Little-endian fp16 at ``p`` (2 bytes, any alignment) widened to float32."""
+    lo = tl.load(p, mask=mask, other=0).to(tl.int32)
+    hi = tl.load(p + 1, mask=mask, other=0).to(tl.int32)
+    return (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@device_fn
+def _scale_min_k4(b, s, mask):
+    """Six-bit scale and min of sub-block ``s`` (0..7) of a Q4_K/Q5_K block at ``b``."""
+    s4 = s % 4
+    a = _u8(b + 4 + s4, mask)
+    m = _u8(b + 8 + s4, mask)
+    md = _u8(b + 12 + s4, mask)
+    lo = s < 4
+    sc = tl.where(lo, a & 63, (md & 15) | ((a >> 2) & 48))
+    mn = tl.where(lo, m & 63, (md >> 4) | ((m >> 2) & 48))
+    return sc, mn
+
+
+@device_fn
+def decode(b, j, mask, QTYPE: tl.constexpr):
+    """Weight ``j`` of the ``QTYPE`` block starting at byte pointer ``b``, as float32.
+
+    ``b``, ``j`` and ``mask`` broadcast together; masked elements read nothing.
+    """
+    if QTYPE == 0:  # F32
+        u = _u8(b, mask) | (_u8(b + 1, mask) << 8) | (_u8(b + 2, mask) << 16)
+        u = u | (_u8(b + 3, mask) << 24)
+        v = u.to(tl.float32, bitcast=True)
+    elif QTYPE == 1:  # F16
+        v = _f16(b, mask)
+    elif QTYPE == 30:  # BF16: the high half of a float32
+        u = (_u8(b, mask) << 16) | (_u8(b + 1, mask) << 24)
+        v = u.to(tl.float32, bitcast=True)
+    elif QTYPE == 2:  # Q4_0: d, qs[16]
+        d = _f16(b, mask)
+        q = (_u8(b + 2 + j % 16, mask) >> ((j // 16) * 4)) & 15
+        v = d * (q - 8).to(tl.float32)
+    elif QTYPE == 3:  # Q4_1: d, m, qs[16]
+        d = _f16(b, mask)
+        m = _f16(b + 2, mask)
+        q = (_u8(b + 4 + j % 16, mask) >> ((j // 16) * 4)) & 15
+        v = d * q.to(tl.float32) + m
+    elif QTYPE == 6:  # Q5_0: d, qh[4], qs[16]
+        d = _f16(b, mask)
+        h = (_u8(b + 2 + j // 8, mask) >> (j % 8)) & 1
+        q = ((_u8(b + 6 + j % 16, mask) >> ((j // 16) * 4)) & 15) | (h << 4)
+        v = d * (q - 16).to(tl.float32)
+    elif QTYPE == 7:  # Q5_1: d, m, qh[4], qs[16]
+        d = _f16(b, mask)
+        m = _f16(b + 2, mask)
+        h = (_u8(b + 4 + j // 8, mask) >> (j % 8)) & 1
+        q = ((_u8(b + 8 + j % 16, mask) >> ((j // 16) * 4)) & 15) | (h << 4)
+        v = d * q.to(tl.float32) + m
+    elif QTYPE == 8:  # Q8_0: d, qs[32] int8
+        d = _f16(b, mask)
+        v = _i8(b + 2 + j, mask).to(tl.float32) * d
+    elif QTYPE == 10:  # Q2_K: scales[16], qs[64], d, dmin
+        d = _f16(b + 80, mask)
+        dmin = _f16(b + 82, mask)
+        sc = _u8(b + j // 16, mask)
+        dl = d * (sc & 15).to(tl.float32)
+        ml = dmin * (sc >> 4).to(tl.float32)
+        r = j % 128
+        q = (_u8(b + 16 + (j // 128) * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
+        v = dl * q.to(tl.float32) - ml
+    elif QTYPE == 11:  # Q3_K: hmask[32], qs[64], scales[12], d
+        d = _f16(b + 108, mask)
+        s = j // 16
+        lo4 = (_u8(b + 96 + s % 8, mask) >> ((s // 8) * 4)) & 15
+        hi2 = (_u8(b + 104 + s % 4, mask) >> ((s // 4) * 2)) & 3
+        dl = d * ((lo4 | (hi2 << 4)) - 32).to(tl.float32)
+        r = j % 128
+        low = (_u8(b + 32 + (j // 128) * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
+        high = (_u8(b + j % 32, mask) >> (j // 32)) & 1
+        v = dl * (low - ((1 - high) << 2)).to(tl.float32)
+    elif QTYPE == 12:  # Q4_K: d, dmin, scales[12], qs[128]
+        d = _f16(b, mask)
+        dmin = _f16(b + 2, mask)
+        sc, mn = _scale_min_k4(b, j // 32, mask)
+        dl = d * sc.to(tl.float32)
+        ml = dmin * mn.to(tl.float32)
+        r = j % 64
+        q = (_u8(b + 16 + (j // 64) * 32 + r % 32, mask) >> ((r // 32) * 4)) & 15
+        v = dl * q.to(tl.float32) - ml
+    elif QTYPE == 13:  # Q5_K: d, dmin, scales[12], qh[32], qs[128]
+        d = _f16(b, mask)
+        dmin = _f16(b + 2, mask)
+        sc, mn = _scale_min_k4(b, j // 32, mask)
+        dl = d * sc.to(tl.float32)
+        ml = dmin * mn.to(tl.float32)
+        r = j % 64
+        lo = (_u8(b + 48 + (j // 64) * 32 + r % 32, mask) >> ((r // 32) * 4)) & 15
+        hi = (_u8(b + 16 + j % 32, mask) >> (j // 32)) & 1
+        v = dl * (lo | (hi << 4)).to(tl.float32) - ml
+    elif QTYPE == 14:  # Q6_K: ql[128], qh[64], scales[16] int8, d
+        d = _f16(b + 208, mask)
+        dl = d * _i8(b + 192 + j // 16, mask).to(tl.float32)
+        h = j // 128
+        r = j % 128
+        lo = (_u8(b + h * 64 + r % 64, mask) >> ((r // 64) * 4)) & 15
+        hi = (_u8(b + 128 + h * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
+        v = dl * ((lo | (hi << 4)) - 32).to(tl.float32)
+    else:
+        tl.static_assert(False, "decode: unsupported ggml type")
+        v = tl.zeros_like(j).to(tl.float32)
+    return v
+
+
+# Weights per scale group ("G") of each quantized type: the grouped decoder below loads the
+# scales once per group instead of once per weight.
+GROUP_SIZES = {
+    T.Q4_0: 32,
+    T.Q4_1: 32,
+    T.Q5_0: 32,
+    T.Q5_1: 32,
+    T.Q8_0: 32,
+    T.Q2_K: 16,
+    T.Q3_K: 16,
+    T.Q4_K: 32,
+    T.Q5_K: 32,
+    T.Q6_K: 16,
+}
+
+
+@device_fn
+def decode_grouped(b, s, e, mask, QTYPE: tl.constexpr):
+    """Weight ``j = s * G + e`` of the ``QTYPE`` block at ``b``, as float32 (G: GROUP_SIZES).
+
+    The same values as :func:`decode`, for tiles shaped (rows, groups, G): ``b`` and ``s``
+    vary along the first two axes only, ``e`` along the last, so fp16 scales and sub-block
+    scales are loaded per group and only the packed bits per weight. ``mask`` should also be
+    per group.
+    """
+    if QTYPE == 2:  # Q4_0 (G = block): s == 0
+        d = _f16(b, mask)
+        q = (_u8(b + 2 + e % 16, mask) >> ((e // 16) * 4)) & 15
+        v = d * (q - 8).to(tl.float32)
+    elif QTYPE == 3:  # Q4_1
+        d = _f16(b, mask)
+        m = _f16(b + 2, mask)
+        q = (_u8(b + 4 + e % 16, mask) >> ((e // 16) * 4)) & 15
+        v = d * q.to(tl.float32) + m
+    elif QTYPE == 6:  # Q5_0
+        d = _f16(b, mask)
+        h = (_u8(b + 2 + e // 8, mask) >> (e % 8)) & 1
+        q = ((_u8(b + 6 + e % 16, mask) >> ((e // 16) * 4)) & 15) | (h << 4)
+        v = d * (q - 16).to(tl.float32)
+    elif QTYPE == 7:  # Q5_1
+        d = _f16(b, mask)
+        m = _f16(b + 2, mask)
+        h = (_u8(b + 4 + e // 8, mask) >> (e % 8)) & 1
+        q = ((_u8(b + 8 + e % 16, mask) >> ((e // 16) * 4)) & 15) | (h << 4)
+        v = d * q.to(tl.float32) + m
+    elif QTYPE == 8:  # Q8_0
+        d = _f16(b, mask)
+        v = _i8(b + 2 + e, mask).to(tl.float32) * d
+    elif QTYPE == 10:  # Q2_K, G = 16: j // 128 = s // 8, j % 32 = 16 * (s % 2) + e
+        d = _f16(b + 80, mask)
+        dmin = _f16(b + 82, mask)
+        sc = _u8(b + s, mask)
+        dl = d * (sc & 15).to(tl.float32)
+        ml = dmin * (sc >> 4).to(tl.float32)
+        qb = b + 16 + (s // 8) * 32 + (s % 2) * 16
+        q = (_u8(qb + e, mask) >> (((s % 8) // 2) * 2)) & 3
+        v = dl * q.to(tl.float32) - ml
+    elif QTYPE == 11:  # Q3_K, G = 16
+        d = _f16(b + 108, mask)
+        lo4 = (_u8(b + 96 + s % 8, mask) >> ((s // 8) * 4)) & 15
+        hi2 = (_u8(b + 104 + s % 4, mask) >> ((s // 4) * 2)) & 3
+        dl = d * ((lo4 | (hi2 << 4)) - 32).to(tl.float32)
+        qb = b + 32 + (s // 8) * 32 + (s % 2) * 16
+        low = (_u8(qb + e, mask) >> (((s % 8) // 2) * 2)) & 3
+        high = (_u8(b + (s % 2) * 16 + e, mask) >> (s // 2)) & 1
+        v = dl * (low - ((1 - high) << 2)).to(tl.float32)
+    elif QTYPE == 12:  # Q4_K, G = 32: j // 64 = s // 2, (j % 64) // 32 = s % 2, j % 32 = e
+        d = _f16(b, mask)
+        dmin = _f16(b + 2, mask)
+        sc, mn = _scale_min_k4(b, s, mask)
+        dl = d * sc.to(tl.float32)
+        ml = dmin * mn.to(tl.float32)
+        q = (_u8(b + 16 + (s // 2) * 32 + e, mask) >> ((s % 2) * 4)) & 15
+        v = dl * q.to(tl.float32) - ml
+    elif QTYPE == 13:  # Q5_K, G = 32
+        d = _f16(b, mask)
+        dmin = _f16(b + 2, mask)
+        sc, mn = _scale_min_k4(b, s, mask)
+        dl = d * sc.to(tl.float32)
+        ml = dmin * mn.to(tl.float32)
+        lo = (_u8(b + 48 + (s // 2) * 32 + e, mask) >> ((s % 2) * 4)) & 15
+        hi = (_u8(b + 16 + e, mask) >> s) & 1
+        v = dl * (lo | (hi << 4)).to(tl.float32) - ml
+    elif QTYPE == 14:  # Q6_K, G = 16: h = s // 8, ql at 64h + 16 (s % 4), qh at 32h + 16 (s % 2)
+        d = _f16(b + 208, mask)
+        dl = d * _i8(b + 192 + s, mask).to(tl.float32)
+        h = s // 8
+        lo = (_u8(b + h * 64 + (s % 4) * 16 + e, mask) >> (((s % 8) // 4) * 4)) & 15
+        hi = (_u8(b + 128 + h * 32 + (s % 2) * 16 + e, mask) >> (((s % 8) // 2) * 2)) & 3
+        v = dl * ((lo | (hi << 4)) - 32).to(tl.float32)
+    else:
+        tl.static_assert(False, "decode_grouped: unsupported ggml type")
+        v = tl.zeros_like(e).to(tl.float32)
+    return v

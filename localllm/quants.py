@@ -16,6 +16,8 @@ tensor's device when it supports the type, else the torch reference here.
 
 from __future__ import annotations
 
+import warnings
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -359,7 +361,10 @@ def backends() -> list[str]:
 
 def _as_bytes(data) -> torch.Tensor:
     if isinstance(data, np.ndarray):
-        data = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
+        # GGUF tensors are views of a read-only memory map; nothing here writes through them.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
     if data.dtype != torch.uint8:
         data = data.contiguous().view(torch.uint8)
     return data.reshape(-1)

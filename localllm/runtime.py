@@ -20,6 +20,7 @@ from .gguf_file import GGUFFile, open_gguf
 from .gguf_validate import validate_vocab
 from .models import architecture
 from .models.common import Weights
+from .resources import check_memory
 from .tokenizer import Tokenizer
 
 # Extra cells kept by sliding-window caches so that a rollback of up to this many tokens
@@ -52,6 +53,8 @@ class LoadedModel:
     model: object
     device: torch.device
     load_seconds: float
+    backend: str = "torch"  # "triton": matrices stay quantized (Triton kernels)
+    fallbacks: list[str] | None = None  # tensors without a kernel, dequantized instead
 
 
 def load_model(
@@ -60,14 +63,24 @@ def load_model(
     device: str = "auto",
     progress: bool | None = None,
     dtype: torch.dtype = torch.float16,
+    ctx_size: int | None = None,
+    backend: str = "auto",
 ) -> LoadedModel:
-    """Open, validate and load a GGUF model, matrices dequantized to ``dtype``.
+    """Open, validate and load a GGUF model.
 
     Args:
-        dtype: storage dtype of weight matrices (float16 by default; float32 for exact checks).
+        dtype: storage dtype of dequantized weight matrices (float16 by default; float32 for
+            exact checks).
+        backend: "torch" dequantizes every matrix at load; "triton" keeps matrices in their
+            ggml blocks and multiplies with the Triton kernels (on the CPU they run in
+            Triton's interpreter: for tests only); "auto" is "triton" on CUDA when Triton
+            is importable, else "torch".
         progress: show a progress bar on stderr (default: when stderr is a terminal).
+        ctx_size: context size the caller will use; its KV cache counts in the memory check.
     Raises:
         GGUFError, UnsupportedError: the file is malformed or uses something unsupported.
+        LocalLLMError: the weights and KV cache do not fit in the device's free memory
+            (:func:`localllm.resources.check_memory`), raised before any weight is read.
     """
     t0 = time.perf_counter()
     gguf = open_gguf(path)
@@ -76,6 +89,8 @@ def load_model(
     tokenizer = Tokenizer(gguf.metadata)
     args = arch.ModelArgs.from_gguf(gguf.metadata, tokenizer.n_vocab)
     dev = resolve_device(device)
+    quantized = _use_quantized(backend, dev)
+    check_memory(gguf, args, ctx_size, dev, dtype)
     if progress is None:
         progress = sys.stderr.isatty()
     total = sum(t.n_bytes for t in gguf.tensors.values())
@@ -88,11 +103,28 @@ def load_model(
         )
         with bar:
             task = bar.add_task("load", total=total)
-            weights = Weights(gguf, dev, dtype, lambda n: bar.advance(task, n))
+            weights = Weights(gguf, dev, dtype, lambda n: bar.advance(task, n),
+                              quantized=quantized)
             model = arch.Model(args, weights)
     else:
-        model = arch.Model(args, Weights(gguf, dev, dtype))
-    return LoadedModel(gguf, tokenizer, args, model, dev, time.perf_counter() - t0)
+        weights = Weights(gguf, dev, dtype, quantized=quantized)
+        model = arch.Model(args, weights)
+    return LoadedModel(gguf, tokenizer, args, model, dev, time.perf_counter() - t0,
+                       "triton" if quantized else "torch", weights.fallbacks)
+
+
+def _use_quantized(backend: str, device: torch.device) -> bool:
+    if backend not in ("auto", "torch", "triton"):
+        raise LocalLLMError(f"backend must be auto, torch or triton, got {backend!r}")
+    if backend == "torch":
+        return False
+    from .kernels import triton_available
+
+    if not triton_available():
+        if backend == "triton" or device.type == "cuda":
+            print("notice: Triton is not available; using the torch path", file=sys.stderr)
+        return False
+    return backend == "triton" or device.type == "cuda"
 
 
 def _stderr_console():

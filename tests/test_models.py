@@ -79,3 +79,25 @@ def test_context_overflow_is_a_user_error(tiny_model_path):
     with pytest.raises(ContextOverflowError, match="do not fit"):
         s.eval(list(range(4, 21)))
     assert s.tokens == []
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+def test_quantized_triton_path_matches_torch_path(tiny_model_path, arch):
+    """The CUDA path (weights kept in Q8_0 blocks, Triton GEMV/GEMM) run in Triton's
+    interpreter on the CPU gives the logits of the dequantize-at-load torch path."""
+    pytest.importorskip("triton")
+    import gguf
+
+    path = tiny_model_path(arch, qtype=gguf.GGMLQuantizationType.Q8_0, n_layers=2)
+    ref = load_model(path, device="cpu", progress=False, dtype=torch.float32, backend="torch")
+    quant = load_model(path, device="cpu", progress=False, backend="triton")
+    assert quant.backend == "triton" and not quant.fallbacks
+    ids = _tokens(ref.tokenizer.n_vocab, 12, seed=6)
+    want = Session(ref, ctx_size=32).eval(ids, all_logits=True)  # prefill: GEMM kernel
+    s = Session(quant, ctx_size=32)
+    got_prefill = s.eval(ids[:10], all_logits=True)
+    got_decode = torch.stack([s.eval([t]) for t in ids[10:]])  # decode: GEMV kernel
+    scale = want.abs().max()
+    # fp16 tiles in the GEMM, float32 accumulation everywhere
+    assert (got_prefill - want[:10]).abs().max() / scale < 2e-2
+    assert (got_decode - want[10:]).abs().max() / scale < 1e-3

@@ -35,9 +35,20 @@ class Weights:
         progress: called with the number of bytes of each tensor loaded.
     """
 
-    def __init__(self, gguf: GGUFFile, device, dtype, progress: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        gguf: GGUFFile,
+        device,
+        dtype,
+        progress: Callable[[int], None] | None = None,
+        *,
+        quantized: bool = False,
+    ):
         self.gguf, self.device, self.dtype = gguf, device, dtype
         self.progress = progress or (lambda n: None)
+        # Keep matrices in their ggml blocks and multiply with the Triton kernels (CUDA).
+        self.quantized = quantized
+        self.fallbacks: list[str] = []  # tensors without a kernel, dequantized instead
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
@@ -61,6 +72,48 @@ class Weights:
             ) from None
         self.progress(info.n_bytes)
         return out.to(self.device)
+
+
+    def _quant(self, name: str, shape: tuple[int, int]):
+        """The tensor as a ``QuantWeight`` on the device, or None without a kernel for its type."""
+        from localllm.kernels import QuantWeight, supports
+
+        info = self.gguf.tensor(name)
+        check_tensor_shape(name, shape, info.shape, self.gguf.path.name)
+        if not supports(info.qtype):
+            self.fallbacks.append(f"{name} ({info.qtype.name})")
+            return None
+        self.progress(info.n_bytes)
+        return QuantWeight.from_bytes(info.data.copy(), info.qtype, shape).to(self.device)
+
+    def linear(self, name: str, shape: tuple[int, int], bias: str | None = None):
+        """A projection by tensor ``name`` (out, in): quantized when the weights stay so."""
+        b = self.get(bias, (shape[0],)) if bias and self.has(bias) else None
+        if self.quantized:
+            q = self._quant(name, shape)
+            if q is not None:
+                return QuantLinear(q, b)
+        return Linear(self.get(name, shape), b)
+
+    def fused(self, specs: list[tuple[str, tuple[int, int]]], biases: list[str | None] | None = None):
+        """Projections of one input (Q/K/V, gate/up) as one product where the types allow."""
+        biases = biases or [None] * len(specs)
+        if self.quantized:
+            parts = [self.linear(n, s, b) for (n, s), b in zip(specs, biases)]
+            if all(isinstance(p, QuantLinear) for p in parts):
+                return FusedQuantLinear(parts)
+            return SeparateLinears(parts)
+        bias_vecs = [self.get(b, (s[0],)) if b and self.has(b) else None
+                     for (_, s), b in zip(specs, biases)]
+        return FusedLinear([self.get(n, s) for n, s in specs], bias_vecs)
+
+    def embedding(self, name: str, shape: tuple[int, int]):
+        """The token embedding table (n_vocab, d), also usable as a tied output projection."""
+        if self.quantized:
+            q = self._quant(name, shape)
+            if q is not None:
+                return QuantEmbedding(q)
+        return Embedding(self.get(name, shape))
 
 
 class Linear:
@@ -100,6 +153,83 @@ class FusedLinear:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x: (T, in) -> one (T, out_i) tensor per weight."""
         return self.linear(x).split(self.sizes, dim=-1)
+
+
+class SeparateLinears:
+    """Projections of one input that cannot share a product (different quant types)."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(p(x) for p in self.parts)
+
+
+class QuantLinear:
+    """``y = x @ W.T (+ b)`` reading W in its ggml blocks (Triton GEMV / GEMM kernels)."""
+
+    def __init__(self, weight, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight  # localllm.kernels.QuantWeight (out, in)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, in) float32 -> (T, out) float32 (GEMV in float32, GEMM with fp16 tiles)."""
+        from localllm.kernels import quant_linear
+
+        xin = x if x.shape[0] <= GEMV_MAX_ROWS else x.half()
+        y = quant_linear(xin, self.weight, out_dtype=torch.float32)
+        return y if self.bias is None else y + self.bias
+
+
+class FusedQuantLinear(QuantLinear):
+    """Quantized projections of one input with one type, fused into one kernel launch."""
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        from localllm.kernels import QuantWeight
+
+        biases = [p.bias for p in parts]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([
+                b if b is not None else torch.zeros(p.weight.shape[0], device=p.weight.data.device)
+                for p, b in zip(parts, biases)
+            ])
+        super().__init__(QuantWeight.cat([p.weight for p in parts]), bias)
+        self.sizes = [p.weight.shape[0] for p in parts]
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from localllm.kernels import quant_linear
+
+        xin = x if x.shape[0] <= GEMV_MAX_ROWS else x.half()
+        y = quant_linear(xin, self.weight, out_dtype=torch.float32)
+        y = torch.cat(y, dim=-1) if isinstance(y, tuple) else y
+        if self.bias is not None:
+            y = y + self.bias
+        return y.split(self.sizes, dim=-1)
+
+
+class Embedding:
+    """A dequantized embedding table (n_vocab, d); ``head`` is the tied output projection."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+        self.head = Linear(table)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (T,) int64 -> (T, d) float32."""
+        return self.table[tokens].float()
+
+
+class QuantEmbedding:
+    """An embedding table kept in ggml blocks: rows are dequantized when looked up."""
+
+    def __init__(self, weight) -> None:
+        self.weight = weight  # QuantWeight (n_vocab, d)
+        self.head = QuantLinear(weight)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.data[tokens]  # (T, row_bytes) uint8
+        return dequantize(rows, self.weight.qtype, (tokens.shape[0], self.weight.shape[1]))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

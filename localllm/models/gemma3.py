@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVCache, RingKVCache
-from .common import FusedLinear, Linear, Weights, apply_rope, attend, gelu_tanh, rms_norm, rope_inv_freq
+from .common import Weights, apply_rope, attend, gelu_tanh, rms_norm, rope_inv_freq
 
 
 @dataclass
@@ -76,21 +76,21 @@ class Block:
     def __init__(self, w: Weights, i: int, args: ModelArgs) -> None:
         p, d, hd = f"blk.{i}.", args.d_model, args.head_dim
         self.attn_norm = w.get(p + "attn_norm.weight", (d,))
-        self.wqkv = FusedLinear([
-            w.get(p + "attn_q.weight", (args.n_heads * hd, d)),
-            w.get(p + "attn_k.weight", (args.n_kv_heads * hd, d)),
-            w.get(p + "attn_v.weight", (args.n_kv_heads * hd, d)),
+        self.wqkv = w.fused([
+            (p + "attn_q.weight", (args.n_heads * hd, d)),
+            (p + "attn_k.weight", (args.n_kv_heads * hd, d)),
+            (p + "attn_v.weight", (args.n_kv_heads * hd, d)),
         ])
         self.q_norm = w.get(p + "attn_q_norm.weight", (hd,))
         self.k_norm = w.get(p + "attn_k_norm.weight", (hd,))
-        self.wo = Linear(w.get(p + "attn_output.weight", (d, args.n_heads * hd)))
+        self.wo = w.linear(p + "attn_output.weight", (d, args.n_heads * hd))
         self.post_attn_norm = w.get(p + "post_attention_norm.weight", (d,))
         self.ffn_norm = w.get(p + "ffn_norm.weight", (d,))
-        self.gate_up = FusedLinear([
-            w.get(p + "ffn_gate.weight", (args.ffn_dim, d)),
-            w.get(p + "ffn_up.weight", (args.ffn_dim, d)),
+        self.gate_up = w.fused([
+            (p + "ffn_gate.weight", (args.ffn_dim, d)),
+            (p + "ffn_up.weight", (args.ffn_dim, d)),
         ])
-        self.down = Linear(w.get(p + "ffn_down.weight", (d, args.ffn_dim)))
+        self.down = w.linear(p + "ffn_down.weight", (d, args.ffn_dim))
         self.post_ffw_norm = w.get(p + "post_ffw_norm.weight", (d,))
         self.sliding = args.is_sliding(i)
 
@@ -101,12 +101,13 @@ class Model:
     def __init__(self, args: ModelArgs, w: Weights) -> None:
         self.args = args
         self.device = w.device
-        self.tok_embd = w.get("token_embd.weight", (args.n_vocab, args.d_model))
+        self.tok_embd = w.embedding("token_embd.weight", (args.n_vocab, args.d_model))
         self.blocks = [Block(w, i, args) for i in range(args.n_layers)]
         self.output_norm = w.get("output_norm.weight", (args.d_model,))
-        tied = not w.has("output.weight")  # Gemma ties the output projection to the embedding
-        self.lm_head = Linear(
-            self.tok_embd if tied else w.get("output.weight", (args.n_vocab, args.d_model))
+        # Gemma ties the output projection to the embedding.
+        self.lm_head = (
+            w.linear("output.weight", (args.n_vocab, args.d_model))
+            if w.has("output.weight") else self.tok_embd.head
         )
         self.inv_freq_global = rope_inv_freq(args.head_dim, args.rope_base, device=w.device)
         self.inv_freq_local = rope_inv_freq(args.head_dim, args.rope_base_swa, device=w.device)
@@ -135,7 +136,7 @@ class Model:
         a = self.args
         t = tokens.shape[0]
         positions = torch.arange(pos, pos + t, device=self.device)
-        x = self.tok_embd[tokens].float() * math.sqrt(a.d_model)  # (T, d)
+        x = self.tok_embd(tokens) * math.sqrt(a.d_model)  # (T, d)
         for block, cache in zip(self.blocks, caches):
             x = self._block(block, cache, x, pos, positions)
         x = x[logits_start:] if all_logits else x[-1:]

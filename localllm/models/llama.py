@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import KVCache, RingKVCache
-from .common import FusedLinear, Linear, Weights, apply_rope, attend, rms_norm, rope_inv_freq
+from .common import Weights, apply_rope, attend, rms_norm, rope_inv_freq
 
 NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3"})
 
@@ -82,24 +82,21 @@ class Block:
         p, d, hd = f"blk.{i}.", args.d_model, args.head_dim
         nq, nkv = args.n_heads * hd, args.n_kv_heads * hd
 
-        def bias(name: str, n: int):
-            return w.get(p + name, (n,)) if w.has(p + name) else None
-
         self.attn_norm = w.get(p + "attn_norm.weight", (d,))
-        self.wqkv = FusedLinear(
-            [w.get(p + "attn_q.weight", (nq, d)), w.get(p + "attn_k.weight", (nkv, d)),
-             w.get(p + "attn_v.weight", (nkv, d))],
-            [bias("attn_q.bias", nq), bias("attn_k.bias", nkv), bias("attn_v.bias", nkv)],
+        self.wqkv = w.fused(
+            [(p + "attn_q.weight", (nq, d)), (p + "attn_k.weight", (nkv, d)),
+             (p + "attn_v.weight", (nkv, d))],
+            [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"],
         )
         self.q_norm = w.get(p + "attn_q_norm.weight", (hd,)) if w.has(p + "attn_q_norm.weight") else None
         self.k_norm = w.get(p + "attn_k_norm.weight", (hd,)) if w.has(p + "attn_k_norm.weight") else None
-        self.wo = Linear(w.get(p + "attn_output.weight", (d, nq)), bias("attn_output.bias", d))
+        self.wo = w.linear(p + "attn_output.weight", (d, nq), p + "attn_output.bias")
         self.ffn_norm = w.get(p + "ffn_norm.weight", (d,))
-        self.gate_up = FusedLinear([
-            w.get(p + "ffn_gate.weight", (args.ffn_dim, d)),
-            w.get(p + "ffn_up.weight", (args.ffn_dim, d)),
+        self.gate_up = w.fused([
+            (p + "ffn_gate.weight", (args.ffn_dim, d)),
+            (p + "ffn_up.weight", (args.ffn_dim, d)),
         ])
-        self.down = Linear(w.get(p + "ffn_down.weight", (d, args.ffn_dim)))
+        self.down = w.linear(p + "ffn_down.weight", (d, args.ffn_dim))
 
 
 class Model:
@@ -108,12 +105,12 @@ class Model:
     def __init__(self, args: ModelArgs, w: Weights) -> None:
         self.args = args
         self.device = w.device
-        self.tok_embd = w.get("token_embd.weight", (args.n_vocab, args.d_model))
+        self.tok_embd = w.embedding("token_embd.weight", (args.n_vocab, args.d_model))
         self.blocks = [Block(w, i, args) for i in range(args.n_layers)]
         self.output_norm = w.get("output_norm.weight", (args.d_model,))
-        tied = not w.has("output.weight")
-        self.lm_head = Linear(
-            self.tok_embd if tied else w.get("output.weight", (args.n_vocab, args.d_model))
+        self.lm_head = (
+            w.linear("output.weight", (args.n_vocab, args.d_model))
+            if w.has("output.weight") else self.tok_embd.head
         )
         factors = (
             w.get("rope_freqs.weight", (args.head_dim // 2,)) if w.has("rope_freqs.weight") else None
@@ -145,7 +142,7 @@ class Model:
         a = self.args
         t = tokens.shape[0]
         positions = torch.arange(pos, pos + t, device=self.device)
-        x = self.tok_embd[tokens].float()  # (T, d)
+        x = self.tok_embd(tokens)  # (T, d)
         for b, cache in zip(self.blocks, caches):
             n = rms_norm(x, b.attn_norm, a.norm_eps)
             q, k, v = b.wqkv(n)

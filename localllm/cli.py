@@ -58,6 +58,20 @@ def read_prompt(prompt: str | None, file: Path | None) -> str:
     return text
 
 
+def print_model_summary(llm) -> None:
+    """Model, device, backend and memory on stderr (``--verbose``)."""
+    loaded = llm.loaded
+    _err(f"model: {llm.path} ({loaded.gguf.architecture}, device {llm.device}, "
+         f"backend {loaded.backend})")
+    for name in loaded.fallbacks or ():
+        _err(f"no Triton kernel, dequantized: {name}")
+    if llm.device.type == "cuda":
+        import torch
+
+        _err(f"GPU memory: {torch.cuda.memory_allocated(llm.device) / 2**20:.0f} MiB allocated "
+             f"(weights + KV cache + workspace)")
+
+
 def print_timings(llm, timings, finish_reason: str | None) -> None:
     """llama.cpp-style performance summary on stderr."""
     t = timings
@@ -113,7 +127,7 @@ def _run(
     llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None)
     params = llm.sampling_params(**(sampling.overrides if sampling is not None else {}))
     if verbose:
-        _err(f"model: {llm.path} ({llm.loaded.gguf.architecture}, device {llm.device})")
+        print_model_summary(llm)
     if chat:
         from .chat_template import apply_chat
 
@@ -208,39 +222,37 @@ def models() -> None:
 
 
 @app.command()
-def perplexity(
-    model: ModelArg = None,
-    file: Annotated[Path, typer.Option("--file", "-f", help="text file to score")] = ...,
-    ctx_size: CtxOpt = 512,
-    batch_size: BatchOpt = 2048,
-    chunks: Annotated[int, typer.Option("--chunks", help="most chunks to score (-1: all)")] = -1,
-    device: DeviceOpt = "auto",
-) -> None:
-    """Perplexity of FILE, llama-perplexity's method (prints PPL = x +/- y)."""
-    from .perplexity import perplexity_cli
-
-    perplexity_cli(model, file, ctx_size=ctx_size, batch_size=batch_size, chunks=chunks,
-                   device=device)
-
-
-@app.command()
 def bench(
     model: ModelArg = None,
     n_prompt: Annotated[int, typer.Option("--n-prompt", "-p", help="prompt tokens (pp)")] = 512,
     n_gen: Annotated[int, typer.Option("--n-gen", "-n", help="generated tokens (tg)")] = 128,
     repetitions: Annotated[int, typer.Option("--repetitions", "-r")] = 3,
     device: DeviceOpt = "auto",
+    synthetic: Annotated[Optional[str], typer.Option(
+        "--synthetic", help="random weights shaped as llama3-8b, qwen2-7b or gemma3-270m")] = None,
+    quant: Annotated[str, typer.Option(
+        "--quant", help="recipe of --synthetic (Q4_K_M, Q8_0 ...)")] = "Q4_K_M",
+    threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads")] = None,
+    peak_bandwidth: Annotated[Optional[float], typer.Option(
+        "--peak-bandwidth", help="device peak memory bandwidth in GB/s (for MBU)")] = None,
+    llama_cpp: Annotated[bool, typer.Option(
+        "--llama-cpp/--no-llama-cpp", help="also time llama-cpp-python when installed")] = True,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="print the figures as one JSON line")] = False,
 ) -> None:
-    """Prefill (pp) and decode (tg) speed, time to first token and peak memory."""
+    """Prefill (pp) and decode (tg) speed, time to first token, peak memory and bandwidth."""
     from .bench import run_bench
 
-    run_bench(model, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions, device=device)
+    run_bench(model, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions, device=device,
+              synthetic=synthetic, quant=quant, threads=threads, peak_bandwidth=peak_bandwidth,
+              llama_cpp=llama_cpp, as_json=json_out)
 
 
 # --- commands registered by other modules ---
 app.command("chat")(_attach_sampling(__import__("localllm.repl", fromlist=["_"]).chat_command))
 app.command("quantize", no_args_is_help=True)(
     __import__("localllm.quantize.command", fromlist=["_"]).quantize_command)
+app.command("perplexity")(__import__("localllm.ppl_command", fromlist=["_"]).perplexity_command)
 
 
 def main() -> None:

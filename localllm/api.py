@@ -47,7 +47,7 @@ class LLM:
         path, entry = load_registry().resolve(model)
         self.path: Path = path
         self.entry: ModelEntry | None = entry
-        self.loaded = load_model(path, device=device, progress=progress)
+        self.loaded = load_model(path, device=device, progress=progress, ctx_size=ctx_size)
         self.tokenizer = self.loaded.tokenizer
         self.args = self.loaded.args
         self.metadata: dict = self.loaded.gguf.metadata
@@ -111,6 +111,9 @@ class LLM:
         n_predict: int = -1,
         stop: Sequence[str] = (),
         constraint=None,
+        grammar: str | None = None,
+        json_schema=None,
+        json: bool = False,
         session: Session | None = None,
         special: bool = False,
         **sampling,
@@ -122,22 +125,33 @@ class LLM:
             params / sampling: sampling settings (llama.cpp names: temp, top_k, min_p ...).
             n_predict: most tokens to generate (-1: until end of generation or full context).
             stop: stop strings.
-            constraint: a grammar constraint (:mod:`localllm.grammar`).
-            session: reuse this session's cache (default: the LLM's own session, whose cache
-                prefix is reused between calls).
+            constraint: a grammar constraint (:mod:`localllm.grammar`); or build one with
+                ``grammar`` (GBNF text), ``json_schema`` (dict or JSON text) or ``json=True``.
+            session: generate in this session, reusing the prefix its cache already holds.
+                By default the LLM's own session is cleared first, so that the same seed and
+                settings give the same text on every call.
         Raises:
             ContextOverflowError: the prompt leaves no room to generate in the context.
             ParameterError: a sampling parameter is out of range.
+            GrammarError: the grammar or schema is invalid.
         """
         ids = self.encode_prompt(prompt, special=special)
-        session = session or self._shared_session()
+        if session is None:
+            session = self._shared_session()
+            session.reset()
         if len(ids) >= session.ctx_size:
             raise ContextOverflowError(
                 f"the prompt is {len(ids)} tokens; the context holds {session.ctx_size} "
                 "(raise --ctx-size or shorten the prompt)"
             )
         params = self.sampling_params(params, **sampling)
-        sampler = build_sampler(params, self.tokenizer, constraint=constraint)
+        if constraint is None and (grammar is not None or json_schema is not None or json):
+            from .grammar import constraint_for
+
+            constraint = constraint_for(self.tokenizer, grammar=grammar, json_schema=json_schema,
+                                        json=json)
+        sampler = build_sampler(params, self.tokenizer, constraint=constraint,
+                                n_ctx=session.ctx_size)
         self.last_sampler = sampler
         self.last_timings = Timings()
         yield from generate_tokens(

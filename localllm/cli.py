@@ -139,24 +139,49 @@ def _run(
         from .grammar import constraint_from_cli
 
         constraint = constraint_from_cli(grammar, grammar_file, json_mode, json_schema, llm.tokenizer)
+    json_out = json_mode or json_schema is not None
+    pieces: list[str] = []  # JSON mode prints the value only once it is complete
     finish = None
     out = sys.stdout
     for step in llm.stream(ids, params=params, n_predict=n_predict, stop=stop or (),
                            constraint=constraint):
+        if params.n_probs > 0 and step.trace is not None:
+            print_trace(llm.tokenizer, step.trace)
         if step.text:
-            out.write(step.text)
-            out.flush()
+            if json_out:
+                pieces.append(step.text)
+            else:
+                out.write(step.text)
+                out.flush()
         finish = step.finish_reason
-    if constraint is not None or json_mode or json_schema:
-        out.write("\n")
-    elif out.isatty():
-        out.write("\n")
-    out.flush()
     if verbose:
         _err(f"seed: {llm.last_sampler.seed}")
         print_timings(llm, llm.last_timings, finish)
     if constraint is not None and not constraint.is_accepting():
         raise LocalLLMError(f"generation ended ({finish}) before the grammar was complete")
+    if json_out:
+        out.write(one_line_json("".join(pieces)) + "\n")
+    elif constraint is not None or out.isatty():
+        out.write("\n")
+    out.flush()
+
+
+def one_line_json(text: str) -> str:
+    """The JSON value in ``text`` re-serialized on one line (non-ASCII kept)."""
+    import json
+
+    try:
+        return json.dumps(json.loads(text), ensure_ascii=False)
+    except ValueError as e:
+        raise LocalLLMError(f"the generated text is not valid JSON: {e}") from None
+
+
+def print_trace(tokenizer, trace) -> None:
+    """One stderr line per token for ``--logprobs N``: chosen token, log-probs, alternatives."""
+    raw = "-" if trace.logprob is None else f"{trace.logprob:.4f}"
+    alts = "  ".join(f"{tokenizer.token_text(t)!r} {lp:.4f}" for t, lp in trace.top)
+    _err(f"{trace.token:>7} {tokenizer.token_text(trace.token)!r}  logprob {raw}  "
+         f"processed {trace.processed_logprob:.4f}  | {alts}")
 
 
 def _attach_sampling(func):

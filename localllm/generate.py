@@ -84,8 +84,8 @@ def generate_tokens(
     """Generate from ``prompt_ids``; yields one :class:`Step` per token.
 
     Args:
-        sampler: has ``sample(logits) -> int`` and ``accept(token)``
-            (:func:`localllm.sampling.build_sampler`).
+        sampler: a :class:`localllm.sampling.SamplerChain` (``sample``, ``accept``,
+            ``accept_prompt``, ``last_trace``).
         n_predict: most tokens to generate (-1: until the context is full).
         stop: strings that end generation; never included in the text.
         constraint: a grammar constraint; generation ends when it is finished.
@@ -97,6 +97,7 @@ def generate_tokens(
     timings = timings if timings is not None else Timings()
     t0 = time.perf_counter()
     logits, timings.reused_tokens = prefill(session, prompt_ids)
+    sampler.accept_prompt(prompt_ids)  # penalties see the prompt, as in llama.cpp's main loop
     timings.prompt_tokens = len(prompt_ids) - timings.reused_tokens
     timings.prompt_seconds = time.perf_counter() - t0
     decoder = StreamDecoder(tok)

@@ -1,18 +1,73 @@
 """``localllm bench``: prefill and decode speed on one device, llama-bench style.
 
 pp: prompt processing of ``n_prompt`` tokens from an empty cache (tokens/s).
-tg: generation of ``n_gen`` tokens one at a time after a short prompt (tokens/s).
+tg: generation of ``n_gen`` tokens one at a time (greedy) after an 8-token prompt (tokens/s).
+TTFT: from the start of a ``n_prompt``-token prompt to the first token id on the host.
 Figures are medians over ``repetitions`` runs after one warm-up; peak memory is the
 process's peak RSS on the CPU, or torch's peak allocation on CUDA.
+
+Model-bandwidth utilization (MBU) is the decode step's memory traffic over the device's
+peak bandwidth: (weight bytes read per token + KV cache bytes read per token) / time per
+token / peak. Weight bytes are those of the tensors the runtime holds (float16 matrices on
+the CPU; quantized blocks where a runtime keeps them), without the input-embedding table,
+of which a decode step reads one row (unless it is tied to the output projection); the KV
+bytes are the mean over the generated positions.
+
+When ``llama_cpp`` (llama-cpp-python) is importable, the same file is timed through it on
+the same device and thread count, with the same token ids and the same protocol, and the
+ratios ours / llama.cpp are printed. It is never required.
 """
 
 from __future__ import annotations
 
+import gc
+import json
 import resource
+import shutil
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
+
+from .errors import ParameterError
+
+TG_PROMPT = 8  # tokens evaluated before the timed generation
+
+# Peak DRAM/HBM bandwidth in GB/s (1e9 bytes/s) by device-name substring, most specific
+# first (vendor data sheets). ``--peak-bandwidth`` overrides it.
+PEAK_BANDWIDTH_GBPS: tuple[tuple[str, float], ...] = (
+    ("H200", 4800.0),
+    ("H100 NVL", 3900.0),
+    ("H100 PCIe", 2000.0),
+    ("H100", 3350.0),  # SXM5 80GB HBM3
+    ("GH200", 4000.0),
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100 80GB PCIe", 1935.0),
+    ("A100", 1555.0),  # 40GB SXM4 / PCIe
+    ("L40S", 864.0),
+    ("L40", 864.0),
+    ("L4", 300.0),
+    ("A10G", 600.0),
+    ("A10", 600.0),
+    ("RTX 5090", 1792.0),
+    ("RTX 4090", 1008.0),
+    ("RTX 4080", 717.0),
+    ("RTX 3090", 936.0),
+    ("V100", 900.0),
+    ("T4", 320.0),
+)
+
+
+def peak_bandwidth_gbps(device_name: str) -> float | None:
+    """Peak memory bandwidth (GB/s) of a GPU from its name, or None when unknown."""
+    for key, gbps in PEAK_BANDWIDTH_GBPS:
+        if key.lower() in device_name.lower():
+            return gbps
+    return None
 
 
 def _sync(device: torch.device) -> None:
@@ -20,46 +75,236 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_bench(model, *, n_prompt: int, n_gen: int, repetitions: int, device: str) -> dict:
-    """Measure and print pp/tg/TTFT/peak memory; returns the figures."""
-    from .api import LLM
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
 
-    llm = LLM(model, device=device, ctx_size=max(n_prompt, n_gen + 16) + 8,
-              batch_size=max(n_prompt, 1))
+
+# ---- the two runners ----------------------------------------------------------------------
+def time_protocol(eval_last: Callable[[list[int]], int], reset: Callable[[], None],
+                  prompt: list[int], n_gen: int, repetitions: int,
+                  sync: Callable[[], None] = lambda: None) -> dict:
+    """Time one engine. ``eval_last(ids)`` appends ids and returns the greedy next token.
+
+    Returns medians: ``pp`` and ``tg`` (tokens/s), ``ttft_ms`` (prompt -> first token id).
+    The first of ``repetitions + 1`` runs is a warm-up and is discarded.
+    """
+    pp, ttft, tg = [], [], []
+    for rep in range(repetitions + 1):
+        reset()
+        sync()
+        t0 = time.perf_counter()
+        eval_last(prompt)
+        t1 = time.perf_counter()
+        reset()
+        token = eval_last(prompt[:TG_PROMPT])
+        sync()
+        t2 = time.perf_counter()
+        for _ in range(n_gen):
+            token = eval_last([token])
+        t3 = time.perf_counter()
+        if rep:
+            pp.append(len(prompt) / (t1 - t0))
+            ttft.append(1e3 * (t1 - t0))
+            tg.append(n_gen / (t3 - t2))
+    return {"pp": _median(pp), "tg": _median(tg), "ttft_ms": _median(ttft)}
+
+
+def _ours(llm, prompt: list[int], n_gen: int, repetitions: int) -> dict:
+    session = llm.session()
+
+    def eval_last(ids: list[int]) -> int:
+        return int(session.eval(ids).argmax())  # the host sync: one token id
+
+    return time_protocol(eval_last, session.reset, prompt, n_gen, repetitions,
+                         lambda: _sync(llm.device))
+
+
+def llama_cpp_figures(path: Path, prompt: list[int], n_gen: int, repetitions: int, *,
+                      device: torch.device, threads: int, ctx_size: int) -> dict | str:
+    """The same protocol through llama-cpp-python, or a one-line reason it was not run."""
+    try:
+        import llama_cpp
+        import numpy as np
+    except ImportError:
+        return "llama-cpp-python is not installed"
+    gpu = device.type == "cuda"
+    if gpu and not llama_cpp.llama_supports_gpu_offload():
+        return "llama-cpp-python was built without GPU support"
+    try:
+        llm = llama_cpp.Llama(
+            model_path=str(path), n_ctx=ctx_size, n_batch=len(prompt), n_ubatch=len(prompt),
+            n_gpu_layers=-1 if gpu else 0, n_threads=threads, n_threads_batch=threads,
+            logits_all=False, verbose=False)
+    except (ValueError, RuntimeError, OSError) as e:  # what llama_cpp's loader raises
+        return f"llama.cpp could not load {path.name}: {e}"
+
+    n_vocab = llm.n_vocab()
+
+    def eval_last(ids: list[int]) -> int:
+        llm.eval(ids)
+        # llama_get_logits_ith waits for the (possibly asynchronous) decode to finish;
+        # without logits_all, llama-cpp-python itself keeps no logits.
+        logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(n_vocab,))))
+
+    try:
+        figures = time_protocol(eval_last, llm.reset, prompt, n_gen, repetitions)
+    finally:
+        llm.close()
+    figures["version"] = getattr(llama_cpp, "__version__", "?")
+    return figures
+
+
+# ---- bytes per token ----------------------------------------------------------------------
+def weight_bytes_per_token(loaded) -> int:
+    """Bytes of weights a decode step reads from a :class:`~localllm.runtime.LoadedModel`:
+    every tensor as the runtime stores it (quantized blocks on the Triton backend, except
+    the tensors it had to dequantize; float16 matrices on the torch backend), without the
+    input embedding table unless it is also the output projection (one row of it is read)."""
+    from .resources import stored_bytes
+
+    quantized = getattr(loaded, "backend", "torch") == "triton"
+    dequantized = {f.split(" ")[0] for f in getattr(loaded, "fallbacks", None) or ()}
+    tensors = loaded.gguf.tensors
+    tied = "output.weight" not in tensors
+    return sum(stored_bytes(t, quantized and name not in dequantized)
+               for name, t in tensors.items() if tied or name != "token_embd.weight")
+
+
+def kv_bytes_per_token(args, start: int, n_gen: int, ring_slack: int) -> int:
+    """Mean KV-cache bytes a decode step reads over positions ``start .. start+n_gen-1``
+    (float32 K and V; sliding-window layers read their ring of window + slack cells)."""
+    window = getattr(args, "sliding_window", None)
+    is_sliding = getattr(args, "is_sliding", lambda layer: True)
+    per_cell = 2 * args.n_kv_heads * args.head_dim * 4
+    total = 0
+    for pos in range(start, start + n_gen):
+        for layer in range(args.n_layers):
+            cells = pos + 1
+            if window is not None and is_sliding(layer):
+                cells = min(cells, window + ring_slack)
+            total += cells * per_cell
+    return total // max(n_gen, 1)
+
+
+def _gpu_driver() -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+
+
+# ---- the command --------------------------------------------------------------------------
+def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int = 3,
+              device: str = "auto", synthetic: str | None = None, quant: str = "Q4_K_M",
+              threads: int | None = None, peak_bandwidth: float | None = None,
+              llama_cpp: bool = True, as_json: bool = False) -> dict:
+    """Measure pp/tg/TTFT/peak memory/bandwidth (and llama.cpp's, when available); print them
+    as text, or as one JSON line with ``as_json``. Returns the figures.
+
+    Args:
+        model: models.toml name or .gguf path (ignored with ``synthetic``).
+        synthetic: a geometry of :mod:`localllm.synthetic` (``llama3-8b`` ...): bench a
+            random-weights file of that shape, quantized with recipe ``quant``.
+        threads: torch (and llama.cpp) CPU threads (default: torch's current setting).
+        peak_bandwidth: the device's peak memory bandwidth in GB/s (default: looked up by
+            GPU name; none on the CPU).
+    Raises:
+        ParameterError: a count or bandwidth out of range, an unknown synthetic name or quant.
+        LocalLLMError: model loading errors (see :class:`localllm.LLM`).
+    """
+    from .api import LLM
+    from .runtime import RING_SLACK
+
+    if n_prompt < TG_PROMPT or n_gen < 1 or repetitions < 1:
+        raise ParameterError(f"--n-prompt must be >= {TG_PROMPT}, --n-gen and --repetitions "
+                             f">= 1 (got {n_prompt}, {n_gen}, {repetitions})")
+    if peak_bandwidth is not None and peak_bandwidth <= 0:
+        raise ParameterError(f"--peak-bandwidth must be > 0 GB/s, got {peak_bandwidth}")
+    if threads is not None:
+        if threads < 1:
+            raise ParameterError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    if synthetic is not None:
+        from .synthetic import synthetic_model
+
+        model = synthetic_model(synthetic, quant)
+    ctx_size = max(n_prompt, TG_PROMPT + n_gen) + 8
+    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=n_prompt, progress=None)
     dev = llm.device
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, llm.tokenizer.n_vocab - 100, (n_prompt,), generator=gen).tolist()
-    session = llm.session()
-    pp, tg = [], []
-    for rep in range(repetitions + 1):
-        session.reset()
-        _sync(dev)
-        t0 = time.perf_counter()
-        logits = session.eval(prompt)
-        _sync(dev)
-        t_pp = time.perf_counter() - t0
-        session.reset()
-        logits = session.eval(prompt[:8])
-        token = int(logits.argmax())
-        _sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(n_gen):
-            token = int(session.eval([token]).argmax())
-        _sync(dev)
-        t_tg = time.perf_counter() - t0
-        if rep:  # the first run warms caches and allocators
-            pp.append(n_prompt / t_pp)
-            tg.append(n_gen / t_tg)
     if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2**20
-        mem = f"peak GPU memory {peak:.0f} MiB"
+        torch.cuda.reset_peak_memory_stats()
+    res: dict = {"model": llm.path.name, "synthetic": synthetic,
+                 "quant": quant if synthetic else None, "device": str(dev),
+                 "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                 "threads": torch.get_num_threads(), "n_prompt": n_prompt, "n_gen": n_gen,
+                 "repetitions": repetitions, "torch": torch.__version__,
+                 "backend": getattr(llm.loaded, "backend", "torch")}
+    res.update(_ours(llm, prompt, n_gen, repetitions))
+    if dev.type == "cuda":
+        res["peak_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20
+        res["cuda"] = torch.version.cuda
+        res["driver"] = _gpu_driver()
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        mem = f"peak RSS {peak:.0f} MiB"
-    res = {"pp": statistics.median(pp), "tg": statistics.median(tg), "peak_mib": peak,
-           "ttft_ms": 1e3 * n_prompt / statistics.median(pp), "device": str(dev),
-           "threads": torch.get_num_threads()}
-    print(f"model {llm.path.name} on {dev} ({torch.get_num_threads()} threads)")
-    print(f"pp{n_prompt}: {res['pp']:.1f} tok/s   tg{n_gen}: {res['tg']:.1f} tok/s   "
-          f"TTFT({n_prompt}) {res['ttft_ms']:.0f} ms   {mem}")
+        res["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    w_bytes = weight_bytes_per_token(llm.loaded)
+    kv_bytes = kv_bytes_per_token(llm.args, TG_PROMPT, n_gen, RING_SLACK)
+    res["weight_bytes_per_token"] = w_bytes
+    res["kv_bytes_per_token"] = kv_bytes
+    res["achieved_gbps"] = (w_bytes + kv_bytes) * res["tg"] / 1e9
+    peak = peak_bandwidth or (peak_bandwidth_gbps(res["device_name"])
+                              if dev.type == "cuda" else None)
+    res["peak_bandwidth_gbps"] = peak
+    res["mbu"] = res["achieved_gbps"] / peak if peak else None
+    path = llm.path
+    del llm
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    if llama_cpp:
+        ref = llama_cpp_figures(path, prompt, n_gen, repetitions, device=dev,
+                                threads=torch.get_num_threads(), ctx_size=ctx_size)
+        if isinstance(ref, dict):
+            res["llama_cpp"] = ref
+            res["ratio_pp"] = res["pp"] / ref["pp"]
+            res["ratio_tg"] = res["tg"] / ref["tg"]
+        else:
+            res["llama_cpp"] = None
+            res["llama_cpp_skipped"] = ref
+    if as_json:
+        print(json.dumps(res), flush=True)
+    else:
+        print_figures(res)
     return res
+
+
+def print_figures(res: dict, file=None) -> None:
+    """The human-readable summary of :func:`run_bench`'s figures."""
+    out = file or sys.stdout
+    what = f"synthetic {res['synthetic']} {res['quant']}" if res["synthetic"] else res["model"]
+    mem = "peak GPU memory" if res["device"].startswith("cuda") else "peak RSS"
+    print(f"model {what} on {res['device_name']} ({res['threads']} threads, "
+          f"{res['backend']} backend)", file=out)
+    print(f"pp{res['n_prompt']}: {res['pp']:.1f} tok/s   tg{res['n_gen']}: {res['tg']:.1f} tok/s"
+          f"   TTFT({res['n_prompt']}) {res['ttft_ms']:.0f} ms   {mem} {res['peak_mib']:.0f} MiB",
+          file=out)
+    line = (f"decode reads {res['weight_bytes_per_token'] / 2**20:.1f} MiB weights + "
+            f"{res['kv_bytes_per_token'] / 2**20:.1f} MiB KV per token: "
+            f"{res['achieved_gbps']:.1f} GB/s")
+    if res["mbu"] is not None:
+        line += f" = {100 * res['mbu']:.1f}% of {res['peak_bandwidth_gbps']:.0f} GB/s (MBU)"
+    print(line, file=out)
+    ref = res.get("llama_cpp")
+    if ref:
+        print(f"llama.cpp {ref['version']}: pp{res['n_prompt']} {ref['pp']:.1f} tok/s   "
+              f"tg{res['n_gen']} {ref['tg']:.1f} tok/s   TTFT {ref['ttft_ms']:.0f} ms", file=out)
+        print(f"ours / llama.cpp: pp x{res['ratio_pp']:.2f}   tg x{res['ratio_tg']:.2f}", file=out)
+    elif res.get("llama_cpp_skipped"):
+        print(f"llama.cpp comparison skipped: {res['llama_cpp_skipped']}", file=out)

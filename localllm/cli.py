@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -24,7 +24,7 @@ app = typer.Typer(
 )
 
 ModelArg = Annotated[
-    Optional[str], typer.Argument(help="models.toml name or .gguf path (default: gemma3-270m)")
+    str | None, typer.Argument(help="models.toml name or .gguf path (default: gemma3-270m)")
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu or cuda")]
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", help="context size in tokens")]
@@ -92,23 +92,23 @@ def print_timings(llm, timings, finish_reason: str | None) -> None:
 
 # ---- run ----------------------------------------------------------------------------------
 def _run(
-    args: Annotated[Optional[list[str]], typer.Argument(
+    args: Annotated[list[str] | None, typer.Argument(
         help="[MODEL] PROMPT  (PROMPT '-' reads stdin)", show_default=False)] = None,
-    model_opt: Annotated[Optional[str], typer.Option("--model", "-m", help="model name or path")] = None,
-    file: Annotated[Optional[Path], typer.Option("--file", "-f", help="read the prompt from FILE")] = None,
+    model_opt: Annotated[str | None, typer.Option("--model", "-m", help="model name or path")] = None,
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="read the prompt from FILE")] = None,
     n_predict: Annotated[int, typer.Option("--n-predict", "-n", help="tokens to generate (-1: no limit)")] = -1,
     ctx_size: CtxOpt = 4096,
     batch_size: BatchOpt = 512,
     device: DeviceOpt = "auto",
     special: Annotated[bool, typer.Option("--special", help="parse special-token text in the prompt")] = False,
-    stop: Annotated[Optional[list[str]], typer.Option("--stop", "-r", help="stop string (repeatable)")] = None,
+    stop: Annotated[list[str] | None, typer.Option("--stop", "-r", help="stop string (repeatable)")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="apply the chat template to the prompt")] = False,
-    system: Annotated[Optional[str], typer.Option("--system", help="system message (with --chat)")] = None,
-    chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="template NAME or FILE")] = None,
-    grammar: Annotated[Optional[str], typer.Option("--grammar", help="GBNF grammar text")] = None,
-    grammar_file: Annotated[Optional[str], typer.Option("--grammar-file", help="GBNF file or grammars/ name")] = None,
+    system: Annotated[str | None, typer.Option("--system", help="system message (with --chat)")] = None,
+    chat_template: Annotated[str | None, typer.Option("--chat-template", help="template NAME or FILE")] = None,
+    grammar: Annotated[str | None, typer.Option("--grammar", help="GBNF grammar text")] = None,
+    grammar_file: Annotated[str | None, typer.Option("--grammar-file", help="GBNF file or grammars/ name")] = None,
     json_mode: Annotated[bool, typer.Option("--json", help="output one JSON value")] = False,
-    json_schema: Annotated[Optional[str], typer.Option("--json-schema", help="JSON schema FILE or inline")] = None,
+    json_schema: Annotated[str | None, typer.Option("--json-schema", help="JSON schema FILE or inline")] = None,
     verbose: VerboseOpt = False,
     sampling=None,
 ) -> None:
@@ -207,7 +207,7 @@ def info(model: ModelArg = None) -> None:
 @app.command()
 def tokenize(
     model: ModelArg = None,
-    text: Annotated[Optional[str], typer.Argument(help="text to tokenize ('-' reads stdin)")] = None,
+    text: Annotated[str | None, typer.Argument(help="text to tokenize ('-' reads stdin)")] = None,
     no_bos: Annotated[bool, typer.Option("--no-bos", help="do not add BOS")] = False,
     special: Annotated[bool, typer.Option("--special", help="parse special-token text")] = False,
     pieces: Annotated[bool, typer.Option("--pieces", help="print id and piece per line")] = False,
@@ -253,12 +253,12 @@ def bench(
     n_gen: Annotated[int, typer.Option("--n-gen", "-n", help="generated tokens (tg)")] = 128,
     repetitions: Annotated[int, typer.Option("--repetitions", "-r")] = 3,
     device: DeviceOpt = "auto",
-    synthetic: Annotated[Optional[str], typer.Option(
+    synthetic: Annotated[str | None, typer.Option(
         "--synthetic", help="random weights shaped as llama3-8b, qwen2-7b or gemma3-270m")] = None,
     quant: Annotated[str, typer.Option(
         "--quant", help="recipe of --synthetic (Q4_K_M, Q8_0 ...)")] = "Q4_K_M",
-    threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads")] = None,
-    peak_bandwidth: Annotated[Optional[float], typer.Option(
+    threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads")] = None,
+    peak_bandwidth: Annotated[float | None, typer.Option(
         "--peak-bandwidth", help="device peak memory bandwidth in GB/s (for MBU)")] = None,
     llama_cpp: Annotated[bool, typer.Option(
         "--llama-cpp/--no-llama-cpp", help="also time llama-cpp-python when installed")] = True,

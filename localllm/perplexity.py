@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -57,21 +56,41 @@ def scored_nll(logits: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
     return -logp.gather(1, target[:, None])[:, 0].cpu()
 
 
-def perplexity_chunks(
+def chunk_logits(
     llm, tokens: Sequence[int], n_ctx: int, *, max_chunks: int = -1, batch_size: int = 512
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """Evaluate each chunk; yields (chunk index, NLL of its scored positions)."""
+) -> Iterator[tuple[int, torch.Tensor, list[int]]]:
+    """Evaluate each chunk from an empty cache (first token replaced by BOS).
+
+    Yields (chunk index, logits (n_ctx - n_ctx//2 - 1, n_vocab) float32 of the scored
+    positions n_ctx/2 .. n_ctx-2, the tokens they predict (same length)).
+    """
     session = llm.session(ctx_size=n_ctx)
     session.batch_size = batch_size
     bos = llm.tokenizer.bos_id
     first = n_ctx // 2
     for i, (start, end) in enumerate(chunk_token_ranges(len(tokens), n_ctx, max_chunks)):
-        chunk = list(tokens[start:end])
+        chunk = [int(t) for t in tokens[start:end]]
         if bos is not None and llm.tokenizer.add_bos:
             chunk[0] = bos
         session.reset()
         logits = session.eval(chunk, all_logits=True, logits_start=first)  # (n_ctx-first, V)
-        yield i, scored_nll(logits, chunk[first:])
+        yield i, logits[:-1], chunk[first + 1:]
+
+
+def perplexity_chunks(
+    llm, tokens: Sequence[int], n_ctx: int, *, max_chunks: int = -1, batch_size: int = 512
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Evaluate each chunk; yields (chunk index, NLL of its scored positions)."""
+    for i, logits, targets in chunk_logits(llm, tokens, n_ctx, max_chunks=max_chunks,
+                                           batch_size=batch_size):
+        yield i, nll_of(logits, targets)
+
+
+def nll_of(logits: torch.Tensor, targets: Sequence[int]) -> torch.Tensor:
+    """NLL (nats) of ``targets[j]`` under ``logits[j]``: (n, V) -> (n,) float64 on the CPU."""
+    target = torch.tensor(list(targets), dtype=torch.long, device=logits.device)
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    return -logp.gather(1, target[:, None])[:, 0].cpu()
 
 
 def summarize(nll: torch.Tensor, n_chunks: int) -> PerplexityResult:
@@ -91,28 +110,3 @@ def perplexity(llm, text: str, *, n_ctx: int = 512, max_chunks: int = -1,
     nlls = [nll for _, nll in perplexity_chunks(llm, tokens, n_ctx, max_chunks=max_chunks,
                                                 batch_size=batch_size)]
     return summarize(torch.cat(nlls), len(nlls))
-
-
-def perplexity_cli(model, file: Path, *, ctx_size: int, batch_size: int, chunks: int,
-                   device: str) -> None:
-    """``localllm perplexity``: running estimate per chunk, then ``PPL = x +/- y``."""
-    import sys
-
-    from .api import LLM
-
-    try:
-        text = Path(file).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise LocalLLMError(f"-f {file}: cannot read: {e}") from None
-    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=min(batch_size, ctx_size))
-    tokens = llm.tokenize(text, add_bos=True)
-    ranges = chunk_token_ranges(len(tokens), ctx_size, chunks)
-    print(f"perplexity: {len(tokens)} tokens, {len(ranges)} chunks of {ctx_size}", file=sys.stderr)
-    nlls = []
-    for i, nll in perplexity_chunks(llm, tokens, ctx_size, max_chunks=chunks,
-                                    batch_size=min(batch_size, ctx_size)):
-        nlls.append(nll)
-        running = math.exp(torch.cat(nlls).mean().item())
-        print(f"[{i + 1}]{running:.4f},", end="", flush=True)
-    res = summarize(torch.cat(nlls), len(nlls))
-    print(f"\nFinal estimate: PPL = {res.ppl:.4f} +/- {res.ppl_error:.5f}")

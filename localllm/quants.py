@@ -17,7 +17,6 @@ tensor's device when it supports the type, else the torch reference here.
 from __future__ import annotations
 
 import warnings
-
 from collections.abc import Callable
 from dataclasses import dataclass
 

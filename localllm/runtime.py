@@ -90,7 +90,7 @@ def load_model(
     args = arch.ModelArgs.from_gguf(gguf.metadata, tokenizer.n_vocab)
     dev = resolve_device(device)
     quantized = _use_quantized(backend, dev)
-    check_memory(gguf, args, ctx_size, dev, dtype)
+    check_memory(gguf, args, ctx_size, dev, dtype, quantized=quantized)
     if progress is None:
         progress = sys.stderr.isatty()
     total = sum(t.n_bytes for t in gguf.tensors.values())

@@ -88,7 +88,6 @@ def test_unknown_architecture(monkeypatch, capsys, workdir):
 
 def test_unsupported_quant_type_names_tensor_and_type(monkeypatch, capsys, workdir):
     import gguf
-
     from tiny_model import write_tiny_gguf
 
     f = write_tiny_gguf(workdir / "iq.gguf", "llama", qtype=gguf.GGMLQuantizationType.IQ4_NL)

@@ -1,0 +1,191 @@
+"""``localllm perplexity``: perplexity, KL divergence against a base model, and quant comparison.
+
+Modes (flags follow llama-perplexity, ``tools/perplexity/perplexity.cpp``):
+
+- ``perplexity MODEL -f TEXT``: running estimate per chunk, then ``Final estimate: PPL = x +/- y``;
+- ``... --kl-divergence-base BASE.npz``: the same, and saves the model's next-token
+  distributions (:mod:`localllm.kld`) for later comparisons;
+- ``perplexity QMODEL --kl-divergence-base BASE.npz --kl-divergence``: the text's tokens and
+  n_ctx come from the base file; prints PPL(Q) vs PPL(base), KLD, Δp and same-top-p sections;
+- ``perplexity -f TEXT --compare A.gguf B.gguf ...``: a table (size, bits per weight, PPL ± err,
+  ΔPPL %, KLD vs A, same top-1 %, decode tok/s) and a PNG plot of PPL against bits per weight.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import torch
+import typer
+
+from . import kld as K
+from .errors import LocalLLMError
+from .perplexity import PerplexityResult, chunk_logits, chunk_token_ranges, nll_of, summarize
+
+
+@dataclass
+class Evaluation:
+    """One model over one text: PPL, and optionally its distributions or a comparison."""
+
+    result: PerplexityResult
+    running: list[float]
+    dists: list[K.ChunkDistributions] = field(default_factory=list)
+    comparisons: list[K.ChunkComparison] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@contextmanager
+def _progress(total: int, label: str):
+    """A rich progress bar with ETA on stderr (only drawn when stderr is a terminal)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    console = Console(file=sys.stderr)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                  console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task(label, total=total)
+
+        def update(i: int, ppl: float) -> None:
+            bar.update(task, completed=i, description=f"{label} [PPL {ppl:.4f}]")
+
+        yield update
+
+
+def evaluate(llm, tokens, n_ctx: int, *, max_chunks: int = -1, batch_size: int = 512,
+             keep_top_k: int = 0, base: list[K.ChunkDistributions] | None = None,
+             label: str = "perplexity", echo: bool = False) -> Evaluation:
+    """Score ``tokens`` in chunks (llama-perplexity's rules, see :mod:`localllm.perplexity`).
+
+    keep_top_k > 0 keeps the top-k distributions (for a base file or a comparison); ``base``
+    compares each chunk with the base's. ``echo`` prints the running estimate ``[i]ppl,``.
+    Raises LocalLLMError when the text is shorter than 2 * n_ctx tokens.
+    """
+    n_chunks = len(chunk_token_ranges(len(tokens), n_ctx, max_chunks))
+    ev = Evaluation(PerplexityResult(math.nan, math.nan, math.nan, 0, 0), [])
+    nlls: list[torch.Tensor] = []
+    t0 = time.perf_counter()
+    with _progress(n_chunks, label) as update:
+        for i, logits, targets in chunk_logits(llm, tokens, n_ctx, max_chunks=max_chunks,
+                                               batch_size=batch_size):
+            nlls.append(nll_of(logits, targets))
+            if keep_top_k:
+                ev.dists.append(K.distributions(logits, targets, keep_top_k))
+            if base is not None:
+                ev.comparisons.append(K.compare(logits, targets, base[i]))
+            running = math.exp(torch.cat(nlls).mean().item())
+            ev.running.append(running)
+            update(i + 1, running)
+            if echo:
+                print(f"[{i + 1}]{running:.4f},", end="", flush=True)
+    if echo:
+        print()
+    ev.seconds = time.perf_counter() - t0
+    ev.result = summarize(torch.cat(nlls), len(nlls))
+    return ev
+
+
+def _read_text(file: Path | None) -> str:
+    if file is None:
+        raise LocalLLMError("no text: give -f FILE")
+    try:
+        return Path(file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise LocalLLMError(f"-f {file}: cannot read: {e}") from None
+
+
+def _load(model, device: str, n_ctx: int, batch_size: int):
+    from .api import LLM
+
+    return LLM(model, device=device, ctx_size=n_ctx, batch_size=min(batch_size, n_ctx))
+
+
+def _vocab_of(llm) -> str:
+    return K.vocab_fingerprint(llm.metadata.get("tokenizer.ggml.tokens", []))
+
+
+def _final_line(res: PerplexityResult) -> str:
+    return f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_error:.5f}"
+
+
+def perplexity_command(
+    models: Annotated[list[str] | None, typer.Argument(
+        help="model name or .gguf path (several with --compare; default: gemma3-270m)",
+        show_default=False)] = None,
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="text file to score")] = None,
+    ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="tokens per chunk")] = 512,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="prefill chunk")] = 2048,
+    chunks: Annotated[int, typer.Option("--chunks", help="most chunks to score (-1: all)")] = -1,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda")] = "auto",
+    kl_base: Annotated[Path | None, typer.Option(
+        "--kl-divergence-base", help="file of the base model's distributions (.npz): "
+        "written, or read with --kl-divergence")] = None,
+    kl_divergence: Annotated[bool, typer.Option(
+        "--kl-divergence", help="compare MODEL with --kl-divergence-base")] = False,
+    kl_top_k: Annotated[int, typer.Option(
+        "--kl-top-k", help="top-k log-probs kept per token in the base file")] = K.DEFAULT_TOP_K,
+    compare: Annotated[bool, typer.Option(
+        "--compare", help="compare the MODELS (the first is the reference)")] = False,
+    plot: Annotated[Path, typer.Option(
+        "--plot", help="PNG of PPL against bits per weight (with --compare)")] = Path(
+        "perplexity-compare.png"),
+) -> None:
+    """Perplexity of a text with llama-perplexity's method; KL divergence; quant comparison."""
+    models = list(models or [])
+    if compare:
+        from .ppl_compare import run_compare
+
+        if len(models) < 2:
+            raise LocalLLMError("--compare needs at least two models")
+        run_compare(models, _read_text(file), n_ctx=ctx_size, batch_size=batch_size,
+                    max_chunks=chunks, device=device, plot=plot)
+        return
+    if len(models) > 1:
+        raise LocalLLMError(f"one model expected, got {len(models)} (use --compare)")
+    model = models[0] if models else None
+    if kl_divergence:
+        if kl_base is None:
+            raise LocalLLMError("--kl-divergence needs --kl-divergence-base FILE")
+        base = K.load_base(kl_base)
+        llm = _load(model, device, base.n_ctx, batch_size)
+        if _vocab_of(llm) != base.vocab:
+            raise LocalLLMError(f"{llm.path.name}: its vocabulary differs from the base model's "
+                                f"({base.model}) in {kl_base}")
+        print(f"kl-divergence: {len(base.tokens)} tokens, {len(base.chunks)} chunks of "
+              f"{base.n_ctx} (base: {base.model})", file=sys.stderr)
+        ev = evaluate(llm, base.tokens.tolist(), base.n_ctx, max_chunks=len(base.chunks),
+                      batch_size=batch_size, base=base.chunks, label="kl-divergence", echo=True)
+        print(_final_line(ev.result))
+        print()
+        print(K.format_report(K.summarize(ev.comparisons)))
+        return
+    if kl_top_k < 1:
+        raise LocalLLMError(f"--kl-top-k {kl_top_k}: must be at least 1")
+    text = _read_text(file)
+    llm = _load(model, device, ctx_size, batch_size)
+    tokens = llm.tokenize(text, add_bos=True)
+    n = len(chunk_token_ranges(len(tokens), ctx_size, chunks))
+    print(f"perplexity: {len(tokens)} tokens, {n} chunks of {ctx_size}", file=sys.stderr)
+    ev = evaluate(llm, tokens, ctx_size, max_chunks=chunks, batch_size=batch_size,
+                  keep_top_k=kl_top_k if kl_base is not None else 0, echo=True)
+    print(_final_line(ev.result))
+    n_tok = ev.result.n_chunks * ctx_size
+    print(f"{ev.seconds:.2f} s, {n_tok / ev.seconds:.1f} tokens per second", file=sys.stderr)
+    if kl_base is not None:
+        K.save_base(kl_base, K.BaseFile(np.asarray(tokens, dtype=np.int32),
+                                        ctx_size, _vocab_of(llm), llm.path.name, ev.dists))
+        print(f"saved base distributions (top {kl_top_k}) to {kl_base}", file=sys.stderr)

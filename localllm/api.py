@@ -30,6 +30,8 @@ class LLM:
         ctx_size: context size of sessions, in tokens (capped at the model's context length).
         batch_size: most tokens per forward during prefill.
         verbose: print load progress on stderr when it is a terminal.
+        dtype: storage dtype of dequantized weights on the torch backend (float32 for an
+            exact evaluation; twice the memory of the float16 default).
     Raises:
         ModelNotFoundError, GGUFError, UnsupportedError: see :func:`load_model`.
     """
@@ -43,11 +45,13 @@ class LLM:
         batch_size: int = 512,
         verbose: bool = False,
         progress: bool | None = None,
+        dtype: torch.dtype = torch.float16,
     ) -> None:
         path, entry = load_registry().resolve(model)
         self.path: Path = path
         self.entry: ModelEntry | None = entry
-        self.loaded = load_model(path, device=device, progress=progress, ctx_size=ctx_size)
+        self.loaded = load_model(path, device=device, progress=progress, ctx_size=ctx_size,
+                                 dtype=dtype)
         self.tokenizer = self.loaded.tokenizer
         self.args = self.loaded.args
         self.metadata: dict = self.loaded.gguf.metadata

@@ -284,7 +284,11 @@ def main() -> None:
     """Console entry point: maps user errors and signals to one line and an exit code."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # typer returns exit codes (130 for Ctrl-C)
+        if isinstance(code, int) and code != 0:
+            if code == 130:
+                _err("interrupted")
+            sys.exit(code)
     except LocalLLMError as e:
         _err(f"error: {e}")
         sys.exit(e.exit_code)

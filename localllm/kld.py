@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .atomic import atomic_output
 from .errors import LocalLLMError
 
 FORMAT_VERSION = 1
@@ -128,17 +129,8 @@ def save_base(path: str | Path, base: BaseFile) -> None:
         "top_ids": np.concatenate([c.top_ids for c in base.chunks]),
         "top_logp": np.concatenate([c.top_logp for c in base.chunks]),
     }
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez_compressed(f, **arrays)
-        tmp.replace(path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise LocalLLMError(f"--kl-divergence-base {path}: cannot write: {e.strerror}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_output(path, "--kl-divergence-base") as tmp, open(tmp, "wb") as f:
+        np.savez_compressed(f, **arrays)
 
 
 def load_base(path: str | Path) -> BaseFile:

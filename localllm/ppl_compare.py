@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import kld as K
+from .atomic import atomic_output
 from .errors import LocalLLMError
 
 DECODE_TOKENS = 32
@@ -153,9 +154,8 @@ def write_plot(rows: list[CompareRow], path: Path) -> bool:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=120)
-    except OSError as e:
-        raise LocalLLMError(f"--plot {path}: cannot write: {e.strerror}") from None
+        with atomic_output(path, "--plot") as tmp:
+            fig.savefig(tmp, dpi=120, format="png")
     finally:
         plt.close(fig)
     print(f"plot: {path}", file=sys.stderr)

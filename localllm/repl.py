@@ -23,6 +23,7 @@ from typing import Annotated
 
 import typer
 
+from .atomic import atomic_output
 from .chat_template import ChatTemplate, apply_chat, template_for
 from .errors import LocalLLMError, ParameterError
 from .stop import StopMatcher
@@ -299,11 +300,9 @@ class ChatREPL:
         """Write the conversation as JSON: ``{"messages": [{"role", "content"}, ...]}``."""
         messages = ([{"role": "system", "content": self.system}] if self.system else [])
         data = {"messages": messages + self.messages}
-        try:
-            Path(file).expanduser().write_text(json.dumps(data, ensure_ascii=False, indent=2)
-                                               + "\n", encoding="utf-8")
-        except OSError as e:
-            raise LocalLLMError(f"/save {file}: {e.strerror or e}") from None
+        with atomic_output(Path(file).expanduser(), "/save") as tmp:
+            tmp.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n",
+                           encoding="utf-8")
         self.note(f"saved {len(data['messages'])} messages to {file}")
 
     def load(self, file: str) -> None:

@@ -15,7 +15,6 @@ random floats. The block layouts are ggml's (``ggml-common.h``: ``block_q4_K`` .
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
+from .atomic import atomic_output
 from .errors import LocalLLMError, ParameterError
 
 Q = GGMLQuantizationType
@@ -313,9 +313,11 @@ def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: i
         raise LocalLLMError(f"synthetic vocabulary of {geometry.name}: "
                             f"{len(vocab['tokenizer.ggml.tokens'])} != {geometry.n_vocab}")
     rng = np.random.default_rng(seed)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LocalLLMError(f"{path.parent}: cannot create: {e.strerror or e}") from None
+    with atomic_output(path) as tmp:
         w = GGUFWriter(tmp, geometry.arch)
         w.add_name(f"synthetic {geometry.name} {quant}")
         for key, value in {**_hparams(geometry), **vocab}.items():
@@ -336,13 +338,6 @@ def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: i
         for name, shape in shapes:
             w.write_tensor_data(random_tensor(name, shape, types[name], rng))
         w.close()
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise LocalLLMError(f"{path}: cannot write synthetic model: {e.strerror or e}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return path
 
 

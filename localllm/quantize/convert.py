@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
 
+from ..atomic import atomic_output
 from ..errors import LocalLLMError, ParameterError
 from .blocks import dequantize_rows, quantize_rows, row_bytes
 from .recipe import FILE_TYPES, FLOAT_TYPES, parse_file_type, plan
@@ -123,46 +124,39 @@ def quantize_gguf(src: str | Path, dst: str | Path, ftype: str, *,
         raise LocalLLMError(f"{dst}: the directory {dst.parent} does not exist")
 
     t0 = time.perf_counter()
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
     out_bytes = 0
-    writer = None
-    try:
+    with atomic_output(dst) as tmp:
         writer = _Writer(tmp, gf.architecture)
-        _copy_metadata(header, writer)
-        if "general.alignment" in header.metadata:  # the writer pads tensor data to it
-            writer.add_custom_alignment(int(header.metadata["general.alignment"]))
-        writer.add_file_type(int(FILE_TYPES[ftype][0]))
-        writer.add_quantization_version(QUANTIZATION_VERSION)
-        for t in infos:
-            new = types[t.name]
-            n_rows = t.n_elements // t.shape[-1]
-            nbytes = row_bytes(new, t.shape[-1]) * n_rows
-            byte_shape = (*t.shape[:-1], nbytes // n_rows)
-            writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=new)
-            out_bytes += nbytes
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for i, t in enumerate(infos):
-            if progress is not None:
-                progress(t.name, i, len(infos))
-            new = types[t.name]
-            if new == t.qtype:
-                data = np.asarray(t.data)
-            else:
-                x = dequantize_rows(t.data, t.qtype, t.shape).reshape(-1, t.shape[-1])
-                data = quantize_rows(x, new)
-            writer.write_tensor_data(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
-        writer.close()
-        os.replace(tmp, dst)
-    except BaseException as e:
-        if writer is not None:
-            with contextlib.suppress(Exception):  # release the handle before removing the file
+        try:
+            _copy_metadata(header, writer)
+            if "general.alignment" in header.metadata:  # the writer pads tensor data to it
+                writer.add_custom_alignment(int(header.metadata["general.alignment"]))
+            writer.add_file_type(int(FILE_TYPES[ftype][0]))
+            writer.add_quantization_version(QUANTIZATION_VERSION)
+            for t in infos:
+                new = types[t.name]
+                n_rows = t.n_elements // t.shape[-1]
+                nbytes = row_bytes(new, t.shape[-1]) * n_rows
+                byte_shape = (*t.shape[:-1], nbytes // n_rows)
+                writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), nbytes,
+                                       raw_dtype=new)
+                out_bytes += nbytes
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for i, t in enumerate(infos):
+                if progress is not None:
+                    progress(t.name, i, len(infos))
+                new = types[t.name]
+                if new == t.qtype:
+                    data = np.asarray(t.data)
+                else:
+                    x = dequantize_rows(t.data, t.qtype, t.shape).reshape(-1, t.shape[-1])
+                    data = quantize_rows(x, new)
+                writer.write_tensor_data(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+        finally:
+            with contextlib.suppress(Exception):  # release the handle before the file goes
                 writer.close()
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise LocalLLMError(f"{dst}: cannot write: {e.strerror or e}") from None
-        raise
     in_bytes = sum(t.n_bytes for t in infos)
     return QuantizeReport(in_bytes, out_bytes, sum(t.n_elements for t in infos),
                           time.perf_counter() - t0, types)

@@ -365,7 +365,8 @@ class Typical(_Stateless):
 
 class TopP(_Stateless):
     """Nucleus sampling (Holtzman et al. 2019, arXiv:1904.09751): keep the most probable tokens
-    until their mass reaches ``p``. Sorts only the top 256 unless the nucleus is larger."""
+    until their mass reaches ``p``. Sorts only the top 256, then the top 4096, and all of them
+    only if the nucleus is larger still (a full sort of 262,144 costs ~30 ms on one CPU core)."""
 
     def __init__(self, p: float, min_keep: int = 0) -> None:
         self.p, self.min_keep = p, min_keep
@@ -387,7 +388,7 @@ class TopP(_Stateless):
             hit = ok.nonzero()
             if hit.numel() or k == n:
                 break
-            k = n
+            k = min(n, 4096) if k < 4096 else n
         last = int(hit[0]) + 1 if hit.numel() else n
         keep = torch.zeros(n, dtype=torch.bool, device=ids.device)
         keep[order[:last]] = True
@@ -408,7 +409,7 @@ class MinP(_Stateless):
             threshold = logits.max() + np.float32(math.log(self.p))
             drop = logits < threshold
             if self.min_keep > 1 and int((~drop & (logits > NEG_INF)).sum()) < self.min_keep:
-                top = torch.topk(logits, self.min_keep).indices
+                top = torch.topk(logits, min(self.min_keep, logits.numel())).indices
                 _keep_only(logits, top)
                 return top
             logits.masked_fill_(drop, NEG_INF)
@@ -465,6 +466,9 @@ class Temperature(_Stateless):
             return None
         if t <= 0.0:
             ids = support.sort().values  # first in id order on ties, as a full argmax
+            ids = ids[logits[ids] > NEG_INF]
+            if not ids.numel():  # everything masked: the selector reports it
+                return ids
             vals = logits[ids]
             keep = torch.zeros(ids.numel(), dtype=torch.bool, device=ids.device)
             keep[vals.argmax()] = True
@@ -553,19 +557,26 @@ class Mirostat:
         self.mu = 2.0 * self.tau
 
     def estimate_k(self, sorted_probs: np.ndarray, n_vocab: int) -> int:
-        """k from the top probabilities sorted descending (float64 (n,), n >= 2)."""
+        """k from the top probabilities sorted descending (float64 (n,), n >= 2).
+
+        Returns ``n_vocab`` when k is unbounded (s_hat = 0: equal probabilities) and 1 when
+        probabilities underflowed to 0 (s_hat is 0/0 there; the distribution is one spike).
+        """
         n = min(self.m - 1, sorted_probs.size - 1)
         i = np.arange(n, dtype=np.float64)
         t = np.log((i + 2) / (i + 1))
-        b = np.log(sorted_probs[:n] / sorted_probs[1 : n + 1])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            b = np.log(sorted_probs[:n] / sorted_probs[1 : n + 1])
         s_hat = float((t * b).sum() / (t * t).sum())
+        if math.isnan(s_hat):
+            return 1
         eps = s_hat - 1.0
         try:
             k = (eps * 2.0**self.mu / (1.0 - float(n_vocab) ** -eps)) ** (1.0 / s_hat)
         except (OverflowError, ZeroDivisionError):
             k = float("inf")
         if isinstance(k, complex) or not math.isfinite(k):
-            return sorted_probs.size
+            return n_vocab
         return max(int(k), 1)
 
     def select(self, logits: torch.Tensor, support: Support = None) -> int:

@@ -218,6 +218,9 @@ class SamplingParams:
                 raise ParameterError(f"--logit-bias: token id must be an integer >= 0, got {tok!r}")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
                 raise ParameterError(f"--logit-bias: bias of token {tok} must be a number")
+            if bias == math.inf:  # softmax of inf - inf is NaN: the draw would be garbage
+                raise ParameterError(
+                    f"--logit-bias: bias of token {tok} must be finite or -inf, got +inf")
 
 
 @dataclass

@@ -430,6 +430,56 @@ def test_support_and_full_paths_agree():
         assert survivors(a) == survivors(b), type(step).__name__
 
 
+
+def test_greedy_with_every_token_masked_raises_the_chain_error():
+    # A grammar or --logit-bias can mask every token; greedy decoding must then report it like
+    # dist does (one LocalLLMError), not fail inside the temperature step on an empty support.
+    from localllm.errors import LocalLLMError
+
+    x = torch.full((100,), -INF)
+    for kw in ({"temp": 0.0}, {"temp": 0.0, "top_k": 0}, {"temp": -1.0, "top_k": 5}):
+        chain = build_sampler(SamplingParams(seed=1, **kw), None)
+        with pytest.raises(LocalLLMError, match="no token can be sampled"):
+            chain.sample(x)
+    # the temperature step alone: an empty support stays empty
+    y = torch.full((4,), -INF)
+    assert S.Temperature(0.0).apply(y, torch.tensor([2, 0])).numel() == 0
+
+
+def test_min_p_min_keep_larger_than_the_vocabulary():
+    # min_keep only guarantees "at least"; more than the vocabulary keeps every candidate
+    x = t([0.0, -5.0, -INF])
+    S.MinP(0.5, min_keep=10).apply(x)
+    assert survivors(x) == [0, 1]
+
+
+def test_top_p_nucleus_beyond_4096():
+    # the partial sort widens in steps; a nucleus needing thousands of tokens must still be exact
+    x = torch.zeros(20000)
+    x[:3] = 2.0
+    S.TopP(0.5).apply(x)
+    probs = torch.softmax(torch.zeros(20000).index_fill_(0, torch.arange(3), 2.0), 0)
+    n = int((torch.cumsum(probs, 0) < 0.5).sum()) + 1  # ids are already in descending order
+    assert n > 4096 and len(survivors(x)) == n
+
+
+def test_mirostat_v1_infinite_k_keeps_every_candidate():
+    # Equal probabilities give s_hat = 0, so k = (...)^(1/s_hat) is infinite: nothing is cut.
+    x = torch.zeros(1000)
+    m = S.Mirostat(1000, tau=5.0, eta=0.1, rng=S.Uniform(0))
+    m.select(x)
+    assert len(survivors(x)) == 1000
+    # Probabilities that underflowed to 0 (a very peaked distribution, low temperature) make
+    # s_hat 0/0; as s grows k = (eps 2^mu / (1 - N^-eps))^(1/s) tends to 1, so keep one.
+    assert m.estimate_k(np.array([1.0, 1e-30, 0.0, 0.0]), 1000) == 1
+
+
+def test_positive_infinite_logit_bias_is_rejected():
+    # +inf would turn the distribution into NaNs (softmax of inf - inf): say so instead
+    with pytest.raises(ParameterError, match="--logit-bias"):
+        SamplingParams(logit_bias={5: INF}).validate()
+    SamplingParams(logit_bias={5: -INF, 6: 2.5}).validate()  # -inf bans a token: fine
+
 # ---- golden fixtures from llama.cpp's own samplers ----------------------------------------------
 # Recorded by tests/data/sampling/record.py: real next-token logits of the default model after
 # self-repeating prompts (the largest 3000 plus the prompt's tokens), the prompt accepted as

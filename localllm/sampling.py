@@ -96,7 +96,7 @@ def parse_sampling_seq(text: str) -> list[str]:
 class SamplingParams:
     """Sampling settings, with llama.cpp's ``common_params_sampling`` names and defaults.
 
-    ``seed`` None (or -1) draws a random seed per chain. Setting a step's parameter to its
+    ``seed`` None (or -1, or 4294967295 as in llama.cpp) draws a random seed per chain. Setting a step's parameter to its
     "off" value disables it: top_k <= 0, top_p = 1, min_p = 0, typ_p = 1, top_n_sigma <= 0,
     xtc_probability = 0, dry_multiplier = 0, penalty_repeat = 1 with zero freq/presence.
     """
@@ -343,7 +343,8 @@ def build_sampler(params: SamplingParams, tokenizer, *, constraint=None,
         UnsupportedError: the ``infill`` sampler.
     """
     params.validate()
-    seed = params.seed if params.seed not in (None, -1) else secrets.randbits(32)
+    # None, -1 and llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF) all mean a random seed.
+    seed = params.seed if params.seed not in (None, -1, 0xFFFFFFFF) else secrets.randbits(32)
     rng = S.Uniform(seed)
     n_vocab = tokenizer.n_vocab if tokenizer is not None else None
 

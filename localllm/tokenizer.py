@@ -10,8 +10,10 @@ Two vocabulary types are supported, under the names llama.cpp gives them in
   ``tokenizers`` library with the pre-tokenizer regex that ``tokenizer.ggml.pre`` names.
 
 Special tokens follow llama.cpp: CONTROL tokens are only recognised in the text when
-``special=True``; USER_DEFINED tokens are always recognised. Decoding is our own:
-each token maps to the bytes it contributes (:meth:`Tokenizer.token_bytes`).
+``special=True``; USER_DEFINED tokens are always recognised. Known turn-end and
+fill-in-the-middle texts count as CONTROL whatever type the GGUF gives them, as in
+llama.cpp. Decoding is our own: each token maps to the bytes it contributes
+(:meth:`Tokenizer.token_bytes`).
 """
 
 from __future__ import annotations
@@ -25,33 +27,65 @@ from .errors import GGUFError, UnsupportedError
 # GGUF token types (gguf.TokenType; identical to sentencepiece's piece types).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-# Texts of tokens that end a turn in the families we know; llama.cpp collects the same
-# set into its end-of-generation list when the metadata does not name them.
+# Token texts llama.cpp (llama_vocab::impl::load) always treats as CONTROL, whatever type the
+# GGUF gives them, and adds to the end-of-generation set. Checked against llama.cpp with
+# tests/data/tokenizer/record.py.
 _EOG_TEXTS = (
     "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>",
-    "<|end_of_text|>", "<EOT>", "<|return|>", "<|call|>", "<end_of_utterance>",
+    "<|end_of_text|>", "<EOT>", "_<EOT>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_utterance>", "<｜end▁of▁sentence｜>", "</s>", "<eos>",
+    # fill-in-the-middle padding, repository and file separators
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "<|fim_repo|>", "<|repo_name|>",
+    "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>",
 )
+# Fill-in-the-middle prefix/suffix/middle texts: promoted to CONTROL, but do not end generation.
+_FIM_TEXTS = (
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<PRE>", "▁<PRE>", "<｜fim▁begin｜>",
+    "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<SUF>", "▁<SUF>", "<｜fim▁hole｜>",
+    "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<MID>", "▁<MID>", "<｜fim▁end｜>",
+)
+# In the harmony (gpt-oss) style vocabularies "<|end|>" ends a message, not the generation;
+# llama.cpp recognises them by these pairs and then leaves "<|end|>" alone.
+_END_IS_NOT_EOG_WITH = (("<|return|>", "<|call|>"), ("<|calls|>", "<|flush|>"))
 _SPECIAL_ID_KEYS = ("bos", "eos", "eot", "eom", "unknown", "padding", "sep")
 
 # Pre-tokenizer regexes by ``tokenizer.ggml.pre`` (llama.cpp's llama-vocab.cpp lists the same).
+# A tuple is applied in stages: each regex splits every piece the previous one produced, and
+# the text between matches stays a piece of its own (llama.cpp's unicode_regex_split).
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Contractions match ASCII case only: (?i:'s) would also take the long s "'ſ".
+_CONTRACTIONS = r"'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD]"
 _LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-PRE_TOKENIZER_REGEX = {
-    "default": _GPT2_REGEX,
+# llama.cpp's fallback when the pre-tokenizer is missing: punctuation runs are cut off first,
+# then the GPT-2 split, then digit runs are cut into groups of three from the left.
+_DEFAULT_REGEXES = (
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+)
+PRE_TOKENIZER_REGEX: dict[str, str | tuple[str, ...]] = {
+    "default": _DEFAULT_REGEXES,
     "gpt2": _GPT2_REGEX,
+    "gpt-2": _GPT2_REGEX,
     "llama3": _LLAMA3_REGEX,
+    "llama-v3": _LLAMA3_REGEX,
     "llama-bpe": _LLAMA3_REGEX,
+    "falcon3": _LLAMA3_REGEX,
     "smaug-bpe": _LLAMA3_REGEX,
     "qwen2": _QWEN2_REGEX,
     "deepseek-r1-qwen": _QWEN2_REGEX,
 }
+# Pre-tokenizer names llama.cpp loads as LLAMA3: whole words found in the vocabulary skip the
+# merges (ignore_merges) and BOS is added unless tokenizer.ggml.add_bos_token says otherwise.
+_LLAMA3_PRES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3"})
 
 
 @lru_cache(maxsize=1)
@@ -78,8 +112,10 @@ class Tokenizer:
     Attributes:
         n_vocab: vocabulary size (tokens).
         bos_id / eos_id: from ``tokenizer.ggml.bos_token_id`` / ``eos_token_id`` (or None).
-        eog_ids: every end-of-generation token id (EOS, EOT, EOM and known turn-end texts).
-        add_bos: ``tokenizer.ggml.add_bos_token`` (llama.cpp's default: True for ``llama``).
+        eog_ids: every end-of-generation token id (EOS, EOT, EOM, known turn-end texts and
+            fill-in-the-middle separators, as llama.cpp collects them).
+        add_bos: ``tokenizer.ggml.add_bos_token`` (llama.cpp's default: True for ``llama`` and
+            for ``gpt2`` with a Llama-3 pre-tokenizer).
     """
 
     def __init__(self, metadata: dict) -> None:
@@ -114,15 +150,17 @@ class Tokenizer:
 
         ids = {name: special_id(name) for name in _SPECIAL_ID_KEYS}
         self.bos_id, self.eos_id = ids["bos"], ids["eos"]
-        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", self.model_type == "llama"))
+        pre = metadata.get("tokenizer.ggml.pre", "default")
+        default_bos = self.model_type == "llama" or pre in _LLAMA3_PRES
+        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
         self.add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
         self.add_space_prefix = bool(
             metadata.get("tokenizer.ggml.add_space_prefix", self.model_type == "llama")
         )
         eog = {i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None}
-        text_to_id = {t: i for i, t in enumerate(self.tokens) if self.types[i] != NORMAL}
-        eog.update(text_to_id[t] for t in _EOG_TEXTS if t in text_to_id)
+        eog.update(self._promote_special_texts())
         self.eog_ids: frozenset[int] = frozenset(eog)
+        text_to_id = {t: i for i, t in enumerate(self.tokens) if self.types[i] != NORMAL}
 
         # Texts recognised as single tokens before the BPE runs (llama.cpp's
         # tokenizer_st_partition): CONTROL only with special=True, USER_DEFINED always.
@@ -138,8 +176,21 @@ class Tokenizer:
             merges = metadata.get("tokenizer.ggml.merges")
             if not merges:
                 raise GGUFError("tokenizer.ggml.merges is missing for a gpt2 vocabulary")
-            pre = metadata.get("tokenizer.ggml.pre", "default")
             self._bpe = _build_byte_bpe(self.tokens, list(merges), pre)
+
+    def _promote_special_texts(self) -> set[int]:
+        """Mark the turn-end and fill-in-the-middle texts CONTROL, as llama.cpp does on load;
+        returns the ids of those that end generation."""
+        index = {t: i for i, t in enumerate(self.tokens)}
+        eog_texts = set(_EOG_TEXTS)
+        if any(a in index and b in index for a, b in _END_IS_NOT_EOG_WITH):
+            eog_texts.discard("<|end|>")
+        promoted = [index[t] for t in (*eog_texts, *_FIM_TEXTS) if t in index]
+        if promoted:
+            self.types = list(self.types)
+            for i in promoted:
+                self.types[i] = CONTROL
+        return {index[t] for t in eog_texts if t in index}
 
     # ---- encoding -------------------------------------------------------------------------
     def encode(self, text: str, *, add_bos: bool | None = None, special: bool = False) -> list[int]:
@@ -303,9 +354,11 @@ def _build_byte_bpe(tokens, merges, pre):
         raise UnsupportedError(f"tokenizer.ggml.pre {pre!r} is not supported")
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    bpe = HFTokenizer(BPE(vocab, pairs, ignore_merges=pre in ("llama3", "llama-bpe")))
+    bpe = HFTokenizer(BPE(vocab, pairs, ignore_merges=pre in _LLAMA3_PRES))
+    regexes = PRE_TOKENIZER_REGEX[pre]
+    regexes = (regexes,) if isinstance(regexes, str) else regexes
     bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRE_TOKENIZER_REGEX[pre]), behavior="isolated"),
+        *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     return bpe

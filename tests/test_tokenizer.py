@@ -30,7 +30,9 @@ def test_reference_tokenization(gemma_tokenizer, reference):
 def test_gemma_metadata_and_roundtrip(gemma_tokenizer, reference):
     tok = gemma_tokenizer
     assert (tok.bos_id, tok.eos_id, tok.add_bos) == (2, 1, True)
-    assert tok.eog_ids == {1, 106}  # <eos>, <end_of_turn>
+    # <eos>, <end_of_turn>, and '</s>' (USER_DEFINED in the GGUF; llama.cpp makes it EOG too)
+    assert tok.eog_ids == {1, 106, 212}
+    assert tok.is_control(212) and 212 not in tok.encode("a</s>b")
     for case in reference["tokenize"]:
         if "<start_of_turn>" not in case["text"]:
             assert tok.decode(case["add_bos_true"]) == case["text"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ContextOverflowError, LocalLLMError
+from .errors import ContextOverflowError, LocalLLMError, ParameterError
 from .generate import Step, Timings, generate_tokens
 from .registry import ModelEntry, load_registry
 from .runtime import Session, load_model
@@ -27,7 +27,8 @@ class LLM:
         model: a name from models.toml, or a path to a .gguf file (default: the registry's
             default model).
         device: "auto" (CUDA when available), "cpu" or "cuda".
-        ctx_size: context size of sessions, in tokens (capped at the model's context length).
+        ctx_size: context size of sessions, in tokens (capped at the model's context length;
+            0: the model's context length, as llama.cpp's ``-c 0``).
         batch_size: most tokens per forward during prefill.
         verbose: print load progress on stderr when it is a terminal.
         dtype: storage dtype of dequantized weights on the torch backend (float32 for an
@@ -47,6 +48,10 @@ class LLM:
         progress: bool | None = None,
         dtype: torch.dtype = torch.float16,
     ) -> None:
+        if ctx_size < 0:
+            raise ParameterError(f"--ctx-size must be >= 0 (0: the model's), got {ctx_size}")
+        if batch_size < 1:
+            raise ParameterError(f"--batch-size must be >= 1, got {batch_size}")
         path, entry = load_registry().resolve(model)
         self.path: Path = path
         self.entry: ModelEntry | None = entry
@@ -56,7 +61,7 @@ class LLM:
         self.args = self.loaded.args
         self.metadata: dict = self.loaded.gguf.metadata
         self.device = self.loaded.device
-        self.ctx_size = max(1, min(ctx_size, self.args.context_length))
+        self.ctx_size = min(ctx_size or self.args.context_length, self.args.context_length)
         self.batch_size = batch_size
         self.verbose = verbose
         self.last_timings: Timings | None = None

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from .errors import LocalLLMError
+from .errors import LocalLLMError, ParameterError
 
 app = typer.Typer(
     add_completion=False,
@@ -120,6 +120,10 @@ def _run(
     if model is None and (len(positional) == 2 or (file is not None and positional)):
         model = positional.pop(0)
     prompt = positional[0] if positional else None
+    if n_predict < -2:
+        raise ParameterError(f"-n/--n-predict must be -1 (no limit), -2 or >= 0, got {n_predict}")
+    if system is not None and not chat:
+        raise ParameterError("--system applies the chat template: use it with --chat")
     text = read_prompt(prompt, file)
 
     from .api import LLM
@@ -143,17 +147,21 @@ def _run(
     pieces: list[str] = []  # JSON mode prints the value only once it is complete
     finish = None
     out = sys.stdout
-    for step in llm.stream(ids, params=params, n_predict=n_predict, stop=stop or (),
-                           constraint=constraint):
-        if params.n_probs > 0 and step.trace is not None:
-            print_trace(llm.tokenizer, step.trace)
-        if step.text:
-            if json_out:
-                pieces.append(step.text)
-            else:
-                out.write(step.text)
-                out.flush()
-        finish = step.finish_reason
+    try:
+        for step in llm.stream(ids, params=params, n_predict=n_predict, stop=stop or (),
+                               constraint=constraint):
+            if params.n_probs > 0 and step.trace is not None:
+                print_trace(llm.tokenizer, step.trace)
+            if step.text:
+                if json_out:
+                    pieces.append(step.text)
+                else:
+                    out.write(step.text)
+                    out.flush()
+            finish = step.finish_reason
+    except BrokenPipeError:  # `localllm run ... | head`: the reader has all it wanted
+        _silence_stdout()
+        return
     if verbose:
         _err(f"seed: {llm.last_sampler.seed}")
         print_timings(llm, llm.last_timings, finish)
@@ -164,6 +172,16 @@ def _run(
     elif constraint is not None or out.isatty():
         out.write("\n")
     out.flush()
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that Python's exit flush does not fail again."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # not a real file
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives until exit
 
 
 def one_line_json(text: str) -> str:
@@ -295,8 +313,8 @@ def main() -> None:
     except KeyboardInterrupt:
         _err("interrupted")
         sys.exit(130)
-    except BrokenPipeError:  # `localllm run ... | head`
-        sys.stderr.close()
+    except BrokenPipeError:  # `localllm tokenize ... | head`
+        _silence_stdout()
         sys.exit(0)
     except Exception as e:  # click usage errors
         import click

@@ -86,7 +86,7 @@ def generate_tokens(
     Args:
         sampler: a :class:`localllm.sampling.SamplerChain` (``sample``, ``accept``,
             ``accept_prompt``, ``last_trace``).
-        n_predict: most tokens to generate (-1: until the context is full).
+        n_predict: most tokens to generate (-1 or -2: until the context is full).
         stop: strings that end generation; never included in the text.
         constraint: a grammar constraint; generation ends when it is finished.
         timings: filled in as generation goes.

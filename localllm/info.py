@@ -28,7 +28,8 @@ def print_info(model: str | None, console: Console | None = None) -> None:
                   f"file type {md.get('general.file_type', '?')}")
     hp = Table("hyperparameter", "value", title="model")
     for f in dataclasses.fields(args):
-        hp.add_row(f.name, str(getattr(args, f.name)))
+        value = getattr(args, f.name)
+        hp.add_row(f.name, f"{value:g}" if isinstance(value, float) else str(value))
     console.print(hp)
     console.print(
         f"tokenizer: {tok.model_type} (pre: {md.get('tokenizer.ggml.pre', '-')}), "

@@ -218,7 +218,7 @@ class ChatREPL:
             if name in ("/exit", "/quit", "/bye"):
                 return False
             if name in ("/help", "/?"):
-                self.console.print(HELP, markup=False)
+                self.console.print(HELP, markup=False, soft_wrap=True)
             elif name == "/clear":
                 self.clear()
                 self.note("conversation cleared")
@@ -294,7 +294,7 @@ class ChatREPL:
                      f"{st.first_token_seconds * 1e3:.0f} ms")
         params = dataclasses.asdict(self.params) if dataclasses.is_dataclass(self.params) else {}
         lines.append("sampling   " + " ".join(f"{k}={v!r}" for k, v in params.items()))
-        self.console.print("\n".join(lines), markup=False, highlight=False)
+        self.console.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
 
     def save(self, file: str) -> None:
         """Write the conversation as JSON: ``{"messages": [{"role", "content"}, ...]}``."""
@@ -343,10 +343,12 @@ class ChatREPL:
 
     # ---- output helpers -------------------------------------------------------------------
     def note(self, text: str) -> None:
-        self.console.print(text, style="dim", markup=False, highlight=False)
+        self.console.print(text, style="dim", markup=False, highlight=False, soft_wrap=True)
 
     def error(self, text: str) -> None:
-        self.console.print(f"error: {text}", style="red", markup=False, highlight=False)
+        # soft_wrap: one line even when piped (rich wraps at 80 columns otherwise)
+        self.console.print(f"error: {text}", style="red", markup=False, highlight=False,
+                           soft_wrap=True)
 
     def _emit(self, text: str) -> None:
         if text:

@@ -89,7 +89,10 @@ def kv_cache_bytes(args, ctx_size: int) -> int:
 def estimate_memory(gguf, args, ctx_size: int | None, device: torch.device,
                     dtype: torch.dtype = torch.float16, *,
                     quantized: bool | None = None) -> MemoryEstimate:
-    """Weights and KV cache bytes of loading ``gguf`` on ``device`` (KV 0 if no ctx_size)."""
+    """Weights and KV cache bytes of loading ``gguf`` on ``device`` (KV 0 if ctx_size is None;
+    0 means the model's context length)."""
+    if ctx_size == 0:
+        ctx_size = args.context_length
     kv = kv_cache_bytes(args, ctx_size) if ctx_size else 0
     return MemoryEstimate(weight_bytes(gguf, device, dtype, quantized), kv, ctx_size)
 

@@ -34,7 +34,8 @@ def quantize_command(
     console = Console(file=sys.stderr)
     with Progress(TextColumn("{task.description:<36}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                  TimeRemainingColumn(), console=console, transient=True) as bar:
+                  TimeRemainingColumn(), console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
         task = bar.add_task("quantizing", total=None)
 
         def progress(name: str, i: int, n: int) -> None:

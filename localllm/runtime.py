@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,21 +94,8 @@ def load_model(
     check_memory(gguf, args, ctx_size, dev, dtype, quantized=quantized)
     if progress is None:
         progress = sys.stderr.isatty()
-    total = sum(t.n_bytes for t in gguf.tensors.values())
-    if progress:
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-
-        bar = Progress(
-            TextColumn(f"loading {gguf.path.name}"), BarColumn(), DownloadColumn(),
-            transient=True, console=_stderr_console(),
-        )
-        with bar:
-            task = bar.add_task("load", total=total)
-            weights = Weights(gguf, dev, dtype, lambda n: bar.advance(task, n),
-                              quantized=quantized)
-            model = arch.Model(args, weights)
-    else:
-        weights = Weights(gguf, dev, dtype, quantized=quantized)
+    with _load_progress(gguf, enabled=progress) as advance:
+        weights = Weights(gguf, dev, dtype, advance, quantized=quantized)
         model = arch.Model(args, weights)
     return LoadedModel(gguf, tokenizer, args, model, dev, time.perf_counter() - t0,
                        "triton" if quantized else "torch", weights.fallbacks)
@@ -127,10 +115,21 @@ def _use_quantized(backend: str, device: torch.device) -> bool:
     return backend == "triton" or device.type == "cuda"
 
 
-def _stderr_console():
+@contextmanager
+def _load_progress(gguf: GGUFFile, *, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+    """A transient progress bar on stderr over the file's tensor bytes; yields its advance."""
+    if not enabled:
+        yield None
+        return
     from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
-    return Console(stderr=True)
+    total = sum(t.n_bytes for t in gguf.tensors.values())
+    bar = Progress(TextColumn(f"loading {gguf.path.name}"), BarColumn(), DownloadColumn(),
+                   transient=True, console=Console(stderr=True))
+    with bar:
+        task = bar.add_task("load", total=total)
+        yield lambda n: bar.advance(task, n)
 
 
 class Session:

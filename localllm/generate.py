@@ -102,6 +102,12 @@ def generate_tokens(
     timings.prompt_seconds = time.perf_counter() - t0
     decoder = StreamDecoder(tok)
     stopper = StopMatcher(stop)
+
+    def remaining_text() -> str:
+        # End of generation: release held-back UTF-8 bytes and possible stop-string starts.
+        tail, stopped = stopper.push(decoder.flush())
+        return tail + ("" if stopped else stopper.flush())
+
     t1 = time.perf_counter()
     n = 0
     while True:
@@ -111,11 +117,10 @@ def generate_tokens(
         timings.generated_tokens = n
         if n == 1:
             timings.first_token_seconds = time.perf_counter() - t0
-        logprob = float(torch.log_softmax(logits, -1)[token])
+        logprob = float(logits[token] - torch.logsumexp(logits, -1))
         trace = sampler.last_trace
         if token in tok.eog_ids:  # --ignore-eos masks these in the sampler
-            text, stopped = stopper.push(decoder.flush())
-            yield Step(token, text + ("" if stopped else stopper.flush()), logprob, "eog", trace)
+            yield Step(token, remaining_text(), logprob, "eog", trace)
             break
         text, stopped = stopper.push(decoder.push(token))
         if stopped:
@@ -129,8 +134,7 @@ def generate_tokens(
         elif session.n_past + 1 > session.ctx_size:
             finish = "ctx"
         if finish:
-            tail, stopped = stopper.push(decoder.flush())
-            yield Step(token, text + tail + ("" if stopped else stopper.flush()), logprob, finish, trace)
+            yield Step(token, text + remaining_text(), logprob, finish, trace)
             break
         yield Step(token, text, logprob, None, trace)
         logits = session.eval([token])

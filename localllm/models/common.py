@@ -277,17 +277,23 @@ def attend(
     window: int | None,
     scale: float,
 ) -> torch.Tensor:
-    """Scaled dot-product attention with grouped KV heads.
+    """Scaled dot-product attention with grouped KV heads (GQA), float32.
 
-    q: (n_heads, T, hd); keys/values: (n_kv_heads, S, hd) -> (T, n_heads * hd) float32.
+    q: (n_heads, T, hd); keys/values: (n_kv_heads, S, hd) -> (T, n_heads * hd).
+    Query head h reads KV head h // (n_heads / n_kv_heads), as llama.cpp does. The heads of a
+    group are stacked into one product instead of repeating K/V: in decode this is several
+    times faster on the CPU than torch's SDPA with a mask.
     """
     n_heads, t, hd = q.shape
-    group = n_heads // keys.shape[0]
+    n_kv = keys.shape[0]
+    group = n_heads // n_kv
     mask = attention_mask(q_positions, k_positions, window)  # (T, S)
-    k = keys.float().repeat_interleave(group, dim=0) if group > 1 else keys.float()
-    v = values.float().repeat_interleave(group, dim=0) if group > 1 else values.float()
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (nh, T, hd)
-    return out.transpose(0, 1).reshape(t, n_heads * hd)
+    qg = q.reshape(n_kv, group * t, hd)  # (nkv, g*T, hd)
+    scores = torch.matmul(qg, keys.float().transpose(1, 2)) * scale  # (nkv, g*T, S)
+    scores = scores.view(n_kv, group, t, -1).masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(n_kv, group * t, -1)
+    out = torch.matmul(probs, values.float())  # (nkv, g*T, hd)
+    return out.view(n_heads, t, hd).transpose(0, 1).reshape(t, n_heads * hd)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -248,23 +248,36 @@ def rope_inv_freq(
     return inv if freq_factors is None else inv / freq_factors.to(inv.device)
 
 
-def apply_rope(
-    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *, neox: bool, scale: float = 1.0
-) -> torch.Tensor:
+def rope_angles(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of the RoPE angles, each (T, head_dim/2) float32; computed once per forward
+    and shared by the layers that use the same frequencies. ``scale`` multiplies positions
+    (linear RoPE scaling: 1 / factor)."""
+    angles = (positions.float() * scale)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], *, neox: bool):
     """Rotary position embedding (Su et al. 2021) on x: (n_heads, T, head_dim) float32.
 
     ``neox``: rotate the two halves of each head (GPT-NeoX, llama.cpp's LLAMA_ROPE_TYPE_NEOX);
-    otherwise rotate adjacent pairs (llama.cpp's LLAMA_ROPE_TYPE_NORM). ``scale`` multiplies
-    positions (linear RoPE scaling: 1 / factor).
+    otherwise rotate adjacent pairs (llama.cpp's LLAMA_ROPE_TYPE_NORM).
     """
-    angles = (positions.float() * scale)[:, None] * inv_freq[None, :]  # (T, hd/2)
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = cos_sin
     if neox:
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+
+
+def apply_rope(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *, neox: bool, scale: float = 1.0
+) -> torch.Tensor:
+    """:func:`rotate` by the angles of ``positions`` (see :func:`rope_angles`)."""
+    return rotate(x, rope_angles(positions, inv_freq, scale), neox=neox)
 
 
 def attend(

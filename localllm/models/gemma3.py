@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVCache, RingKVCache
-from .common import Weights, apply_rope, attend, gelu_tanh, rms_norm, rope_inv_freq
+from .common import Weights, attend, gelu_tanh, rms_norm, rope_angles, rope_inv_freq, rotate
 
 
 @dataclass
@@ -137,13 +137,17 @@ class Model:
         t = tokens.shape[0]
         positions = torch.arange(pos, pos + t, device=self.device)
         x = self.tok_embd(tokens) * math.sqrt(a.d_model)  # (T, d)
+        rope = {  # (cos, sin) per kind of layer, shared by all layers of that kind
+            True: rope_angles(positions, self.inv_freq_local),
+            False: rope_angles(positions, self.inv_freq_global, a.rope_scale),
+        }
         for block, cache in zip(self.blocks, caches):
-            x = self._block(block, cache, x, pos, positions)
+            x = self._block(block, cache, x, pos, positions, rope[block.sliding])
         x = x[logits_start:] if all_logits else x[-1:]
         x = rms_norm(x, self.output_norm, a.norm_eps)
         return self.lm_head(x)
 
-    def _block(self, b: Block, cache, x: torch.Tensor, pos: int, positions: torch.Tensor):
+    def _block(self, b: Block, cache, x: torch.Tensor, pos: int, positions: torch.Tensor, rope):
         a = self.args
         t, hd = x.shape[0], a.head_dim
         n = rms_norm(x, b.attn_norm, a.norm_eps)
@@ -152,12 +156,7 @@ class Model:
         k = k.reshape(t, a.n_kv_heads, hd).transpose(0, 1)  # (nkv, T, hd)
         v = v.reshape(t, a.n_kv_heads, hd).transpose(0, 1)
         q, k = rms_norm(q, b.q_norm, a.norm_eps), rms_norm(k, b.k_norm, a.norm_eps)
-        if b.sliding:
-            q = apply_rope(q, positions, self.inv_freq_local, neox=True)
-            k = apply_rope(k, positions, self.inv_freq_local, neox=True)
-        else:
-            q = apply_rope(q, positions, self.inv_freq_global, neox=True, scale=a.rope_scale)
-            k = apply_rope(k, positions, self.inv_freq_global, neox=True, scale=a.rope_scale)
+        q, k = rotate(q, rope, neox=True), rotate(k, rope, neox=True)
         keys, values, k_pos = cache.update(pos, k, v)
         window = a.sliding_window if b.sliding else None
         attn = attend(q, keys, values, positions, k_pos, window=window, scale=a.attention_scale)

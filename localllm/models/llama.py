@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import KVCache, RingKVCache
-from .common import Weights, apply_rope, attend, rms_norm, rope_inv_freq
+from .common import Weights, attend, rms_norm, rope_angles, rope_inv_freq, rotate
 
 NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3"})
 
@@ -143,6 +143,7 @@ class Model:
         t = tokens.shape[0]
         positions = torch.arange(pos, pos + t, device=self.device)
         x = self.tok_embd(tokens)  # (T, d)
+        rope = rope_angles(positions, self.inv_freq, a.rope_scale)  # shared by every layer
         for b, cache in zip(self.blocks, caches):
             n = rms_norm(x, b.attn_norm, a.norm_eps)
             q, k, v = b.wqkv(n)
@@ -151,8 +152,7 @@ class Model:
             v = v.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)
             if b.q_norm is not None:
                 q, k = rms_norm(q, b.q_norm, a.norm_eps), rms_norm(k, b.k_norm, a.norm_eps)
-            q = apply_rope(q, positions, self.inv_freq, neox=a.neox, scale=a.rope_scale)
-            k = apply_rope(k, positions, self.inv_freq, neox=a.neox, scale=a.rope_scale)
+            q, k = rotate(q, rope, neox=a.neox), rotate(k, rope, neox=a.neox)
             keys, values, k_pos = cache.update(pos, k, v)
             attn = attend(q, keys, values, positions, k_pos, window=cache.window,
                           scale=a.attention_scale)

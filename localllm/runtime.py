@@ -181,21 +181,13 @@ class Session:
             chunk = ids[start : start + self.batch_size]
             end = start + len(chunk)
             tokens = torch.tensor(chunk, dtype=torch.long, device=device)
-            if all_logits and end > logits_start:
-                outs.append(self.model.forward(
-                    tokens, self.n_past, self.caches, all_logits=True,
-                    logits_start=max(0, logits_start - start)))
-            elif end == len(ids) and not all_logits:
-                outs.append(self.model.forward(tokens, self.n_past, self.caches))
-            else:
-                self._forward_no_logits(tokens)
+            out = self.model.forward(tokens, self.n_past, self.caches, all_logits=all_logits,
+                                     logits_start=max(0, logits_start - start))
+            if (end > logits_start) if all_logits else (end == len(ids)):
+                outs.append(out)
             self.tokens += chunk
         logits = torch.cat(outs) if all_logits else outs[-1][-1]
         return logits.float()
-
-    def _forward_no_logits(self, tokens: torch.Tensor) -> None:
-        # Intermediate prefill chunks only fill the cache; the one-row head costs little.
-        self.model.forward(tokens, self.n_past, self.caches, all_logits=False)
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tokens; recompute the cache when a ring buffer forgot them."""

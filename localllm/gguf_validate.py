@@ -16,7 +16,10 @@ file whose tensors lie inside the file, aligned and without overlap.
 
 Rules follow llama.cpp's reader where it has one (nested arrays, 64-byte tensor names, at most
 4 dimensions, element-count overflow, power-of-two u32 alignment) and are stricter where a
-malformed value could only be a corrupt file (empty keys, zero-sized dimensions).
+malformed value could only be a corrupt file (empty keys, zero-sized dimensions). Metadata
+arrays hold at most :data:`MAX_ARRAY_ELEMENTS` elements in all and the tensor table at most
+:data:`MAX_TENSORS` entries, so that the Python objects they become stay bounded however large
+the file is.
 """
 
 from __future__ import annotations
@@ -41,6 +44,16 @@ DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NAME_BYTES = 64  # GGML_MAX_NAME: names must be shorter (they are NUL-terminated in C)
 INT64_MAX = 2**63 - 1
+# Metadata arrays become Python lists, which cost up to ~40 bytes per element (an int8 array is
+# 1 byte per element in the file): without a cap a crafted 1 GB file would need ~40 GB of RAM.
+# Real models hold ~1-2M elements in all (a 262k-token vocab: tokens, scores, token types, plus
+# up to ~500k merges), so 2**24 in all arrays together leaves a wide margin and bounds the
+# lists to well under 1 GB.
+MAX_ARRAY_ELEMENTS = 2**24
+# Each tensor info becomes ~400 bytes of Python objects from ~40 bytes of file (llama.cpp's
+# ggml_tensor costs as much). The largest real models have tens of thousands of tensors (MoE
+# files with one tensor per expert); 2**20 bounds the table to a few hundred MB.
+MAX_TENSORS = 2**20
 
 # GGUF metadata value types (gguf_type) -> (name, struct code, size) for the fixed-size ones.
 _UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL = range(8)
@@ -128,13 +141,25 @@ class GGUFHeader:
     tensor_index: dict[str, int] = field(default_factory=dict)
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to about ``limit`` characters: a crafted key, name or value can be
+    megabytes long, and error messages must stay one readable line."""
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        return repr(value[:limit]) + f"... ({len(value)} long)"
+    if isinstance(value, list) and len(value) > 4:
+        return f"a list of {len(value)} items"
+    text = repr(value)
+    return text if len(text) <= limit + 20 else text[:limit] + "..."
+
+
 class _Reader:
     """Cursor over the file bytes; every read checks it stays inside the file."""
 
-    __slots__ = ("buf", "name", "pos", "size")
+    __slots__ = ("array_budget", "buf", "name", "pos", "size")
 
     def __init__(self, buf: Any, size: int, name: str) -> None:
         self.buf, self.size, self.pos, self.name = buf, size, 0, name
+        self.array_budget = MAX_ARRAY_ELEMENTS  # elements left for all metadata arrays
 
     def left(self) -> int:
         return self.size - self.pos
@@ -254,6 +279,13 @@ def _read_array(r: _Reader, where: str) -> tuple[list, int]:
             f"array count {count} at byte {count_at} needs at least {count * min_size} bytes, "
             f"only {r.left()} left in the file",
         )
+    if count > r.array_budget:
+        raise r.fail(
+            where,
+            f"array count {count} at byte {count_at} exceeds the limit of {MAX_ARRAY_ELEMENTS} "
+            "elements in all metadata arrays together",
+        )
+    r.array_budget -= count
     if elem == _STRING:
         return _read_string_array(r, count, where), elem
     n_bytes = count * min_size
@@ -301,7 +333,7 @@ def _read_metadata(r: _Reader, n_kv: int):
         key = r.string(where, "key")
         if not key:
             raise r.fail(where, f"empty key at byte {key_at}")
-        where = f"metadata key #{i} {key!r}"
+        where = f"metadata key #{i} {_short(key)}"
         if key in metadata:
             raise r.fail(where, "duplicate key")
         t = _value_type(r, where, "value type")
@@ -338,7 +370,7 @@ def _read_tensor_info(r: _Reader, i: int, seen: dict[str, int]) -> GGUFTensorInf
     if not name:
         raise r.fail(where, f"empty tensor name at byte {name_at}")
     nbytes_name = len(name.encode("utf-8"))
-    where = f"tensor #{i} {name!r}"
+    where = f"tensor #{i} {_short(name)}"
     if nbytes_name >= MAX_NAME_BYTES:
         raise r.fail(where, f"name is {nbytes_name} bytes, must be under {MAX_NAME_BYTES}")
     if name in seen:
@@ -418,6 +450,8 @@ def parse_gguf(buf: Any, size: int, name: str = "<bytes>") -> GGUFHeader:
             f"tensor count {n_tensors} cannot fit in the {r.left()} bytes after the metadata "
             f"(each tensor info takes at least {_MIN_TENSOR_INFO_BYTES} bytes)",
         )
+    if n_tensors > MAX_TENSORS:
+        raise r.fail("header", f"tensor count {n_tensors} exceeds the limit of {MAX_TENSORS}")
     seen: dict[str, int] = {}
     tensors = [_read_tensor_info(r, i, seen) for i in range(n_tensors)]
     data_offset = -(-r.pos // align) * align
@@ -512,14 +546,14 @@ def validate_vocab(metadata: dict, source: str = "") -> None:
         for i, m in enumerate(merges):
             if not isinstance(m, str) or m.find(" ", 1) in (-1, len(m) - 1):
                 raise GGUFError(
-                    f"{pre}tokenizer.ggml.merges: entry #{i} {m!r} is not a 'left right' pair"
+                    f"{pre}tokenizer.ggml.merges: entry #{i} {_short(m)} is not a 'left right' pair"
                 )
     for key, value in metadata.items():
         m = _SPECIAL_ID_KEY.match(key)
         if not m:
             continue
         if not isinstance(value, int) or isinstance(value, bool):
-            raise GGUFError(f"{pre}{key}: must be an integer token id, got {value!r}")
+            raise GGUFError(f"{pre}{key}: must be an integer token id, got {_short(value)}")
         if not 0 <= value < n:
             raise GGUFError(f"{pre}{key} = {value} is outside the vocabulary (ids 0..{n - 1})")
 

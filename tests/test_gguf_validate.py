@@ -27,6 +27,7 @@ from gguf_craft import (
     minimal,
 )
 
+from localllm import gguf_validate
 from localllm.errors import GGUFError
 from localllm.gguf_validate import (
     check_tensor_shape,
@@ -380,3 +381,79 @@ def test_default_model_validates():
     assert embd.ne == (640, 262144) and embd.type == gguf.GGMLQuantizationType.Q8_0
     last = max(h.tensors, key=lambda t: t.offset)
     assert h.data_offset + last.offset + last.n_bytes <= h.file_size
+
+
+def test_metadata_arrays_are_capped_in_total(tmp_path, monkeypatch):
+    # Lists cost ~40x the file bytes of an int8 array; the cap bounds them whatever the file size.
+    n = gguf_validate.MAX_ARRAY_ELEMENTS + 1
+    b = GGUFBuilder().kv("big", ARRAY, raw_value=struct.pack("<IQ", UINT8, n) + bytes(n))
+    _refuse(b, tmp_path, rf"metadata key #0 'big': array count {n} at byte 43 exceeds the limit")
+    monkeypatch.setattr(gguf_validate, "MAX_ARRAY_ELEMENTS", 10)
+    ok = GGUFBuilder().array("a", UINT8, [1] * 6).array("b", STRING, ["", "x", "", "y"])
+    ok.write(tmp_path / "ok.gguf")
+    assert validate_gguf(tmp_path / "ok.gguf").metadata["b"] == ["", "x", "", "y"]
+    _refuse(ok.array("c", FLOAT32, [0.0]), tmp_path, r"metadata key #2 'c': array count 1 .*limit")
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_gguf_writer_every_array_type_alignment_and_rank(version, tmp_path):
+    # Files llama.cpp accepts must pass: GGUF v2 (same layout as v3), a custom alignment,
+    # arrays of every element type (64-bit and bool included), empty strings, ranks 1..4.
+    path = tmp_path / "all.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_custom_alignment(64)
+    vt = gguf.GGUFValueType
+    arrays = {
+        "a.u8": ([0, 255], vt.UINT8), "a.i8": ([-128, 127], vt.INT8),
+        "a.u16": ([0, 65535], vt.UINT16), "a.i16": ([-32768, 7], vt.INT16),
+        "a.u32": ([0, 2**32 - 1], vt.UINT32), "a.i32": ([-(2**31), 5], vt.INT32),
+        "a.u64": ([0, 2**64 - 1], vt.UINT64), "a.i64": ([-(2**63), 2**63 - 1], vt.INT64),
+        "a.f32": ([0.5, -2.0], vt.FLOAT32), "a.f64": ([1e300, -0.25], vt.FLOAT64),
+        "a.bool": ([True, False, True], vt.BOOL), "a.str": (["", "x", "", "ünï"], vt.STRING),
+    }
+    for key, (values, elem) in arrays.items():
+        w.add_key_value(key, values, vt.ARRAY, sub_type=elem)
+    w.add_key_value("s.u64", 2**64 - 1, vt.UINT64)
+    w.add_key_value("s.i64", -(2**63), vt.INT64)
+    w.add_key_value("s.f64", 0.1, vt.FLOAT64)
+    for rank in range(1, 5):
+        w.add_tensor(f"r{rank}", np.ones((2,) * (rank - 1) + (3,), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = bytearray(path.read_bytes())
+    data[4:8] = struct.pack("<I", version)
+    path.write_bytes(bytes(data))
+
+    h = validate_gguf(path)
+    assert h.version == version and h.alignment == 64 and h.data_offset % 64 == 0
+    for key, (values, _) in arrays.items():
+        assert h.metadata[key] == values, key
+    assert (h.metadata["s.u64"], h.metadata["s.i64"]) == (2**64 - 1, -(2**63))
+    assert [t.ne for t in h.tensors] == [(3,), (3, 2), (3, 2, 2), (3, 2, 2, 2)]
+    r = gguf.GGUFReader(path)
+    assert [h.data_offset + t.offset for t in h.tensors] == [t.data_offset for t in r.tensors]
+
+
+def test_long_keys_names_and_values_are_cut_in_messages(tmp_path):
+    long = "k" * 100_000
+    msg = _refuse(minimal().kv(long, 13, raw_value=b"\0"), tmp_path, r"unknown value type 13")
+    assert len(msg) < 300 and "(100000 long)" in msg
+    msg = _refuse(_add_tensor("t" * 100_000, (32,))(), tmp_path, r"name is 100000 bytes")
+    assert len(msg) < 300
+    md = {"tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.bos_token_id": "x" * 100_000}
+    with pytest.raises(GGUFError, match=r"bos_token_id: must be an integer") as info:
+        validate_vocab(md, "v.gguf")
+    assert len(str(info.value)) < 300
+    with pytest.raises(GGUFError, match=r"merges: entry #0 'yyy") as info:
+        validate_vocab({"tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": ["y" * 10**5]})
+    assert len(str(info.value)) < 300
+
+
+def test_tensor_count_is_capped(tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf_validate, "MAX_TENSORS", 3)
+    minimal().write(tmp_path / "three.gguf")
+    assert len(validate_gguf(tmp_path / "three.gguf").tensors) == 3
+    b = minimal().tensor("extra.weight", (32,))
+    _refuse(b, tmp_path, r"^model.gguf: header: tensor count 4 exceeds the limit of 3$")

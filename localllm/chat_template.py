@@ -8,9 +8,15 @@ Jinja's :class:`~jinja2.sandbox.ImmutableSandboxedEnvironment` (no attribute sta
   globals) or an unsafe attribute (refused at once instead of rendering as empty);
 * build huge values: ``*``, ``**``, ``+`` and ``%`` are intercepted and refused when the
   result would exceed the output limit, ``str.format``/``%``/``center``/``indent`` widths
-  are capped, and every value read or passed to a call is size-checked;
-* run for ever: a trace function on the template's own frames checks a deadline on each
-  line, and the call hook checks it too.
+  are capped, string methods and filters that multiply their input (``ljust``, ``replace``,
+  ``join``, ``expandtabs``, ``translate``, ``indent``, ``wordwrap`` ...) have the size of
+  their result bounded *before* they run, and every value read, passed to a call, returned
+  by a filter or built by a ``[...]``/``{...}``/``(...)`` literal is size-checked. The
+  "weight" of a container counts shared parts once per use (``[x, x]`` weighs twice ``x``),
+  so a value that doubles itself a few dozen times is refused before ``str()`` or
+  ``tojson`` would spend hours in C expanding it;
+* run for ever: a trace function checks a deadline on each line of Python run during the
+  render (template code and pure-Python filters alike), and the call hook checks it too.
 
 The globals and filters follow Hugging Face transformers' ``apply_chat_template``
 (``raise_exception``, ``strftime_now``, ``tojson`` without HTML escaping, loop controls,
@@ -20,6 +26,7 @@ it render identically.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import string
@@ -34,7 +41,9 @@ from typing import ClassVar
 import jinja2
 import jinja2.ext
 from jinja2 import nodes
+from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from jinja2.utils import Namespace
 
 from .chat_builtin import BUILTIN_TEMPLATES, guess_builtin
 from .errors import LocalLLMError, TemplateError
@@ -43,6 +52,7 @@ MAX_OUTPUT_CHARS = 4_000_000  # far above any context window's worth of text
 MAX_RENDER_SECONDS = 5.0
 MAX_FORMAT_WIDTH = 10_000  # width/precision allowed in %-format, str.format, center, indent
 MAX_INT_BITS = 100_000
+MAX_VALUE_WEIGHT = 4 * MAX_OUTPUT_CHARS  # characters + items of a value, shared parts counted
 _TEMPLATE_FILENAME = "<chat template>"
 
 
@@ -81,6 +91,25 @@ def _check_brace_format(fmt: str) -> None:
                 raise SecurityError(f"format width {n} is not allowed")
 
 
+def _text_len(value: object) -> int:
+    return len(value) if isinstance(value, (str, bytes)) else 0
+
+
+def _replace_bound(s: str | bytes, old: object, new: object, count: object = None) -> int:
+    """Length of ``s.replace(old, new, count)`` at most, without building it."""
+    if type(old) is not type(s) or type(new) is not type(s) or len(new) <= len(old):
+        return len(s)
+    hits = s.count(old) if old else len(s) + 1
+    if isinstance(count, int) and count >= 0:
+        hits = min(hits, count)
+    return len(s) + hits * (len(new) - len(old))
+
+
+def _refuse_if_over(bound: int, what: str) -> None:
+    if bound > MAX_OUTPUT_CHARS:
+        raise _TooLarge(f"{what} would make about {bound} characters")
+
+
 def _check_width(width: object) -> None:
     if isinstance(width, int) and abs(width) > MAX_FORMAT_WIDTH:
         raise SecurityError(f"width {width} is not allowed")
@@ -100,10 +129,32 @@ class _GenerationTag(jinja2.ext.Extension):
         return nodes.Scope(body, lineno=lineno)
 
 
+class _WeighingCodeGenerator(CodeGenerator):
+    """Compiles ``[...]``, ``{...}`` and ``(...)`` literals to ``environment.weighed(...)``
+    so that no hook-free template code can build an exponentially shared value."""
+
+    def _weighed(self, visit, node, frame) -> None:
+        self.write("environment.weighed(")
+        visit(node, frame)
+        self.write(")")
+
+    def visit_List(self, node, frame):
+        self._weighed(super().visit_List, node, frame)
+
+    def visit_Dict(self, node, frame):
+        self._weighed(super().visit_Dict, node, frame)
+
+    def visit_Tuple(self, node, frame):
+        if node.ctx != "load":
+            return super().visit_Tuple(node, frame)
+        self._weighed(super().visit_Tuple, node, frame)
+
+
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """Immutable sandbox that also bounds sizes and time (see the module docstring)."""
 
     intercepted_binops = frozenset({"*", "**", "+", "%"})
+    code_generator_class = _WeighingCodeGenerator
 
     def __init__(self) -> None:
         super().__init__(
@@ -114,6 +165,8 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
             keep_trailing_newline=False,
         )
         self.deadline = float("inf")
+        # id -> (value, weight) for this render; the value is kept so the id stays unique.
+        self.weights: dict[int, tuple[object, int]] = {}
         for name in ("cycler", "joiner", "lipsum"):
             self.globals.pop(name, None)
         self.globals["raise_exception"] = _raise_exception
@@ -122,6 +175,83 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         for name in ("center", "indent"):
             self.filters[name] = _width_checked(self.filters[name])
         self.filters["format"] = _checked_format_filter(self.filters["format"])
+        self.filters["indent"] = _bounded_indent(self.filters["indent"])
+        self.filters["wordwrap"] = _bounded_wordwrap(self.filters["wordwrap"])
+        self.filters["replace"] = _bounded_replace(self.filters["replace"])
+        self.filters["join"] = _bounded_join(self.filters["join"], self)
+        for name, filt in list(self.filters.items()):
+            self.filters[name] = _result_weighed(filt, self)
+
+    # -- value sizes ------------------------------------------------------------------------
+    def weigh(self, value: object) -> int:
+        """Characters + items of ``value``, shared sub-values counted once per use."""
+        if isinstance(value, (str, bytes)):
+            return len(value) + 1
+        if isinstance(value, Namespace):
+            value = object.__getattribute__(value, "_Namespace__attrs")
+        if not isinstance(value, (list, tuple, dict)):
+            return 1
+        known = self.weights.get(id(value))
+        if known is not None and known[0] is value:
+            return known[1]
+        self.check_time()
+        total = 1
+        try:
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    total += self.weigh(k) + self.weigh(v)
+                    if total > MAX_VALUE_WEIGHT:
+                        break
+            else:
+                for v in value:
+                    total += self.weigh(v)
+                    if total > MAX_VALUE_WEIGHT:
+                        break
+        except RecursionError:
+            total = MAX_VALUE_WEIGHT + 1
+        self.weights[id(value)] = (value, total)
+        return total
+
+    def check_value(self, value: object) -> object:
+        """``value`` itself, after :func:`_check_size` and a :meth:`weigh` check."""
+        _check_size(value)
+        if isinstance(value, (list, tuple, dict, Namespace)):
+            weight = self.weigh(value)
+            if weight > MAX_VALUE_WEIGHT:
+                raise _TooLarge(f"a value of weight {weight} exceeds {MAX_VALUE_WEIGHT}")
+        return value
+
+    def weighed(self, value: object) -> object:
+        """Called by compiled templates on each list, dict and tuple literal."""
+        self.check_time()
+        return self.check_value(value)
+
+    def _bound_str_method(self, method, args: tuple, kwargs: dict) -> tuple:
+        """Refuse a ``str``/``bytes``/``int`` method call whose result would be too large;
+        returns ``args`` (an iterable given to ``join`` is made a list so it can be measured).
+        """
+        s, name = method.__self__, method.__name__
+        if isinstance(s, int):
+            if name == "to_bytes" and args and isinstance(args[0], int):
+                _refuse_if_over(args[0], "int.to_bytes")
+            return args
+        if name in ("ljust", "rjust", "center", "zfill") and args and isinstance(args[0], int):
+            _refuse_if_over(args[0], f"str.{name}")
+        elif name == "expandtabs":
+            tab = args[0] if args else kwargs.get("tabsize", 8)
+            if isinstance(tab, int):
+                _refuse_if_over(len(s) + s.count("\t") * max(tab, 0), "str.expandtabs")
+        elif name == "replace" and len(args) >= 2:
+            _refuse_if_over(_replace_bound(s, *args[:3]), "str.replace")
+        elif name == "join" and args:
+            items = list(args[0])
+            _check_size(items)
+            _refuse_if_over(sum(map(_text_len, items)) + len(s) * len(items), "str.join")
+            args = (items, *args[1:])
+        elif name == "translate" and args and isinstance(args[0], dict):
+            longest = max((_text_len(v) for v in args[0].values()), default=1)
+            _refuse_if_over(len(s) * max(longest, 1), "str.translate")
+        return args
 
     def check_time(self) -> None:
         if time.monotonic() > self.deadline:
@@ -150,8 +280,10 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     def call(self, context, obj, /, *args, **kwargs):
         self.check_time()
         for a in (*args, *kwargs.values()):
-            _check_size(a)
-        return _check_size(super().call(context, obj, *args, **kwargs))
+            self.check_value(a)
+        if isinstance(getattr(obj, "__self__", None), (str, bytes, int)):
+            args = self._bound_str_method(obj, args, kwargs)
+        return self.check_value(super().call(context, obj, *args, **kwargs))
 
     def wrap_str_format(self, value):
         wrapper = super().wrap_str_format(value)
@@ -161,6 +293,9 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
 
         def checked(*args, **kwargs):
             _check_brace_format(fmt)
+            values = (*args, *kwargs.values(), *(args[0].values() if args
+                                                  and isinstance(args[0], dict) else ()))
+            _refuse_if_over(_format_bound(fmt, fmt.count("{"), values, self), "str.format")
             return _check_size(wrapper(*args, **kwargs))
 
         return checked
@@ -181,11 +316,14 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
                 raise _TooLarge("integer power too large")
         elif operator == "%" and isinstance(left, str):
             _check_percent_format(left)
+            values = right.values() if isinstance(right, dict) else (
+                right if isinstance(right, tuple) else (right,))
+            _refuse_if_over(_format_bound(left, left.count("%"), values, self), "'%' format")
         elif (operator == "+" and isinstance(left, (str, list, tuple))
               and isinstance(right, (str, list, tuple))
               and len(left) + len(right) > MAX_OUTPUT_CHARS):
             raise _TooLarge("a concatenation would exceed the output limit")
-        return _check_size(super().call_binop(context, operator, left, right))
+        return self.check_value(super().call_binop(context, operator, left, right))
 
 
 def _width_checked(filt):
@@ -196,10 +334,76 @@ def _width_checked(filt):
     return checked
 
 
+def _format_bound(fmt: str, n_fields: int, values, env: _BoundedSandbox) -> int:
+    """Length of a format's result at most: each field may print the longest value."""
+    longest = max((len(v) if isinstance(v, str) else env.weigh(v) * 4 for v in values),
+                  default=0)
+    return len(fmt) + n_fields * (longest + MAX_FORMAT_WIDTH)
+
+
 def _checked_format_filter(filt):
     def checked(value, *args, **kwargs):
-        _check_percent_format(str(value))
+        fmt = str(value)
+        _check_percent_format(fmt)
+        longest = max((len(str(v)) for v in (*args, *kwargs.values())), default=0)
+        _refuse_if_over(len(fmt) + fmt.count("%") * (longest + MAX_FORMAT_WIDTH), "format")
         return filt(value, *args, **kwargs)
+
+    return checked
+
+
+def _bounded_indent(filt):
+    @functools.wraps(filt)
+    def checked(s, width=4, *args, **kwargs):
+        _check_width(width)
+        text = str(s)
+        pad = width if isinstance(width, int) else len(str(width))
+        _refuse_if_over(len(text) + (text.count("\n") + 1) * pad, "indent")
+        return filt(s, width, *args, **kwargs)
+
+    return checked
+
+
+def _bounded_wordwrap(filt):
+    @functools.wraps(filt)
+    def checked(environment, s, width=79, break_long_words=True, wrapstring=None,
+                *args, **kwargs):
+        text = str(s)
+        breaks = len(text) // max(width, 1) if isinstance(width, int) else len(text)
+        breaks += sum(c.isspace() for c in text) + 1
+        sep = len(wrapstring) if isinstance(wrapstring, str) else 2
+        _refuse_if_over(len(text) + breaks * sep, "wordwrap")
+        return filt(environment, s, width, break_long_words, wrapstring, *args, **kwargs)
+
+    return checked
+
+
+def _bounded_replace(filt):
+    @functools.wraps(filt)
+    def checked(eval_ctx, s, old, new, count=None):
+        _refuse_if_over(_replace_bound(str(s), str(old), str(new), count), "replace")
+        return filt(eval_ctx, s, old, new, count)
+
+    return checked
+
+
+def _bounded_join(filt, env: _BoundedSandbox):
+    @functools.wraps(filt)
+    def checked(eval_ctx, value, d="", attribute=None):
+        items = list(value)
+        _check_size(items)
+        if attribute is None:
+            size = sum(len(v) if isinstance(v, str) else env.weigh(v) * 4 for v in items)
+            _refuse_if_over(size + len(str(d)) * len(items), "join")
+        return filt(eval_ctx, items, d, attribute)
+
+    return checked
+
+
+def _result_weighed(filt, env: _BoundedSandbox):
+    @functools.wraps(filt)
+    def checked(*args, **kwargs):
+        return env.check_value(filt(*args, **kwargs))
 
     return checked
 
@@ -257,13 +461,19 @@ class ChatTemplate:
     def __post_init__(self) -> None:
         self._env = _BoundedSandbox()
         try:
-            self._template = self._env.from_string(self.source)
+            ast = self._env.parse(self.source)
+            for ref in ast.find_all(nodes.NSRef):
+                # `{% set ns.__class__ = ... %}` has no runtime hook: refuse it when compiling.
+                if ref.attr.startswith("_"):
+                    raise TemplateError(
+                        f"chat template {self.name}: line {ref.lineno}: assigning to "
+                        f"namespace attribute {ref.attr!r} is unsafe"
+                    )
+            self._template = self._env.from_string(ast)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(
                 f"chat template {self.name}: syntax error at line {e.lineno}: {_one_line(e.message)}"
             ) from None
-        # from_string compiles to filename "<template>"; our tracer keys on the code's file.
-        self._code_file = self._template.root_render_func.__code__.co_filename
 
     def render(
         self,
@@ -316,7 +526,6 @@ class ChatTemplate:
     def _render_bounded(self, ctx: dict) -> str:
         env = self._env
         env.deadline = time.monotonic() + self.time_limit
-        code_file = self._code_file
 
         def on_line(frame, event, arg):
             if time.monotonic() > env.deadline:
@@ -324,9 +533,9 @@ class ChatTemplate:
             return on_line
 
         def on_call(frame, event, arg):
-            # Only the template's own frames are traced line by line: loops in them are
-            # what can run without calling any hook.
-            return on_line if frame.f_code.co_filename == code_file else None
+            # Every Python frame is traced line by line: loops in template code and in
+            # pure-Python filters (wordwrap, striptags ...) can run without calling any hook.
+            return on_line
 
         chunks: list[str] = []
         size = 0
@@ -341,6 +550,7 @@ class ChatTemplate:
         finally:
             sys.settrace(previous)
             env.deadline = float("inf")
+            env.weights.clear()
         return "".join(chunks)
 
     def starts_with_bos(self, text: str) -> bool:

@@ -12,7 +12,8 @@ Everything llama.cpp rejects is rejected here before any matcher is built, with 
 location as ``source:line:col``: syntax errors, undefined rules, a missing ``root``, left
 recursion (llama.cpp's ``llama_grammar_detect_left_recursion`` does the same check), and,
 to bound compile time and memory, nesting deeper than :data:`MAX_NESTING`, repetition
-counts above :data:`MAX_REPEAT` and rules whose expansion would exceed :data:`MAX_EXPANSION`.
+counts above :data:`MAX_REPEAT`, rules whose expansion would exceed :data:`MAX_EXPANSION` and
+chains of rule references longer than :data:`MAX_RULE_DEPTH`.
 
 Translation: rules that are not recursive and use no token references are lexical (they
 become Lark terminals, i.e. regular expressions); the rest stay context-free rules for
@@ -33,6 +34,9 @@ MAX_NESTING = 64  # parenthesised groups inside one another
 MAX_REPEAT = 10_000  # largest m or n in {m,n}
 MAX_EXPANSION = 1_000_000  # items a rule would have once repetitions are unrolled
 MAX_RULES = 10_000
+# Longest chain of rule references (root -> a -> b ...). llguidance walks such chains
+# recursively and overflows its native stack (a segfault) somewhere near 2,000.
+MAX_RULE_DEPTH = 500
 
 
 # ---- AST ------------------------------------------------------------------------------------
@@ -229,8 +233,13 @@ class _Parser:
         return items[0] if len(items) == 1 else Seq(pos, items)
 
     def repetition(self, item: Node) -> Node:
+        stacked = 0  # `"a"*?*...`: each operator nests the item once more
         while True:
             c, pos = self.peek(), self.i
+            if c in ("*", "+", "?", "{") and c:
+                stacked += 1
+                if self.depth + stacked > MAX_NESTING:
+                    raise self.fail(f"repetitions nested deeper than {MAX_NESTING}", pos)
             if c in ("*", "+", "?") and c:
                 self.i += 1
                 lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
@@ -446,25 +455,76 @@ def check(grammar: Grammar) -> None:
                 changed = True
 
     # Depth-first search over "A can start with B" edges; a back edge is left recursion.
+    # Iterative, so that a chain of thousands of rules cannot exhaust Python's stack.
     edges = {name: _first_refs(rule.body, nullable) for name, rule in rules.items()}
     state: dict[str, int] = {}  # 1: on the stack, 2: done
-
-    def visit(name: str, path: list[str]) -> None:
-        state[name] = 1
-        for ref in edges[name]:
+    for start in rules:
+        if start in state:
+            continue
+        state[start] = 1
+        path = [start]
+        stack = [iter(edges[start])]
+        while stack:
+            ref = next(stack[-1], None)
+            if ref is None:
+                state[path.pop()] = 2
+                stack.pop()
+                continue
             if state.get(ref.name) == 1:
-                cycle = path[path.index(ref.name):] + [name, ref.name] if ref.name in path \
-                    else [name, ref.name]
+                cycle = path[path.index(ref.name):] + [ref.name]
+                if len(cycle) > 8:  # keep the message one readable line
+                    cycle = cycle[:4] + [f"... ({len(cycle) - 7} more)"] + cycle[-3:]
                 raise GrammarError(
                     f"{grammar.where(ref.pos)}: left recursion: {' -> '.join(cycle)}"
                 )
             if ref.name not in state:
-                visit(ref.name, path + [name])
-        state[name] = 2
+                state[ref.name] = 1
+                path.append(ref.name)
+                stack.append(iter(edges[ref.name]))
 
-    for name in rules:
-        if name not in state:
-            visit(name, [])
+
+def _check_depth(grammar: Grammar) -> None:
+    """Reject a chain of more than :data:`MAX_RULE_DEPTH` rule references (recursive
+    references, i.e. back edges, do not lengthen a chain). Iterative, like the search above."""
+    refs = {name: [n for n in _walk(rule.body) if isinstance(n, Ref)]
+            for name, rule in grammar.rules.items()}
+    depth: dict[str, int] = {}
+    on_stack: set[str] = set()
+    for start in grammar.rules:
+        if start in depth:
+            continue
+        stack = [(start, iter(refs[start]))]
+        on_stack.add(start)
+        best = {start: 1}
+        while stack:
+            name, it = stack[-1]
+            ref = next(it, None)
+            if ref is None:
+                stack.pop()
+                on_stack.discard(name)
+                depth[name] = best[name]
+                if stack:
+                    parent = stack[-1][0]
+                    best[parent] = max(best[parent], depth[name] + 1)
+                continue
+            if ref.name in on_stack:
+                continue
+            if ref.name in depth:
+                best[name] = max(best[name], depth[ref.name] + 1)
+            else:
+                if len(stack) >= MAX_RULE_DEPTH:
+                    raise GrammarError(
+                        f"{grammar.where(ref.pos)}: rules nested deeper than {MAX_RULE_DEPTH} "
+                        f"(a chain of references from '{start}')"
+                    )
+                on_stack.add(ref.name)
+                best[ref.name] = 1
+                stack.append((ref.name, iter(refs[ref.name])))
+        if depth[start] > MAX_RULE_DEPTH:
+            raise GrammarError(
+                f"{grammar.where(grammar.rules[start].pos)}: rules nested deeper than "
+                f"{MAX_RULE_DEPTH} (a chain of references from '{start}')"
+            )
 
 
 def parse_gbnf(text: str, source: str = "<grammar>") -> Grammar:
@@ -475,6 +535,7 @@ def parse_gbnf(text: str, source: str = "<grammar>") -> Grammar:
     """
     grammar = _Parser(text, source).parse()
     check(grammar)
+    _check_depth(grammar)
     return grammar
 
 
@@ -531,7 +592,8 @@ class _Emitter:
         if not lexical and isinstance(node, Rep) and (node.lo, node.hi) == (0, 1):
             # `x?` stays optional in the parser rather than becoming a terminal that matches
             # the empty string: llguidance's Earley parser handles those poorly.
-            return f"{self.expr(node.node, False)}?"
+            inner = self.expr(node.node, False)
+            return f"({inner})?" if isinstance(node.node, Rep) else f"{inner}?"
         if not lexical and self.is_lexical(node) and not isinstance(node, (Ref, Lit, Cls, AnyChar)):
             return self.anon_terminal(node)
         if isinstance(node, Lit):
@@ -548,7 +610,9 @@ class _Emitter:
             return "(" + " | ".join(self.expr(a, lexical) for a in node.alts) + ")"
         if isinstance(node, Rep):
             inner = self.expr(node.node, lexical)
-            if isinstance(node.node, (Seq, Alt)) and not inner.startswith("("):
+            if isinstance(node.node, Rep) or (
+                isinstance(node.node, (Seq, Alt)) and not inner.startswith("(")
+            ):
                 inner = f"({inner})"
             if (node.lo, node.hi) == (0, None):
                 return inner + "*"

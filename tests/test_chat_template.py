@@ -299,6 +299,70 @@ def test_sandbox_refuses(payload):
     assert "\n" not in msg and msg.startswith("chat template evil")
 
 
+# Values that double themselves: before weighing, str()/tojson/== expanded 2**40 leaves in C
+# and never returned.
+_DOUBLING = "{% set a = ['x'] %}" + "{% set a = [a, a] %}" * 40
+SHARED_VALUE_BOMBS = [
+    _DOUBLING + "{{ a }}",
+    _DOUBLING + "{{ a | tojson }}",
+    "{% set a = ['x'] %}{% set b = ['x'] %}" + "{% set a = [a, a] %}{% set b = [b, b] %}" * 40
+    + "{{ a == b }}",
+    ("{% set s = namespace(v='x') %}{% for i in range(40) %}"
+    "{% set s.v = {'k': s.v, 'j': s.v} %}{% endfor %}{{ s.v | tojson }}"),
+    ("{% set s = namespace(v='x') %}{% for i in range(40) %}"
+    "{% set s.v = [s.v] | batch(2, s.v) | list %}{% endfor %}{{ s.v }}"),
+    ("{% macro f(n, x) %}{% if n %}{{ f(n - 1, (x, x)) }}{% else %}{{ x }}{% endif %}"
+    "{% endmacro %}{{ f(40, 'x') }}"),
+    # No runtime hook sees `set ns.attr`: refused when compiling.
+    "{% set ns = namespace(a=1) %}{% set ns.__class__ = 1 %}{{ ns }}",
+]
+
+
+@pytest.mark.parametrize("payload", SHARED_VALUE_BOMBS, ids=range(len(SHARED_VALUE_BOMBS)))
+def test_shared_value_bombs_are_refused(payload):
+    with pytest.raises(TemplateError) as e:
+        ChatTemplate("evil", payload, time_limit=30.0).render(CONV)
+    assert "\n" not in str(e.value)
+
+
+# Each of these used to build its whole result (~100 MB) before the size check saw it.
+AMPLIFIERS = [
+    "{{ 'a'.ljust(10**8) }}",
+    "{{ 'a'.encode().zfill(10**8) }}",
+    "{{ (1).to_bytes(10**8, 'big') }}",
+    "{{ ('a' * 10000).replace('a', 'b' * 10000) }}",
+    "{{ ('a' * 10000) | replace('a', 'b' * 10000) }}",
+    "{{ ('x\n' * 10000) | indent(9999) }}",
+    "{{ ('{0}' * 100).format('x' * 1000000) }}",
+    "{{ ('%(a)s' * 100) % {'a': 'x' * 1000000} }}",
+    "{{ ('\t' * 100000).expandtabs(1000) }}",
+    "{{ ('a' * 1000).translate({97: 'b' * 100000}) }}",
+    "{{ ('a' * 100) | join('y' * 1000000) }}",
+]
+
+
+@pytest.mark.parametrize("payload", AMPLIFIERS)
+def test_amplifiers_are_refused_before_allocating(payload):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(TemplateError, match="output too large"):
+            ChatTemplate("evil", payload, time_limit=30.0).render(CONV)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 30_000_000, peak
+
+
+def test_time_limit_reaches_pure_python_filters():
+    # striptags loops in Python; the deadline used to be checked only in template code,
+    # so a render ending in one long filter call finished late instead of being stopped.
+    src = "{{ x | striptags }}"
+    with pytest.raises(TemplateError, match="took longer than 0.2 s"):
+        ChatTemplate("slow", src, time_limit=0.2).render(CONV, x="<a>" * 300000)
+
+
 def test_endless_loop_is_stopped_by_the_time_limit():
     src = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
     with pytest.raises(TemplateError, match="took longer than 0.3 s"):

@@ -342,6 +342,36 @@ def test_gbnf_errors_name_line_and_column(tok, text, message):
     assert "\n" not in str(info.value)
 
 
+def test_long_rule_chains_do_not_exhaust_the_stack(tok):
+    def chain(n: int, last: str) -> str:
+        rules = "\n".join(f'x{i} ::= x{i + 1} | x{i + 1} "b" | <[5]>' for i in range(n))
+        return f"root ::= x0\n{rules}\nx{n} ::= {last}"
+
+    g = GrammarConstraint.from_gbnf(chain(300, '"a"'), tok)
+    assert g.is_allowed(tok.byte_id(ord("a")))
+    # Deeper chains used to crash llguidance (a segfault near 2,000 levels).
+    with pytest.raises(GrammarError, match=r"^g.gbnf:500:10: rules nested deeper than 500"):
+        GrammarConstraint.from_gbnf(chain(3000, '"a"'), tok, source="g.gbnf")
+    # The left-recursion search used to recurse once per rule (RecursionError).
+    with pytest.raises(GrammarError) as info:
+        GrammarConstraint.from_gbnf(chain(3000, "x0"), tok, source="g.gbnf")
+    message = str(info.value)
+    assert message.startswith("g.gbnf:3002:11: left recursion: x0 -> x1 -> x2 -> x3 -> ...")
+    assert len(message) < 200
+
+
+def test_stacked_repetition_operators(tok):
+    # Thousands of postfix operators used to nest Rep nodes past Python's recursion limit.
+    with pytest.raises(GrammarError, match=r"^g.gbnf:1:77: repetitions nested deeper than 64"):
+        GrammarConstraint.from_gbnf('root ::= "a"' + "*" * 100000, tok, source="g.gbnf")
+    # A few stacked operators are valid GBNF; they used to be emitted as Lark llguidance
+    # cannot parse (`"a"**`).
+    a, b = tok.byte_id(ord("a")), tok.byte_id(ord("b"))
+    for text in ('root ::= "a"*+? "b"', 'root ::= (("a"*)*)* "b"', 'root ::= "a"{1,2}{1}? "b"'):
+        g = GrammarConstraint.from_gbnf(text, tok)
+        assert g.is_allowed(a) and g.is_allowed(b), text
+
+
 # ---- the sampler-chain protocol -------------------------------------------------------------
 def test_apply_masks_logits(tok):
     g = GrammarConstraint.from_gbnf('root ::= "ab" | "ac"', tok)

@@ -24,13 +24,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from .atomic import atomic_output
 from .errors import LocalLLMError, ParameterError
+from .tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED  # GGUF token types
 
 Q = GGMLQuantizationType
 
 WEIGHT_STD = 0.02  # standard deviation of dequantized matrix weights (typical of trained LLMs)
 
-# GGUF token types
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,13 @@ def reference():
     return json.loads(path.read_text())
 
 
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """A fresh current directory (to check that nothing is left behind in it)."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """Factory: path of a tiny random model of architecture ``arch`` (cached per session)."""

@@ -3,42 +3,8 @@
 from __future__ import annotations
 
 import struct
-import sys
 
-import pytest
-
-from localllm.cli import main
-
-
-def run_cli(monkeypatch, capsys, *args: str, stdin: str | None = None):
-    """Run ``localllm ARGS`` in-process; returns (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["localllm", *args])
-    if stdin is not None:
-        import io
-
-        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code, err, *fragments):
-    assert code != 0
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err
-    for f in fragments:
-        assert f in lines[0], (f, lines[0])
-
-
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
+from cli_helpers import assert_one_line_error, run_cli
 
 
 def _listing(path):

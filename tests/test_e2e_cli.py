@@ -11,35 +11,9 @@ import sys
 
 import gguf
 import pytest
+from cli_helpers import assert_one_line_error, run_cli
 
 from localllm.cli import main
-
-
-def run_cli(monkeypatch, capsys, *args: str):
-    """Run ``localllm ARGS`` in-process; returns (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["localllm", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_strict_one_line_error(code: int, err: str, *fragments: str) -> None:
-    """Exactly one stderr line (blank lines count), starting with ``error:``."""
-    assert code != 0
-    lines = err.rstrip("\n").split("\n")
-    assert len(lines) == 1 and lines[0].startswith("error: "), repr(err)
-    for f in fragments:
-        assert f in lines[0], (f, lines[0])
-
-
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +47,7 @@ def test_quantize_error_is_exactly_one_line(monkeypatch, capsys, workdir, tiny_f
     first = workdir / "q8.gguf"
     assert run_cli(monkeypatch, capsys, "quantize", str(tiny_f16), str(first), "-t", "Q8_0")[0] == 0
     code, _, err = run_cli(monkeypatch, capsys, "quantize", str(first), "again.gguf", "-t", "Q4_0")
-    assert_strict_one_line_error(code, err, "--allow-requantize")
+    assert_one_line_error(code, err, "--allow-requantize")
     assert not (workdir / "again.gguf").exists()
 
 
@@ -81,14 +55,14 @@ def test_negative_n_predict_other_than_minus_one_is_refused(monkeypatch, capsys,
                                                             tiny_f16):
     code, out, err = run_cli(monkeypatch, capsys, "run", str(tiny_f16), "hi", "-n", "-5",
                              "-c", "32", "--ignore-eos")
-    assert_strict_one_line_error(code, err, "-n")
+    assert_one_line_error(code, err, "-n")
     assert out == ""
 
 
 def test_system_without_chat_is_refused(monkeypatch, capsys, workdir, tiny_f16):
     code, _, err = run_cli(monkeypatch, capsys, "run", str(tiny_f16), "hi", "-n", "2",
                            "--system", "be brief")
-    assert_strict_one_line_error(code, err, "--system")
+    assert_one_line_error(code, err, "--system")
 
 
 def test_broken_pipe_exits_zero(monkeypatch, capsys, workdir, tiny_f16):

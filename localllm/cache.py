@@ -133,6 +133,17 @@ class RingKVCache:
         self.n = 0
 
 
+def make_cache(
+    ctx_size: int, window: int | None, n_kv_heads: int, head_dim: int, *, slack: int, device
+) -> KVCache | RingKVCache:
+    """A float32 cache for one layer: a ring of ``window + slack`` cells when the layer uses
+    sliding-window attention with a window smaller than the context, else the full context."""
+    if window and window < ctx_size:
+        return RingKVCache(window, n_kv_heads, head_dim, slack=slack, dtype=torch.float32,
+                           device=device)
+    return KVCache(ctx_size, n_kv_heads, head_dim, dtype=torch.float32, device=device)
+
+
 def attention_mask(
     q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None
 ) -> torch.Tensor:

@@ -21,7 +21,7 @@ from ..gguf_file import GGUFFile
 from ..gguf_validate import check_tensor_shape
 from ..quants import dequantize
 
-# Above this many rows a product takes the float32 GEMM path (see the module docstring).
+# Above this many rows a CPU product takes the float32 GEMM path (see the module docstring).
 GEMV_MAX_ROWS = 8
 
 
@@ -133,6 +133,14 @@ class Linear:
         return y if self.bias is None else y + self.bias
 
 
+def cat_biases(biases: list[torch.Tensor | None], sizes: list[int], device) -> torch.Tensor | None:
+    """The biases of fused projections as one vector (zeros where one has none), or None."""
+    if not any(b is not None for b in biases):
+        return None
+    return torch.cat([b if b is not None else torch.zeros(n, device=device)
+                      for b, n in zip(biases, sizes)])
+
+
 class FusedLinear:
     """Several projections of the same input in one product (Q/K/V, gate/up).
 
@@ -142,12 +150,7 @@ class FusedLinear:
 
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None):
         self.sizes = [w.shape[0] for w in weights]
-        bias = None
-        if biases is not None and any(b is not None for b in biases):
-            bias = torch.cat([
-                b if b is not None else torch.zeros(n, device=weights[0].device)
-                for b, n in zip(biases, self.sizes)
-            ])
+        bias = cat_biases(biases or [None] * len(weights), self.sizes, weights[0].device)
         self.linear = Linear(torch.cat(weights), bias)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -174,9 +177,10 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, in) float32 -> (T, out) float32 (GEMV in float32, GEMM with fp16 tiles)."""
+        from localllm.kernels import GEMV_MAX_ROWS as KERNEL_GEMV_ROWS
         from localllm.kernels import quant_linear
 
-        xin = x if x.shape[0] <= GEMV_MAX_ROWS else x.half()
+        xin = x if x.shape[0] <= KERNEL_GEMV_ROWS else x.half()
         y = quant_linear(xin, self.weight, out_dtype=torch.float32)
         return y if self.bias is None else y + self.bias
 
@@ -187,25 +191,14 @@ class FusedQuantLinear(QuantLinear):
     def __init__(self, parts: list[QuantLinear]) -> None:
         from localllm.kernels import QuantWeight
 
-        biases = [p.bias for p in parts]
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat([
-                b if b is not None else torch.zeros(p.weight.shape[0], device=p.weight.data.device)
-                for p, b in zip(parts, biases)
-            ])
-        super().__init__(QuantWeight.cat([p.weight for p in parts]), bias)
         self.sizes = [p.weight.shape[0] for p in parts]
+        fused = QuantWeight.cat([p.weight for p in parts])
+        # One output tensor (no per-part splits in the kernel call); split after the bias.
+        super().__init__(QuantWeight(fused.data, fused.qtype, fused.shape),
+                         cat_biases([p.bias for p in parts], self.sizes, fused.data.device))
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        from localllm.kernels import quant_linear
-
-        xin = x if x.shape[0] <= GEMV_MAX_ROWS else x.half()
-        y = quant_linear(xin, self.weight, out_dtype=torch.float32)
-        y = torch.cat(y, dim=-1) if isinstance(y, tuple) else y
-        if self.bias is not None:
-            y = y + self.bias
-        return y.split(self.sizes, dim=-1)
+        return super().__call__(x).split(self.sizes, dim=-1)
 
 
 class Embedding:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import KVCache, RingKVCache
+from ..cache import make_cache
 from .common import Weights, attend, gelu_tanh, rms_norm, rope_angles, rope_inv_freq, rotate
 
 
@@ -114,13 +114,8 @@ class Model:
 
     def make_caches(self, ctx_size: int, *, slack: int) -> list:
         a = self.args
-        return [
-            RingKVCache(a.sliding_window, a.n_kv_heads, a.head_dim, slack=slack,
-                        dtype=torch.float32, device=self.device)
-            if b.sliding and a.sliding_window < ctx_size
-            else KVCache(ctx_size, a.n_kv_heads, a.head_dim, dtype=torch.float32, device=self.device)
-            for b in self.blocks
-        ]
+        return [make_cache(ctx_size, a.sliding_window if b.sliding else None, a.n_kv_heads,
+                           a.head_dim, slack=slack, device=self.device) for b in self.blocks]
 
     def forward(
         self,

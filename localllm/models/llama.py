@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cache import KVCache, RingKVCache
+from ..cache import make_cache
 from .common import Weights, attend, rms_norm, rope_angles, rope_inv_freq, rotate
 
 NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3"})
@@ -119,14 +119,8 @@ class Model:
 
     def make_caches(self, ctx_size: int, *, slack: int) -> list:
         a = self.args
-
-        def cache():
-            if a.sliding_window and a.sliding_window < ctx_size:
-                return RingKVCache(a.sliding_window, a.n_kv_heads, a.head_dim, slack=slack,
-                                   dtype=torch.float32, device=self.device)
-            return KVCache(ctx_size, a.n_kv_heads, a.head_dim, dtype=torch.float32, device=self.device)
-
-        return [cache() for _ in self.blocks]
+        return [make_cache(ctx_size, a.sliding_window, a.n_kv_heads, a.head_dim, slack=slack,
+                           device=self.device) for _ in self.blocks]
 
     def forward(
         self,

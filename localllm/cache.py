@@ -11,13 +11,27 @@ Both caches are preallocated, so decoding never allocates cache memory:
   as llama.cpp's SWA cache keeps ``n_swa + n_ubatch`` cells.
 
 ``update(pos, k, v)`` writes ``T`` new positions and returns the keys, values and their
-absolute positions that the new queries attend over; :func:`attention_mask` turns those
-positions into the boolean mask.
+absolute positions that the new queries attend over (None when slot ``j`` holds position
+``j``); :func:`attention_mask` turns those positions into the boolean mask.
+
+Static decode (CUDA graphs): ``pos`` may be a (1,) int64 tensor on the cache's device instead
+of an int. The write then goes through ``index_copy_`` at an index computed on the device and
+the whole buffer is returned (positions past ``pos`` are masked), so the step has the same
+shapes and addresses at every position and issues no host read. The caller records the
+new length with :meth:`KVCache.set_length`, which the int path does itself.
+
+On CUDA the caches hold float16 (llama.cpp's default KV type, half the bytes read per
+decoded token); on the CPU float32.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def kv_dtype(device) -> torch.dtype:
+    """The KV cache element type on ``device``: float16 on CUDA, float32 elsewhere."""
+    return torch.float16 if torch.device(device).type == "cuda" else torch.float32
 
 
 class KVCache:
@@ -39,19 +53,25 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
         self.n = 0  # positions 0 .. n-1 are valid
 
-    def update(self, pos: int, k: torch.Tensor, v: torch.Tensor):
+    def update(self, pos: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write ``k``/``v`` (n_kv_heads, T, head_dim) at positions ``pos .. pos+T-1``.
 
-        Returns (keys, values, key_positions): (n_kv_heads, S, head_dim) twice and (S,) int64,
-        with S = pos + T.
+        Returns (keys, values, None): (n_kv_heads, S, head_dim) twice, where slot ``j`` holds
+        position ``j``; S = pos + T, or the whole ``size`` when ``pos`` is a tensor (T = 1).
         """
-        t = k.shape[1]
-        end = pos + t
+        if isinstance(pos, torch.Tensor):
+            self.k.index_copy_(1, pos, k.to(self.k.dtype))
+            self.v.index_copy_(1, pos, v.to(self.v.dtype))
+            return self.k, self.v, None
+        end = pos + k.shape[1]
         self.k[:, pos:end] = k
         self.v[:, pos:end] = v
         self.n = end
-        positions = torch.arange(end, device=self.k.device)
-        return self.k[:, :end], self.v[:, :end], positions
+        return self.k[:, :end], self.v[:, :end], None
+
+    def set_length(self, n: int) -> None:
+        """Record that positions ``0 .. n-1`` are valid (after a static-decode write)."""
+        self.n = n
 
     def can_truncate(self, n: int) -> bool:
         return n <= self.n
@@ -86,14 +106,20 @@ class RingKVCache:
         self.positions = torch.full((self.size,), -1, dtype=torch.long, device=device)
         self.n = 0  # next absolute position expected
 
-    def update(self, pos: int, k: torch.Tensor, v: torch.Tensor):
+    def update(self, pos: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Attend over the ring's valid slots plus the ``T`` new positions, then store them.
 
-        Returns (keys, values, key_positions) with S = size + T entries; empty slots and
-        positions at or after ``pos`` carry position -1 (masked out).
+        Returns (keys, values, key_positions) with S = size + T entries (S = size when T = 1);
+        empty slots and positions at or after ``pos`` carry position -1 (masked out).
         """
         t = k.shape[1]
         device = self.k.device
+        if isinstance(pos, torch.Tensor):  # static decode: the slot is computed on the device
+            slot = pos % self.size
+            self.k.index_copy_(1, slot, k.to(self.k.dtype))
+            self.v.index_copy_(1, slot, v.to(self.v.dtype))
+            self.positions.index_copy_(0, slot, pos)
+            return self.k, self.v, self.positions
         if t == 1:
             # Decode: write first, then the ring itself holds the window (no concatenation).
             slot = pos % self.size
@@ -116,6 +142,10 @@ class RingKVCache:
         self.n = pos + t
         return keys, values, positions
 
+    def set_length(self, n: int) -> None:
+        """Record that the next position expected is ``n`` (after a static-decode write)."""
+        self.n = n
+
     def can_truncate(self, n: int) -> bool:
         """True when positions ``n - window .. n - 1`` are all still in the ring."""
         lo = max(0, n - self.window)
@@ -136,22 +166,26 @@ class RingKVCache:
 def make_cache(
     ctx_size: int, window: int | None, n_kv_heads: int, head_dim: int, *, slack: int, device
 ) -> KVCache | RingKVCache:
-    """A float32 cache for one layer: a ring of ``window + slack`` cells when the layer uses
-    sliding-window attention with a window smaller than the context, else the full context."""
+    """The cache of one layer (:func:`kv_dtype` elements): a ring of ``window + slack`` cells
+    when the layer uses sliding-window attention with a window smaller than the context,
+    else the full context."""
+    dtype = kv_dtype(device)
     if window and window < ctx_size:
-        return RingKVCache(window, n_kv_heads, head_dim, slack=slack, dtype=torch.float32,
-                           device=device)
-    return KVCache(ctx_size, n_kv_heads, head_dim, dtype=torch.float32, device=device)
+        return RingKVCache(window, n_kv_heads, head_dim, slack=slack, dtype=dtype, device=device)
+    return KVCache(ctx_size, n_kv_heads, head_dim, dtype=dtype, device=device)
 
 
 def attention_mask(
-    q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None
+    q_positions: torch.Tensor, k_positions: torch.Tensor | int, window: int | None
 ) -> torch.Tensor:
     """Boolean (T, S) mask, True where query ``i`` may attend to key ``j``.
 
-    Causal over absolute positions; keys with position -1 are empty slots. With a
+    Causal over absolute positions; keys with position -1 are empty slots. ``k_positions``
+    may be the number of keys S instead, when slot ``j`` holds position ``j``. With a
     ``window``, a query at p sees keys at p - window + 1 .. p (llama.cpp's standard SWA).
     """
+    if isinstance(k_positions, int):
+        k_positions = torch.arange(k_positions, device=q_positions.device)
     q = q_positions[:, None]
     k = k_positions[None, :]
     mask = (k >= 0) & (k <= q)

@@ -11,7 +11,7 @@ What a load stores (see ``localllm.models.common.Weights`` and ``localllm.cache`
   default on CUDA: the tensors' bytes as in the file (the kernels read blocks directly);
   on CUDA plus ``CUDA_WORKSPACE`` bytes for activations;
 * the KV cache at ``--ctx-size``: per layer 2 (K and V) x n_kv_heads x head_dim x cells x
-  4 bytes (float32), where a sliding-window layer holds ``window + RING_SLACK`` cells when
+  4 bytes (float32; 2 on CUDA, float16, see ``localllm.cache.kv_dtype``), where a sliding-window layer holds ``window + RING_SLACK`` cells when
   that is less than the context (llama.cpp's SWA cache does the same).
 
 Setting ``LOCALLLM_SKIP_MEMORY_CHECK=1`` disables the check.
@@ -28,7 +28,6 @@ from .errors import LocalLLMError
 
 SKIP_ENV = "LOCALLLM_SKIP_MEMORY_CHECK"
 CUDA_WORKSPACE = 256 * 2**20  # activations, logits and allocator slack on the GPU (bytes)
-KV_BYTES = 4  # the caches are float32
 
 
 @dataclass(frozen=True)
@@ -66,19 +65,21 @@ def stored_bytes(info, quantized: bool, dtype: torch.dtype = torch.float16) -> i
     return info.n_elements * torch.empty((), dtype=dtype).element_size()
 
 
-def kv_cache_bytes(args, ctx_size: int) -> int:
-    """Bytes of one session's KV cache at ``ctx_size`` tokens (capped at the model's context).
+def kv_cache_bytes(args, ctx_size: int, device: torch.device | str = "cpu") -> int:
+    """Bytes of one session's KV cache at ``ctx_size`` tokens (capped at the model's context)
+    on ``device``.
 
     ``args``: a model's ModelArgs (n_layers, n_kv_heads, head_dim, context_length and, for
     sliding-window models, sliding_window with ``is_sliding(layer)`` when only some layers
     slide).
     """
+    from .cache import kv_dtype
     from .runtime import RING_SLACK
 
     ctx = max(1, min(ctx_size, args.context_length))
     window = getattr(args, "sliding_window", None)
     is_sliding = getattr(args, "is_sliding", lambda layer: True)
-    per_cell = 2 * args.n_kv_heads * args.head_dim * KV_BYTES
+    per_cell = 2 * args.n_kv_heads * args.head_dim * kv_dtype(device).itemsize
     cells = 0
     for layer in range(args.n_layers):
         ring = window is not None and window < ctx and is_sliding(layer)
@@ -93,7 +94,7 @@ def estimate_memory(gguf, args, ctx_size: int | None, device: torch.device,
     0 means the model's context length)."""
     if ctx_size == 0:
         ctx_size = args.context_length
-    kv = kv_cache_bytes(args, ctx_size) if ctx_size else 0
+    kv = kv_cache_bytes(args, ctx_size, device) if ctx_size else 0
     return MemoryEstimate(weight_bytes(gguf, device, dtype, quantized), kv, ctx_size)
 
 

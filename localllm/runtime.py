@@ -2,7 +2,8 @@
 
 A session owns one KV cache per layer, preallocated to ``ctx_size``, and the list of tokens
 the cache holds. ``eval`` appends tokens: a prompt is prefilled in chunks of
-``batch_size`` tokens (one forward each), a decode step is a one-token forward.
+``batch_size`` tokens (one forward each), a decode step is a one-token forward; on CUDA
+that step has static shapes and is replayed as a CUDA graph (:mod:`localllm.graphs`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from .errors import ContextOverflowError, LocalLLMError
 from .gguf_file import GGUFFile, open_gguf
 from .gguf_validate import validate_vocab
+from .graphs import DecodeGraph
 from .models import architecture
 from .models.common import Weights
 from .resources import check_memory
@@ -139,17 +141,24 @@ class Session:
         loaded: the model.
         ctx_size: context size in tokens (capped at the model's context length).
         batch_size: the most tokens evaluated in one forward during prefill.
+        static_decode: run one-token steps with static shapes (:class:`DecodeGraph`,
+            captured as a CUDA graph on CUDA); default: on CUDA. On the CPU it is slower
+            (the attention covers the whole cache) and exists for tests.
     Attributes:
         tokens: the tokens currently held by the cache, in order.
     """
 
-    def __init__(self, loaded: LoadedModel, *, ctx_size: int = 4096, batch_size: int = 512) -> None:
+    def __init__(self, loaded: LoadedModel, *, ctx_size: int = 4096, batch_size: int = 512,
+                 static_decode: bool | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.ctx_size = max(1, min(ctx_size, loaded.args.context_length))
         self.batch_size = max(1, batch_size)
         self.caches = self.model.make_caches(self.ctx_size, slack=RING_SLACK)
         self.tokens: list[int] = []
+        if static_decode is None:
+            static_decode = loaded.device.type == "cuda"
+        self.decoder = DecodeGraph(self.model, self.caches, loaded.device) if static_decode else None
 
     @property
     def n_past(self) -> int:
@@ -175,6 +184,12 @@ class Session:
                 f"{self.n_past + len(ids)} tokens do not fit in the context of {self.ctx_size} "
                 "tokens (raise --ctx-size or shorten the prompt)"
             )
+        if len(ids) == 1 and self.decoder is not None and not all_logits:
+            logits = self.decoder.step(ids[0], self.n_past)
+            self.tokens.append(ids[0])
+            for c in self.caches:
+                c.set_length(self.n_past)
+            return logits.float()
         device = self.loaded.device
         outs = []
         for start in range(0, len(ids), self.batch_size):

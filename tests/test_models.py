@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from localllm import runtime
 from localllm.runtime import Session, load_model
 
 ARCHS = ["gemma3", "llama", "mistral", "qwen2", "qwen3"]
@@ -59,12 +60,14 @@ def test_truncate_then_continue_equals_fresh(tiny_model_path):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_ring_cache_wraps_many_times(tiny_model_path):
-    # 100 tokens through a window of 8 (+ slack): the ring wraps; logits still match.
+def test_ring_cache_wraps_many_times(tiny_model_path, monkeypatch):
+    # 100 tokens through a window of 8 (+ 4 of slack): the ring wraps; logits still match.
+    monkeypatch.setattr(runtime, "RING_SLACK", 4)
     m = _model(tiny_model_path, "gemma3")
     ids = _tokens(m.tokenizer.n_vocab, 100, seed=5)
     full = Session(m, ctx_size=128).eval(ids, all_logits=True)[-1]
     s = Session(m, ctx_size=128, batch_size=7)
+    assert s.caches[0].size == 12
     s.eval(ids[:50])
     for t in ids[50:-1]:
         s.eval([t])
@@ -101,3 +104,71 @@ def test_quantized_triton_path_matches_torch_path(tiny_model_path, arch):
     # fp16 tiles in the GEMM, float32 accumulation everywhere
     assert (got_prefill - want[:10]).abs().max() / scale < 2e-2
     assert (got_decode - want[10:]).abs().max() / scale < 1e-3
+
+
+# ---- static decode (the step CUDA graphs capture) -----------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_decode_equals_dynamic(tiny_model_path, arch, monkeypatch):
+    """One-token steps with the position in a device tensor (full-buffer writes and masks)
+    give the logits of the ordinary decode, across ring wrap-around and a rollback."""
+    monkeypatch.setattr(runtime, "RING_SLACK", 8)  # rings of 16 cells: they wrap
+    m = _model(tiny_model_path, arch)
+    ids = _tokens(m.tokenizer.n_vocab, 60, seed=7)
+    alt = _tokens(m.tokenizer.n_vocab, 8, seed=8)
+    dyn = Session(m, ctx_size=64, static_decode=False)
+    sta = Session(m, ctx_size=64, static_decode=True)
+    assert sta.decoder is not None and not sta.decoder.capture  # CPU: eager, no capture
+    for s in (dyn, sta):
+        s.eval(ids[:5])
+    for t in ids[5:50]:
+        torch.testing.assert_close(sta.eval([t]), dyn.eval([t]), rtol=1e-5, atol=1e-5)
+    assert sta.tokens == dyn.tokens and all(c.n == 50 for c in sta.caches)
+    for s in (dyn, sta):
+        s.truncate(44)  # inside the ring's slack: positions 44.. are forgotten in place
+        assert s.n_past == 44
+    for t in alt:
+        torch.testing.assert_close(sta.eval([t]), dyn.eval([t]), rtol=1e-5, atol=1e-5)
+    fresh = Session(m, ctx_size=64).eval(ids[:44] + alt + ids[50:51])
+    torch.testing.assert_close(sta.eval(ids[50:51]), fresh, rtol=1e-4, atol=1e-4)
+
+
+def _op_trace(fn) -> list[tuple[str, tuple]]:
+    """The aten ops ``fn`` dispatches, with their output shapes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: list[tuple[str, tuple]] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            shapes = tuple(tuple(o.shape) for o in (out if isinstance(out, (tuple, list))
+                                                     else [out]) if isinstance(o, torch.Tensor))
+            ops.append((str(func.overloadpacket.__name__), shapes))
+            return out
+
+    with Record():
+        fn()
+    return ops
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_static_decode_step_is_capturable(tiny_model_path, arch, monkeypatch):
+    """What a CUDA graph needs, checked on the CPU: the step reads nothing back to the host
+    (no .item(), no boolean indexing) and dispatches the same ops with the same shapes at
+    every position, before and after the ring cache wraps."""
+    monkeypatch.setattr(runtime, "RING_SLACK", 4)  # gemma3's rings: 12 cells
+    m = _model(tiny_model_path, arch)
+    ids = _tokens(m.tokenizer.n_vocab, 40, seed=9)
+    s = Session(m, ctx_size=48, static_decode=True)
+    s.eval(ids[:3])
+    first = _op_trace(lambda: s.decoder.step(ids[3], 3))
+    for c in s.caches:
+        c.set_length(4)
+    s.tokens.append(ids[3])
+    for t in ids[4:30]:
+        s.eval([t])
+    later = _op_trace(lambda: s.decoder.step(ids[30], 30))  # window 8 + slack: wrapped
+    names = {name for name, _ in first}
+    assert not names & {"_local_scalar_dense", "item", "nonzero", "masked_select", "tolist"}
+    assert first == later
+    assert len(first) > 20  # the trace saw the model's ops

@@ -36,6 +36,7 @@ def test_tiny_gemma3_estimate_matches_hand_count(tiny_model_path):
     assert cuda.weights == sum(t.n_bytes for t in gguf.tensors.values()) + resources.CUDA_WORKSPACE
     torch_cuda = estimate_memory(gguf, args, 100, torch.device("cuda"), quantized=False)
     assert torch_cuda.weights == est.weights + resources.CUDA_WORKSPACE
+    assert cuda.kv_cache == est.kv_cache // 2  # float16 cache on CUDA
 
 
 def test_kv_estimate_caps_at_context_length_without_window(tiny_model_path):

@@ -278,14 +278,16 @@ def attend(
     keys: torch.Tensor,
     values: torch.Tensor,
     q_positions: torch.Tensor,
-    k_positions: torch.Tensor,
+    k_positions: torch.Tensor | None,
     *,
     window: int | None,
     scale: float,
 ) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads (GQA), float32.
 
-    q: (n_heads, T, hd); keys/values: (n_kv_heads, S, hd) -> (T, n_heads * hd).
+    q: (n_heads, T, hd); keys/values: (n_kv_heads, S, hd) float32 or float16;
+    k_positions: (S,) int64 absolute positions (-1: empty slot), or None when slot ``j``
+    holds position ``j`` -> (T, n_heads * hd) float32.
     Query head h reads KV head h // (n_heads / n_kv_heads), as llama.cpp does. The heads of a
     group are stacked into one product instead of repeating K/V: in decode this is several
     times faster on the CPU than torch's SDPA with a mask.
@@ -293,13 +295,51 @@ def attend(
     n_heads, t, hd = q.shape
     n_kv = keys.shape[0]
     group = n_heads // n_kv
-    mask = attention_mask(q_positions, k_positions, window)  # (T, S)
+    mask = attention_mask(q_positions, keys.shape[1] if k_positions is None else k_positions,
+                          window)  # (T, S)
     qg = q.reshape(n_kv, group * t, hd)  # (nkv, g*T, hd)
     scores = torch.matmul(qg, keys.float().transpose(1, 2)) * scale  # (nkv, g*T, S)
     scores = scores.view(n_kv, group, t, -1).masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(n_kv, group * t, -1)
     out = torch.matmul(probs, values.float())  # (nkv, g*T, hd)
     return out.view(n_heads, t, hd).transpose(0, 1).reshape(t, n_heads * hd)
+
+
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache,
+    pos: int | torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    scale: float,
+    kernel: bool = False,
+) -> torch.Tensor:
+    """Store the new keys/values in ``cache`` and attend the new queries over it.
+
+    q: (n_heads, T, hd), k/v: (n_kv_heads, T, hd) float32 at ``positions`` (T,) int64, the
+    first of which is ``pos`` (an int, or a (1,) device tensor in static decode: see
+    :mod:`localllm.cache`) -> (T, n_heads * hd) float32. ``kernel``: one-position steps use
+    the Triton flash-decoding kernel (:func:`localllm.kernels.decode_attention`), which reads
+    only the visible part of a full cache; otherwise :func:`attend`.
+    """
+    keys, values, k_pos = cache.update(pos, k, v)
+    if kernel and q.shape[1] == 1:
+        from localllm.kernels import decode_attention
+
+        return decode_attention(q[:, 0], keys, values, positions, k_positions=k_pos,
+                                window=cache.window, scale=scale)
+    return attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale)
+
+
+def positions_of(pos: int | torch.Tensor, t: int, device) -> torch.Tensor:
+    """Absolute positions (T,) int64 of ``t`` tokens starting at ``pos`` (int or (1,) tensor)."""
+    if isinstance(pos, torch.Tensor):
+        if t != 1:
+            raise ValueError("a position held in a tensor (static decode) takes one token")
+        return pos
+    return torch.arange(pos, pos + t, device=device)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

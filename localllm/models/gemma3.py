@@ -19,7 +19,16 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import make_cache
-from .common import Weights, attend, gelu_tanh, rms_norm, rope_angles, rope_inv_freq, rotate
+from .common import (
+    Weights,
+    cached_attention,
+    gelu_tanh,
+    positions_of,
+    rms_norm,
+    rope_angles,
+    rope_inv_freq,
+    rotate,
+)
 
 
 @dataclass
@@ -111,6 +120,7 @@ class Model:
         )
         self.inv_freq_global = rope_inv_freq(args.head_dim, args.rope_base, device=w.device)
         self.inv_freq_local = rope_inv_freq(args.head_dim, args.rope_base_swa, device=w.device)
+        self.attention_kernel = w.quantized  # Triton flash-decoding for one-token steps
 
     def make_caches(self, ctx_size: int, *, slack: int) -> list:
         a = self.args
@@ -120,17 +130,20 @@ class Model:
     def forward(
         self,
         tokens: torch.Tensor,
-        pos: int,
+        pos: int | torch.Tensor,
         caches: list,
         *,
         all_logits: bool = False,
         logits_start: int = 0,
     ) -> torch.Tensor:
         """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
-        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits."""
+        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits.
+
+        ``pos`` may be a (1,) int64 tensor on the model's device for a one-token step with
+        static shapes and no host reads (CUDA graphs, :mod:`localllm.graphs`)."""
         a = self.args
         t = tokens.shape[0]
-        positions = torch.arange(pos, pos + t, device=self.device)
+        positions = positions_of(pos, t, self.device)
         x = self.tok_embd(tokens) * math.sqrt(a.d_model)  # (T, d)
         rope = {  # (cos, sin) per kind of layer, shared by all layers of that kind
             True: rope_angles(positions, self.inv_freq_local),
@@ -142,7 +155,7 @@ class Model:
         x = rms_norm(x, self.output_norm, a.norm_eps)
         return self.lm_head(x)
 
-    def _block(self, b: Block, cache, x: torch.Tensor, pos: int, positions: torch.Tensor, rope):
+    def _block(self, b: Block, cache, x: torch.Tensor, pos, positions: torch.Tensor, rope):
         a = self.args
         t, hd = x.shape[0], a.head_dim
         n = rms_norm(x, b.attn_norm, a.norm_eps)
@@ -152,9 +165,9 @@ class Model:
         v = v.reshape(t, a.n_kv_heads, hd).transpose(0, 1)
         q, k = rms_norm(q, b.q_norm, a.norm_eps), rms_norm(k, b.k_norm, a.norm_eps)
         q, k = rotate(q, rope, neox=True), rotate(k, rope, neox=True)
-        keys, values, k_pos = cache.update(pos, k, v)
-        window = a.sliding_window if b.sliding else None
-        attn = attend(q, keys, values, positions, k_pos, window=window, scale=a.attention_scale)
+        # A sliding layer whose window covers the whole context has a full cache (no window).
+        attn = cached_attention(q, k, v, cache, pos, positions, scale=a.attention_scale,
+                                kernel=self.attention_kernel)
         h = x + rms_norm(b.wo(attn), b.post_attn_norm, a.norm_eps)
         n = rms_norm(h, b.ffn_norm, a.norm_eps)
         gate, up = b.gate_up(n)

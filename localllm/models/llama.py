@@ -20,7 +20,15 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import make_cache
-from .common import Weights, attend, rms_norm, rope_angles, rope_inv_freq, rotate
+from .common import (
+    Weights,
+    cached_attention,
+    positions_of,
+    rms_norm,
+    rope_angles,
+    rope_inv_freq,
+    rotate,
+)
 
 NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3"})
 
@@ -116,6 +124,7 @@ class Model:
             w.get("rope_freqs.weight", (args.head_dim // 2,)) if w.has("rope_freqs.weight") else None
         )
         self.inv_freq = rope_inv_freq(args.head_dim, args.rope_base, factors, device=w.device)
+        self.attention_kernel = w.quantized  # Triton flash-decoding for one-token steps
 
     def make_caches(self, ctx_size: int, *, slack: int) -> list:
         a = self.args
@@ -125,17 +134,20 @@ class Model:
     def forward(
         self,
         tokens: torch.Tensor,
-        pos: int,
+        pos: int | torch.Tensor,
         caches: list,
         *,
         all_logits: bool = False,
         logits_start: int = 0,
     ) -> torch.Tensor:
         """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
-        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits."""
+        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits.
+
+        ``pos`` may be a (1,) int64 tensor on the model's device for a one-token step with
+        static shapes and no host reads (CUDA graphs, :mod:`localllm.graphs`)."""
         a = self.args
         t = tokens.shape[0]
-        positions = torch.arange(pos, pos + t, device=self.device)
+        positions = positions_of(pos, t, self.device)
         x = self.tok_embd(tokens)  # (T, d)
         rope = rope_angles(positions, self.inv_freq, a.rope_scale)  # shared by every layer
         for b, cache in zip(self.blocks, caches):
@@ -147,9 +159,8 @@ class Model:
             if b.q_norm is not None:
                 q, k = rms_norm(q, b.q_norm, a.norm_eps), rms_norm(k, b.k_norm, a.norm_eps)
             q, k = rotate(q, rope, neox=a.neox), rotate(k, rope, neox=a.neox)
-            keys, values, k_pos = cache.update(pos, k, v)
-            attn = attend(q, keys, values, positions, k_pos, window=cache.window,
-                          scale=a.attention_scale)
+            attn = cached_attention(q, k, v, cache, pos, positions, scale=a.attention_scale,
+                                    kernel=self.attention_kernel)
             h = x + b.wo(attn)
             n = rms_norm(h, b.ffn_norm, a.norm_eps)
             gate, up = b.gate_up(n)

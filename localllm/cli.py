@@ -68,6 +68,10 @@ def print_model_summary(llm) -> None:
     if llm.device.type == "cuda":
         import torch
 
+        from .graphs import GRAPHS_ENV, graphs_enabled
+
+        _err("decode: static shapes, " + ("CUDA graphs" if graphs_enabled(llm.device)
+                                           else f"no CUDA graphs ({GRAPHS_ENV}=0)"))
         _err(f"GPU memory: {torch.cuda.memory_allocated(llm.device) / 2**20:.0f} MiB allocated "
              f"(weights + KV cache + workspace)")
 

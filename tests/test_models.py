@@ -97,13 +97,15 @@ def test_quantized_triton_path_matches_torch_path(tiny_model_path, arch):
     assert quant.backend == "triton" and not quant.fallbacks
     ids = _tokens(ref.tokenizer.n_vocab, 12, seed=6)
     want = Session(ref, ctx_size=32).eval(ids, all_logits=True)  # prefill: GEMM kernel
-    s = Session(quant, ctx_size=32)
-    got_prefill = s.eval(ids[:10], all_logits=True)
-    got_decode = torch.stack([s.eval([t]) for t in ids[10:]])  # decode: GEMV kernel
     scale = want.abs().max()
-    # fp16 tiles in the GEMM, float32 accumulation everywhere
-    assert (got_prefill - want[:10]).abs().max() / scale < 2e-2
-    assert (got_decode - want[10:]).abs().max() / scale < 1e-3
+    for static in (False, True):  # static: the step CUDA graphs capture, position in a tensor
+        s = Session(quant, ctx_size=32, static_decode=static)
+        got_prefill = s.eval(ids[:10], all_logits=True)
+        # decode: GEMV, RMSNorm, RoPE and flash-decoding attention kernels
+        got_decode = torch.stack([s.eval([t]) for t in ids[10:]])
+        # fp16 tiles in the GEMM, float32 accumulation everywhere
+        assert (got_prefill - want[:10]).abs().max() / scale < 2e-2
+        assert (got_decode - want[10:]).abs().max() / scale < 1e-3
 
 
 # ---- static decode (the step CUDA graphs capture) -----------------------------------------------

@@ -305,32 +305,75 @@ def attend(
     return out.view(n_heads, t, hd).transpose(0, 1).reshape(t, n_heads * hd)
 
 
-def cached_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache,
-    pos: int | torch.Tensor,
-    positions: torch.Tensor,
-    *,
-    scale: float,
-    kernel: bool = False,
-) -> torch.Tensor:
-    """Store the new keys/values in ``cache`` and attend the new queries over it.
+class TorchOps:
+    """Norms, RoPE and attention as torch operations: the torch backend, on every device.
 
-    q: (n_heads, T, hd), k/v: (n_kv_heads, T, hd) float32 at ``positions`` (T,) int64, the
-    first of which is ``pos`` (an int, or a (1,) device tensor in static decode: see
-    :mod:`localllm.cache`) -> (T, n_heads * hd) float32. ``kernel``: one-position steps use
-    the Triton flash-decoding kernel (:func:`localllm.kernels.decode_attention`), which reads
-    only the visible part of a full cache; otherwise :func:`attend`.
+    A model calls ``ops.rms_norm``, ``ops.rope_angles`` (once per forward; the result is
+    opaque to the model) with ``ops.rotate``, and ``ops.attention``; :class:`KernelOps` does
+    the same with the Triton kernels.
     """
-    keys, values, k_pos = cache.update(pos, k, v)
-    if kernel and q.shape[1] == 1:
+
+    rms_norm = staticmethod(rms_norm)
+    rope_angles = staticmethod(rope_angles)
+    rotate = staticmethod(rotate)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache,
+        pos: int | torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store the new keys/values in ``cache`` and attend the new queries over it.
+
+        q: (n_heads, T, hd), k/v: (n_kv_heads, T, hd) float32 at ``positions`` (T,) int64, the
+        first of which is ``pos`` (an int, or a (1,) device tensor in static decode: see
+        :mod:`localllm.cache`) -> (T, n_heads * hd) float32.
+        """
+        keys, values, k_pos = cache.update(pos, k, v)
+        return attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale)
+
+
+class KernelOps(TorchOps):
+    """The Triton kernels (the quantized backend): one launch per RMSNorm and per rotation
+    instead of several torch kernels each, and flash-decoding attention for one-token steps
+    (:func:`localllm.kernels.decode_attention`), which reads only the visible part of a full
+    cache. Prefill attention stays :func:`attend`."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from localllm.kernels import rms_norm as kernel_rms_norm
+
+        return kernel_rms_norm(x, weight, eps)
+
+    @staticmethod
+    def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0):
+        return positions, inv_freq, scale  # the kernel computes the angles itself
+
+    @staticmethod
+    def rotate(x: torch.Tensor, angles, *, neox: bool) -> torch.Tensor:
+        from localllm.kernels import rope
+
+        positions, inv_freq, scale = angles
+        return rope(x, positions, inv_freq, neox=neox, scale=scale)
+
+    def attention(self, q, k, v, cache, pos, positions, *, scale: float) -> torch.Tensor:
+        if q.shape[1] != 1:
+            return super().attention(q, k, v, cache, pos, positions, scale=scale)
         from localllm.kernels import decode_attention
 
+        keys, values, k_pos = cache.update(pos, k, v)
         return decode_attention(q[:, 0], keys, values, positions, k_positions=k_pos,
                                 window=cache.window, scale=scale)
-    return attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale)
+
+
+def model_ops(w: Weights) -> TorchOps:
+    """The kernels when the weights stay quantized (Triton backend), else torch."""
+    return KernelOps() if w.quantized else TorchOps()
 
 
 def positions_of(pos: int | torch.Tensor, t: int, device) -> torch.Tensor:

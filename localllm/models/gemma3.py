@@ -19,16 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import make_cache
-from .common import (
-    Weights,
-    cached_attention,
-    gelu_tanh,
-    positions_of,
-    rms_norm,
-    rope_angles,
-    rope_inv_freq,
-    rotate,
-)
+from .common import Weights, gelu_tanh, model_ops, positions_of, rope_inv_freq
 
 
 @dataclass
@@ -120,7 +111,7 @@ class Model:
         )
         self.inv_freq_global = rope_inv_freq(args.head_dim, args.rope_base, device=w.device)
         self.inv_freq_local = rope_inv_freq(args.head_dim, args.rope_base_swa, device=w.device)
-        self.attention_kernel = w.quantized  # Triton flash-decoding for one-token steps
+        self.ops = model_ops(w)
 
     def make_caches(self, ctx_size: int, *, slack: int) -> list:
         a = self.args
@@ -145,31 +136,30 @@ class Model:
         t = tokens.shape[0]
         positions = positions_of(pos, t, self.device)
         x = self.tok_embd(tokens) * math.sqrt(a.d_model)  # (T, d)
-        rope = {  # (cos, sin) per kind of layer, shared by all layers of that kind
-            True: rope_angles(positions, self.inv_freq_local),
-            False: rope_angles(positions, self.inv_freq_global, a.rope_scale),
+        rope = {  # the angles per kind of layer, shared by all layers of that kind
+            True: self.ops.rope_angles(positions, self.inv_freq_local),
+            False: self.ops.rope_angles(positions, self.inv_freq_global, a.rope_scale),
         }
         for block, cache in zip(self.blocks, caches):
             x = self._block(block, cache, x, pos, positions, rope[block.sliding])
         x = x[logits_start:] if all_logits else x[-1:]
-        x = rms_norm(x, self.output_norm, a.norm_eps)
+        x = self.ops.rms_norm(x, self.output_norm, a.norm_eps)
         return self.lm_head(x)
 
     def _block(self, b: Block, cache, x: torch.Tensor, pos, positions: torch.Tensor, rope):
-        a = self.args
+        a, ops = self.args, self.ops
         t, hd = x.shape[0], a.head_dim
-        n = rms_norm(x, b.attn_norm, a.norm_eps)
+        n = ops.rms_norm(x, b.attn_norm, a.norm_eps)
         q, k, v = b.wqkv(n)
         q = q.reshape(t, a.n_heads, hd).transpose(0, 1)  # (nh, T, hd)
         k = k.reshape(t, a.n_kv_heads, hd).transpose(0, 1)  # (nkv, T, hd)
         v = v.reshape(t, a.n_kv_heads, hd).transpose(0, 1)
-        q, k = rms_norm(q, b.q_norm, a.norm_eps), rms_norm(k, b.k_norm, a.norm_eps)
-        q, k = rotate(q, rope, neox=True), rotate(k, rope, neox=True)
+        q, k = ops.rms_norm(q, b.q_norm, a.norm_eps), ops.rms_norm(k, b.k_norm, a.norm_eps)
+        q, k = ops.rotate(q, rope, neox=True), ops.rotate(k, rope, neox=True)
         # A sliding layer whose window covers the whole context has a full cache (no window).
-        attn = cached_attention(q, k, v, cache, pos, positions, scale=a.attention_scale,
-                                kernel=self.attention_kernel)
-        h = x + rms_norm(b.wo(attn), b.post_attn_norm, a.norm_eps)
-        n = rms_norm(h, b.ffn_norm, a.norm_eps)
+        attn = ops.attention(q, k, v, cache, pos, positions, scale=a.attention_scale)
+        h = x + ops.rms_norm(b.wo(attn), b.post_attn_norm, a.norm_eps)
+        n = ops.rms_norm(h, b.ffn_norm, a.norm_eps)
         gate, up = b.gate_up(n)
         f = b.down(gelu_tanh(gate) * up)
-        return h + rms_norm(f, b.post_ffw_norm, a.norm_eps)
+        return h + ops.rms_norm(f, b.post_ffw_norm, a.norm_eps)

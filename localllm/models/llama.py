@@ -20,15 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import make_cache
-from .common import (
-    Weights,
-    cached_attention,
-    positions_of,
-    rms_norm,
-    rope_angles,
-    rope_inv_freq,
-    rotate,
-)
+from .common import Weights, model_ops, positions_of, rope_inv_freq
 
 NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3"})
 
@@ -124,7 +116,7 @@ class Model:
             w.get("rope_freqs.weight", (args.head_dim // 2,)) if w.has("rope_freqs.weight") else None
         )
         self.inv_freq = rope_inv_freq(args.head_dim, args.rope_base, factors, device=w.device)
-        self.attention_kernel = w.quantized  # Triton flash-decoding for one-token steps
+        self.ops = model_ops(w)
 
     def make_caches(self, ctx_size: int, *, slack: int) -> list:
         a = self.args
@@ -145,25 +137,24 @@ class Model:
 
         ``pos`` may be a (1,) int64 tensor on the model's device for a one-token step with
         static shapes and no host reads (CUDA graphs, :mod:`localllm.graphs`)."""
-        a = self.args
+        a, ops = self.args, self.ops
         t = tokens.shape[0]
         positions = positions_of(pos, t, self.device)
         x = self.tok_embd(tokens)  # (T, d)
-        rope = rope_angles(positions, self.inv_freq, a.rope_scale)  # shared by every layer
+        rope = ops.rope_angles(positions, self.inv_freq, a.rope_scale)  # shared by every layer
         for b, cache in zip(self.blocks, caches):
-            n = rms_norm(x, b.attn_norm, a.norm_eps)
+            n = ops.rms_norm(x, b.attn_norm, a.norm_eps)
             q, k, v = b.wqkv(n)
             q = q.reshape(t, a.n_heads, a.head_dim).transpose(0, 1)  # (nh, T, hd)
             k = k.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)  # (nkv, T, hd)
             v = v.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)
             if b.q_norm is not None:
-                q, k = rms_norm(q, b.q_norm, a.norm_eps), rms_norm(k, b.k_norm, a.norm_eps)
-            q, k = rotate(q, rope, neox=a.neox), rotate(k, rope, neox=a.neox)
-            attn = cached_attention(q, k, v, cache, pos, positions, scale=a.attention_scale,
-                                    kernel=self.attention_kernel)
+                q, k = ops.rms_norm(q, b.q_norm, a.norm_eps), ops.rms_norm(k, b.k_norm, a.norm_eps)
+            q, k = ops.rotate(q, rope, neox=a.neox), ops.rotate(k, rope, neox=a.neox)
+            attn = ops.attention(q, k, v, cache, pos, positions, scale=a.attention_scale)
             h = x + b.wo(attn)
-            n = rms_norm(h, b.ffn_norm, a.norm_eps)
+            n = ops.rms_norm(h, b.ffn_norm, a.norm_eps)
             gate, up = b.gate_up(n)
             x = h + b.down(F.silu(gate) * up)
         x = x[logits_start:] if all_logits else x[-1:]
-        return self.lm_head(rms_norm(x, self.output_norm, a.norm_eps))
+        return self.lm_head(ops.rms_norm(x, self.output_norm, a.norm_eps))

@@ -5,7 +5,8 @@ Weights stay in their ggml blocks on the GPU; the kernels decode them on the fly
 - :mod:`.dequant`: blocks -> float32/float16/bfloat16 tensor (bit-exact in float32);
 - :mod:`.gemv`: fused dequant x vector for decode (<= 8 rows);
 - :mod:`.gemm`: prefill GEMM decoding weight tiles for ``tl.dot``;
-- :mod:`.norm_rope`: RMSNorm and RoPE.
+- :mod:`.norm_rope`: RMSNorm and RoPE;
+- :mod:`.attention`: decode attention over the KV cache (flash-decoding, split-K).
 
 Every kernel also runs on CPU tensors through Triton's interpreter (slowly: for tests).
 Without Triton, :func:`triton_available` is False and nothing here imports it.
@@ -25,6 +26,7 @@ from localllm.quants import dequantize as reference_dequantize
 __all__ = [
     "GEMV_MAX_ROWS",
     "QuantWeight",
+    "decode_attention",
     "dequantize",
     "gemm",
     "gemv",
@@ -38,6 +40,7 @@ __all__ = [
 
 # Kernel entry points, imported on first use (they import Triton).
 _LAZY = {
+    "decode_attention": ".attention",
     "dequantize": ".dequant",
     "gemv": ".gemv",
     "gemm": ".gemm",

@@ -171,12 +171,15 @@ def weight_bytes_per_token(loaded) -> int:
                for name, t in tensors.items() if tied or name != "token_embd.weight")
 
 
-def kv_bytes_per_token(args, start: int, n_gen: int, ring_slack: int) -> int:
+def kv_bytes_per_token(args, start: int, n_gen: int, ring_slack: int, device="cpu") -> int:
     """Mean KV-cache bytes a decode step reads over positions ``start .. start+n_gen-1``
-    (float32 K and V; sliding-window layers read their ring of window + slack cells)."""
+    (K and V of :func:`localllm.cache.kv_dtype` on ``device``: float32 on the CPU, float16
+    on CUDA; sliding-window layers read their ring of window + slack cells)."""
+    from .cache import kv_dtype
+
     window = getattr(args, "sliding_window", None)
     is_sliding = getattr(args, "is_sliding", lambda layer: True)
-    per_cell = 2 * args.n_kv_heads * args.head_dim * 4
+    per_cell = 2 * args.n_kv_heads * args.head_dim * kv_dtype(device).itemsize
     total = 0
     for pos in range(start, start + n_gen):
         for layer in range(args.n_layers):
@@ -255,7 +258,7 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
     else:
         res["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     w_bytes = weight_bytes_per_token(llm.loaded)
-    kv_bytes = kv_bytes_per_token(llm.args, TG_PROMPT, n_gen, RING_SLACK)
+    kv_bytes = kv_bytes_per_token(llm.args, TG_PROMPT, n_gen, RING_SLACK, llm.device)
     res["weight_bytes_per_token"] = w_bytes
     res["kv_bytes_per_token"] = kv_bytes
     res["achieved_gbps"] = (w_bytes + kv_bytes) * res["tg"] / 1e9

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-REFERENCE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "gemma3-270m-q4_k_m"
+# llama.cpp's reference outputs; LOCALLLM_REFERENCE_DIR points elsewhere (a GPU machine
+# where ../shared is not beside the checkout: see bench/GPU.md).
+REFERENCE_DIR = Path(os.environ.get(
+    "LOCALLLM_REFERENCE_DIR",
+    Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "gemma3-270m-q4_k_m"))
+# The default model by name, or the path of its GGUF file (LOCALLLM_TEST_MODEL).
+DEFAULT_MODEL = os.environ.get("LOCALLLM_TEST_MODEL", "gemma3-270m")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,7 +33,25 @@ def llm():
     """The default model (gemma3-270m Q4_K_M) on the CPU, loaded once per test session."""
     from localllm import LLM
 
-    return LLM("gemma3-270m", device="cpu", ctx_size=4096)
+    return LLM(DEFAULT_MODEL, device="cpu", ctx_size=4096)
+
+
+@pytest.fixture(scope="session")
+def llm_cuda():
+    """The default model on CUDA (Triton backend, CUDA graphs), loaded once; skips without."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from localllm import LLM
+
+    return LLM(DEFAULT_MODEL, device="cuda", ctx_size=4096)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def any_llm(request):
+    """The default model on each device: the CPU, and CUDA under ``pytest -m cuda``."""
+    return request.getfixturevalue("llm" if request.param == "cpu" else "llm_cuda")
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,8 @@ def test_bytes_per_token_by_hand(tiny_model_path):
     assert bench.weight_bytes_per_token(loaded) == 2 * matrices + 4 * vectors
     # positions 8..11 attend over 9..12 cells: K and V, 2 KV heads x 16 x float32, 2 layers
     assert bench.kv_bytes_per_token(loaded.args, 8, 4, RING_SLACK) == 2 * 256 * 42 // 4
+    # float16 on CUDA
+    assert bench.kv_bytes_per_token(loaded.args, 8, 4, RING_SLACK, "cuda") == 256 * 42 // 4
 
 
 def test_tied_embedding_is_read_and_windows_cap_kv(tiny_model_path):

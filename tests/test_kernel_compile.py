@@ -1,0 +1,250 @@
+"""Every top-level Triton kernel compiles for an NVIDIA sm_90 GPU, without a GPU.
+
+tests/test_kernels.py checks the kernels' results in Triton's interpreter, which runs code the
+compiler refuses (Python control flow on tensors, shapes or dtypes ``tl.dot`` does not take,
+too much shared memory). Here each kernel goes through Triton's own compiler
+(``triton.compile`` of an ``ASTSource``) down to PTX and a cubin (``ptxas`` ships in the
+Triton wheel) for the specializations the launchers in ``localllm.kernels`` use: argument
+dtypes, constexprs, launch options, and the 16-byte alignment / ``== 1`` specializations
+that the JIT applies at launch.
+
+Each compilation takes about half a second (the file: 20-35 s on 2 shared cores with a cold
+cache; Triton caches the results under ``~/.triton/cache``). Checked with Triton 3.6, 3.8, 3.9.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+triton = pytest.importorskip("triton")
+kernels = pytest.importorskip("localllm.kernels")
+if not kernels.triton_available():
+    pytest.skip("Triton is not installed", allow_module_level=True)
+
+from localllm.kernels._jit import DualKernel
+from localllm.kernels.decode import GROUP_SIZES, KERNEL_TYPES
+from localllm.kernels.dequant import _dequant_kernel
+from localllm.kernels.gemm import _gemm_kernel
+from localllm.kernels.gemv import _gemv1_kernel, _gemv_kernel
+from localllm.kernels.norm_rope import _rms_norm_kernel, _rope_kernel
+
+from localllm.quants import BLOCK_FORMATS
+
+# The most shared memory a block may use: sm_90 (H100/H200) 227 KiB, sm_86 (RTX 30xx) 99 KiB.
+MAX_SHARED = {90: 227 * 1024, 86: 99 * 1024}
+
+
+def _compiler_api():
+    """(ASTSource, GPUTarget, make_backend), or the reason this Triton cannot be driven."""
+    try:
+        from triton.backends import backends
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.compiler.compiler import make_backend
+    except ImportError as e:
+        return f"Triton {triton.__version__} lacks the compiler API used here ({e})"
+    if "nvidia" not in backends:
+        return f"Triton {triton.__version__} was built without the NVIDIA backend"
+    # Recent Triton (3.6 to 3.9 checked) keys the signature by argument name, constexprs
+    # included as "constexpr"; older ones keyed it by argument index.
+    if "constexprs" not in inspect.signature(ASTSource.__init__).parameters:
+        return f"Triton {triton.__version__}: ASTSource predates name-keyed signatures"
+    return ASTSource, GPUTarget, make_backend
+
+
+@dataclass
+class Case:
+    """One specialization of a kernel: its non-constexpr argument types and its constexprs.
+
+    ``types`` maps argument names to Triton type strings ("*u8", "i32", "fp32", ...); the
+    remaining arguments must be in ``constexprs``. ``aligned`` names the arguments the JIT
+    would specialize as divisible by 16 (by default all of them: torch allocations and model
+    dimensions); an int argument equal to 1 is a constexpr, as the JIT makes it.
+    """
+
+    kernel: DualKernel
+    types: dict[str, str]
+    constexprs: dict[str, object]
+    num_warps: int = 4
+    enable_fp_fusion: bool = True
+    arch: int = 90
+    aligned: tuple[str, ...] | None = None
+
+
+def compile_case(case: Case):
+    """The kernel compiled for ``sm_<arch>`` (a ``CompiledKernel``); no GPU needed."""
+    api = _compiler_api()
+    if isinstance(api, str):
+        pytest.skip(api)
+    ast_source, gpu_target, make_backend = api
+    # The variant for CUDA is a plain JITFunction; building it touches no GPU.
+    fn = case.kernel.variant(torch.device("cuda"))
+    names = list(fn.arg_names)
+    unknown = set(case.types) ^ (set(names) - set(case.constexprs))
+    assert not unknown, (
+        f"{fn.__name__}: arguments not exactly one of typed or constexpr: {sorted(unknown)}"
+    )
+    signature = {n: case.types.get(n, "constexpr") for n in names}
+    target = gpu_target("cuda", case.arch, 32)
+    backend = make_backend(target)
+    attrs = {}
+    if hasattr(backend, "parse_attr"):  # how the JIT turns its "D" (divisible by 16) marks
+        aligned = case.types if case.aligned is None else case.aligned
+        attrs = {(names.index(n),): backend.parse_attr("D") for n in aligned}
+    src = ast_source(fn=fn, signature=signature, constexprs=case.constexprs, attrs=attrs)
+    options = {"num_warps": case.num_warps, "enable_fp_fusion": case.enable_fp_fusion}
+    return triton.compile(src, target=target, options=options)
+
+
+def _dequant(qtype: T, out: str = "*fp32", n: str = "i32") -> Case:
+    fmt = BLOCK_FORMATS[qtype]
+    return Case(
+        _dequant_kernel,
+        {"data": "*u8", "out": out, "n_elements": n},
+        {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype), "BLOCK": 1024},
+        enable_fp_fusion=False,  # as dequantize() launches it: bit-exact float32
+    )
+
+
+def _gemv1(qtype: T) -> Case:
+    """One vector (the decode step), grouped decoding: gemv() with B == 1, K >= 256."""
+    fmt, g = BLOCK_FORMATS[qtype], GROUP_SIZES[qtype]
+    return Case(
+        _gemv1_kernel,
+        {"w": "*u8", "x": "*fp32", "y": "*fp32", "N": "i32", "K": "i32"},
+        {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype), "G": g,
+         "BLOCK_N": 16, "GROUPS": 256 // g},
+    )  # fmt: skip
+
+
+def _gemv(qtype: T, batch: int) -> Case:
+    """gemv() for ``batch`` vectors (1 only for the unquantized types), K >= 256."""
+    fmt = BLOCK_FORMATS[qtype]
+    b_pad = 1 << (batch - 1).bit_length()
+    types = {"w": "*u8", "x": "*fp32", "y": "*fp32", "N": "i32", "K": "i32",
+             "stride_xb": "i32", "stride_yb": "i32"}  # fmt: skip
+    constexprs = {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype), "B_PAD": b_pad,
+                  "BLOCK_N": max(1, min(16, 4096 // (b_pad * 256))), "BLOCK_K": 256}  # fmt: skip
+    if batch == 1:
+        constexprs["B"] = 1
+    else:
+        types["B"] = "i32"
+    return Case(_gemv_kernel, types, constexprs, aligned=tuple(n for n in types if n != "B"))
+
+
+def _gemm(qtype: T, *, bf16: bool = False, grouped: bool = True, arch: int = 90) -> Case:
+    """gemm() with its default 64x64x64 tiles: X float16 (float32 with ``bf16``), Y float32."""
+    fmt = BLOCK_FORMATS[qtype]
+    return Case(
+        _gemm_kernel,
+        {"x": "*fp32" if bf16 else "*fp16", "w": "*u8", "y": "*fp32", "M": "i32", "N": "i32",
+         "K": "i32", "stride_xm": "i32", "stride_ym": "i32"},
+        {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype),
+         "G": GROUP_SIZES.get(qtype, 0) if grouped else 0, "BF16": bf16,
+         "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64},
+        arch=arch,
+        aligned=("x", "w", "y", "N", "K", "stride_xm", "stride_ym"),  # M: any prompt length
+    )  # fmt: skip
+
+
+def _rms_norm(dtype: str, d: int) -> Case:
+    return Case(
+        _rms_norm_kernel,
+        {"x": dtype, "w": "*fp32", "y": dtype, "D": "i32", "stride_x": "i32", "stride_y": "i32",
+         "eps": "fp32"},
+        {"BLOCK_D": triton.next_power_of_2(d)},
+        num_warps=4 if d <= 4096 else 8,
+    )  # fmt: skip
+
+
+def _rope(neox: bool, decode: bool, dtype: str = "*fp32") -> Case:
+    """rope() for a prompt or, with ``decode``, one position (T == 1 is a constexpr)."""
+    types = {"x": dtype, "pos": "*i64", "inv_freq": "*fp32", "y": dtype, "stride_xh": "i32",
+             "stride_xt": "i32", "stride_yh": "i32", "stride_yt": "i32", "scale": "fp32"}  # fmt: skip
+    constexprs = {"HALF": 128, "BLOCK_H": 128, "NEOX": neox}
+    if decode:
+        constexprs["T"] = 1
+    else:
+        types["T"] = "i32"
+    return Case(_rope_kernel, types, constexprs, num_warps=1)
+
+
+CASES = {
+    **{f"dequant-{q.name}": _dequant(q) for q in KERNEL_TYPES},
+    "dequant-Q6_K-fp16": _dequant(T.Q6_K, "*fp16"),
+    "dequant-Q8_0-bf16-i64": _dequant(T.Q8_0, "*bf16", "i64"),  # > 2**31 weights
+    **{f"gemv1-{q.name}": _gemv1(q) for q in KERNEL_TYPES if q in GROUP_SIZES},
+    **{f"gemv-{q.name}-b1": _gemv(q, 1) for q in KERNEL_TYPES if q not in GROUP_SIZES},
+    **{f"gemv-{q.name}-b8": _gemv(q, 8) for q in KERNEL_TYPES},
+    "gemv-Q4_K-b3": _gemv(T.Q4_K, 3),
+    "gemm-Q4_K": _gemm(T.Q4_K),
+    "gemm-Q6_K": _gemm(T.Q6_K),
+    "gemm-Q8_0-bf16": _gemm(T.Q8_0, bf16=True),
+    "gemm-Q5_K-ungrouped": _gemm(T.Q5_K, grouped=False),
+    "gemm-F16": _gemm(T.F16),
+    "gemm-Q4_K-sm86": _gemm(T.Q4_K, arch=86),  # Ampere/Ada: mma, not Hopper's wgmma
+    "rms_norm-fp32-640": _rms_norm("*fp32", 640),
+    "rms_norm-fp16-8192": _rms_norm("*fp16", 8192),
+    "rope-neox-prefill": _rope(True, decode=False),
+    "rope-norm-decode": _rope(False, decode=True),
+    "rope-neox-decode-fp16": _rope(True, decode=True, dtype="*fp16"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_kernel_compiles(case: Case):
+    compiled = compile_case(case)
+    assert f".target sm_{case.arch}" in compiled.asm["ptx"]
+    assert len(compiled.asm["cubin"]) > 0
+    assert compiled.metadata.num_warps == case.num_warps
+    assert compiled.metadata.shared <= MAX_SHARED[case.arch], "more shared memory than sm has"
+
+
+def test_every_kernel_type_is_covered():
+    """Each kernel is compiled for every type it can be launched with."""
+    cases = list(CASES.values())
+    for kernel, eligible in [
+        (_dequant_kernel, KERNEL_TYPES),
+        (_gemv_kernel, KERNEL_TYPES),
+        (_gemv1_kernel, [q for q in KERNEL_TYPES if q in GROUP_SIZES]),
+    ]:
+        covered = {c.constexprs["QTYPE"] for c in cases if c.kernel is kernel}
+        assert covered == {int(q) for q in eligible}, kernel.fn.__name__
+    launched = {_dequant_kernel, _gemv_kernel, _gemv1_kernel, _gemm_kernel, _rms_norm_kernel,
+                _rope_kernel}  # fmt: skip
+    assert {c.kernel for c in cases} == launched
+
+
+def test_cuda_variant_is_a_jit_function():
+    """``DualKernel.variant`` builds the compiler's JITFunction without touching a GPU."""
+    from triton.runtime.jit import JITFunction
+
+    fn = _dequant_kernel.variant(torch.device("cuda"))
+    assert isinstance(fn, JITFunction)
+    assert fn.fn is _dequant_kernel.fn
+    assert _dequant_kernel.variant(torch.device("cuda", 0)) is fn
+
+
+def test_compiles_after_an_interpreted_launch(monkeypatch, tmp_path):
+    """An interpreted launch leaves ``triton.language`` as it was, so compiling still works.
+
+    The interpreter patches ``tl.tensor``'s operators and leaves some patched after calls to
+    helpers (``tl.sum`` here); ``localllm.kernels._jit`` undoes them.
+    """
+    import triton.language as tl
+    from localllm.kernels.norm_rope import rms_norm
+
+    before = [dict(vars(o)) for o in (tl, tl.core, tl.tensor)]
+    x = torch.randn(3, 40)
+    y = rms_norm(x, torch.ones(40), 1e-6)
+    torch.testing.assert_close(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert [dict(vars(o)) for o in (tl, tl.core, tl.tensor)] == before
+    # An empty cache: the compiler's front end must run, not a cached result be loaded.
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    compile_case(CASES["rms_norm-fp32-640"])
+    assert any(tmp_path.iterdir()), "the compiler did not use the fresh cache directory"

@@ -3,6 +3,7 @@
     python bench/bench_sampling.py                    # CPU, 262,144-token vocabulary
     python bench/bench_sampling.py --device cuda      # logits on the GPU
     python bench/bench_sampling.py --tokens 500 --history 1024
+    python bench/bench_sampling.py --chain reference   # or fused: force either sampling path
 
 The logits are llama.cpp's real next-token log-probabilities of the default model
 (../shared/reference/gemma3-270m-q4_k_m/last_logprobs.npy) when present, else random normal
@@ -68,8 +69,12 @@ def load_logits(device: str) -> tuple[list[torch.Tensor], str]:
 
 
 def time_chain(name: str, params: SamplingParams, vocab, rows, *, tokens: int,
-               history: int, device: str) -> None:
+               history: int, device: str, mode: str = "auto") -> None:
     chain = build_sampler(params, vocab, n_ctx=4096)
+    if mode == "reference":
+        chain.device_chain = None  # the step-by-step chain
+    elif mode == "fused" and chain.device_chain is not None:
+        chain.device_chain.on_cpu = True  # the fused chain on CPU logits too
     rng = np.random.default_rng(1)
     # A history with repeats (a repeating 40-token phrase), as DRY sees in practice.
     phrase = rng.integers(100, 5000, size=40).tolist()
@@ -98,15 +103,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200, help="timed tokens per configuration")
     ap.add_argument("--history", type=int, default=512, help="tokens accepted before timing")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: unchanged)")
+    ap.add_argument("--chain", choices=("auto", "reference", "fused"), default="auto",
+                    help="sampling path: as shipped, step-by-step, or fused where eligible")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     rows, source = load_logits(args.device)
     vocab, vocab_source = load_vocab()
-    print(f"device {args.device}, torch threads {torch.get_num_threads()}, vocab "
+    print(f"chain {args.chain}, device {args.device}, torch threads {torch.get_num_threads()}, vocab "
           f"{rows[0].numel()}, logits: {source}, {vocab_source}, history {args.history}")
     configs = {
         "default chain": SamplingParams(seed=1),
+        "models.toml (t 1, k 64, p .95, m 0)": SamplingParams(seed=1, temp=1.0, top_k=64,
+                                                             top_p=0.95, min_p=0.0),
         "default chain + DRY (0.8)": SamplingParams(seed=1, dry_multiplier=0.8),
         "default + repeat penalty 1.1": SamplingParams(seed=1, penalty_repeat=1.1),
         "greedy (temp 0)": SamplingParams(seed=1, temp=0.0),
@@ -116,7 +125,7 @@ def main() -> None:
     }
     for name, params in configs.items():
         time_chain(name, params, vocab, rows, tokens=args.tokens, history=args.history,
-                   device=args.device)
+                   device=args.device, mode=args.chain)
 
 
 if __name__ == "__main__":

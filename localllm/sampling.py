@@ -257,6 +257,11 @@ class SamplerChain:
         self.seed = rng.seed
         self.constraint = constraint
         self.last_trace: TokenTrace | None = None
+        from .device_sampling import plan_device_chain  # it imports TokenTrace from here
+
+        # The same chain fused into fixed-shape tensor ops (one host read), when eligible;
+        # None forces the step-by-step chain.
+        self.device_chain = plan_device_chain(self)
 
     def _run(self, work: torch.Tensor) -> tuple[int, S.Support]:
         support = None
@@ -278,6 +283,9 @@ class SamplerChain:
         raw = logits.reshape(-1)
         if raw.dtype != torch.float32:
             raw = raw.float()
+        if self.device_chain is not None and self.device_chain.handles(raw):
+            token, self.last_trace = self.device_chain.sample(raw)
+            return token
         work = raw.clone()
         token, support = self._run(work)
         if self.constraint is not None and not self.constraint.is_allowed(token):

@@ -27,15 +27,22 @@ class Step:
         token: the token id (-1 for the closing step that only carries text/finish_reason).
         text: text released by this step (may be empty while UTF-8 or a possible stop string
             is held back).
-        logprob: log-probability of ``token`` under the raw model distribution.
+        logprob: log-probability of ``token`` under the raw model distribution (read from
+            the device on first access: on a GPU that is a sync, so only when asked for).
         finish_reason: set on the last step: "eog", "length", "ctx", "stop" or "grammar".
     """
 
     token: int
     text: str
-    logprob: float | None = None
+    _logprob: torch.Tensor | float | None = field(default=None, repr=False)
     finish_reason: str | None = None
     trace: object | None = None
+
+    @property
+    def logprob(self) -> float | None:
+        if isinstance(self._logprob, torch.Tensor):
+            self._logprob = float(self._logprob)
+        return self._logprob
 
 
 @dataclass
@@ -117,7 +124,7 @@ def generate_tokens(
         timings.generated_tokens = n
         if n == 1:
             timings.first_token_seconds = time.perf_counter() - t0
-        logprob = float(logits[token] - torch.logsumexp(logits, -1))
+        logprob = logits[token] - torch.logsumexp(logits, -1)  # stays on the device
         trace = sampler.last_trace
         if token in tok.eog_ids:  # --ignore-eos masks these in the sampler
             yield Step(token, remaining_text(), logprob, "eog", trace)

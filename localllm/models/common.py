@@ -305,17 +305,51 @@ def attend(
     return out.view(n_heads, t, hd).transpose(0, 1).reshape(t, n_heads * hd)
 
 
-class TorchOps:
-    """Norms, RoPE and attention as torch operations: the torch backend, on every device.
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation (Hendrycks & Gimpel 2016), as Gemma's FFN uses it."""
+    return F.gelu(x, approximate="tanh")
 
-    A model calls ``ops.rms_norm``, ``ops.rope_angles`` (once per forward; the result is
-    opaque to the model) with ``ops.rotate``, and ``ops.attention``; :class:`KernelOps` does
-    the same with the Triton kernels.
+
+# Gate activations of gated FFNs (GEGLU, SwiGLU: Shazeer 2020) by name.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_tanh": gelu_tanh,
+    "silu": F.silu,
+}
+
+
+class TorchOps:
+    """Norms, RoPE, activations and attention as torch operations: the torch backend, on
+    every device.
+
+    A model calls ``ops.rope_angles`` once per forward (the result is opaque to the model),
+    then per layer ``ops.norm_rope`` for queries and keys, ``ops.attention``,
+    ``ops.residual_norm`` after each sublayer and ``ops.gated`` in the FFN.
+    :class:`KernelOps` computes the same with the Triton kernels, fusing each of these into
+    one launch.
     """
 
     rms_norm = staticmethod(rms_norm)
     rope_angles = staticmethod(rope_angles)
     rotate = staticmethod(rotate)
+
+    def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, angles, *,
+                  neox: bool) -> torch.Tensor:
+        """RoPE of RMSNorm(x) (QK-norm), or of x when ``weight`` is None; x (H, T, D)."""
+        if weight is not None:
+            x = self.rms_norm(x, weight, eps)
+        return self.rotate(x, angles, neox=neox)
+
+    def residual_norm(self, x: torch.Tensor, f: torch.Tensor, post_weight: torch.Tensor | None,
+                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the next pre-norm: h = x + f (f post-normed by
+        ``post_weight`` when given, as Gemma does) and RMSNorm(h); (T, D) each."""
+        h = x + (f if post_weight is None else self.rms_norm(f, post_weight, eps))
+        return h, self.rms_norm(h, weight, eps)
+
+    @staticmethod
+    def gated(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+        """act(gate) * up (T, F), ``act`` a key of :data:`ACTIVATIONS`."""
+        return ACTIVATIONS[act](gate) * up
 
     def attention(
         self,
@@ -383,10 +417,6 @@ def positions_of(pos: int | torch.Tensor, t: int, device) -> torch.Tensor:
             raise ValueError("a position held in a tensor (static decode) takes one token")
         return pos
     return torch.arange(pos, pos + t, device=device)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
 
 
 def default_attention_scale(head_dim: int) -> float:

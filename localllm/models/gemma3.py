@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import make_cache
-from .common import Weights, gelu_tanh, model_ops, positions_of, rope_inv_freq
+from .common import Weights, model_ops, positions_of, rope_inv_freq
 
 
 @dataclass
@@ -140,26 +140,29 @@ class Model:
             True: self.ops.rope_angles(positions, self.inv_freq_local),
             False: self.ops.rope_angles(positions, self.inv_freq_global, a.rope_scale),
         }
-        for block, cache in zip(self.blocks, caches):
-            x = self._block(block, cache, x, pos, positions, rope[block.sliding])
-        x = x[logits_start:] if all_logits else x[-1:]
-        x = self.ops.rms_norm(x, self.output_norm, a.norm_eps)
-        return self.lm_head(x)
+        # Each block ends with the next block's pre-norm (the output norm after the last),
+        # fused with its residual add.
+        nexts = [b.attn_norm for b in self.blocks[1:]] + [self.output_norm]
+        n = self.ops.rms_norm(x, self.blocks[0].attn_norm, a.norm_eps)
+        for block, cache, next_norm in zip(self.blocks, caches, nexts):
+            x, n = self._block(block, cache, x, n, next_norm, pos, positions,
+                               rope[block.sliding])
+        return self.lm_head(n[logits_start:] if all_logits else n[-1:])
 
-    def _block(self, b: Block, cache, x: torch.Tensor, pos, positions: torch.Tensor, rope):
+    def _block(self, b: Block, cache, x: torch.Tensor, n: torch.Tensor, next_norm: torch.Tensor,
+               pos, positions: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, d) residual stream, n = attn_norm(x) -> (x', next_norm(x'))."""
         a, ops = self.args, self.ops
-        t, hd = x.shape[0], a.head_dim
-        n = ops.rms_norm(x, b.attn_norm, a.norm_eps)
+        t, hd, eps = x.shape[0], a.head_dim, a.norm_eps
         q, k, v = b.wqkv(n)
         q = q.reshape(t, a.n_heads, hd).transpose(0, 1)  # (nh, T, hd)
         k = k.reshape(t, a.n_kv_heads, hd).transpose(0, 1)  # (nkv, T, hd)
         v = v.reshape(t, a.n_kv_heads, hd).transpose(0, 1)
-        q, k = ops.rms_norm(q, b.q_norm, a.norm_eps), ops.rms_norm(k, b.k_norm, a.norm_eps)
-        q, k = ops.rotate(q, rope, neox=True), ops.rotate(k, rope, neox=True)
+        q = ops.norm_rope(q, b.q_norm, eps, rope, neox=True)
+        k = ops.norm_rope(k, b.k_norm, eps, rope, neox=True)
         # A sliding layer whose window covers the whole context has a full cache (no window).
         attn = ops.attention(q, k, v, cache, pos, positions, scale=a.attention_scale)
-        h = x + ops.rms_norm(b.wo(attn), b.post_attn_norm, a.norm_eps)
-        n = ops.rms_norm(h, b.ffn_norm, a.norm_eps)
+        h, n = ops.residual_norm(x, b.wo(attn), b.post_attn_norm, b.ffn_norm, eps)
         gate, up = b.gate_up(n)
-        f = b.down(gelu_tanh(gate) * up)
-        return h + ops.rms_norm(f, b.post_ffw_norm, a.norm_eps)
+        f = b.down(ops.gated(gate, up, "gelu_tanh"))
+        return ops.residual_norm(h, f, b.post_ffw_norm, next_norm, eps)

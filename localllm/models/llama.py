@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..cache import make_cache
 from .common import Weights, model_ops, positions_of, rope_inv_freq
@@ -142,19 +141,20 @@ class Model:
         positions = positions_of(pos, t, self.device)
         x = self.tok_embd(tokens)  # (T, d)
         rope = ops.rope_angles(positions, self.inv_freq, a.rope_scale)  # shared by every layer
-        for b, cache in zip(self.blocks, caches):
-            n = ops.rms_norm(x, b.attn_norm, a.norm_eps)
+        # Each block ends with the next block's pre-norm (the output norm after the last),
+        # fused with its residual add.
+        nexts = [b.attn_norm for b in self.blocks[1:]] + [self.output_norm]
+        eps = a.norm_eps
+        n = ops.rms_norm(x, self.blocks[0].attn_norm, eps)
+        for b, cache, next_norm in zip(self.blocks, caches, nexts):
             q, k, v = b.wqkv(n)
             q = q.reshape(t, a.n_heads, a.head_dim).transpose(0, 1)  # (nh, T, hd)
             k = k.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)  # (nkv, T, hd)
             v = v.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)
-            if b.q_norm is not None:
-                q, k = ops.rms_norm(q, b.q_norm, a.norm_eps), ops.rms_norm(k, b.k_norm, a.norm_eps)
-            q, k = ops.rotate(q, rope, neox=a.neox), ops.rotate(k, rope, neox=a.neox)
+            q = ops.norm_rope(q, b.q_norm, eps, rope, neox=a.neox)  # QK-norm: qwen3
+            k = ops.norm_rope(k, b.k_norm, eps, rope, neox=a.neox)
             attn = ops.attention(q, k, v, cache, pos, positions, scale=a.attention_scale)
-            h = x + b.wo(attn)
-            n = ops.rms_norm(h, b.ffn_norm, a.norm_eps)
+            h, n = ops.residual_norm(x, b.wo(attn), None, b.ffn_norm, eps)
             gate, up = b.gate_up(n)
-            x = h + b.down(F.silu(gate) * up)
-        x = x[logits_start:] if all_logits else x[-1:]
-        return self.lm_head(ops.rms_norm(x, self.output_norm, a.norm_eps))
+            x, n = ops.residual_norm(h, b.down(ops.gated(gate, up, "silu")), None, next_norm, eps)
+        return self.lm_head(n[logits_start:] if all_logits else n[-1:])

@@ -6,6 +6,8 @@ Weights stay in their ggml blocks on the GPU; the kernels decode them on the fly
 - :mod:`.gemv`: fused dequant x vector for decode (<= 8 rows);
 - :mod:`.gemm`: prefill GEMM decoding weight tiles for ``tl.dot``;
 - :mod:`.norm_rope`: RMSNorm and RoPE;
+- :mod:`.fused`: fused element-wise work of a layer (``rms_norm_rope``, ``residual_rms_norm``,
+  ``gated_act``): fewer launches per decode step;
 - :mod:`.attention`: decode attention over the KV cache (flash-decoding, split-K).
 
 Every kernel also runs on CPU tensors through Triton's interpreter (slowly: for tests).
@@ -28,11 +30,14 @@ __all__ = [
     "QuantWeight",
     "decode_attention",
     "dequantize",
+    "gated_act",
     "gemm",
     "gemv",
     "quant_linear",
     "register_quants_backend",
+    "residual_rms_norm",
     "rms_norm",
+    "rms_norm_rope",
     "rope",
     "supports",
     "triton_available",
@@ -42,9 +47,12 @@ __all__ = [
 _LAZY = {
     "decode_attention": ".attention",
     "dequantize": ".dequant",
+    "gated_act": ".fused",
     "gemv": ".gemv",
     "gemm": ".gemm",
+    "residual_rms_norm": ".fused",
     "rms_norm": ".norm_rope",
+    "rms_norm_rope": ".fused",
     "rope": ".norm_rope",
 }
 

@@ -29,6 +29,12 @@ if not kernels.triton_available():
 from localllm.kernels._jit import DualKernel
 from localllm.kernels.decode import GROUP_SIZES, KERNEL_TYPES
 from localllm.kernels.dequant import _dequant_kernel
+from localllm.kernels.fused import (
+    _ACTS,
+    _gated_act_kernel,
+    _residual_rms_norm_kernel,
+    _rms_norm_rope_kernel,
+)
 from localllm.kernels.gemm import _gemm_kernel
 from localllm.kernels.gemv import _gemv1_kernel, _gemv_kernel
 from localllm.kernels.norm_rope import _rms_norm_kernel, _rope_kernel
@@ -174,6 +180,43 @@ def _rope(neox: bool, decode: bool, dtype: str = "*fp32") -> Case:
     return Case(_rope_kernel, types, constexprs, num_warps=1)
 
 
+def _rms_norm_rope(neox: bool, decode: bool, weight: bool = True, d: int = 256) -> Case:
+    """rms_norm_rope() for a prompt or, with ``decode``, one position (T == 1 is a constexpr)."""
+    half = d // 2
+    types = {"x": "*fp32", "w": "*fp32", "pos": "*i64", "inv_freq": "*fp32", "y": "*fp32",
+             "stride_xh": "i32", "stride_xt": "i32", "eps": "fp32", "scale": "fp32"}  # fmt: skip
+    constexprs = {"HALF": half, "BLOCK_H": triton.next_power_of_2(half), "NEOX": neox,
+                  "HAS_WEIGHT": weight}  # fmt: skip
+    if decode:
+        constexprs["T"] = 1
+    else:
+        types["T"] = "i32"
+    return Case(_rms_norm_rope_kernel, types, constexprs,
+                num_warps=max(1, min(4, triton.next_power_of_2(half) // 128)),
+                aligned=("x", "w", "pos", "inv_freq", "y", "stride_xh", "stride_xt"))  # fmt: skip
+
+
+def _residual_rms_norm(d: int, post: bool) -> Case:
+    return Case(
+        _residual_rms_norm_kernel,
+        {"x": "*fp32", "f": "*fp32", "pw": "*fp32", "w": "*fp32", "h_out": "*fp32",
+         "n_out": "*fp32", "D": "i32", "stride_x": "i32", "stride_f": "i32", "eps": "fp32"},
+        {"HAS_POST": post, "BLOCK_D": triton.next_power_of_2(d)},
+        num_warps=4 if d <= 4096 else 8,
+        aligned=("x", "f", "pw", "w", "h_out", "n_out", "D", "stride_x", "stride_f"),
+    )  # fmt: skip
+
+
+def _gated_act(act: str, f: int) -> Case:
+    return Case(
+        _gated_act_kernel,
+        {"gate": "*fp32", "up": "*fp32", "y": "*fp32", "F": "i32", "stride_g": "i32",
+         "stride_u": "i32"},
+        {"ACT": _ACTS[act], "BLOCK": min(1024, triton.next_power_of_2(f))},
+        aligned=("gate", "up", "y", "F", "stride_g", "stride_u"),
+    )  # fmt: skip
+
+
 CASES = {
     **{f"dequant-{q.name}": _dequant(q) for q in KERNEL_TYPES},
     "dequant-Q6_K-fp16": _dequant(T.Q6_K, "*fp16"),
@@ -193,6 +236,13 @@ CASES = {
     "rope-neox-prefill": _rope(True, decode=False),
     "rope-norm-decode": _rope(False, decode=True),
     "rope-neox-decode-fp16": _rope(True, decode=True, dtype="*fp16"),
+    "rms_norm_rope-neox-decode": _rms_norm_rope(True, decode=True),
+    "rms_norm_rope-norm-prefill": _rms_norm_rope(False, decode=False, d=128),
+    "rms_norm_rope-neox-nonorm-prefill-d64": _rms_norm_rope(True, decode=False, weight=False, d=64),
+    "residual_rms_norm-post-640": _residual_rms_norm(640, post=True),
+    "residual_rms_norm-8192": _residual_rms_norm(8192, post=False),
+    "gated_act-gelu_tanh-2048": _gated_act("gelu_tanh", 2048),
+    "gated_act-silu-14336": _gated_act("silu", 14336),
 }
 
 
@@ -216,7 +266,8 @@ def test_every_kernel_type_is_covered():
         covered = {c.constexprs["QTYPE"] for c in cases if c.kernel is kernel}
         assert covered == {int(q) for q in eligible}, kernel.fn.__name__
     launched = {_dequant_kernel, _gemv_kernel, _gemv1_kernel, _gemm_kernel, _rms_norm_kernel,
-                _rope_kernel}  # fmt: skip
+                _rope_kernel, _rms_norm_rope_kernel, _residual_rms_norm_kernel,
+                _gated_act_kernel}  # fmt: skip
     assert {c.kernel for c in cases} == launched
 
 

@@ -373,8 +373,9 @@ class TorchOps:
 
 
 class KernelOps(TorchOps):
-    """The Triton kernels (the quantized backend): one launch per RMSNorm and per rotation
-    instead of several torch kernels each, and flash-decoding attention for one-token steps
+    """The Triton kernels (the quantized backend): QK-norm with RoPE, residual add with the
+    next pre-norm, and the gated activation each in one launch instead of several torch
+    kernels (:mod:`localllm.kernels.fused`), and flash-decoding attention for one-token steps
     (:func:`localllm.kernels.decode_attention`), which reads only the visible part of a full
     cache. Prefill attention stays :func:`attend`."""
 
@@ -394,6 +395,23 @@ class KernelOps(TorchOps):
 
         positions, inv_freq, scale = angles
         return rope(x, positions, inv_freq, neox=neox, scale=scale)
+
+    def norm_rope(self, x, weight, eps, angles, *, neox):
+        from localllm.kernels import rms_norm_rope
+
+        positions, inv_freq, scale = angles
+        return rms_norm_rope(x, weight, eps, positions, inv_freq, neox=neox, scale=scale)
+
+    def residual_norm(self, x, f, post_weight, weight, eps):
+        from localllm.kernels import residual_rms_norm
+
+        return residual_rms_norm(x, f, post_weight, weight, eps)
+
+    @staticmethod
+    def gated(gate, up, act):
+        from localllm.kernels import gated_act
+
+        return gated_act(gate, up, act=act)
 
     def attention(self, q, k, v, cache, pos, positions, *, scale: float) -> torch.Tensor:
         if q.shape[1] != 1:

@@ -1,0 +1,270 @@
+"""Fused element-wise kernels for the decode step: fewer, larger launches per layer.
+
+A small model's decode step on a GPU is bound by kernel launches, not arithmetic; each kernel
+here does in one launch what the torch path does in several:
+
+- :func:`rms_norm_rope`: per-head RMSNorm (Gemma 3's q/k norms) then RoPE, read straight from
+  a view of the fused QKV output;
+- :func:`residual_rms_norm`: optional post-norm of a sublayer output, the residual add and the
+  next sublayer's pre-norm (Gemma 3: post-attention norm + residual + pre-FFN norm);
+- :func:`gated_act`: ``act(gate) * up`` of a gated FFN (GeGLU / SwiGLU).
+
+Semantics follow the torch path in :mod:`localllm.models.common` (``rms_norm``, ``rotate`` with
+``rope_angles``, ``gelu_tanh``, ``F.silu``), in float32. The launchers read nothing back to the
+host and size their grids from shapes only, so they can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._jit import kernel
+
+# Activation codes of _gated_act_kernel's ACT constexpr.
+_ACTS = {"gelu_tanh": 0, "silu": 1}
+
+
+def _check_f32(name: str, **tensors: torch.Tensor | None) -> None:
+    for arg, t in tensors.items():
+        if t is not None and t.dtype != torch.float32:
+            raise ValueError(f"{name}: {arg} must be float32, not {t.dtype}")
+
+
+def _check_device(name: str, ref: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    for arg, t in tensors.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{name}: {arg} is on {t.device}, the input on {ref.device}")
+
+
+@kernel
+def _rms_norm_rope_kernel(x, w, pos, inv_freq, y, T, stride_xh, stride_xt, eps, scale,
+                          HALF: tl.constexpr, BLOCK_H: tl.constexpr, NEOX: tl.constexpr,
+                          HAS_WEIGHT: tl.constexpr):  # fmt: skip
+    # One program per (head, token) row; each loads the row as its two rotation halves.
+    pid = tl.program_id(0).to(tl.int64)
+    h = pid // T
+    t = pid % T
+    i = tl.arange(0, BLOCK_H)
+    mask = i < HALF
+    if NEOX:
+        i1 = i
+        i2 = i + HALF
+    else:
+        i1 = 2 * i
+        i2 = 2 * i + 1
+    xrow = x + h * stride_xh + t * stride_xt
+    x1 = tl.load(xrow + i1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xrow + i2, mask=mask, other=0.0).to(tl.float32)
+    if HAS_WEIGHT:
+        ms = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF)
+        r = 1.0 / tl.sqrt(ms + eps)
+        x1 = x1 * r * tl.load(w + i1, mask=mask, other=0.0)
+        x2 = x2 * r * tl.load(w + i2, mask=mask, other=0.0)
+    # The position is read here, on the device: a graph replay picks up the current one.
+    p = tl.load(pos + t).to(tl.float32) * scale
+    angle = p * tl.load(inv_freq + i, mask=mask, other=0.0)
+    c = tl.cos(angle)
+    s = tl.sin(angle)
+    yrow = y + pid * (2 * HALF)
+    tl.store(yrow + i1, x1 * c - x2 * s, mask=mask)
+    tl.store(yrow + i2, x2 * c + x1 * s, mask=mask)
+
+
+def rms_norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    *,
+    neox: bool,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Per-head RMSNorm then rotary position embedding, in one launch.
+
+    RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight`` over each head;
+    RoPE (Su et al. 2021): pairs rotated by ``positions[t] * scale * inv_freq[i]``, the two
+    halves of the head (``neox``, llama.cpp's ``LLAMA_ROPE_TYPE_NEOX``) or adjacent elements
+    (``LLAMA_ROPE_TYPE_NORM``). Equals ``rotate(rms_norm(x, weight, eps),
+    rope_angles(positions, inv_freq, scale), neox=neox)`` of ``localllm.models.common``.
+
+    Args:
+        x: (H, T, D) float32, D even; the last dimension contiguous, the others of any stride
+            (a view of a fused QKV output, e.g. ``qkv[:, :H*D].reshape(T, H, D).transpose(0, 1)``).
+        weight: (D,) float32 norm gain, or None for RoPE alone (``eps`` is then unused).
+        eps: added to the mean square.
+        positions: (T,) integer tensor on ``x``'s device, read by the kernel (never on the host).
+        inv_freq: (D/2,) float32 inverse frequencies (``rope_inv_freq``).
+        neox: rotate halves (NEOX) instead of adjacent pairs (NORM).
+        scale: multiplies the positions (linear RoPE scaling).
+
+    Returns:
+        A new contiguous (H, T, D) float32 tensor.
+
+    Raises:
+        ValueError: shapes, dtypes or devices disagree, or x's last dimension is strided.
+    """
+    name = "rms_norm_rope"
+    if x.dim() != 3:
+        raise ValueError(f"{name}: x must be (H, T, D), got {tuple(x.shape)}")
+    n_heads, t, d = x.shape
+    if d % 2 or inv_freq.shape != (d // 2,) or positions.shape != (t,):
+        raise ValueError(
+            f"{name}: x {tuple(x.shape)}, positions {tuple(positions.shape)} and inv_freq "
+            f"{tuple(inv_freq.shape)} disagree (want (H, T, D), (T,), (D/2,) with D even)"
+        )
+    if weight is not None and weight.shape != (d,):
+        raise ValueError(f"{name}: weight {tuple(weight.shape)} does not match D={d}")
+    if positions.dtype.is_floating_point or positions.dtype == torch.bool:
+        raise ValueError(f"{name}: positions must be integers, not {positions.dtype}")
+    _check_f32(name, x=x, weight=weight, inv_freq=inv_freq)
+    _check_device(name, x, weight=weight, positions=positions, inv_freq=inv_freq)
+    if d and x.stride(-1) != 1:
+        raise ValueError(f"{name}: x's last dimension must be contiguous")
+    y = torch.empty((n_heads, t, d), dtype=torch.float32, device=x.device)
+    if n_heads * t * d:
+        half = d // 2
+        block_h = triton.next_power_of_2(half)
+        w = weight.contiguous() if weight is not None else inv_freq  # unread without a weight
+        _rms_norm_rope_kernel[(n_heads * t,)](
+            x, w, positions.contiguous(), inv_freq.contiguous(), y, t, x.stride(0), x.stride(1),
+            float(eps), float(scale), HALF=half, BLOCK_H=block_h, NEOX=bool(neox),
+            HAS_WEIGHT=weight is not None, num_warps=max(1, min(4, block_h // 128)),
+        )  # fmt: skip
+    return y
+
+
+@kernel
+def _residual_rms_norm_kernel(x, f, pw, w, h_out, n_out, D, stride_x, stride_f, eps,
+                              HAS_POST: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    xv = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
+    fv = tl.load(f + row * stride_f + cols, mask=mask, other=0.0)
+    if HAS_POST:
+        rf = 1.0 / tl.sqrt(tl.sum(fv * fv, axis=0) / D + eps)
+        fv = fv * rf * tl.load(pw + cols, mask=mask, other=0.0)
+    hv = xv + fv  # masked columns stay 0 and add nothing to the sum below
+    tl.store(h_out + row * D + cols, hv, mask=mask)
+    rh = 1.0 / tl.sqrt(tl.sum(hv * hv, axis=0) / D + eps)
+    tl.store(n_out + row * D + cols, hv * rh * tl.load(w + cols, mask=mask, other=0.0), mask=mask)
+
+
+def residual_rms_norm(
+    x: torch.Tensor,
+    f: torch.Tensor,
+    post_weight: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add around a sublayer and the next RMSNorm, in one launch.
+
+    ``h = x + rms_norm(f, post_weight, eps)`` (``x + f`` without ``post_weight``) and
+    ``n = rms_norm(h, weight, eps)``, RMSNorm as in Zhang & Sennrich 2019. Gemma 3 uses the
+    post-norm (post-attention / post-FFN norm, then the next pre-norm); Llama only the residual
+    add and the pre-norm.
+
+    Args:
+        x: (..., D) float32 residual stream (last dimension contiguous, rows of any stride).
+        f: (..., D) float32 sublayer output, same shape (same stride rules).
+        post_weight: (D,) float32 gain of the sublayer's post-norm, or None.
+        weight: (D,) float32 gain of the next pre-norm.
+        eps: added to the mean squares.
+
+    Returns:
+        ``(h, n)``: new contiguous (..., D) float32 tensors, the updated residual stream and
+        its normalization.
+
+    Raises:
+        ValueError: shapes, dtypes or devices disagree.
+    """
+    name = "residual_rms_norm"
+    if x.dim() == 0 or f.shape != x.shape:
+        raise ValueError(f"{name}: x {tuple(x.shape)} and f {tuple(f.shape)} differ")
+    d = x.shape[-1]
+    for arg, g in (("post_weight", post_weight), ("weight", weight)):
+        if g is not None and g.shape != (d,):
+            raise ValueError(f"{name}: {arg} {tuple(g.shape)} does not match D={d}")
+    _check_f32(name, x=x, f=f, post_weight=post_weight, weight=weight)
+    _check_device(name, x, f=f, post_weight=post_weight, weight=weight)
+    h = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    n = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    rows = x.numel() // d if d else 0
+    if rows:
+        x2 = x.reshape(rows, d)
+        f2 = f.reshape(rows, d)
+        # A strided last dimension is copied (on the device) rather than read scattered.
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        f2 = f2 if f2.stride(-1) == 1 else f2.contiguous()
+        w = weight.contiguous()
+        pw = post_weight.contiguous() if post_weight is not None else w  # unread without it
+        _residual_rms_norm_kernel[(rows,)](
+            x2, f2, pw, w, h, n, d, x2.stride(0), f2.stride(0), float(eps),
+            HAS_POST=post_weight is not None, BLOCK_D=triton.next_power_of_2(d),
+            num_warps=4 if d <= 4096 else 8,
+        )  # fmt: skip
+    return h, n
+
+
+@kernel
+def _gated_act_kernel(gate, up, y, F, stride_g, stride_u, ACT: tl.constexpr,
+                      BLOCK: tl.constexpr):  # fmt: skip
+    # Rows on grid axis 0 (up to 2**31 - 1 programs); column blocks on axis 1 (<= 65535).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < F
+    g = tl.load(gate + row * stride_g + cols, mask=mask, other=0.0)
+    u = tl.load(up + row * stride_u + cols, mask=mask, other=0.0)
+    if ACT == 0:
+        # 0.5 * g * (1 + tanh(z)) == g * sigmoid(2z) == g / (1 + exp(-2z)): no tanh needed,
+        # no cancellation for negative z, and exp's overflow to inf gives the limit (-0).
+        # 0.79788...: sqrt(2 / pi), the approximation's inner scale.
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = g / (1.0 + tl.exp(-2.0 * z))
+    else:
+        a = g / (1.0 + tl.exp(-g))
+    tl.store(y + row * F + cols, a * u, mask=mask)
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, *, act: str) -> torch.Tensor:
+    """``act(gate) * up``: the gated FFN's activation (GLU variants, Shazeer 2020), one launch.
+
+    ``act`` is ``"gelu_tanh"``, GELU's tanh approximation (Hendrycks & Gimpel 2016; torch's
+    ``F.gelu(approximate="tanh")``; GeGLU, Gemma) or ``"silu"`` (``F.silu``; SwiGLU, Llama).
+    GELU's ``0.5 * g * (1 + tanh(z))`` is computed as the equal ``g / (1 + exp(-2z))``.
+
+    Args:
+        gate: (T, F) float32, last dimension contiguous, any row stride (e.g. the first half
+            of a fused gate/up output ``gu[:, :F]``).
+        up: (T, F) float32, same rules (``gu[:, F:]``).
+        act: ``"gelu_tanh"`` or ``"silu"``.
+
+    Returns:
+        A new contiguous (T, F) float32 tensor.
+
+    Raises:
+        ValueError: unknown ``act``; shapes, dtypes or devices disagree.
+    """
+    name = "gated_act"
+    if act not in _ACTS:
+        raise ValueError(f"{name}: unknown act {act!r} (want one of {', '.join(_ACTS)})")
+    if gate.dim() != 2 or up.shape != gate.shape:
+        raise ValueError(
+            f"{name}: gate {tuple(gate.shape)} and up {tuple(up.shape)} must both be (T, F)"
+        )
+    _check_f32(name, gate=gate, up=up)
+    _check_device(name, gate, up=up)
+    t, n = gate.shape
+    y = torch.empty((t, n), dtype=torch.float32, device=gate.device)
+    if t * n:
+        gate = gate if gate.stride(-1) == 1 else gate.contiguous()
+        up = up if up.stride(-1) == 1 else up.contiguous()
+        block = min(1024, triton.next_power_of_2(n))
+        _gated_act_kernel[(t, triton.cdiv(n, block))](
+            gate, up, y, n, gate.stride(0), up.stride(0), ACT=_ACTS[act], BLOCK=block,
+            num_warps=4,
+        )  # fmt: skip
+    return y

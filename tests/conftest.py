@@ -63,6 +63,19 @@ def reference():
     return json.loads(path.read_text())
 
 
+@pytest.fixture(params=["cpu-interpret", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request):
+    """Kernel tests run on CPU tensors through Triton's interpreter and, under
+    ``pytest -m cuda``, natively on a GPU."""
+    import torch
+
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs an NVIDIA GPU")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """A fresh current directory (to check that nothing is left behind in it)."""

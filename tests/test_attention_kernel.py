@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from kernel_checks import HOST_READS, NoLaunch, OpRecorder
 
 from localllm.models.common import attend
 
@@ -24,17 +24,7 @@ if not kernels.triton_available():
 from localllm.kernels import attention
 from localllm.kernels.attention import decode_attention, default_block_s, default_n_splits
 
-DEVICES = ["cpu-interpret", pytest.param("cuda", marks=pytest.mark.cuda)]
 POISON = 1e4  # written to the slots a query must not see: a leak shows at once
-
-
-@pytest.fixture(params=DEVICES)
-def device(request) -> torch.device:
-    if request.param == "cuda":
-        if not torch.cuda.is_available():
-            pytest.skip("needs an NVIDIA GPU")
-        return torch.device("cuda")
-    return torch.device("cpu")
 
 
 def random_qkv(n_heads, n_kv, s, d, *, seed=0, dtype=torch.float32):
@@ -223,48 +213,20 @@ def test_bad_arguments(q_shape, kv_shape, kwargs, match):
                          torch.tensor([0], dtype=torch.int32), scale=1.0)  # fmt: skip
 
 
-class _Recorder(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
-# Ops that copy a value to the host (a sync, illegal during CUDA-graph capture).
-HOST_READS = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.masked_select",
-              "aten.is_nonzero", "aten.equal"}  # fmt: skip
-
-
-class _NoLaunch:
-    """Stands in for a kernel: counts launches, runs nothing (the interpreter uses torch)."""
-
-    def __init__(self) -> None:
-        self.launches = 0
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches += 1
-
-        return launch
-
-
 def test_no_host_reads(monkeypatch):
-    partial, combine = _NoLaunch(), _NoLaunch()
+    partial, combine = NoLaunch(), NoLaunch()
     monkeypatch.setattr(attention, "_partial_kernel", partial)
     monkeypatch.setattr(attention, "_combine_kernel", combine)
     q, k, v = random_qkv(4, 2, 50, 64)
     q_pos = torch.tensor([30])
-    with _Recorder() as rec:
+    with OpRecorder() as rec:
         decode_attention(q, k, v, q_pos, scale=0.125)
         decode_attention(q, k, v, q_pos, window=8, scale=0.125, n_splits=3)
         decode_attention(q, k, v, q_pos, k_positions=ring_positions(50, 80), scale=0.125)
     assert partial.launches == combine.launches == 3
     assert not rec.ops & HOST_READS, rec.ops & HOST_READS
     # The recorder does see a host read when there is one: the check above can fail.
-    with _Recorder() as rec:
+    with OpRecorder() as rec:
         q_pos.item()
     assert rec.ops & HOST_READS
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from kernel_checks import HOST_READS, NoLaunch, OpRecorder
 
 from localllm.models.common import gelu_tanh, rms_norm, rope_angles, rope_inv_freq, rotate
 
@@ -22,18 +22,8 @@ if not kernels.triton_available():
 from localllm.kernels import fused
 from localllm.kernels.fused import gated_act, residual_rms_norm, rms_norm_rope
 
-DEVICES = ["cpu-interpret", pytest.param("cuda", marks=pytest.mark.cuda)]
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 EPS = 1e-6
-
-
-@pytest.fixture(params=DEVICES)
-def device(request) -> torch.device:
-    if request.param == "cuda":
-        if not torch.cuda.is_available():
-            pytest.skip("needs an NVIDIA GPU")
-        return torch.device("cuda")
-    return torch.device("cpu")
 
 
 def gen(seed: int) -> torch.Generator:
@@ -220,36 +210,8 @@ def test_residual_and_gated_errors():
         gated_act(x.half(), x.half(), act="gelu_tanh")
 
 
-class _Recorder(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
-# Ops that copy a value to the host (a sync, illegal during CUDA-graph capture).
-HOST_READS = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.masked_select",
-              "aten.is_nonzero", "aten.equal"}  # fmt: skip
-
-
-class _NoLaunch:
-    """Stands in for a kernel: records grids, runs nothing (the interpreter uses torch)."""
-
-    def __init__(self) -> None:
-        self.grids: list[tuple[int, ...]] = []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.grids.append(tuple(grid))
-
-        return launch
-
-
 def test_no_host_reads_one_launch_each(monkeypatch):
-    stubs = {name: _NoLaunch() for name in
+    stubs = {name: NoLaunch() for name in
              ("_rms_norm_rope_kernel", "_residual_rms_norm_kernel", "_gated_act_kernel")}  # fmt: skip
     for name, stub in stubs.items():
         monkeypatch.setattr(fused, name, stub)
@@ -257,7 +219,7 @@ def test_no_host_reads_one_launch_each(monkeypatch):
     positions = torch.arange(5)
     inv = rope_inv_freq(64, 10000.0)
     gu = torch.randn(5, 200)
-    with _Recorder() as rec:
+    with OpRecorder() as rec:
         rms_norm_rope(q, torch.ones(64), EPS, positions, inv, neox=True, scale=0.25)
         rms_norm_rope(q, None, EPS, positions, inv, neox=False)
         residual_rms_norm(gu[:, :100], gu[:, 100:], torch.ones(100), torch.ones(100), EPS)
@@ -267,7 +229,7 @@ def test_no_host_reads_one_launch_each(monkeypatch):
     assert stubs["_residual_rms_norm_kernel"].grids == [(5,)]
     assert stubs["_gated_act_kernel"].grids == [(5, 1)]
     # The recorder does see a host read when there is one: the check above can fail.
-    with _Recorder() as rec:
+    with OpRecorder() as rec:
         positions[0].item()
     assert rec.ops & HOST_READS
 

@@ -30,17 +30,7 @@ from localllm.kernels.dequant import dequantize as triton_dequantize
 from localllm.kernels.gemm import gemm
 from localllm.kernels.gemv import gemv
 
-DEVICES = ["cpu-interpret", pytest.param("cuda", marks=pytest.mark.cuda)]
 TYPE_IDS = {"ids": lambda q: q.name}
-
-
-@pytest.fixture(params=DEVICES)
-def device(request) -> torch.device:
-    if request.param == "cuda":
-        if not torch.cuda.is_available():
-            pytest.skip("needs an NVIDIA GPU")
-        return torch.device("cuda")
-    return torch.device("cpu")
 
 
 def weight_bytes(qtype: T, n_blocks: int, seed: int = 0) -> torch.Tensor:

@@ -59,7 +59,8 @@ def _f16(p, mask):
 
 @device_fn
 def _scale_min_k4(b, s, mask):
-    """Six-bit scale and min of sub-block ``s`` (0..7) of a Q4_K/Q5_K block at ``b``."""
+    """Scale and min of sub-block ``s`` (0..7) of a Q4_K/Q5_K block at ``b``, as float32:
+    ``d * scale`` and ``dmin * min`` from the block's fp16 d, dmin and six-bit packing."""
     s4 = s % 4
     a = _u8(b + 4 + s4, mask)
     m = _u8(b + 8 + s4, mask)
@@ -67,7 +68,7 @@ def _scale_min_k4(b, s, mask):
     lo = s < 4
     sc = tl.where(lo, a & 63, (md & 15) | ((a >> 2) & 48))
     mn = tl.where(lo, m & 63, (md >> 4) | ((m >> 2) & 48))
-    return sc, mn
+    return _f16(b, mask) * sc.to(tl.float32), _f16(b + 2, mask) * mn.to(tl.float32)
 
 
 @device_fn
@@ -128,20 +129,12 @@ def decode(b, j, mask, QTYPE: tl.constexpr):
         high = (_u8(b + j % 32, mask) >> (j // 32)) & 1
         v = dl * (low - ((1 - high) << 2)).to(tl.float32)
     elif QTYPE == 12:  # Q4_K: d, dmin, scales[12], qs[128]
-        d = _f16(b, mask)
-        dmin = _f16(b + 2, mask)
-        sc, mn = _scale_min_k4(b, j // 32, mask)
-        dl = d * sc.to(tl.float32)
-        ml = dmin * mn.to(tl.float32)
+        dl, ml = _scale_min_k4(b, j // 32, mask)
         r = j % 64
         q = (_u8(b + 16 + (j // 64) * 32 + r % 32, mask) >> ((r // 32) * 4)) & 15
         v = dl * q.to(tl.float32) - ml
     elif QTYPE == 13:  # Q5_K: d, dmin, scales[12], qh[32], qs[128]
-        d = _f16(b, mask)
-        dmin = _f16(b + 2, mask)
-        sc, mn = _scale_min_k4(b, j // 32, mask)
-        dl = d * sc.to(tl.float32)
-        ml = dmin * mn.to(tl.float32)
+        dl, ml = _scale_min_k4(b, j // 32, mask)
         r = j % 64
         lo = (_u8(b + 48 + (j // 64) * 32 + r % 32, mask) >> ((r // 32) * 4)) & 15
         hi = (_u8(b + 16 + j % 32, mask) >> (j // 32)) & 1
@@ -227,19 +220,11 @@ def decode_grouped(b, s, e, mask, QTYPE: tl.constexpr):
         high = (_u8(b + (s % 2) * 16 + e, mask) >> (s // 2)) & 1
         v = dl * (low - ((1 - high) << 2)).to(tl.float32)
     elif QTYPE == 12:  # Q4_K, G = 32: j // 64 = s // 2, (j % 64) // 32 = s % 2, j % 32 = e
-        d = _f16(b, mask)
-        dmin = _f16(b + 2, mask)
-        sc, mn = _scale_min_k4(b, s, mask)
-        dl = d * sc.to(tl.float32)
-        ml = dmin * mn.to(tl.float32)
+        dl, ml = _scale_min_k4(b, s, mask)
         q = (_u8(b + 16 + (s // 2) * 32 + e, mask) >> ((s % 2) * 4)) & 15
         v = dl * q.to(tl.float32) - ml
     elif QTYPE == 13:  # Q5_K, G = 32
-        d = _f16(b, mask)
-        dmin = _f16(b + 2, mask)
-        sc, mn = _scale_min_k4(b, s, mask)
-        dl = d * sc.to(tl.float32)
-        ml = dmin * mn.to(tl.float32)
+        dl, ml = _scale_min_k4(b, s, mask)
         lo = (_u8(b + 48 + (s // 2) * 32 + e, mask) >> ((s % 2) * 4)) & 15
         hi = (_u8(b + 16 + e, mask) >> s) & 1
         v = dl * (lo | (hi << 4)).to(tl.float32) - ml

@@ -211,8 +211,10 @@ def _deq_q3_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(n, QK_K)
 
 
-def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unpack the 12 scale bytes of Q4_K/Q5_K into 8 six-bit scales and 8 six-bit mins.
+def _scale_min_k4(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 sub-block scales ``d * scale`` and mins ``dmin * min`` of Q4_K/Q5_K blocks
+    (n, type_size), float32 (n, 8, 1): fp16 d and dmin, then 12 bytes of six-bit scales
+    and mins packed as
 
     ::
 
@@ -220,11 +222,13 @@ def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         byte 4..7 : MMmmmmmm   m = min[i]    (low 6 bits), M = high 2 bits of min[i+4]
         byte 8..11: mmmmssss   low 4 bits of scale[i+4] and of min[i+4]
     """
-    s = s.reshape(-1, 3, 4)
+    n = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    s = b[:, 4:16].reshape(-1, 3, 4)
     a, m, md = s[:, 0], s[:, 1], s[:, 2]
     sc = torch.cat([a & 0x3F, (md & 0x0F) | ((a >> 2) & 0x30)], dim=-1)
     mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc, mn
+    return (d * sc.float()).reshape(n, 8, 1), (dmin * mn.float()).reshape(n, 8, 1)
 
 
 def _deq_q4_k(b: torch.Tensor) -> torch.Tensor:
@@ -234,10 +238,7 @@ def _deq_q4_k(b: torch.Tensor) -> torch.Tensor:
     #       high nibble -> weight 64c + 32 + j.
     #   weight = (d * scale) * q - (dmin * min)
     n = b.shape[0]
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _scale_min_k4(b[:, 4:16])
-    dl = (d * sc.float()).reshape(n, 8, 1)
-    ml = (dmin * mn.float()).reshape(n, 8, 1)
+    dl, ml = _scale_min_k4(b)
     q = _nibbles(b[:, 16:144], 32).reshape(n, 8, 32).float()
     return (dl * q - ml).reshape(n, QK_K)
 
@@ -248,10 +249,7 @@ def _deq_q5_k(b: torch.Tensor) -> torch.Tensor:
     #   qs as Q4_K; qh byte j, bit k = bit 4 of weight 32*k + j.
     #   weight = (d * scale) * q - (dmin * min)
     n = b.shape[0]
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _scale_min_k4(b[:, 4:16])
-    dl = (d * sc.float()).reshape(n, 8, 1)
-    ml = (dmin * mn.float()).reshape(n, 8, 1)
+    dl, ml = _scale_min_k4(b)
     lo = _nibbles(b[:, 48:176], 32).reshape(n, 8, 32)
     hi = _bits(b[:, 16:48], 32, 8, 1).reshape(n, 8, 32)
     q = (lo | (hi << 4)).float()

@@ -68,8 +68,8 @@ def _rms_norm_rope_kernel(x, w, pos, inv_freq, y, T, stride_xh, stride_xt, eps, 
     c = tl.cos(angle)
     s = tl.sin(angle)
     yrow = y + pid * (2 * HALF)
-    tl.store(yrow + i1, x1 * c - x2 * s, mask=mask)
-    tl.store(yrow + i2, x2 * c + x1 * s, mask=mask)
+    tl.store(yrow + i1, (x1 * c - x2 * s).to(y.dtype.element_ty), mask=mask)
+    tl.store(yrow + i2, (x2 * c + x1 * s).to(y.dtype.element_ty), mask=mask)
 
 
 def rms_norm_rope(
@@ -109,7 +109,7 @@ def rms_norm_rope(
     name = "rms_norm_rope"
     if x.dim() != 3:
         raise ValueError(f"{name}: x must be (H, T, D), got {tuple(x.shape)}")
-    n_heads, t, d = x.shape
+    _, t, d = x.shape
     if d % 2 or inv_freq.shape != (d // 2,) or positions.shape != (t,):
         raise ValueError(
             f"{name}: x {tuple(x.shape)}, positions {tuple(positions.shape)} and inv_freq "
@@ -123,7 +123,17 @@ def rms_norm_rope(
     _check_device(name, x, weight=weight, positions=positions, inv_freq=inv_freq)
     if d and x.stride(-1) != 1:
         raise ValueError(f"{name}: x's last dimension must be contiguous")
-    y = torch.empty((n_heads, t, d), dtype=torch.float32, device=x.device)
+    return launch_norm_rope(x, weight, eps, positions, inv_freq, neox=neox, scale=scale)
+
+
+def launch_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                     positions: torch.Tensor, inv_freq: torch.Tensor, *, neox: bool,
+                     scale: float) -> torch.Tensor:
+    """The launch behind :func:`rms_norm_rope` and ``norm_rope.rope``, on checked arguments:
+    x (H, T, D) of any float dtype with a contiguous last dimension -> a new contiguous
+    tensor of x's dtype (float32 math)."""
+    n_heads, t, d = x.shape
+    y = torch.empty((n_heads, t, d), dtype=x.dtype, device=x.device)
     if n_heads * t * d:
         half = d // 2
         block_h = triton.next_power_of_2(half)

@@ -1,4 +1,6 @@
-"""RMSNorm and rotary position embedding kernels (float32 math, any float input).
+"""RMSNorm and rotary position embedding (float32 math, any float input).
+
+RoPE shares the kernel of :func:`localllm.kernels.fused.rms_norm_rope`, without the norm.
 
 Same conventions as the torch path (``localllm.models.common.rms_norm`` / ``apply_rope``):
 RMSNorm (Zhang & Sennrich 2019) is ``x / sqrt(mean(x^2) + eps) * weight`` over the last
@@ -14,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._jit import kernel
+from .fused import launch_norm_rope
 
 
 @kernel
@@ -57,32 +60,6 @@ def rms_norm(
     return y.reshape(*x.shape[:-1], d)
 
 
-@kernel
-def _rope_kernel(x, pos, inv_freq, y, T, stride_xh, stride_xt, stride_yh, stride_yt, scale,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, NEOX: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0)
-    h = (pid // T).to(tl.int64)
-    t = pid % T
-    i = tl.arange(0, BLOCK_H)
-    mask = i < HALF
-    p = tl.load(pos + t).to(tl.float32) * scale
-    angle = p * tl.load(inv_freq + i, mask=mask, other=0.0)
-    c = tl.cos(angle)
-    s = tl.sin(angle)
-    if NEOX:
-        i1 = i
-        i2 = i + HALF
-    else:
-        i1 = 2 * i
-        i2 = 2 * i + 1
-    xrow = x + h * stride_xh + t * stride_xt
-    yrow = y + h * stride_yh + t * stride_yt
-    x1 = tl.load(xrow + i1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(xrow + i2, mask=mask, other=0.0).to(tl.float32)
-    tl.store(yrow + i1, (x1 * c - x2 * s).to(y.dtype.element_ty), mask=mask)
-    tl.store(yrow + i2, (x2 * c + x1 * s).to(y.dtype.element_ty), mask=mask)
-
-
 def rope(
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -103,16 +80,10 @@ def rope(
     Returns:
         A new tensor like ``x``.
     """
-    n_heads, t, hd = x.shape
+    _, t, hd = x.shape
     if hd % 2 or inv_freq.shape != (hd // 2,) or positions.shape != (t,):
         raise ValueError("rope: x (H, T, D), positions (T,) and inv_freq (D/2,) disagree")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if n_heads * t:
-        _rope_kernel[(n_heads * t,)](
-            x, positions.contiguous(), inv_freq.float().contiguous(), y, t,
-            x.stride(0), x.stride(1), y.stride(0), y.stride(1), float(scale),
-            HALF=hd // 2, BLOCK_H=triton.next_power_of_2(hd // 2), NEOX=neox, num_warps=1,
-        )  # fmt: skip
-    return y
+    # The kernel of rms_norm_rope, without the norm.
+    return launch_norm_rope(x, None, 0.0, positions, inv_freq.float(), neox=neox, scale=scale)

@@ -37,7 +37,7 @@ from localllm.kernels.fused import (
 )
 from localllm.kernels.gemm import _gemm_kernel
 from localllm.kernels.gemv import _gemv1_kernel, _gemv_kernel
-from localllm.kernels.norm_rope import _rms_norm_kernel, _rope_kernel
+from localllm.kernels.norm_rope import _rms_norm_kernel
 
 from localllm.quants import BLOCK_FORMATS
 
@@ -169,21 +169,15 @@ def _rms_norm(dtype: str, d: int) -> Case:
 
 
 def _rope(neox: bool, decode: bool, dtype: str = "*fp32") -> Case:
-    """rope() for a prompt or, with ``decode``, one position (T == 1 is a constexpr)."""
-    types = {"x": dtype, "pos": "*i64", "inv_freq": "*fp32", "y": dtype, "stride_xh": "i32",
-             "stride_xt": "i32", "stride_yh": "i32", "stride_yt": "i32", "scale": "fp32"}  # fmt: skip
-    constexprs = {"HALF": 128, "BLOCK_H": 128, "NEOX": neox}
-    if decode:
-        constexprs["T"] = 1
-    else:
-        types["T"] = "i32"
-    return Case(_rope_kernel, types, constexprs, num_warps=1)
+    """rope(): the kernel of rms_norm_rope without a weight, in ``dtype``."""
+    return _rms_norm_rope(neox, decode, weight=False, dtype=dtype)
 
 
-def _rms_norm_rope(neox: bool, decode: bool, weight: bool = True, d: int = 256) -> Case:
+def _rms_norm_rope(neox: bool, decode: bool, weight: bool = True, d: int = 256,
+                   dtype: str = "*fp32") -> Case:
     """rms_norm_rope() for a prompt or, with ``decode``, one position (T == 1 is a constexpr)."""
     half = d // 2
-    types = {"x": "*fp32", "w": "*fp32", "pos": "*i64", "inv_freq": "*fp32", "y": "*fp32",
+    types = {"x": dtype, "w": "*fp32", "pos": "*i64", "inv_freq": "*fp32", "y": dtype,
              "stride_xh": "i32", "stride_xt": "i32", "eps": "fp32", "scale": "fp32"}  # fmt: skip
     constexprs = {"HALF": half, "BLOCK_H": triton.next_power_of_2(half), "NEOX": neox,
                   "HAS_WEIGHT": weight}  # fmt: skip
@@ -266,8 +260,7 @@ def test_every_kernel_type_is_covered():
         covered = {c.constexprs["QTYPE"] for c in cases if c.kernel is kernel}
         assert covered == {int(q) for q in eligible}, kernel.fn.__name__
     launched = {_dequant_kernel, _gemv_kernel, _gemv1_kernel, _gemm_kernel, _rms_norm_kernel,
-                _rope_kernel, _rms_norm_rope_kernel, _residual_rms_norm_kernel,
-                _gated_act_kernel}  # fmt: skip
+                _rms_norm_rope_kernel, _residual_rms_norm_kernel, _gated_act_kernel}  # fmt: skip
     assert {c.kernel for c in cases} == launched
 
 

@@ -157,10 +157,6 @@ def _combine_kernel(
     tl.store(out + h.to(tl.int64) * D + rd, res)
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _pow2_at_most(n: int) -> int:
     return 1 << max(0, n.bit_length() - 1)
 
@@ -168,7 +164,9 @@ def _pow2_at_most(n: int) -> int:
 def default_block_s(group: int, head_dim: int) -> int:
     """Slots per block: the (group, BLOCK_S, head_dim) product within a register budget."""
     # Capped at 32: (1, 64, 64) compiled to 206 registers, (1, 32, 64) to 115.
-    return max(1, min(32, _pow2_at_most(PRODUCT_BUDGET // (_pow2_at_least(group) * head_dim))))
+    return max(
+        1, min(32, _pow2_at_most(PRODUCT_BUDGET // (triton.next_power_of_2(group) * head_dim)))
+    )
 
 
 def default_n_splits(seq_len: int, n_kv_heads: int, block_s: int) -> int:
@@ -271,10 +269,10 @@ def decode_attention(
         seq_len, window if window is not None else 0, split_len, n_splits,
         q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         scale * LOG2E,
-        GROUP=group, GROUP_PAD=_pow2_at_least(group), D=d, BLOCK_S=block_s, RING=ring,
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), D=d, BLOCK_S=block_s, RING=ring,
         HAS_WINDOW=window is not None, num_warps=4,
     )  # fmt: skip
-    splits_pad = _pow2_at_least(n_splits)
+    splits_pad = triton.next_power_of_2(n_splits)
     chunk = max(1, min(splits_pad, 4096 // d))
     _combine_kernel[(n_heads,)](
         ws_m, ws_l, ws_acc, out, n_splits, D=d, SPLITS_PAD=splits_pad, CHUNK=chunk, num_warps=4

@@ -126,9 +126,16 @@ def rms_norm_rope(
     return launch_norm_rope(x, weight, eps, positions, inv_freq, neox=neox, scale=scale)
 
 
-def launch_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                     positions: torch.Tensor, inv_freq: torch.Tensor, *, neox: bool,
-                     scale: float) -> torch.Tensor:
+def launch_norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    *,
+    neox: bool,
+    scale: float,
+) -> torch.Tensor:
     """The launch behind :func:`rms_norm_rope` and ``norm_rope.rope``, on checked arguments:
     x (H, T, D) of any float dtype with a contiguous last dimension -> a new contiguous
     tensor of x's dtype (float32 math)."""

@@ -13,10 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from localllm.quants import block_format
-
 from ._jit import kernel
 from .decode import GROUP_SIZES, decode, decode_grouped
+from .gemv import check_operands
 
 
 @kernel
@@ -105,14 +104,8 @@ def gemm(
     Raises:
         ValueError: shapes do not agree.
     """
-    fmt = block_format(qtype)
-    if x.ndim != 2:
-        raise ValueError(f"gemm: x must be (M, K), got {tuple(x.shape)}")
+    fmt, x = check_operands("gemm", w_data, qtype, n_out, x, rows="M")
     m, k = x.shape
-    if k % fmt.block_size or w_data.numel() != n_out * (k // fmt.block_size) * fmt.type_size:
-        raise ValueError(f"gemm: {w_data.numel()} weight bytes do not hold ({n_out}, {k})")
-    if x.stride(1) != 1:
-        x = x.contiguous()
     y = torch.empty((m, n_out), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n_out == 0:
         return y

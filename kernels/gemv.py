@@ -88,6 +88,24 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def check_operands(
+    name: str, w_data: torch.Tensor, qtype, n_out: int, x: torch.Tensor, rows: str = "B"
+):
+    """The block format of ``qtype`` and ``x`` with contiguous rows, for ``x @ W.T`` with
+    ``W`` (n_out, K) in ``w_data``'s blocks (shared by the GEMV and GEMM launchers).
+
+    Raises:
+        ValueError: ``x`` is not 2-D, or K and the weight bytes disagree.
+    """
+    fmt = block_format(qtype)
+    if x.ndim != 2:
+        raise ValueError(f"{name}: x must be ({rows}, K), got {tuple(x.shape)}")
+    k = x.shape[1]
+    if k % fmt.block_size or w_data.numel() != n_out * (k // fmt.block_size) * fmt.type_size:
+        raise ValueError(f"{name}: {w_data.numel()} weight bytes do not hold ({n_out}, {k})")
+    return fmt, x if x.stride(1) == 1 else x.contiguous()
+
+
 def gemv(
     w_data: torch.Tensor,
     qtype,
@@ -111,16 +129,10 @@ def gemv(
     Raises:
         ValueError: shapes do not agree or B > 8.
     """
-    fmt = block_format(qtype)
-    if x.ndim != 2:
-        raise ValueError(f"gemv: x must be (B, K), got {tuple(x.shape)}")
+    fmt, x = check_operands("gemv", w_data, qtype, n_out, x)
     nb, k = x.shape
     if nb > MAX_BATCH:
         raise ValueError(f"gemv: at most {MAX_BATCH} vectors, got {nb}")
-    if k % fmt.block_size or w_data.numel() != n_out * (k // fmt.block_size) * fmt.type_size:
-        raise ValueError(f"gemv: {w_data.numel()} weight bytes do not hold ({n_out}, {k})")
-    if x.stride(1) != 1:
-        x = x.contiguous()
     y = torch.empty((nb, n_out), dtype=out_dtype or x.dtype, device=x.device)
     if nb == 0 or n_out == 0:
         return y

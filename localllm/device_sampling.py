@@ -26,8 +26,8 @@ op to the same values in the same order as :mod:`localllm.samplers` does:
 - top_p's staged ``topk`` of the probabilities (256, 4096, all), its float32 cumsum and
   ``min_keep`` rule, min_p's float32 threshold and ``min_keep`` top-up, the division by the
   temperature, and dist's id order, float64 cumsum and right-sided ``searchsorted`` of
-  ``u * total`` are reproduced; ``u`` comes from the chain's CPU generator exactly as
-  :meth:`localllm.samplers.Uniform.draw` takes it, as a tensor that is never read on the host.
+  ``u * total`` are reproduced; ``u`` is :meth:`localllm.samplers.Uniform.draw_tensor`, the
+  draw ``Uniform.draw`` makes, kept as a tensor that is never read on the host.
 
 Known difference: ``torch.topk`` orders exactly equal values in a way that depends on the
 vector's length. Where the reference calls it on a compacted vector and this chain on the
@@ -257,7 +257,7 @@ class DeviceChain:
         if self.greedy:
             j = vals.argmax()
             return torch.where(n > 0, _at(ids, j), -1), None
-        u = torch.rand((), generator=self.rng.generator, dtype=torch.float64)  # == Uniform.draw
+        u = self.rng.draw_tensor()  # the draw Dist takes, unread on the host
         cdf = torch.cumsum(softmax_front(vals, n).double(), 0)
         x = (u.to(dev) * cdf[-1]).reshape(1)
         j = torch.searchsorted(cdf, x, right=True)[0]

@@ -92,7 +92,11 @@ class Uniform:
 
     def draw(self) -> float:
         """One float in [0, 1)."""
-        return float(torch.rand((), generator=self.generator, dtype=torch.float64))
+        return float(self.draw_tensor())
+
+    def draw_tensor(self) -> torch.Tensor:
+        """The same draw as a float64 0-d CPU tensor (the device chain never reads it)."""
+        return torch.rand((), generator=self.generator, dtype=torch.float64)
 
     def reset(self) -> None:
         self.generator.manual_seed(self.seed)

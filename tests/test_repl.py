@@ -15,28 +15,21 @@ from dataclasses import dataclass
 import pytest
 import torch
 from rich.console import Console
+from tiny_model import spm_vocab
 
 from localllm.errors import ParameterError
 from localllm.repl import ChatREPL
 from localllm.tokenizer import Tokenizer
 
-PIECES = ["▁", "▁t", "▁th", "▁the", "he", "e", "t", "h", "▁a", "a", "n", "▁an", "d", "▁and",
-          "o", "▁o", "f", "▁of", "s", "r", "i", "▁i", "▁is", "l", "c"]
-
 
 def fake_metadata() -> dict:
-    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
-    types = [3, 3, 3, 2, 3, 3]
-    tokens += [f"<0x{b:02X}>" for b in range(256)]
-    types += [6] * 256
-    tokens += PIECES
-    types += [1] * len(PIECES)
+    tokens, types, scores = spm_vocab()
     return {
         "general.architecture": "gemma3",
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.scores": [0.0] * 262 + [-float(i) for i in range(len(PIECES))],
+        "tokenizer.ggml.scores": scores,
         "tokenizer.ggml.bos_token_id": 2,
         "tokenizer.ggml.eos_token_id": 1,
         "tokenizer.ggml.unknown_token_id": 3,

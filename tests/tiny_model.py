@@ -16,7 +16,9 @@ SPM_PIECES = ["▁", "▁t", "▁th", "▁the", "he", "e", "t", "h", "▁a", "a"
               "o", "▁o", "f", "▁of", "s", "r", "i", "▁i", "▁is", "l", "c"]
 
 
-def _spm_vocab(w: gguf.GGUFWriter, *, bos: int = 2, eos: int = 1) -> int:
+def spm_vocab() -> tuple[list[str], list[int], list[float]]:
+    """The tiny SentencePiece vocabulary: tokens, token types and scores (ids 0-5 special:
+    pad, eos, bos, unk and Gemma's turn markers; then the 256 byte tokens, then pieces)."""
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
     types = [3, 3, 3, 2, 3, 3]
     tokens += [f"<0x{b:02X}>" for b in range(256)]
@@ -24,6 +26,11 @@ def _spm_vocab(w: gguf.GGUFWriter, *, bos: int = 2, eos: int = 1) -> int:
     tokens += SPM_PIECES
     types += [1] * len(SPM_PIECES)
     scores = [0.0] * (6 + 256) + [-float(i) for i in range(len(SPM_PIECES))]
+    return tokens, types, scores
+
+
+def _spm_vocab(w: gguf.GGUFWriter, *, bos: int = 2, eos: int = 1) -> int:
+    tokens, types, scores = spm_vocab()
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)

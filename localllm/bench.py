@@ -175,11 +175,11 @@ def kv_bytes_per_token(args, start: int, n_gen: int, ring_slack: int, device="cp
     """Mean KV-cache bytes a decode step reads over positions ``start .. start+n_gen-1``
     (K and V of :func:`localllm.cache.kv_dtype` on ``device``: float32 on the CPU, float16
     on CUDA; sliding-window layers read their ring of window + slack cells)."""
-    from .cache import kv_dtype
+    from .resources import kv_cell_bytes
 
     window = getattr(args, "sliding_window", None)
     is_sliding = getattr(args, "is_sliding", lambda layer: True)
-    per_cell = 2 * args.n_kv_heads * args.head_dim * kv_dtype(device).itemsize
+    per_cell = kv_cell_bytes(args, device)
     total = 0
     for pos in range(start, start + n_gen):
         for layer in range(args.n_layers):

@@ -65,6 +65,13 @@ def stored_bytes(info, quantized: bool, dtype: torch.dtype = torch.float16) -> i
     return info.n_elements * torch.empty((), dtype=dtype).element_size()
 
 
+def kv_cell_bytes(args, device: torch.device | str = "cpu") -> int:
+    """Bytes of one cache cell of one layer on ``device``: K and V of every KV head."""
+    from .cache import kv_dtype
+
+    return 2 * args.n_kv_heads * args.head_dim * kv_dtype(device).itemsize
+
+
 def kv_cache_bytes(args, ctx_size: int, device: torch.device | str = "cpu") -> int:
     """Bytes of one session's KV cache at ``ctx_size`` tokens (capped at the model's context)
     on ``device``.
@@ -73,13 +80,12 @@ def kv_cache_bytes(args, ctx_size: int, device: torch.device | str = "cpu") -> i
     sliding-window models, sliding_window with ``is_sliding(layer)`` when only some layers
     slide).
     """
-    from .cache import kv_dtype
     from .runtime import RING_SLACK
 
     ctx = max(1, min(ctx_size, args.context_length))
     window = getattr(args, "sliding_window", None)
     is_sliding = getattr(args, "is_sliding", lambda layer: True)
-    per_cell = 2 * args.n_kv_heads * args.head_dim * kv_dtype(device).itemsize
+    per_cell = kv_cell_bytes(args, device)
     cells = 0
     for layer in range(args.n_layers):
         ring = window is not None and window < ctx and is_sliding(layer)

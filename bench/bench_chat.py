@@ -3,7 +3,7 @@
     python bench/bench_chat.py                       # gemma3-270m on the CPU, 8 turns
     python bench/bench_chat.py --turns 8 -n 48 --device cuda
 
-Drives :class:`localllm.repl.ChatREPL` without a terminal with fixed user messages and greedy
+Drives :class:`localllm.cli.repl.ChatREPL` without a terminal with fixed user messages and greedy
 replies. Each turn re-renders the whole conversation with the chat template; the REPL keeps
 the cached prefix and prefills only the new turn's tokens, so the time to first token should
 not grow with the history. Per turn the table gives: the tokens of history already in the
@@ -37,7 +37,7 @@ MESSAGES = (
 
 def cold_ttft(llm, prompt: list[int], ctx_size: int, params) -> float:
     """Seconds to the first token of ``prompt`` in a fresh session (full prefill + sample)."""
-    from localllm.sampling import build_sampler
+    from localllm.sampling.chain import build_sampler
 
     session = llm.session(ctx_size=ctx_size)
     sampler = build_sampler(params, llm.tokenizer)
@@ -51,7 +51,7 @@ def run(llm, *, turns: int, n_predict: int, ctx_size: int, cold: bool,
     """Play ``turns`` turns; one row of figures per turn (times in ms)."""
     from rich.console import Console
 
-    from localllm.repl import ChatREPL
+    from localllm.cli.repl import ChatREPL
 
     params = llm.sampling_params(temp=0.0)
     repl = ChatREPL(llm, console=Console(file=io.StringIO(), width=200, color_system=None),

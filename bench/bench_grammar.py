@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from localllm.grammar import GrammarConstraint, lltokenizer, resolve_grammar_file
+from localllm.grammar.constraint import GrammarConstraint, lltokenizer, resolve_grammar_file
 
 DOC = ('{"name": "Ada Lovelace", "born": 1815, "fields": ["mathematics", "computing"], '
        '"notes": {"first_program": true, "machine": "Analytical Engine", "year": 1843.5}}')
@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("-n", "--n-predict", type=int, default=32, help="tokens per decode run")
     args = ap.parse_args()
     if args.mask_only:
-        from localllm.gguf_file import open_gguf
+        from localllm.gguf.file import open_gguf
         from localllm.registry import load_registry
         from localllm.tokenizer import Tokenizer
 

@@ -26,7 +26,7 @@ def random_weight(qtype, n: int, k: int, seed: int = 0):
     """A QuantWeight (n, k) of random blocks with small finite scales, on CUDA."""
     from localllm.kernels import QuantWeight
 
-    from localllm.quants import BLOCK_FORMATS
+    from localllm.gguf.quants import BLOCK_FORMATS
 
     fmt = BLOCK_FORMATS[qtype]
     rng = np.random.default_rng(seed)

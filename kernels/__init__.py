@@ -22,8 +22,8 @@ from functools import cache
 import torch
 from gguf import GGMLQuantizationType as T
 
-from localllm.quants import block_format
-from localllm.quants import dequantize as reference_dequantize
+from localllm.gguf.quants import block_format
+from localllm.gguf.quants import dequantize as reference_dequantize
 
 __all__ = [
     "GEMV_MAX_ROWS",
@@ -203,14 +203,14 @@ def quant_linear(
 
 
 def register_quants_backend() -> bool:
-    """Make ``localllm.quants.dequantize`` use the Triton kernel for CUDA tensors.
+    """Make ``localllm.gguf.quants.dequantize`` use the Triton kernel for CUDA tensors.
 
     Returns:
         whether it was registered (False without Triton).
     """
     if not triton_available():
         return False
-    from localllm.quants import register_backend
+    from localllm.gguf.quants import register_backend
 
     from .dequant import quants_backend
 

@@ -1,7 +1,7 @@
 """Triton dequantization: raw ggml blocks -> float32 / float16 / bfloat16 tensor.
 
 One program decodes ``BLOCK`` consecutive weights (see :mod:`.decode` for the layouts). With
-a float32 output the result is bit-exact with the torch reference (``localllm.quants``): the
+a float32 output the result is bit-exact with the torch reference (``localllm.gguf.quants``): the
 kernel is compiled with fp contraction disabled so ``d * q - m`` rounds twice as numpy does.
 """
 
@@ -13,7 +13,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
 from localllm.errors import UnsupportedError
-from localllm.quants import block_format
+from localllm.gguf.quants import block_format
 
 from ._jit import kernel
 from .decode import KERNEL_TYPES, decode
@@ -98,7 +98,7 @@ def dequantize(
 def quants_backend(
     data: torch.Tensor, qtype: T, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor | None:
-    """``localllm.quants`` backend: CUDA tensors of supported types, else ``None``."""
+    """``localllm.gguf.quants`` backend: CUDA tensors of supported types, else ``None``."""
     if data.device.type != "cuda" or not supports(qtype) or dtype not in _OUT_DTYPES:
         return None
     if qtype == T.F32 and dtype == torch.float32:

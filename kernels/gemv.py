@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from localllm.quants import block_format
+from localllm.gguf.quants import block_format
 
 from ._jit import kernel
 from .decode import GROUP_SIZES, decode, decode_grouped

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from .errors import ContextOverflowError, LocalLLMError, ParameterError
-from .generate import Step, Timings, generate_tokens
 from .registry import ModelEntry, load_registry
-from .runtime import Session, load_model
-from .sampling import SamplingParams, build_sampler
+from .runtime.generate import Step, Timings, generate_tokens
+from .runtime.session import Session, load_model
+from .sampling.chain import SamplingParams, build_sampler
 
 
 class LLM:
@@ -134,7 +134,7 @@ class LLM:
             params / sampling: sampling settings (llama.cpp names: temp, top_k, min_p ...).
             n_predict: most tokens to generate (-1: until end of generation or full context).
             stop: stop strings.
-            constraint: a grammar constraint (:mod:`localllm.grammar`); or build one with
+            constraint: a grammar constraint (:mod:`localllm.grammar.constraint`); or build one with
                 ``grammar`` (GBNF text), ``json_schema`` (dict or JSON text) or ``json=True``.
             session: generate in this session, reusing the prefix its cache already holds.
                 By default the LLM's own session is cleared first, so that the same seed and
@@ -155,7 +155,7 @@ class LLM:
             )
         params = self.sampling_params(params, **sampling)
         if constraint is None and (grammar is not None or json_schema is not None or json):
-            from .grammar import constraint_for
+            from .grammar.constraint import constraint_for
 
             constraint = constraint_for(self.tokenizer, grammar=grammar, json_schema=json_schema,
                                         json=json)

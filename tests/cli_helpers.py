@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import sys
 
-from localllm.cli import main
+from localllm.cli.app import main
 
 
 def run_cli(monkeypatch, capsys, *args: str, stdin: str | None = None):

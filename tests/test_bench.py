@@ -8,9 +8,9 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from localllm import bench
 from localllm.errors import ParameterError
-from localllm.runtime import RING_SLACK, load_model
+from localllm.eval import bench
+from localllm.runtime.session import RING_SLACK, load_model
 
 
 @pytest.mark.parametrize("name, gbps", [
@@ -67,7 +67,7 @@ def test_run_bench_compares_with_llama_cpp(tiny_model_path, capsys):
 
 
 def test_bench_command(tiny_model_path):
-    from localllm.cli import app
+    from localllm.cli.app import app
 
     path = tiny_model_path("qwen2")
     result = CliRunner().invoke(app, ["bench", str(path), "-p", "16", "-n", "2", "-r", "1",

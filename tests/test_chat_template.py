@@ -1,4 +1,4 @@
-"""Chat templates (localllm.chat_template): rendering, built-ins, selection, sandbox."""
+"""Chat templates (localllm.chat.template): rendering, built-ins, selection, sandbox."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from localllm.chat_builtin import BUILTIN_TEMPLATES, guess_builtin
-from localllm.chat_template import ChatTemplate, apply_chat, select_template, template_for
+from localllm.chat.builtin import BUILTIN_TEMPLATES, guess_builtin
+from localllm.chat.template import ChatTemplate, apply_chat, select_template, template_for
 from localllm.errors import TemplateError
 
 DATA = Path(__file__).parent / "data" / "chat"

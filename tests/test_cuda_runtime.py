@@ -26,7 +26,7 @@ def _greedy(session, prompt_ids: list[int], n: int) -> tuple[list[int], list[flo
 
 
 def test_graph_replay_equals_eager_decode(llm_cuda, reference):
-    from localllm.runtime import Session
+    from localllm.runtime.session import Session
 
     loaded = llm_cuda.loaded
     prompt = reference["prompts"][0]["prompt_ids"]

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from localllm.device_sampling import DeviceChain, softmax_front
 from localllm.errors import LocalLLMError
-from localllm.sampling import SamplingParams, build_sampler
+from localllm.sampling.chain import SamplingParams, build_sampler
+from localllm.sampling.device import DeviceChain, softmax_front
 
 DATA = Path(__file__).parent / "data" / "sampling"
 INF = float("inf")

@@ -13,7 +13,7 @@ import gguf
 import pytest
 from cli_helpers import assert_one_line_error, run_cli
 
-from localllm.cli import main
+from localllm.cli.app import main
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_broken_pipe_exits_zero(monkeypatch, capsys, workdir, tiny_f16):
 def test_chat_error_lines_are_not_wrapped(workdir, tiny_f16):
     long_name = "no/such/dir/" + "x" * 100 + ".json"
     proc = subprocess.run(
-        [sys.executable, "-m", "localllm.cli", "chat", str(tiny_f16)],
+        [sys.executable, "-m", "localllm.cli.app", "chat", str(tiny_f16)],
         input=f"/load {long_name}\n/exit\n", capture_output=True, text=True, timeout=120, check=False,
     )
     assert proc.returncode == 0, proc.stderr

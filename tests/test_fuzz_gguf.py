@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from localllm.errors import GGUFError
-from localllm.gguf_validate import parse_gguf, validate_vocab
+from localllm.gguf.validate import parse_gguf, validate_vocab
 
 _ON_DEMAND = os.environ.get("LOCALLLM_FUZZ_SECONDS")
 FUZZ_SECONDS = float(_ON_DEMAND or 15)

@@ -27,9 +27,9 @@ from gguf_craft import (
     minimal,
 )
 
-from localllm import gguf_validate
+from localllm.gguf import validate as gguf_validate
 from localllm.errors import GGUFError
-from localllm.gguf_validate import (
+from localllm.gguf.validate import (
     check_tensor_shape,
     check_tensor_shapes,
     parse_gguf,

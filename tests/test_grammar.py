@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from localllm.errors import GrammarError, LocalLLMError, ParameterError
-from localllm.grammar import (
+from localllm.grammar.constraint import (
     GRAMMARS_DIR,
     GrammarConstraint,
     constraint_for,

@@ -39,7 +39,7 @@ from localllm.kernels.gemm import _gemm_kernel
 from localllm.kernels.gemv import _gemv1_kernel, _gemv_kernel
 from localllm.kernels.norm_rope import _rms_norm_kernel
 
-from localllm.quants import BLOCK_FORMATS
+from localllm.gguf.quants import BLOCK_FORMATS
 
 # The most shared memory a block may use: sm_90 (H100/H200) 227 KiB, sm_86 (RTX 30xx) 99 KiB.
 MAX_SHARED = {90: 227 * 1024, 86: 99 * 1024}

@@ -17,8 +17,8 @@ from gguf import GGMLQuantizationType as T
 from test_quants import SCALE_OFFSETS, random_blocks
 
 from localllm.errors import UnsupportedError
-from localllm.quants import BLOCK_FORMATS
-from localllm.quants import dequantize as reference
+from localllm.gguf.quants import BLOCK_FORMATS
+from localllm.gguf.quants import dequantize as reference
 
 kernels = pytest.importorskip("localllm.kernels")
 if not kernels.triton_available():
@@ -172,7 +172,7 @@ def test_quant_linear_fused(rows, device):
 def test_quants_backend(device):
     from localllm.kernels.dequant import quants_backend
 
-    from localllm.quants import dequantize
+    from localllm.gguf.quants import dequantize
 
     raw = weight_bytes(T.Q6_K, 2).to(device)
     out = quants_backend(raw, T.Q6_K, (2, 256), torch.float32)

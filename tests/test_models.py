@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localllm import runtime
-from localllm.runtime import Session, load_model
+from localllm.runtime import session as runtime
+from localllm.runtime.session import Session, load_model
 
 ARCHS = ["gemma3", "llama", "mistral", "qwen2", "qwen3"]
 

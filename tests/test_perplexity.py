@@ -10,10 +10,15 @@ import pytest
 import torch
 
 from localllm import LLM
-from localllm import kld as K
 from localllm.errors import LocalLLMError
-from localllm.perplexity import chunk_logits, chunk_token_ranges, perplexity, summarize
-from localllm.ppl_command import evaluate
+from localllm.eval import kld as K
+from localllm.eval.perplexity import (
+    chunk_logits,
+    chunk_token_ranges,
+    evaluate,
+    perplexity,
+    summarize,
+)
 
 WORDS = ["the", "and", "of", "a", "is", "that", "tea", "hat", "then", "this", "an", "ant"]
 
@@ -129,7 +134,7 @@ def test_base_file_errors(tmp_path):
 def _cli(args):
     from typer.testing import CliRunner
 
-    from localllm.cli import app
+    from localllm.cli.app import app
 
     return CliRunner().invoke(app, args)
 
@@ -160,7 +165,7 @@ def test_cli_text_too_short(tiny, tmp_path):
 
 
 def test_compare_two_quant_levels(tiny_model_path, tmp_path, capsys):
-    from localllm.ppl_compare import run_compare
+    from localllm.eval.compare import run_compare
     from localllm.quantize.convert import quantize_gguf
 
     src = tiny_model_path("llama", d_model=256, n_heads=4, head_dim=64, ffn_dim=512,
@@ -182,7 +187,7 @@ def test_compare_two_quant_levels(tiny_model_path, tmp_path, capsys):
 
 
 def test_compare_rejects_different_vocabularies(tiny_model_path):
-    from localllm.ppl_compare import run_compare
+    from localllm.eval.compare import run_compare
 
     with pytest.raises(LocalLLMError, match="vocabulary"):
         run_compare([str(tiny_model_path("gemma3")), str(tiny_model_path("qwen2"))],

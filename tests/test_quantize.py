@@ -233,8 +233,8 @@ def test_failure_leaves_no_file(small_f16, tmp_path, monkeypatch, exc):
 
 def test_bf16_input(small_f16, tmp_path):
     """A BF16 model quantizes like its F16 original (BF16 rounding aside)."""
-    from localllm.gguf_file import open_gguf
-    from localllm.gguf_validate import validate_gguf
+    from localllm.gguf.file import open_gguf
+    from localllm.gguf.validate import validate_gguf
 
     header, src = validate_gguf(small_f16), open_gguf(small_f16)
     bf16 = tmp_path / "bf16.gguf"
@@ -278,7 +278,7 @@ def test_custom_alignment_is_kept(tmp_path):
     w.write_tensors_to_file()
     w.close()
     quantize_gguf(src, tmp_path / "q.gguf", "Q4_0")
-    from localllm.gguf_file import open_gguf
+    from localllm.gguf.file import open_gguf
 
     out = open_gguf(tmp_path / "q.gguf")  # validates offsets against general.alignment
     assert out.metadata["general.alignment"] == 64
@@ -289,7 +289,7 @@ def test_custom_alignment_is_kept(tmp_path):
 def test_cli(small_f16, tmp_path):
     from typer.testing import CliRunner
 
-    from localllm.cli import app
+    from localllm.cli.app import app
 
     out = tmp_path / "o.gguf"
     res = CliRunner().invoke(app, ["quantize", str(small_f16), str(out), "--type", "Q5_K_M"])

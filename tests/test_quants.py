@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
 from localllm.errors import UnsupportedError
-from localllm.quants import (
+from localllm.gguf.quants import (
     BLOCK_FORMATS,
     backends,
     bits_per_weight,
@@ -92,7 +92,7 @@ def test_bit_exact_random_blocks(qtype):
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.Q5_0], ids=lambda q: q.name)
 def test_chunked_loop_and_dtype(qtype, monkeypatch):
-    from localllm import quants
+    from localllm.gguf import quants
 
     # Force many chunks with a ragged last one.
     monkeypatch.setattr(quants, "_CHUNK_ELEMENTS", 3 * BLOCK_FORMATS[qtype].block_size)
@@ -121,7 +121,7 @@ def test_size_mismatch():
 
 
 def test_backend_registry(monkeypatch):
-    from localllm import quants
+    from localllm.gguf import quants
 
     monkeypatch.setattr(quants, "_BACKENDS", {})
     calls = []

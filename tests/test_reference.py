@@ -46,7 +46,7 @@ def test_greedy_generation_from_the_api(any_llm, reference):
 
 
 def test_perplexity_matches_llama_cpp(any_llm):
-    from localllm.perplexity import perplexity
+    from localllm.eval.perplexity import perplexity
 
     llm = any_llm
 

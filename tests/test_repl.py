@@ -1,4 +1,4 @@
-"""The chat REPL (localllm.repl), driven programmatically.
+"""The chat REPL (localllm.cli.repl), driven programmatically.
 
 Unit tests use a fake model: a real SentencePiece tokenizer over a tiny vocabulary and a
 fake session whose "logits" spell out a scripted reply after each ``<start_of_turn>model``
@@ -17,8 +17,8 @@ import torch
 from rich.console import Console
 from tiny_model import spm_vocab
 
+from localllm.cli.repl import ChatREPL
 from localllm.errors import ParameterError
-from localllm.repl import ChatREPL
 from localllm.tokenizer import Tokenizer
 
 
@@ -244,7 +244,7 @@ def test_context_shift_during_a_long_reply():
 
 
 def test_template_error_is_one_line_and_session_continues():
-    from localllm.chat_template import ChatTemplate
+    from localllm.chat.template import ChatTemplate
 
     bad = ChatTemplate("bad", "{% if messages|length > 2 %}{{ raise_exception('too long') }}"
                        "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
@@ -342,7 +342,7 @@ def test_commands_set_show_system_regen_unknown():
 
 
 def test_set_uses_llama_cpp_flag_names():
-    from localllm.sampling import SamplingParams
+    from localllm.sampling.chain import SamplingParams
 
     llm = FakeLLM()
     repl = ChatREPL(llm, console=Console(file=llm.out, width=200), params=SamplingParams(),

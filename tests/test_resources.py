@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localllm import resources, runtime
 from localllm.errors import LocalLLMError
-from localllm.gguf_file import open_gguf
+from localllm.gguf.file import open_gguf
 from localllm.models import architecture
-from localllm.resources import check_memory, estimate_memory, kv_cache_bytes
-from localllm.runtime import Session, load_model
+from localllm.runtime import resources
+from localllm.runtime import session as runtime
+from localllm.runtime.resources import check_memory, estimate_memory, kv_cache_bytes
+from localllm.runtime.session import Session, load_model
 from localllm.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")

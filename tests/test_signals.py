@@ -1,7 +1,7 @@
 """Interrupting a command (issue 8): Ctrl-C exits 130, SIGTERM exits 143, no traceback, and
 no partial output file (neither OUT nor its temporary file) is left behind.
 
-Each command runs as a subprocess through ``localllm.cli.main`` (the console entry point),
+Each command runs as a subprocess through ``localllm.cli.app.main`` (the console entry point),
 with one function wrapped so that, at its N-th call, it prints ``STALLED`` on stderr and
 sleeps: the signal is sent only once that line arrives, so it always lands mid-way (after
 the temporary output file has data in it), whatever the machine's speed.
@@ -45,7 +45,7 @@ def stalled(*args, **kwargs):
         time.sleep(60)
     return result
 setattr(owner, name, stalled)
-from localllm.cli import main
+from localllm.cli.app import main
 sys.argv[0] = "localllm"
 main()
 """
@@ -176,7 +176,7 @@ def test_kl_divergence_base_interrupted_while_scoring(tiny_f16, tmp_path, sig, c
     out_dir.mkdir()
     args = ["perplexity", str(tiny_f16), "-f", str(text), "--ctx-size", "32",
             "--kl-divergence-base", str(out_dir / "base.npz")]
-    res = interrupt(args, "localllm.runtime:Session.eval", sig, after=2, cwd=tmp_path)
+    res = interrupt(args, "localllm.runtime.session:Session.eval", sig, after=2, cwd=tmp_path)
     assert_clean_exit(res, code)
     assert "Final estimate" not in res.stdout
     assert list(out_dir.iterdir()) == []
@@ -186,7 +186,7 @@ def test_kl_divergence_base_interrupted_while_scoring(tiny_f16, tmp_path, sig, c
 def test_run_interrupted_mid_generation_keeps_streamed_text(tiny_f16, tmp_path, sig, code):
     args = ["run", str(tiny_f16), "the tale", "-n", "200", "--seed", "3", "--temp", "1.0"]
     # eval call 1 is the prompt, then one per generated token: ~12 tokens are out
-    res = interrupt(args, "localllm.runtime:Session.eval", sig, after=13, cwd=tmp_path)
+    res = interrupt(args, "localllm.runtime.session:Session.eval", sig, after=13, cwd=tmp_path)
     assert_clean_exit(res, code)
     assert res.before.strip()  # text was streamed before the signal ...
     assert res.stdout.startswith(res.before)  # ... and stays

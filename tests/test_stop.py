@@ -1,4 +1,4 @@
-"""Stop strings across token boundaries (localllm.stop)."""
+"""Stop strings across token boundaries (localllm.runtime.stop)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from itertools import pairwise
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from localllm.stop import StopMatcher, cut_at_stop
+from localllm.runtime.stop import StopMatcher, cut_at_stop
 
 
 def stream(pieces, stops):

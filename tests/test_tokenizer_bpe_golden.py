@@ -54,7 +54,7 @@ def golden() -> dict:
 
 @pytest.fixture(scope="module")
 def tokenizers(golden, tmp_path_factory) -> dict[str, Tokenizer]:
-    from localllm.gguf_file import open_gguf
+    from localllm.gguf.file import open_gguf
 
     vocab = json.loads((DATA / "bpe_vocab.json").read_text())
     out = {}

@@ -15,11 +15,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..cache import attention_mask
 from ..errors import UnsupportedError
-from ..gguf_file import GGUFFile
-from ..gguf_validate import check_tensor_shape
-from ..quants import dequantize
+from ..gguf.file import GGUFFile
+from ..gguf.quants import dequantize
+from ..gguf.validate import check_tensor_shape
+from .cache import attention_mask
 
 # Above this many rows a CPU product takes the float32 GEMM path (see the module docstring).
 GEMV_MAX_ROWS = 8
@@ -366,7 +366,7 @@ class TorchOps:
 
         q: (n_heads, T, hd), k/v: (n_kv_heads, T, hd) float32 at ``positions`` (T,) int64, the
         first of which is ``pos`` (an int, or a (1,) device tensor in static decode: see
-        :mod:`localllm.cache`) -> (T, n_heads * hd) float32.
+        :mod:`localllm.models.cache`) -> (T, n_heads * hd) float32.
         """
         keys, values, k_pos = cache.update(pos, k, v)
         return attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import make_cache
+from .cache import make_cache
 from .common import Weights, model_ops, positions_of, rope_inv_freq
 
 
@@ -131,7 +131,7 @@ class Model:
         (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits.
 
         ``pos`` may be a (1,) int64 tensor on the model's device for a one-token step with
-        static shapes and no host reads (CUDA graphs, :mod:`localllm.graphs`)."""
+        static shapes and no host reads (CUDA graphs, :mod:`localllm.runtime.graphs`)."""
         a = self.args
         t = tokens.shape[0]
         positions = positions_of(pos, t, self.device)

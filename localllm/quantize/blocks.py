@@ -98,7 +98,7 @@ def dequantize_rows(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[
                     ) -> np.ndarray:
     """Raw tensor bytes of ``qtype`` -> float32 array of ``shape`` (torch order, last dim = row).
 
-    Uses ``localllm.quants.dequantize``, or ``gguf.quants.dequantize`` for the types it lacks.
+    Uses ``localllm.gguf.quants.dequantize``, or ``gguf.quants.dequantize`` for the types it lacks.
     """
     raw = np.ascontiguousarray(data).view(np.uint8)
     if qtype == Q.F32:
@@ -109,7 +109,7 @@ def dequantize_rows(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[
             t = torch.from_numpy(raw.view(np.int16))
         t = t.view(torch.float16 if qtype == Q.F16 else torch.bfloat16)
         return t.float().numpy().reshape(shape)
-    from ..quants import dequantize
+    from ..gguf.quants import dequantize
 
     try:
         with warnings.catch_warnings():  # a read-only memmap: its bytes are only read

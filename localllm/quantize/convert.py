@@ -102,8 +102,8 @@ def quantize_gguf(src: str | Path, dst: str | Path, ftype: str, *,
         GGUFError: src missing, unreadable or malformed (from the validator).
         LocalLLMError: dst cannot be written (nothing is left behind).
     """
-    from ..gguf_file import open_gguf
-    from ..gguf_validate import validate_gguf
+    from ..gguf.file import open_gguf
+    from ..gguf.validate import validate_gguf
 
     ftype = parse_file_type(ftype)
     src, dst = Path(src), Path(dst)

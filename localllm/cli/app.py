@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from .errors import LocalLLMError, ParameterError
+from ..errors import LocalLLMError, ParameterError
 
 app = typer.Typer(
     add_completion=False,
@@ -68,7 +68,7 @@ def print_model_summary(llm) -> None:
     if llm.device.type == "cuda":
         import torch
 
-        from .graphs import GRAPHS_ENV, graphs_enabled
+        from ..runtime.graphs import GRAPHS_ENV, graphs_enabled
 
         _err("decode: static shapes, " + ("CUDA graphs" if graphs_enabled(llm.device)
                                            else f"no CUDA graphs ({GRAPHS_ENV}=0)"))
@@ -130,21 +130,21 @@ def _run(
         raise ParameterError("--system applies the chat template: use it with --chat")
     text = read_prompt(prompt, file)
 
-    from .api import LLM
+    from ..api import LLM
 
     llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None)
     params = llm.sampling_params(**(sampling.overrides if sampling is not None else {}))
     if verbose:
         print_model_summary(llm)
     if chat:
-        from .chat_template import apply_chat
+        from ..chat.template import apply_chat
 
         ids = apply_chat(llm, text, system=system, template=chat_template)
     else:
         ids = llm.encode_prompt(text, special=special)
     constraint = None
     if grammar or grammar_file or json_mode or json_schema:
-        from .grammar import constraint_from_cli
+        from ..grammar.constraint import constraint_from_cli
 
         constraint = constraint_from_cli(grammar, grammar_file, json_mode, json_schema, llm.tokenizer)
     json_out = json_mode or json_schema is not None
@@ -208,7 +208,7 @@ def print_trace(tokenizer, trace) -> None:
 
 def _attach_sampling(func):
     try:
-        from .cli_sampling import sampling_options
+        from .sampling import sampling_options
     except ImportError:  # the sampling flags module is optional while it is being written
         return func
     return sampling_options(func)
@@ -238,9 +238,9 @@ def tokenize(
     if text is None:  # one argument: it is the text, for the default model
         model, text = None, model
     text = read_prompt(text, None) if text != "" else ""
-    from .gguf_file import open_gguf
-    from .registry import load_registry
-    from .tokenizer import Tokenizer
+    from ..gguf.file import open_gguf
+    from ..registry import load_registry
+    from ..tokenizer import Tokenizer
 
     path, _ = load_registry().resolve(model)
     tok = Tokenizer(open_gguf(path).metadata)  # no weights needed
@@ -258,7 +258,7 @@ def models() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .registry import load_registry
+    from ..registry import load_registry
 
     reg = load_registry()
     table = Table("name", "source", "status", "notes")
@@ -288,7 +288,7 @@ def bench(
         "--json", help="print the figures as one JSON line")] = False,
 ) -> None:
     """Prefill (pp) and decode (tg) speed, time to first token, peak memory and bandwidth."""
-    from .bench import run_bench
+    from ..eval.bench import run_bench
 
     run_bench(model, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions, device=device,
               synthetic=synthetic, quant=quant, threads=threads, peak_bandwidth=peak_bandwidth,
@@ -296,10 +296,10 @@ def bench(
 
 
 # --- commands registered by other modules ---
-app.command("chat")(_attach_sampling(__import__("localllm.repl", fromlist=["_"]).chat_command))
+app.command("chat")(_attach_sampling(__import__("localllm.cli.repl", fromlist=["_"]).chat_command))
 app.command("quantize", no_args_is_help=True)(
-    __import__("localllm.quantize.command", fromlist=["_"]).quantize_command)
-app.command("perplexity")(__import__("localllm.ppl_command", fromlist=["_"]).perplexity_command)
+    __import__("localllm.cli.quantize", fromlist=["_"]).quantize_command)
+app.command("perplexity")(__import__("localllm.cli.perplexity", fromlist=["_"]).perplexity_command)
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ grammar forbids to -inf, :meth:`~GrammarConstraint.accept` advances the matcher.
 masks come from llguidance (Moskal et al., https://github.com/guidance-ai/llguidance), an
 Earley parser over a lazily built lexer DFA that walks the vocabulary trie; llama.cpp uses
 the same library with ``-DLLAMA_LLGUIDANCE=ON``. GBNF is parsed and checked by our own
-:mod:`localllm.gbnf` first, so that errors carry ``file:line:col``.
+:mod:`localllm.grammar.gbnf` first, so that errors carry ``file:line:col``.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import llguidance
 import numpy as np
 import torch
 
-from .errors import GrammarError, LocalLLMError, ParameterError
+from ..errors import GrammarError, LocalLLMError, ParameterError
+from ..tokenizer import USER_DEFINED
 from .gbnf import gbnf_to_lark
-from .tokenizer import USER_DEFINED
 
 GRAMMARS_DIR = Path(__file__).resolve().parents[1] / "grammars"
 
@@ -174,7 +174,7 @@ class GrammarConstraint:
         """Compile GBNF ``text`` (llama.cpp's grammar format).
 
         Raises:
-            GrammarError: ``source:line:col: message`` (see :mod:`localllm.gbnf`).
+            GrammarError: ``source:line:col: message`` (see :mod:`localllm.grammar.gbnf`).
         """
 
         def token_id(piece: str) -> int | None:

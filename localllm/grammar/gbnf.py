@@ -28,7 +28,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .errors import GrammarError
+from ..errors import GrammarError
 
 MAX_NESTING = 64  # parenthesised groups inside one another
 MAX_REPEAT = 10_000  # largest m or n in {m,n}

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ParameterError
+from ..errors import ParameterError
 
 TG_PROMPT = 8  # tokens evaluated before the timed generation
 
@@ -157,11 +157,11 @@ def llama_cpp_figures(path: Path, prompt: list[int], n_gen: int, repetitions: in
 
 # ---- bytes per token ----------------------------------------------------------------------
 def weight_bytes_per_token(loaded) -> int:
-    """Bytes of weights a decode step reads from a :class:`~localllm.runtime.LoadedModel`:
+    """Bytes of weights a decode step reads from a :class:`~localllm.runtime.session.LoadedModel`:
     every tensor as the runtime stores it (quantized blocks on the Triton backend, except
     the tensors it had to dequantize; float16 matrices on the torch backend), without the
     input embedding table unless it is also the output projection (one row of it is read)."""
-    from .resources import stored_bytes
+    from ..runtime.resources import stored_bytes
 
     quantized = getattr(loaded, "backend", "torch") == "triton"
     dequantized = {f.split(" ")[0] for f in getattr(loaded, "fallbacks", None) or ()}
@@ -173,9 +173,9 @@ def weight_bytes_per_token(loaded) -> int:
 
 def kv_bytes_per_token(args, start: int, n_gen: int, ring_slack: int, device="cpu") -> int:
     """Mean KV-cache bytes a decode step reads over positions ``start .. start+n_gen-1``
-    (K and V of :func:`localllm.cache.kv_dtype` on ``device``: float32 on the CPU, float16
+    (K and V of :func:`localllm.models.cache.kv_dtype` on ``device``: float32 on the CPU, float16
     on CUDA; sliding-window layers read their ring of window + slack cells)."""
-    from .resources import kv_cell_bytes
+    from ..runtime.resources import kv_cell_bytes
 
     window = getattr(args, "sliding_window", None)
     is_sliding = getattr(args, "is_sliding", lambda layer: True)
@@ -212,7 +212,7 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
 
     Args:
         model: models.toml name or .gguf path (ignored with ``synthetic``).
-        synthetic: a geometry of :mod:`localllm.synthetic` (``llama3-8b`` ...): bench a
+        synthetic: a geometry of :mod:`localllm.models.synthetic` (``llama3-8b`` ...): bench a
             random-weights file of that shape, quantized with recipe ``quant``.
         threads: torch (and llama.cpp) CPU threads (default: torch's current setting).
         peak_bandwidth: the device's peak memory bandwidth in GB/s (default: looked up by
@@ -221,8 +221,8 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
         ParameterError: a count or bandwidth out of range, an unknown synthetic name or quant.
         LocalLLMError: model loading errors (see :class:`localllm.LLM`).
     """
-    from .api import LLM
-    from .runtime import RING_SLACK
+    from ..api import LLM
+    from ..models.cache import RING_SLACK
 
     if n_prompt < TG_PROMPT or n_gen < 1 or repetitions < 1:
         raise ParameterError(f"--n-prompt must be >= {TG_PROMPT}, --n-gen and --repetitions "
@@ -234,7 +234,7 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
             raise ParameterError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     if synthetic is not None:
-        from .synthetic import synthetic_model
+        from ..models.synthetic import synthetic_model
 
         model = synthetic_model(synthetic, quant)
     ctx_size = max(n_prompt, TG_PROMPT + n_gen) + 8

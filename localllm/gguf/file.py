@@ -1,6 +1,6 @@
 """Opening GGUF files: validated header, metadata dict, memory-mapped tensor views.
 
-The file is first checked by :func:`localllm.gguf_validate.validate_gguf`, a bounds-checked
+The file is first checked by :func:`localllm.gguf.validate.validate_gguf`, a bounds-checked
 parser of the header, metadata and tensor table (see the GGUF spec in llama.cpp's
 ``docs/gguf.md`` / ggml's ``gguf.cpp``), so that nothing else reads an unchecked count or
 offset. Tensor data is then viewed through one read-only ``numpy.memmap`` of the file:
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from .errors import GGUFError
-from .gguf_validate import validate_gguf
+from ..errors import GGUFError
+from .validate import validate_gguf
 
 
 @dataclass(frozen=True)

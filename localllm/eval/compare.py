@@ -2,7 +2,7 @@
 
 Every model scores the same text with llama-perplexity's method; the first is the reference
 for ΔPPL, KL divergence and same-top-1 (its top-k distributions are kept in memory, see
-:mod:`localllm.kld`). Decode speed is measured with a short greedy generation. Output: a rich
+:mod:`localllm.eval.kld`). Decode speed is measured with a short greedy generation. Output: a rich
 table on stdout and a PNG plot of PPL against bits per weight (needs matplotlib, the ``plot``
 extra; without it a one-line notice is printed instead).
 """
@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..atomic import atomic_output
+from ..errors import LocalLLMError
 from . import kld as K
-from .atomic import atomic_output
-from .errors import LocalLLMError
 
 DECODE_TOKENS = 32
 
@@ -69,9 +69,9 @@ def run_compare(models: list[str], text: str, *, n_ctx: int, batch_size: int, ma
         LocalLLMError: a model's vocabulary differs from the first's; the text is shorter
             than 2 x n_ctx tokens.
     """
-    from .gguf_file import open_gguf
-    from .ppl_command import _load, evaluate
-    from .registry import load_registry
+    from ..gguf.file import open_gguf
+    from ..registry import load_registry
+    from .perplexity import evaluate, load_for_eval
 
     vocabs = [K.vocab_fingerprint(open_gguf(load_registry().resolve(m)[0]).metadata.get(
         "tokenizer.ggml.tokens", [])) for m in models]  # headers only: fail before any work
@@ -84,7 +84,7 @@ def run_compare(models: list[str], text: str, *, n_ctx: int, batch_size: int, ma
     base_ppl = None
     tokens = None
     for i, model in enumerate(models):
-        llm = _load(model, device, n_ctx, batch_size)
+        llm = load_for_eval(model, device, n_ctx, batch_size)
         if tokens is None:
             tokens = llm.tokenize(text, add_bos=True)
         ev = evaluate(llm, tokens, n_ctx, max_chunks=max_chunks, batch_size=batch_size,

@@ -4,14 +4,14 @@
 model that cannot fit is refused in a fraction of a second with both figures, instead of
 being killed by the OOM killer (CPU) or failing half-way with a CUDA out-of-memory error.
 
-What a load stores (see ``localllm.models.common.Weights`` and ``localllm.cache``):
+What a load stores (see ``localllm.models.common.Weights`` and ``localllm.models.cache``):
 
 * weights of the torch backend: matrices dequantized to ``dtype`` (float16: 2 bytes per
   weight), vectors (norms, biases) as float32; of the quantized (Triton) backend, the
   default on CUDA: the tensors' bytes as in the file (the kernels read blocks directly);
   on CUDA plus ``CUDA_WORKSPACE`` bytes for activations;
 * the KV cache at ``--ctx-size``: per layer 2 (K and V) x n_kv_heads x head_dim x cells x
-  4 bytes (float32; 2 on CUDA, float16, see ``localllm.cache.kv_dtype``), where a sliding-window layer holds ``window + RING_SLACK`` cells when
+  4 bytes (float32; 2 on CUDA, float16, see ``localllm.models.cache.kv_dtype``), where a sliding-window layer holds ``window + RING_SLACK`` cells when
   that is less than the context (llama.cpp's SWA cache does the same).
 
 Setting ``LOCALLLM_SKIP_MEMORY_CHECK=1`` disables the check.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import LocalLLMError
+from ..errors import LocalLLMError
 
 SKIP_ENV = "LOCALLLM_SKIP_MEMORY_CHECK"
 CUDA_WORKSPACE = 256 * 2**20  # activations, logits and allocator slack on the GPU (bytes)
@@ -67,7 +67,7 @@ def stored_bytes(info, quantized: bool, dtype: torch.dtype = torch.float16) -> i
 
 def kv_cell_bytes(args, device: torch.device | str = "cpu") -> int:
     """Bytes of one cache cell of one layer on ``device``: K and V of every KV head."""
-    from .cache import kv_dtype
+    from ..models.cache import kv_dtype
 
     return 2 * args.n_kv_heads * args.head_dim * kv_dtype(device).itemsize
 
@@ -80,7 +80,7 @@ def kv_cache_bytes(args, ctx_size: int, device: torch.device | str = "cpu") -> i
     sliding-window models, sliding_window with ``is_sliding(layer)`` when only some layers
     slide).
     """
-    from .runtime import RING_SLACK
+    from ..models.cache import RING_SLACK
 
     ctx = max(1, min(ctx_size, args.context_length))
     window = getattr(args, "sliding_window", None)

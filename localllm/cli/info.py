@@ -8,11 +8,11 @@ from collections import defaultdict
 from rich.console import Console
 from rich.table import Table
 
-from .gguf_file import open_gguf
-from .models import architecture
-from .quants import bits_per_weight
-from .registry import load_registry
-from .tokenizer import Tokenizer
+from ..gguf.file import open_gguf
+from ..gguf.quants import bits_per_weight
+from ..models import architecture
+from ..registry import load_registry
+from ..tokenizer import Tokenizer
 
 
 def print_info(model: str | None, console: Console | None = None) -> None:

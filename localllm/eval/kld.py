@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .atomic import atomic_output
-from .errors import LocalLLMError
+from ..atomic import atomic_output
+from ..errors import LocalLLMError
 
 FORMAT_VERSION = 1
 DEFAULT_TOP_K = 32

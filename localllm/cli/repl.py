@@ -23,10 +23,10 @@ from typing import Annotated
 
 import typer
 
-from .atomic import atomic_output
-from .chat_template import ChatTemplate, apply_chat, template_for
-from .errors import LocalLLMError, ParameterError
-from .stop import StopMatcher
+from ..atomic import atomic_output
+from ..chat.template import ChatTemplate, apply_chat, template_for
+from ..errors import LocalLLMError, ParameterError
+from ..runtime.stop import StopMatcher
 
 HELP = """\
 /help                 this help
@@ -85,7 +85,7 @@ class ChatREPL:
         template: the chat template (default: :func:`template_for` the model).
         params: SamplingParams (default: ``llm.sampling_params()``).
         make_sampler: ``params -> sampler`` with ``sample(logits) -> int`` and
-            ``accept(token)`` (default: :func:`localllm.sampling.build_sampler`).
+            ``accept(token)`` (default: :func:`localllm.sampling.chain.build_sampler`).
         system: system prompt.
         keep: messages lying within the first ``keep`` tokens of the conversation are never
             dropped by a context shift (the system prompt never is); -1 keeps them all.
@@ -121,7 +121,7 @@ class ChatREPL:
         self.template = template or template_for(llm)
         self.params = params if params is not None else llm.sampling_params()
         if make_sampler is None:
-            from .sampling import build_sampler
+            from ..sampling.chain import build_sampler
 
             def make_sampler(p):
                 return build_sampler(p, llm.tokenizer)
@@ -430,7 +430,7 @@ class ChatREPL:
             return None
         if ids is None:
             return None
-        from .tokenizer import StreamDecoder
+        from ..tokenizer import StreamDecoder
 
         tok = self.tokenizer
         sampler = self.make_sampler(self.params)
@@ -562,7 +562,7 @@ class ChatREPL:
 def _flag_fields() -> dict[str, str]:
     """CLI flag spelling (``repeat_penalty``) -> SamplingParams field (``penalty_repeat``)."""
     try:
-        from .sampling import FLAGS
+        from ..sampling.chain import FLAGS
     except ImportError:
         return {}
     return {flag.lstrip("-").replace("-", "_"): f for f, flag in FLAGS.items()}
@@ -624,7 +624,7 @@ def chat_command(
     """Chat with a model in the terminal (streaming, /help for commands)."""
     from rich.console import Console
 
-    from .api import LLM
+    from ..api import LLM
 
     llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, verbose=verbose)
     if sampling is None:

@@ -1,4 +1,4 @@
-"""The ``localllm quantize`` command (typer function registered in :mod:`localllm.cli`)."""
+"""The ``localllm quantize`` command (typer function registered in :mod:`localllm.cli.app`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .recipe import FILE_TYPES, parse_file_type
+from ..quantize.recipe import FILE_TYPES, parse_file_type
 
 
 def quantize_command(
@@ -28,7 +28,7 @@ def quantize_command(
         TimeRemainingColumn,
     )
 
-    from .convert import quantize_gguf
+    from ..quantize.convert import quantize_gguf
 
     ftype = parse_file_type(type)  # fail on a bad --type before touching any file
     console = Console(file=sys.stderr)

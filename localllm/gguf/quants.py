@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from .errors import UnsupportedError
+from ..errors import UnsupportedError
 
 QK_K = 256  # weights per K-quant super-block
 QK = 32  # weights per legacy (Q4_0 .. Q8_0) block

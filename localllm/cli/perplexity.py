@@ -4,7 +4,7 @@ Modes (flags follow llama-perplexity, ``tools/perplexity/perplexity.cpp``):
 
 - ``perplexity MODEL -f TEXT``: running estimate per chunk, then ``Final estimate: PPL = x +/- y``;
 - ``... --kl-divergence-base BASE.npz``: the same, and saves the model's next-token
-  distributions (:mod:`localllm.kld`) for later comparisons;
+  distributions (:mod:`localllm.eval.kld`) for later comparisons;
 - ``perplexity QMODEL --kl-divergence-base BASE.npz --kl-divergence``: the text's tokens and
   n_ctx come from the base file; prints PPL(Q) vs PPL(base), KLD, Δp and same-top-p sections;
 - ``perplexity -f TEXT --compare A.gguf B.gguf ...``: a table (size, bits per weight, PPL ± err,
@@ -13,90 +13,16 @@ Modes (flags follow llama-perplexity, ``tools/perplexity/perplexity.cpp``):
 
 from __future__ import annotations
 
-import math
 import sys
-import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 import numpy as np
-import torch
 import typer
 
-from . import kld as K
-from .errors import LocalLLMError
-from .perplexity import PerplexityResult, chunk_logits, chunk_token_ranges, nll_of, summarize
-
-
-@dataclass
-class Evaluation:
-    """One model over one text: PPL, and optionally its distributions or a comparison."""
-
-    result: PerplexityResult
-    running: list[float]
-    dists: list[K.ChunkDistributions] = field(default_factory=list)
-    comparisons: list[K.ChunkComparison] = field(default_factory=list)
-    seconds: float = 0.0
-
-
-@contextmanager
-def _progress(total: int, label: str):
-    """A rich progress bar with ETA on stderr (only drawn when stderr is a terminal)."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    console = Console(file=sys.stderr)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                  console=console, transient=True, disable=not console.is_terminal) as bar:
-        task = bar.add_task(label, total=total)
-
-        def update(i: int, ppl: float) -> None:
-            bar.update(task, completed=i, description=f"{label} [PPL {ppl:.4f}]")
-
-        yield update
-
-
-def evaluate(llm, tokens, n_ctx: int, *, max_chunks: int = -1, batch_size: int = 512,
-             keep_top_k: int = 0, base: list[K.ChunkDistributions] | None = None,
-             label: str = "perplexity", echo: bool = False) -> Evaluation:
-    """Score ``tokens`` in chunks (llama-perplexity's rules, see :mod:`localllm.perplexity`).
-
-    keep_top_k > 0 keeps the top-k distributions (for a base file or a comparison); ``base``
-    compares each chunk with the base's. ``echo`` prints the running estimate ``[i]ppl,``.
-    Raises LocalLLMError when the text is shorter than 2 * n_ctx tokens.
-    """
-    n_chunks = len(chunk_token_ranges(len(tokens), n_ctx, max_chunks))
-    ev = Evaluation(PerplexityResult(math.nan, math.nan, math.nan, 0, 0), [])
-    nlls: list[torch.Tensor] = []
-    t0 = time.perf_counter()
-    with _progress(n_chunks, label) as update:
-        for i, logits, targets in chunk_logits(llm, tokens, n_ctx, max_chunks=max_chunks,
-                                               batch_size=batch_size):
-            nlls.append(nll_of(logits, targets))
-            if keep_top_k:
-                ev.dists.append(K.distributions(logits, targets, keep_top_k))
-            if base is not None:
-                ev.comparisons.append(K.compare(logits, targets, base[i]))
-            running = math.exp(torch.cat(nlls).mean().item())
-            ev.running.append(running)
-            update(i + 1, running)
-            if echo:
-                print(f"[{i + 1}]{running:.4f},", end="", flush=True)
-    if echo:
-        print()
-    ev.seconds = time.perf_counter() - t0
-    ev.result = summarize(torch.cat(nlls), len(nlls))
-    return ev
+from ..errors import LocalLLMError
+from ..eval import kld as K
+from ..eval.perplexity import PerplexityResult, chunk_token_ranges, evaluate, load_for_eval
 
 
 def _read_text(file: Path | None) -> str:
@@ -106,12 +32,6 @@ def _read_text(file: Path | None) -> str:
         return Path(file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise LocalLLMError(f"-f {file}: cannot read: {e}") from None
-
-
-def _load(model, device: str, n_ctx: int, batch_size: int):
-    from .api import LLM
-
-    return LLM(model, device=device, ctx_size=n_ctx, batch_size=min(batch_size, n_ctx))
 
 
 def _vocab_of(llm) -> str:
@@ -147,7 +67,7 @@ def perplexity_command(
     """Perplexity of a text with llama-perplexity's method; KL divergence; quant comparison."""
     models = list(models or [])
     if compare:
-        from .ppl_compare import run_compare
+        from ..eval.compare import run_compare
 
         if len(models) < 2:
             raise LocalLLMError("--compare needs at least two models")
@@ -161,7 +81,7 @@ def perplexity_command(
         if kl_base is None:
             raise LocalLLMError("--kl-divergence needs --kl-divergence-base FILE")
         base = K.load_base(kl_base)
-        llm = _load(model, device, base.n_ctx, batch_size)
+        llm = load_for_eval(model, device, base.n_ctx, batch_size)
         if _vocab_of(llm) != base.vocab:
             raise LocalLLMError(f"{llm.path.name}: its vocabulary differs from the base model's "
                                 f"({base.model}) in {kl_base}")
@@ -176,7 +96,7 @@ def perplexity_command(
     if kl_top_k < 1:
         raise LocalLLMError(f"--kl-top-k {kl_top_k}: must be at least 1")
     text = _read_text(file)
-    llm = _load(model, device, ctx_size, batch_size)
+    llm = load_for_eval(model, device, ctx_size, batch_size)
     tokens = llm.tokenize(text, add_bos=True)
     n = len(chunk_token_ranges(len(tokens), ctx_size, chunks))
     print(f"perplexity: {len(tokens)} tokens, {n} chunks of {ctx_size}", file=sys.stderr)

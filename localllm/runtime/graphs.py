@@ -6,7 +6,7 @@ graph for the same reason). :class:`DecodeGraph` runs the model's one-token forw
 token and its position held in device tensors (``Model.forward`` with a tensor ``pos``), so
 every step has the same shapes and buffer addresses and reads nothing back to the host: the
 KV caches write through ``index_copy_`` at device-computed slots and mask by position (see
-:mod:`localllm.cache`). That step is captured once with ``torch.cuda.graph`` and then
+:mod:`localllm.models.cache`). That step is captured once with ``torch.cuda.graph`` and then
 replayed, one launch per token.
 
 On the CPU there is nothing to capture: the same static step runs eagerly, which is how the

@@ -3,7 +3,7 @@
 A session owns one KV cache per layer, preallocated to ``ctx_size``, and the list of tokens
 the cache holds. ``eval`` appends tokens: a prompt is prefilled in chunks of
 ``batch_size`` tokens (one forward each), a decode step is a one-token forward; on CUDA
-that step has static shapes and is replayed as a CUDA graph (:mod:`localllm.graphs`).
+that step has static shapes and is replayed as a CUDA graph (:mod:`localllm.runtime.graphs`).
 """
 
 from __future__ import annotations
@@ -17,18 +17,15 @@ from pathlib import Path
 
 import torch
 
-from .errors import ContextOverflowError, LocalLLMError
-from .gguf_file import GGUFFile, open_gguf
-from .gguf_validate import validate_vocab
+from ..errors import ContextOverflowError, LocalLLMError
+from ..gguf.file import GGUFFile, open_gguf
+from ..gguf.validate import validate_vocab
+from ..models import architecture
+from ..models.cache import RING_SLACK
+from ..models.common import Weights
+from ..tokenizer import Tokenizer
 from .graphs import DecodeGraph
-from .models import architecture
-from .models.common import Weights
 from .resources import check_memory
-from .tokenizer import Tokenizer
-
-# Extra cells kept by sliding-window caches so that a rollback of up to this many tokens
-# (a chat turn re-rendered by its template) needs no recomputation.
-RING_SLACK = 256
 
 
 def resolve_device(device: str) -> torch.device:
@@ -83,7 +80,7 @@ def load_model(
     Raises:
         GGUFError, UnsupportedError: the file is malformed or uses something unsupported.
         LocalLLMError: the weights and KV cache do not fit in the device's free memory
-            (:func:`localllm.resources.check_memory`), raised before any weight is read.
+            (:func:`localllm.runtime.resources.check_memory`), raised before any weight is read.
     """
     t0 = time.perf_counter()
     gguf = open_gguf(path)
@@ -108,7 +105,7 @@ def _use_quantized(backend: str, device: torch.device) -> bool:
         raise LocalLLMError(f"backend must be auto, torch or triton, got {backend!r}")
     if backend == "torch":
         return False
-    from .kernels import triton_available
+    from ..kernels import triton_available
 
     if not triton_available():
         if backend == "triton" or device.type == "cuda":

@@ -8,7 +8,7 @@
 
 or, with ``mirostat`` 1 or 2, logit bias -> temperature -> mirostat. ``temp`` <= 0 makes the
 temperature step keep only the largest logit, i.e. greedy decoding after the steps before it.
-The steps themselves live in :mod:`localllm.samplers`.
+The steps themselves live in :mod:`localllm.sampling.samplers`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from ..errors import ParameterError, UnsupportedError
 from . import samplers as S
-from .errors import ParameterError, UnsupportedError
+from .device import plan_device_chain
+from .trace import TokenTrace
 
 # llama.cpp's sampler names (common_sampler_type_from_name), their aliases and one-letter codes.
 SAMPLER_NAMES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
@@ -223,25 +225,6 @@ class SamplingParams:
                     f"--logit-bias: bias of token {tok} must be finite or -inf, got +inf")
 
 
-@dataclass
-class TokenTrace:
-    """What one sampling step did (``--logprobs N``).
-
-    Attributes:
-        token: the chosen token id.
-        logprob: its natural-log probability under the raw model distribution (None unless
-            ``n_probs`` > 0).
-        processed_logprob: its log probability in the distribution it was drawn from (after the
-            chain; 0.0 for greedy).
-        top: the N most probable tokens of the raw distribution, as (token, logprob), best first.
-    """
-
-    token: int
-    logprob: float | None
-    processed_logprob: float
-    top: list[tuple[int, float]]
-
-
 class SamplerChain:
     """A built chain: :meth:`sample` picks a token from logits, :meth:`accept` records it.
 
@@ -257,7 +240,6 @@ class SamplerChain:
         self.seed = rng.seed
         self.constraint = constraint
         self.last_trace: TokenTrace | None = None
-        from .device_sampling import plan_device_chain  # it imports TokenTrace from here
 
         # The same chain fused into fixed-shape tensor ops (one host read), when eligible;
         # None forces the step-by-step chain.

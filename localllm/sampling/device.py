@@ -14,7 +14,7 @@ where a host read is free and the step-by-step chain is faster, only the argmax 
 unless :attr:`DeviceChain.on_cpu` is set (the tests set it to check the top_k path).
 
 Exactness (same token as the step-by-step chain, same seed): every step applies the same torch
-op to the same values in the same order as :mod:`localllm.samplers` does:
+op to the same values in the same order as :mod:`localllm.sampling.samplers` does:
 
 - top_k is the same ``torch.topk(work, k, sorted=False)`` call, so the same ids in the same order;
 - the survivors that the reference compacts (``support[finite]``) are moved to the front of the
@@ -26,7 +26,7 @@ op to the same values in the same order as :mod:`localllm.samplers` does:
 - top_p's staged ``topk`` of the probabilities (256, 4096, all), its float32 cumsum and
   ``min_keep`` rule, min_p's float32 threshold and ``min_keep`` top-up, the division by the
   temperature, and dist's id order, float64 cumsum and right-sided ``searchsorted`` of
-  ``u * total`` are reproduced; ``u`` is :meth:`localllm.samplers.Uniform.draw_tensor`, the
+  ``u * total`` are reproduced; ``u`` is :meth:`localllm.sampling.samplers.Uniform.draw_tensor`, the
   draw ``Uniform.draw`` makes, kept as a tensor that is never read on the host.
 
 Known difference: ``torch.topk`` orders exactly equal values in a way that depends on the
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from . import samplers as S
-from .sampling import TokenTrace
+from .trace import TokenTrace
 
 NEG_INF = float("-inf")
 # Lengths up to which torch's CPU softmax takes another reduction path than for longer vectors
@@ -165,7 +165,7 @@ def _compact(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _top_p_keep(probs: torch.Tensor, p: float, min_keep: int) -> torch.Tensor:
     """TopP's kept positions of ``probs`` (K,): the staged partial sorts of
-    :class:`localllm.samplers.TopP` (256, 4096, all), each stage used if its cumulative mass
+    :class:`localllm.sampling.samplers.TopP` (256, 4096, all), each stage used if its cumulative mass
     reaches ``p`` (at index >= min_keep - 1), else the next; the last keeps all on no hit."""
     size = probs.numel()
     stages = [min(256, size)]

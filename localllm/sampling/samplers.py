@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .errors import LocalLLMError
+from ..errors import LocalLLMError
 
 NEG_INF = float("-inf")
 Support = torch.Tensor | None

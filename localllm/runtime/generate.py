@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .runtime import Session
+from ..tokenizer import StreamDecoder
+from .session import Session
 from .stop import StopMatcher
-from .tokenizer import StreamDecoder
 
 
 @dataclass
@@ -91,7 +91,7 @@ def generate_tokens(
     """Generate from ``prompt_ids``; yields one :class:`Step` per token.
 
     Args:
-        sampler: a :class:`localllm.sampling.SamplerChain` (``sample``, ``accept``,
+        sampler: a :class:`localllm.sampling.chain.SamplerChain` (``sample``, ``accept``,
             ``accept_prompt``, ``last_trace``).
         n_predict: most tokens to generate (-1 or -2: until the context is full).
         stop: strings that end generation; never included in the text.

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
-from .atomic import atomic_output
-from .errors import LocalLLMError, ParameterError
-from .tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED  # GGUF token types
+from ..atomic import atomic_output
+from ..errors import LocalLLMError, ParameterError
+from ..tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED  # GGUF token types
 
 Q = GGMLQuantizationType
 
@@ -111,7 +111,7 @@ def tensor_shapes(g: Geometry) -> list[tuple[str, tuple[int, ...]]]:
 
 def tensor_types(g: Geometry, quant: str) -> dict[str, GGMLQuantizationType]:
     """llama.cpp's type of every tensor for file type ``quant`` (e.g. ``"Q4_K_M"``)."""
-    from .quantize.recipe import parse_file_type, plan
+    from ..quantize.recipe import parse_file_type, plan
 
     ftype = parse_file_type(quant)
     tensors = [(n, s, Q.F16 if len(s) > 1 else Q.F32) for n, s in tensor_shapes(g)]
@@ -251,7 +251,7 @@ def _unit_std(qtype: GGMLQuantizationType) -> float:
     if qtype not in _UNIT_STD:
         import torch
 
-        from .quants import dequantize
+        from ..gguf.quants import dequantize
 
         block = GGML_QUANT_SIZES[qtype][0]
         raw = _random_blocks(qtype, 512, 1.0, np.random.default_rng(1))
@@ -302,7 +302,7 @@ def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: i
         ParameterError: unknown quant type.
         LocalLLMError: the file cannot be written.
     """
-    from .quantize.recipe import FILE_TYPES
+    from ..quantize.recipe import FILE_TYPES
 
     path = Path(path)
     quant = quant.upper()
@@ -367,7 +367,7 @@ def synthetic_model(name: str, quant: str = "Q4_K_M", *, cache_dir: str | Path |
     Raises:
         ParameterError: unknown geometry name or quant type (naming ``--synthetic``/``--quant``).
     """
-    from .quantize.recipe import parse_file_type
+    from ..quantize.recipe import parse_file_type
 
     if name not in GEOMETRIES:
         raise ParameterError(f"--synthetic {name}: unknown geometry "

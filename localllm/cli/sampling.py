@@ -2,7 +2,7 @@
 
 ``@sampling_options`` appends llama.cpp's sampling flags (--temp, --top-k, ... --logprobs) to a
 typer command's signature and hands the command one ``sampling`` argument: a
-:class:`~localllm.sampling.SamplingParams` built from the defaults and the flags the user gave,
+:class:`~localllm.sampling.chain.SamplingParams` built from the defaults and the flags the user gave,
 whose ``overrides`` attribute holds only those flags (field name -> value), so that they can be
 laid over a model's own defaults from models.toml.
 """
@@ -19,8 +19,8 @@ from typing import Annotated, Any
 
 import typer
 
-from .errors import ParameterError
-from .sampling import SamplingParams, parse_samplers, parse_sampling_seq
+from ..errors import ParameterError
+from ..sampling.chain import SamplingParams, parse_samplers, parse_sampling_seq
 
 _PANEL = "Sampling"
 

@@ -45,8 +45,8 @@ from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from jinja2.utils import Namespace
 
-from .chat_builtin import BUILTIN_TEMPLATES, guess_builtin
-from .errors import LocalLLMError, TemplateError
+from ..errors import LocalLLMError, TemplateError
+from .builtin import BUILTIN_TEMPLATES, guess_builtin
 
 MAX_OUTPUT_CHARS = 4_000_000  # far above any context window's worth of text
 MAX_RENDER_SECONDS = 5.0
@@ -581,7 +581,7 @@ def select_template(metadata: dict, override: str | None = None) -> ChatTemplate
             (gemma, llama3, chatml, mistral, llama2, phi3), the NAME of a metadata variant
             ``tokenizer.chat_template.NAME``, a template file, or Jinja text itself.
             Without it: the metadata's ``tokenizer.chat_template``, else the built-in that
-            :func:`localllm.chat_builtin.guess_builtin` picks.
+            :func:`localllm.chat.builtin.guess_builtin` picks.
     Raises:
         TemplateError: an unknown name or missing file, or a template with a syntax error.
     """

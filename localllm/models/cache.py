@@ -28,6 +28,10 @@ from __future__ import annotations
 
 import torch
 
+# Extra cells kept by sliding-window caches so that a rollback of up to this many tokens
+# (a chat turn re-rendered by its template) needs no recomputation.
+RING_SLACK = 256
+
 
 def kv_dtype(device) -> torch.dtype:
     """The KV cache element type on ``device``: float16 on CUDA, float32 elsewhere."""

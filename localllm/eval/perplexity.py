@@ -10,12 +10,16 @@ mean NLL propagated through exp.
 from __future__ import annotations
 
 import math
+import sys
+import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
-from .errors import LocalLLMError
+from ..errors import LocalLLMError
+from . import kld as K
 
 
 @dataclass
@@ -110,3 +114,78 @@ def perplexity(llm, text: str, *, n_ctx: int = 512, max_chunks: int = -1,
     nlls = [nll for _, nll in perplexity_chunks(llm, tokens, n_ctx, max_chunks=max_chunks,
                                                 batch_size=batch_size)]
     return summarize(torch.cat(nlls), len(nlls))
+
+
+@dataclass
+class Evaluation:
+    """One model over one text: PPL, and optionally its distributions or a comparison."""
+
+    result: PerplexityResult
+    running: list[float]
+    dists: list[K.ChunkDistributions] = field(default_factory=list)
+    comparisons: list[K.ChunkComparison] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@contextmanager
+def _progress(total: int, label: str):
+    """A rich progress bar with ETA on stderr (only drawn when stderr is a terminal)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    console = Console(file=sys.stderr)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                  console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task(label, total=total)
+
+        def update(i: int, ppl: float) -> None:
+            bar.update(task, completed=i, description=f"{label} [PPL {ppl:.4f}]")
+
+        yield update
+
+
+def evaluate(llm, tokens, n_ctx: int, *, max_chunks: int = -1, batch_size: int = 512,
+             keep_top_k: int = 0, base: list[K.ChunkDistributions] | None = None,
+             label: str = "perplexity", echo: bool = False) -> Evaluation:
+    """Score ``tokens`` in chunks (llama-perplexity's rules, see :mod:`localllm.eval.perplexity`).
+
+    keep_top_k > 0 keeps the top-k distributions (for a base file or a comparison); ``base``
+    compares each chunk with the base's. ``echo`` prints the running estimate ``[i]ppl,``.
+    Raises LocalLLMError when the text is shorter than 2 * n_ctx tokens.
+    """
+    n_chunks = len(chunk_token_ranges(len(tokens), n_ctx, max_chunks))
+    ev = Evaluation(PerplexityResult(math.nan, math.nan, math.nan, 0, 0), [])
+    nlls: list[torch.Tensor] = []
+    t0 = time.perf_counter()
+    with _progress(n_chunks, label) as update:
+        for i, logits, targets in chunk_logits(llm, tokens, n_ctx, max_chunks=max_chunks,
+                                               batch_size=batch_size):
+            nlls.append(nll_of(logits, targets))
+            if keep_top_k:
+                ev.dists.append(K.distributions(logits, targets, keep_top_k))
+            if base is not None:
+                ev.comparisons.append(K.compare(logits, targets, base[i]))
+            running = math.exp(torch.cat(nlls).mean().item())
+            ev.running.append(running)
+            update(i + 1, running)
+            if echo:
+                print(f"[{i + 1}]{running:.4f},", end="", flush=True)
+    if echo:
+        print()
+    ev.seconds = time.perf_counter() - t0
+    ev.result = summarize(torch.cat(nlls), len(nlls))
+    return ev
+
+
+def load_for_eval(model, device: str, n_ctx: int, batch_size: int):
+    from ..api import LLM  # the API imports the runtime: only when a model is loaded
+
+    return LLM(model, device=device, ctx_size=n_ctx, batch_size=min(batch_size, n_ctx))

@@ -5,7 +5,7 @@
 #
 # Expects: torch + triton installed; the wheels the machine lacks in .whl/ (optional);
 # the default model's GGUF at $LOCALLLM_TEST_MODEL (optional: the slow reference tests
-# need it); llama.cpp's reference outputs at $LOCALLLM_REFERENCE_DIR (optional).
+# need it); llama.cpp's reference outputs from tests/data/reference (or $LOCALLLM_REFERENCE_DIR).
 set -uo pipefail
 OUT=${OUT:-./gpu-results}
 mkdir -p "$OUT"

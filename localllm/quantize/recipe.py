@@ -14,9 +14,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+from gguf import GGMLQuantizationType, LlamaFileType
 
 from ..errors import ParameterError, UnsupportedError
+from ..gguf.quants import block_format
 
 Q = GGMLQuantizationType
 F = LlamaFileType
@@ -131,7 +132,7 @@ def _tensor_type(ftype: str, default: GGMLQuantizationType, name: str, cat: str,
     new = default
     falcon = ms.arch == "falcon"
     if cat == "output" or (tied and cat == "token_embd"):
-        block = GGML_QUANT_SIZES[default][0]
+        block = block_format(default).block_size
         if falcon or ncols % block:
             return Q.Q8_0
         return Q.Q6_K if default != Q.Q8_0 else Q.Q8_0
@@ -199,14 +200,14 @@ def fallback(qtype: GGMLQuantizationType, ncols: int) -> GGMLQuantizationType:
     Raises:
         UnsupportedError: a 32-block type that does not fit (llama.cpp has no fallback).
     """
-    block = GGML_QUANT_SIZES[qtype][0]
+    block = block_format(qtype).block_size
     if ncols % block == 0:
         return qtype
     if qtype not in _FALLBACK:
         raise UnsupportedError(f"rows of {ncols} values cannot be stored as {qtype.name} "
                                f"(needs a multiple of {block})")
     new = _FALLBACK[qtype]
-    return new if ncols % GGML_QUANT_SIZES[new][0] == 0 else Q.F16
+    return new if ncols % block_format(new).block_size == 0 else Q.F16
 
 
 def plan(tensors: list[tuple[str, tuple[int, ...], GGMLQuantizationType]], metadata: dict,

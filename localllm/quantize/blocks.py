@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 
 from ..errors import UnsupportedError
 from ..gguf.quants import block_format, dequantize, row_bytes  # noqa: F401 (re-exported)
-from . import kquants, legacy
+from . import iquants, kquants, legacy
 
 Q = GGMLQuantizationType
 
@@ -33,12 +33,16 @@ BLOCK_QUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], np.ndarray
     Q.Q4_K: kquants.quantize_q4_k,
     Q.Q5_K: kquants.quantize_q5_k,
     Q.Q6_K: kquants.quantize_q6_k,
+    Q.IQ4_NL: iquants.quantize_iq4_nl,
+    Q.IQ4_XS: iquants.quantize_iq4_xs,
 }
 
 # Chunks small enough to stay in cache; Q3_K's refinement loops over positions with vectors of
 # n/16 values, so it gets bigger chunks to amortize the per-operation overhead.
 CHUNK_ELEMENTS = 1 << 18
 CHUNK_ELEMENTS_Q3K = 1 << 20
+# IQ4_NL/IQ4_XS try 16 scales at once: a chunk's temporaries are 16x its size.
+CHUNK_ELEMENTS_IQ4 = 1 << 16
 
 
 def quantize_rows(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -64,7 +68,8 @@ def quantize_rows(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
         raise UnsupportedError(f"{qtype.name} needs rows that are a multiple of {block} values, "
                                f"got {cols}")
     out = np.empty((rows, cols // block * size), dtype=np.uint8)
-    limit = CHUNK_ELEMENTS_Q3K if qtype == Q.Q3_K else CHUNK_ELEMENTS
+    limit = {Q.Q3_K: CHUNK_ELEMENTS_Q3K, Q.IQ4_NL: CHUNK_ELEMENTS_IQ4,
+             Q.IQ4_XS: CHUNK_ELEMENTS_IQ4}.get(qtype, CHUNK_ELEMENTS)
     step = max(1, limit // cols)
 
     def work(r0: int) -> None:

@@ -38,8 +38,9 @@ FFN_DIM = 640
 SEED = 1234
 
 FILE_TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M",
-              "Q3_K_S", "Q2_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
-BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+              "Q3_K_S", "Q2_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"]
+BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+               "IQ4_NL", "IQ4_XS"]
 
 
 def _weights(rng: np.random.Generator, rows: int, cols: int, scale: float) -> np.ndarray:

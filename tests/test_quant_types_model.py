@@ -112,3 +112,12 @@ def test_info_reports_new_types(tmp_path, monkeypatch, capsys):
     n_matrices = 2 + 7 * DIMS["n_layers"]  # token_embd, output, 7 per layer
     assert row[1] == str(n_matrices)
     assert row[-1] == f"{bits_per_weight(T.IQ4_XS):.2f}" == "4.25"
+
+
+def test_info_describes_a_type_without_dequantizer(tmp_path, monkeypatch, capsys):
+    """Q8_K has a geometry but no dequantizer: info describes the file, run refuses it."""
+    path = write_tiny_gguf(tmp_path / "q8k.gguf", "llama", qtype=T.Q8_K, **DIMS)
+    code, out, err = run_cli(monkeypatch, capsys, "info", str(path))
+    assert code == 0, err
+    rows = [line.replace("│", " ").split() for line in out.splitlines()]
+    assert next(r for r in rows if r[:1] == ["Q8_K"])[-1] == "9.12"

@@ -21,7 +21,8 @@ from localllm.runtime.session import Session, load_model
 WEIGHT_STD = 0.05  # typical magnitude of a matrix entry in the test model
 
 # Shapes where every row is a multiple of 256 (the super-block of IQ4_XS and the lattices).
-DIMS = dict(d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512, n_layers=2)
+DIMS = {"d_model": 256, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "ffn_dim": 512,
+        "n_layers": 2}
 
 
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
@@ -90,7 +91,7 @@ TYPES = [T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.IQ2_XXS, T.IQ3_S]
 def test_model_runs_and_matches_dequantized_float_model(tmp_path, qtype):
     quant_path, ref_path = write_pair(tmp_path, qtype)
     assert gguf.GGUFReader(quant_path).get_tensor(1).tensor_type in (qtype, T.F32)
-    kw = dict(device="cpu", progress=False, dtype=torch.float32)
+    kw = {"device": "cpu", "progress": False, "dtype": torch.float32}
     quant, ref = load_model(quant_path, **kw), load_model(ref_path, **kw)
     ids = torch.randint(4, quant.tokenizer.n_vocab, (12,),
                         generator=torch.Generator().manual_seed(1)).tolist()
@@ -121,3 +122,25 @@ def test_info_describes_a_type_without_dequantizer(tmp_path, monkeypatch, capsys
     assert code == 0, err
     rows = [line.replace("│", " ").split() for line in out.splitlines()]
     assert next(r for r in rows if r[:1] == ["Q8_K"])[-1] == "9.12"
+
+
+def test_quantize_cli_then_run(tmp_path, monkeypatch, capsys):
+    """``localllm quantize --type IQ4_NL/IQ4_XS`` writes files that load and run; their
+    weights (dequantized by gguf-py) are closer to the originals than Q4_0's."""
+    src = write_tiny_gguf(tmp_path / "f16.gguf", "llama", qtype=T.F16, **DIMS)
+    orig = {t.name: gguf_dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(src).tensors}
+    ids = list(range(270, 282))
+    rmse = {}
+    for ftype in ["Q4_0", "IQ4_NL", "IQ4_XS"]:
+        dst = tmp_path / f"{ftype}.gguf"
+        code, _, stderr = run_cli(monkeypatch, capsys, "quantize", str(src), str(dst),
+                                  "--type", ftype)
+        assert code == 0, stderr
+        tensors = [t for t in gguf.GGUFReader(dst).tensors if t.tensor_type == T[ftype]]
+        assert len(tensors) >= 2 * DIMS["n_layers"]
+        sq = sum(float(((gguf_dequantize(t.data, t.tensor_type) - orig[t.name]) ** 2).sum())
+                 for t in tensors)
+        rmse[ftype] = (sq / sum(orig[t.name].size for t in tensors)) ** 0.5
+        logits = Session(load_model(dst, device="cpu", progress=False), ctx_size=32).eval(ids)
+        assert torch.isfinite(logits).all()
+    assert rmse["IQ4_NL"] < rmse["Q4_0"] and rmse["IQ4_XS"] < rmse["Q4_0"], rmse

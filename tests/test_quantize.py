@@ -165,6 +165,31 @@ def test_fallback_rule():
         recipe.fallback(Q.Q4_0, 100)
 
 
+def test_iq4_recipe_rules():
+    """llama-quant.cpp's IQ4_NL / IQ4_XS rules (the golden model has too few layers for the
+    ffn_down one): attn_v Q5_K when 4+ query heads share a KV head, the first eighth of
+    ffn_down Q5_K, the output Q6_K, IQ4_XS rows that do not fit 256-blocks IQ4_NL."""
+    def md(n_kv):
+        return {"general.architecture": "llama", "llama.block_count": 16,
+                "llama.attention.head_count": 32, "llama.attention.head_count_kv": n_kv}
+
+    tensors = [("token_embd.weight", (1000, 4096), Q.F16), ("output.weight", (1000, 4096), Q.F16)]
+    for i in range(16):
+        tensors += [(f"blk.{i}.attn_v.weight", (1024, 4096), Q.F16),
+                    (f"blk.{i}.attn_q.weight", (4096, 4096), Q.F16),
+                    (f"blk.{i}.ffn_down.weight", (4096, 11008), Q.F16),
+                    (f"blk.{i}.ffn_up.weight", (11008, 4096), Q.F16)]
+    for ftype, default in [("IQ4_XS", Q.IQ4_XS), ("IQ4_NL", Q.IQ4_NL)]:
+        types = recipe.plan(tensors, md(8), ftype)
+        assert types["output.weight"] == Q.Q6_K
+        assert types["token_embd.weight"] == types["blk.3.attn_q.weight"] == default
+        assert {types[f"blk.{i}.attn_v.weight"] for i in range(16)} == {Q.Q5_K}
+        assert [types[f"blk.{i}.ffn_down.weight"] for i in range(4)] == [Q.Q5_K] * 2 + [default] * 2
+        assert recipe.plan(tensors, md(32), ftype)["blk.0.attn_v.weight"] == default
+    assert recipe.fallback(Q.IQ4_XS, 640) == Q.IQ4_NL
+    assert recipe.fallback(Q.IQ4_XS, 100) == Q.F16
+
+
 def test_tied_embeddings_get_the_output_type(tiny_model_path, tmp_path):
     src = tiny_model_path("gemma3", d_model=256, n_heads=4, head_dim=64, ffn_dim=512)
     out = tmp_path / "q.gguf"

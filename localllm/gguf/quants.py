@@ -307,7 +307,7 @@ IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
 # kvalues_mxfp4: the e2m1 values times two (the scales below carry the factor 1/2).
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
-_IQ_GRIDS = {  # gguf-py class holding the grid -> (entries, weights per entry)
+_IQ_GRIDS = {  # type -> the gguf.quants class whose unpacked grid it uses
     T.IQ2_XXS: "IQ2_XXS",
     T.IQ2_XS: "IQ2_XS",
     T.IQ2_S: "IQ2_S",

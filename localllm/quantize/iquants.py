@@ -15,6 +15,8 @@ byte-compatible with ``gguf.quants.dequantize``.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -28,7 +30,7 @@ _VALUES = torch.tensor(IQ4NL_VALUES, dtype=torch.float32)
 # best_index_int8: level i is taken once 2x reaches the integer val[i-1] + val[i]. As the
 # midpoints are integers, the level is a function of floor(2x): a table over the integers
 # from just below the first midpoint to the last one.
-_MIDS = [a + b for a, b in zip(IQ4NL_VALUES, IQ4NL_VALUES[1:])]
+_MIDS = [a + b for a, b in itertools.pairwise(IQ4NL_VALUES)]
 _LO, _HI = _MIDS[0] - 1, _MIDS[-1]
 _LEVEL = torch.tensor([sum(m <= k for m in _MIDS) for k in range(_LO, _HI + 1)])
 _LEVEL_VALUE = _VALUES[_LEVEL]

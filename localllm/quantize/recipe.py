@@ -151,9 +151,7 @@ def _tensor_type(ftype: str, default: GGMLQuantizationType, name: str, cat: str,
             new = Q.Q4_K if ms.n_gqa >= 4 else Q.Q3_K
         elif ftype == "Q3_K_M":
             new = Q.Q5_K if i < 2 else Q.Q4_K
-        elif ftype == "Q3_K_L":
-            new = Q.Q5_K
-        elif ftype in _IQ4 and ms.n_gqa >= 4:
+        elif ftype == "Q3_K_L" or (ftype in _IQ4 and ms.n_gqa >= 4):
             new = Q.Q5_K
         elif ftype in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
             new = Q.Q6_K

@@ -226,7 +226,8 @@ _SCALE_LAYOUT: dict[GGMLQuantizationType, tuple[int, int | None, float]] = {
     Q.Q4_0: (0, None, 0.0), Q.Q5_0: (0, None, 0.0), Q.Q8_0: (0, None, 0.0),
     Q.Q4_1: (0, 2, -7.5), Q.Q5_1: (0, 2, -15.5),
     Q.Q2_K: (80, 82, 1.5), Q.Q3_K: (108, None, 0.0), Q.Q4_K: (0, 2, 7.5),
-    Q.Q5_K: (0, 2, 15.5), Q.Q6_K: (208, None, 0.0),
+    Q.Q5_K: (0, 2, 15.5), Q.Q6_K: (208, None, 0.0), Q.IQ4_NL: (0, None, 0.0),
+    Q.IQ4_XS: (0, None, 0.0),
 }
 _UNIT_STD: dict[GGMLQuantizationType, float] = {}
 

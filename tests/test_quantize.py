@@ -105,6 +105,38 @@ def test_block_quantization_error_close_to_llama_cpp(name):
         assert np.array_equal(ours, ref[f"{name}_bytes"])
 
 
+@pytest.mark.parametrize("name", ["IQ4_NL", "IQ4_XS"])
+def test_iq4_bytes_are_llama_cpp_bytes(name):
+    if not BLOCKS.exists():
+        pytest.skip("blocks.npz not recorded")
+    ref = np.load(BLOCKS)
+    ours = quantize_rows(ref["iq4_values"], Q[name])
+    theirs = ref[f"{name}_iq4_bytes"]
+    size = gguf.GGML_QUANT_SIZES[Q[name]][1]
+    differ = (ours.reshape(-1, size) != theirs.reshape(-1, size)).any(1)
+    assert not differ.any(), f"{differ.sum()} of {differ.size} blocks differ"
+
+
+def test_iq4_nearest_level_at_the_midpoints():
+    """best_index_int8: the nearest level, the upper one on a tie, exactly at the float
+    just below / at each midpoint."""
+    import torch
+
+    from localllm.gguf.quants import IQ4NL_VALUES
+    from localllm.quantize.iquants import best_index
+
+    v = np.array(IQ4NL_VALUES, dtype=np.float32)
+    mids = (v[:-1] + v[1:]) / 2
+    below = np.nextafter(mids, -np.inf, dtype=np.float32)
+    x = np.concatenate([mids, below, -mids, v, [-1e4, 1e4, 0.0, -0.0]]).astype(np.float32)
+    x = np.concatenate([x, np.random.default_rng(0).uniform(-150, 150, 1000).astype(np.float32)])
+    dist = np.abs(x[:, None].astype(np.float64) - v[None, :])
+    # nearest level; on a tie the upper one (the last index reaching the minimum)
+    want = v.size - 1 - np.argmin(dist[:, ::-1], axis=1)
+    got = best_index(torch.from_numpy(x)).numpy()
+    assert np.array_equal(got, want)
+
+
 def test_kquant_levels_fit_their_ranges():
     """Large and tiny magnitudes, mixed signs: dequantized values stay finite and close."""
     rng = np.random.default_rng(3)

@@ -37,8 +37,9 @@ _LEVEL_VALUE = _VALUES[_LEVEL]
 
 
 def _table_index(x2: torch.Tensor) -> torch.Tensor:
-    """Table row of each doubled value ``x2`` (overwritten): floor(x2) - _LO, clamped."""
-    return x2.clamp_(_LO, _HI).sub_(_LO).long()  # truncation is floor for x2 - _LO >= 0
+    """Table row of each doubled value ``x2`` (overwritten): floor(x2) - _LO, clamped.
+    (Floor first: x2 - _LO would round values just below a midpoint up to it.)"""
+    return x2.clamp_(_LO, _HI).floor_().sub_(_LO).long()
 
 
 def best_index(x: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ BLOCK_QUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], np.ndarray
 CHUNK_ELEMENTS = 1 << 18
 CHUNK_ELEMENTS_Q3K = 1 << 20
 # IQ4_NL/IQ4_XS try 16 scales at once: a chunk's temporaries are 16x its size.
-CHUNK_ELEMENTS_IQ4 = 1 << 16
+CHUNK_ELEMENTS_IQ4 = 1 << 17
 
 
 def quantize_rows(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:

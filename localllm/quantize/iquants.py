@@ -36,15 +36,16 @@ _LEVEL = torch.tensor([sum(m <= k for m in _MIDS) for k in range(_LO, _HI + 1)])
 _LEVEL_VALUE = _VALUES[_LEVEL]
 
 
-def _table_index(x2: torch.Tensor) -> torch.Tensor:
-    """Table row of each doubled value ``x2`` (overwritten): floor(x2) - _LO, clamped.
-    (Floor first: x2 - _LO would round values just below a midpoint up to it.)"""
-    return x2.clamp_(_LO, _HI).floor_().sub_(_LO).long()
+def _lookup(table: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """``table`` at row floor(x2) - _LO (clamped) for each doubled value ``x2`` (overwritten).
+    Floor comes first: x2 - _LO would round a value just below a midpoint up onto it."""
+    k = x2.clamp_(_LO, _HI).floor_().sub_(_LO).to(torch.int32)
+    return torch.index_select(table, 0, k.reshape(-1)).reshape(k.shape)  # faster than table[k]
 
 
 def best_index(x: torch.Tensor) -> torch.Tensor:
     """Index of the nearest IQ4_NL level to each value (ties to the upper level): int64."""
-    return _LEVEL[_table_index(x + x)]
+    return _lookup(_LEVEL, x + x)
 
 
 def _fit(xt: torch.Tensor, w: torch.Tensor, inv: torch.Tensor
@@ -53,7 +54,7 @@ def _fit(xt: torch.Tensor, w: torch.Tensor, inv: torch.Tensor
     ``sumqx += w*q*x`` and ``sumq2 += w*q*q``, accumulated in float32 position by position.
     xt, w: (32, n); inv: (c, n) -> sumqx, sumq2: (c, n)."""
     # 2 * (inv * x), exactly (a power-of-two factor), in one product
-    q = _LEVEL_VALUE[_table_index((inv + inv).unsqueeze(1) * xt)]  # (c, 32, n)
+    q = _lookup(_LEVEL_VALUE, (inv + inv).unsqueeze(1) * xt)  # (c, 32, n)
     wq = w * q
     a, b = wq * xt, wq * q
     sqx, sq2 = torch.zeros_like(inv), torch.zeros_like(inv)
@@ -78,12 +79,20 @@ def block_scales(x: torch.Tensor) -> torch.Tensor:
     inv = torch.cat([(1 / (-mx / IQ4NL_VALUES[0])).unsqueeze(0),
                      tries.unsqueeze(1) / mx.unsqueeze(0)])
     sqx, sq2 = _fit(xt, w, inv)
-    d = torch.where(sq2[0] > 0, sqx[0] / sq2[0], 0.0)
-    best = d * sqx[0]
+    # The C loop keeps candidate c when sumqx^2 > best * sumq2 with best = d * sumqx of the
+    # one kept so far (the first always, with d = 0 when sumq2 = 0). Everything but the
+    # running comparison is computed for all candidates at once.
+    ok = sq2 > 0
+    d_all = torch.where(ok, sqx / sq2, 0.0)
+    best_all = d_all * sqx
+    sqx2 = sqx * sqx
+    pick = torch.zeros(x.shape[0], dtype=torch.int64)
+    best = best_all[0]
     for c in range(1, inv.shape[0]):
-        better = (sq2[c] > 0) & (sqx[c] * sqx[c] > best * sq2[c])
-        d = torch.where(better, sqx[c] / sq2[c], d)
-        best = torch.where(better, d * sqx[c], best)
+        better = ok[c] & (sqx2[c] > best * sq2[c])
+        pick = torch.where(better, c, pick)
+        best = torch.where(better, best_all[c], best)
+    d = d_all.gather(0, pick.unsqueeze(0))[0]
     return torch.where(zero, 0.0, d)
 
 

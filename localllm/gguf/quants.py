@@ -363,6 +363,12 @@ def _sign_bits(b: torch.Tensor) -> torch.Tensor:
     return 1.0 - 2.0 * bits.float()
 
 
+def _rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``table[idx]`` (rows of a lookup table for integer indices of any shape), via
+    index_select: several times faster than advanced indexing on the CPU."""
+    return torch.index_select(table, 0, idx.reshape(-1)).reshape(*idx.shape, *table.shape[1:])
+
+
 def _u32(b: torch.Tensor) -> torch.Tensor:
     """Little-endian bytes (n, 4k) -> int64 (n, k) of their uint32 values."""
     b = b.long().reshape(b.shape[0], -1, 4)
@@ -386,7 +392,7 @@ def _deq_iq4_nl(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     d = _f16(b[:, 0:2])
     q = _nibbles(b[:, 2:], 16).reshape(n, QK).long()
-    return d * _codebook(IQ4NL_VALUES, b.device)[q]
+    return d * _rows(_codebook(IQ4NL_VALUES, b.device), q)
 
 
 def _deq_iq4_xs(b: torch.Tensor) -> torch.Tensor:
@@ -402,7 +408,7 @@ def _deq_iq4_xs(b: torch.Tensor) -> torch.Tensor:
     scales = ((lo | (hi << 4)).to(torch.int8) - 32).float()
     dl = (d * scales).reshape(n, 8, 1)
     q = _nibbles(b[:, 8:], 16).reshape(n, 8, 32).long()
-    return (dl * _codebook(IQ4NL_VALUES, b.device)[q]).reshape(n, QK_K)
+    return (dl * _rows(_codebook(IQ4NL_VALUES, b.device), q)).reshape(n, QK_K)
 
 
 def _deq_mxfp4(b: torch.Tensor) -> torch.Tensor:
@@ -415,7 +421,7 @@ def _deq_mxfp4(b: torch.Tensor) -> torch.Tensor:
     bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
     d = bits.view(torch.float32)
     q = _nibbles(b[:, 1:], 16).reshape(n, QK).long()
-    return d * _codebook(MXFP4_VALUES, b.device)[q]
+    return d * _rows(_codebook(MXFP4_VALUES, b.device), q)
 
 
 def _ue4m3_half_values() -> torch.Tensor:
@@ -436,9 +442,9 @@ def _deq_nvfp4(b: torch.Tensor) -> torch.Tensor:
     #     -> weight j, high nibble -> weight j + 8 ]
     #   weight = (ue4m3(d) / 2) * kvalues_mxfp4[nibble]
     n = b.shape[0]
-    d = _table(("ue4m3",), b.device, _ue4m3_half_values)[b[:, 0:4].long()].reshape(n, 4, 1)
+    d = _rows(_table(("ue4m3",), b.device, _ue4m3_half_values), b[:, 0:4].long()).reshape(n, 4, 1)
     q = _nibbles(b[:, 4:], 8).reshape(n, 4, 16).long()
-    return (d * _codebook(MXFP4_VALUES, b.device)[q]).reshape(n, 64)
+    return (d * _rows(_codebook(MXFP4_VALUES, b.device), q)).reshape(n, 64)
 
 
 def _deq_tq1_0(b: torch.Tensor) -> torch.Tensor:
@@ -480,9 +486,9 @@ def _deq_iq2_xxs(b: torch.Tensor) -> torch.Tensor:
     q = b[:, 2:].reshape(n, 8, 2, 4)
     aux1 = _u32(q[:, :, 1].reshape(n, 32))
     db = (d * (0.5 + (aux1 >> 28).float()) * 0.25).reshape(n, 8, 1, 1)
-    grid = _grid(T.IQ2_XXS, b.device)[q[:, :, 0].long()]  # (n, 8, 4, 8)
+    grid = _rows(_grid(T.IQ2_XXS, b.device), q[:, :, 0].long())  # (n, 8, 4, 8)
     sidx = (aux1.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=b.device)) & 127
-    signs = _ksigns(b.device)[sidx]  # (n, 8, 4, 8)
+    signs = _rows(_ksigns(b.device), sidx)  # (n, 8, 4, 8)
     return (db * grid * signs).reshape(n, QK_K)
 
 
@@ -503,8 +509,8 @@ def _deq_iq2_xs(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b[:, 0:2])
     qs = _u16(b[:, 2:66])
     db = _iq2_scales(d, b[:, 66:74])
-    grid = _grid(T.IQ2_XS, b.device)[qs & 511].reshape(n, 16, 2, 8)
-    signs = _ksigns(b.device)[qs >> 9].reshape(n, 16, 2, 8)
+    grid = _rows(_grid(T.IQ2_XS, b.device), qs & 511).reshape(n, 16, 2, 8)
+    signs = _rows(_ksigns(b.device), qs >> 9).reshape(n, 16, 2, 8)
     return (db * grid * signs).reshape(n, QK_K)
 
 
@@ -519,7 +525,7 @@ def _deq_iq2_s(b: torch.Tensor) -> torch.Tensor:
     hi = _bits(b[:, 66:74], 1, 8, 2).reshape(n, 32).long()
     idx = b[:, 2:34].long() | (hi << 8)
     db = _iq2_scales(d, b[:, 74:82])
-    grid = _grid(T.IQ2_S, b.device)[idx].reshape(n, 16, 2, 8)
+    grid = _rows(_grid(T.IQ2_S, b.device), idx).reshape(n, 16, 2, 8)
     signs = _sign_bits(b[:, 34:66]).reshape(n, 16, 2, 8)
     return (db * grid * signs).reshape(n, QK_K)
 
@@ -533,9 +539,9 @@ def _deq_iq3_xxs(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b[:, 0:2])
     aux = _u32(b[:, 66:98])
     db = (d * (0.5 + (aux >> 28).float()) * 0.5).reshape(n, 8, 1, 1)
-    grid = _grid(T.IQ3_XXS, b.device)[b[:, 2:66].long()].reshape(n, 8, 4, 8)
+    grid = _rows(_grid(T.IQ3_XXS, b.device), b[:, 2:66].long()).reshape(n, 8, 4, 8)
     sidx = (aux.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=b.device)) & 127
-    signs = _ksigns(b.device)[sidx]
+    signs = _rows(_ksigns(b.device), sidx)
     return (db * grid * signs).reshape(n, QK_K)
 
 
@@ -551,7 +557,7 @@ def _deq_iq3_s(b: torch.Tensor) -> torch.Tensor:
     idx = b[:, 2:66].long() | (hi << 8)
     s = _bits(b[:, 106:110], 1, 8, 4).reshape(n, 8).float()
     db = (d * (1 + 2 * s)).reshape(n, 8, 1, 1)
-    grid = _grid(T.IQ3_S, b.device)[idx].reshape(n, 8, 4, 8)
+    grid = _rows(_grid(T.IQ3_S, b.device), idx).reshape(n, 8, 4, 8)
     signs = _sign_bits(b[:, 74:106]).reshape(n, 8, 4, 8)
     return (db * grid * signs).reshape(n, QK_K)
 
@@ -572,7 +578,7 @@ def _deq_iq1_s(b: torch.Tensor) -> torch.Tensor:
     delta = torch.where((qh & 0x8000) == 0, IQ1_DELTA, -IQ1_DELTA).reshape(n, 8, 1, 1)
     hi = (qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=b.device)) & 7
     idx = b[:, 2:34].long() | (hi.reshape(n, 32) << 8)
-    grid = _grid(T.IQ1_S, b.device)[idx].reshape(n, 8, 4, 8)
+    grid = _rows(_grid(T.IQ1_S, b.device), idx).reshape(n, 8, 4, 8)
     return (dl * (grid + delta)).reshape(n, QK_K)
 
 
@@ -593,7 +599,7 @@ def _deq_iq1_m(b: torch.Tensor) -> torch.Tensor:
     qh = _bits(b[:, 32:48], 1, 8, 4).reshape(n, 32)
     delta = torch.where((qh & 8) == 0, IQ1_DELTA, -IQ1_DELTA).reshape(n, 16, 2, 1)
     idx = b[:, 0:32].long() | ((qh & 7).long() << 8)
-    grid = _grid(T.IQ1_M, b.device)[idx].reshape(n, 16, 2, 8)
+    grid = _rows(_grid(T.IQ1_M, b.device), idx).reshape(n, 16, 2, 8)
     return (dl * (grid + delta)).reshape(n, QK_K)
 
 

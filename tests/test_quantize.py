@@ -137,6 +137,15 @@ def test_iq4_nearest_level_at_the_midpoints():
     assert np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("qtype", [Q.IQ4_NL, Q.IQ4_XS])
+def test_iq4_non_finite_weights_do_not_crash(qtype):
+    """NaN / inf weights give garbage blocks (as in llama.cpp), not an exception."""
+    x = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
+    x[0, 5], x[1, 7] = np.nan, np.inf
+    assert quantize_rows(x, qtype).shape == (2, 256 // gguf.GGML_QUANT_SIZES[qtype][0]
+                                             * gguf.GGML_QUANT_SIZES[qtype][1])
+
+
 def test_kquant_levels_fit_their_ranges():
     """Large and tiny magnitudes, mixed signs: dequantized values stay finite and close."""
     rng = np.random.default_rng(3)

@@ -38,8 +38,9 @@ _LEVEL_VALUE = _VALUES[_LEVEL]
 
 def _lookup(table: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     """``table`` at row floor(x2) - _LO (clamped) for each doubled value ``x2`` (overwritten).
-    Floor comes first: x2 - _LO would round a value just below a midpoint up onto it."""
-    k = x2.clamp_(_LO, _HI).floor_().sub_(_LO).to(torch.int32)
+    Floor comes first: x2 - _LO would round a value just below a midpoint up onto it. NaN
+    (from NaN weights) reads row 0 rather than out of the table."""
+    k = x2.nan_to_num_(nan=_LO).clamp_(_LO, _HI).floor_().sub_(_LO).to(torch.int32)
     return torch.index_select(table, 0, k.reshape(-1)).reshape(k.shape)  # faster than table[k]
 
 

@@ -144,3 +144,25 @@ def test_quantize_cli_then_run(tmp_path, monkeypatch, capsys):
         logits = Session(load_model(dst, device="cpu", progress=False), ctx_size=32).eval(ids)
         assert torch.isfinite(logits).all()
     assert rmse["IQ4_NL"] < rmse["Q4_0"] and rmse["IQ4_XS"] < rmse["Q4_0"], rmse
+
+
+def test_cuda_memory_estimate_counts_types_without_kernel_dequantized(tmp_path):
+    """On the quantized (Triton) path a matrix whose type has no kernel is dequantized to
+    float16 at load, so the estimate counts it at 2 bytes per weight, not its file bytes."""
+    from localllm.kernels import supports
+
+    from localllm.gguf.file import open_gguf
+    from localllm.runtime.resources import CUDA_WORKSPACE, weight_bytes
+
+    assert not supports(T.IQ2_XXS), "this test needs a type without a Triton kernel"
+    cuda = torch.device("cuda")  # only its type is read: nothing is allocated
+    for qtype in (T.IQ2_XXS, T.Q8_0):
+        path = write_tiny_gguf(tmp_path / f"{qtype.name}.gguf", "llama", qtype=qtype, **DIMS)
+        g = open_gguf(path)
+        vectors = sum(4 * t.n_elements for t in g.tensors.values() if len(t.shape) == 1)
+        matrices = [t for t in g.tensors.values() if len(t.shape) > 1]
+        assert {t.qtype for t in matrices} == {qtype}
+        stored = (sum(t.n_bytes for t in matrices) if supports(qtype)
+                  else sum(2 * t.n_elements for t in matrices))
+        assert weight_bytes(g, cuda, torch.float16, quantized=True) == (
+            CUDA_WORKSPACE + vectors + stored)

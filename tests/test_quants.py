@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -141,6 +142,21 @@ def test_bit_exact_random_blocks(qtype):
     blocks = dequantize_blocks(torch.from_numpy(raw), qtype)
     assert_bits_equal(blocks.numpy().reshape(shape), expected)
     assert_bits_equal(dequantize(raw, qtype, shape).numpy(), expected)
+
+
+LLAMA_CPP = Path(__file__).parent / "data" / "quants" / "llama_cpp_dequant.npz"
+LLAMA_CPP_TYPES = [T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.NVFP4, T.TQ1_0, T.TQ2_0, T.IQ2_XXS, T.IQ2_XS,
+                   T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
+
+
+@pytest.mark.parametrize("qtype", LLAMA_CPP_TYPES, ids=lambda q: q.name)
+def test_bit_exact_with_llama_cpp_to_float(qtype):
+    """The second oracle: libggml-base's own dequantization of random blocks (recorded by
+    tests/data/quants/record.py)."""
+    ref = np.load(LLAMA_CPP)
+    raw, want = ref[f"{qtype.name}_blocks"], ref[f"{qtype.name}_values"]
+    got = dequantize(torch.from_numpy(raw), qtype, want.shape)
+    assert_bits_equal(got.numpy(), want)
 
 
 @pytest.mark.parametrize(

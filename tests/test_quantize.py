@@ -95,10 +95,55 @@ def test_block_quantization_error_close_to_llama_cpp(name):
     values = gguf.quants.dequantize(ours, qt).reshape(x.shape)
     assert not values[3, :32].any()
     # same algorithm: the same dequantized values as llama.cpp's quantizer (K-quants sum in a
-    # different order than the C loops, so a near-tie may round differently in a few blocks)
+    # different order than the C loops, so a near-tie may round differently in a few blocks;
+    # the IQ4 quantizers sum in the C order and give llama.cpp's bytes)
     block = gguf.GGML_QUANT_SIZES[qt][0]
     same = (values == ref[f"{name}_dequant"]).reshape(-1, block).all(1)
-    assert same.all() if name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1") else same.mean() >= 0.75
+    exact = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
+    assert same.all() if name in exact else same.mean() >= 0.75
+    if name in ("IQ4_NL", "IQ4_XS"):
+        assert np.array_equal(ours, ref[f"{name}_bytes"])
+
+
+@pytest.mark.parametrize("name", ["IQ4_NL", "IQ4_XS"])
+def test_iq4_bytes_are_llama_cpp_bytes(name):
+    if not BLOCKS.exists():
+        pytest.skip("blocks.npz not recorded")
+    ref = np.load(BLOCKS)
+    ours = quantize_rows(ref["iq4_values"], Q[name])
+    theirs = ref[f"{name}_iq4_bytes"]
+    size = gguf.GGML_QUANT_SIZES[Q[name]][1]
+    differ = (ours.reshape(-1, size) != theirs.reshape(-1, size)).any(1)
+    assert not differ.any(), f"{differ.sum()} of {differ.size} blocks differ"
+
+
+def test_iq4_nearest_level_at_the_midpoints():
+    """best_index_int8: the nearest level, the upper one on a tie, exactly at the float
+    just below / at each midpoint."""
+    import torch
+
+    from localllm.gguf.quants import IQ4NL_VALUES
+    from localllm.quantize.iquants import best_index
+
+    v = np.array(IQ4NL_VALUES, dtype=np.float32)
+    mids = (v[:-1] + v[1:]) / 2
+    below = np.nextafter(mids, -np.inf, dtype=np.float32)
+    x = np.concatenate([mids, below, -mids, v, [-1e4, 1e4, 0.0, -0.0]]).astype(np.float32)
+    x = np.concatenate([x, np.random.default_rng(0).uniform(-150, 150, 1000).astype(np.float32)])
+    dist = np.abs(x[:, None].astype(np.float64) - v[None, :])
+    # nearest level; on a tie the upper one (the last index reaching the minimum)
+    want = v.size - 1 - np.argmin(dist[:, ::-1], axis=1)
+    got = best_index(torch.from_numpy(x)).numpy()
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("qtype", [Q.IQ4_NL, Q.IQ4_XS])
+def test_iq4_non_finite_weights_do_not_crash(qtype):
+    """NaN / inf weights give garbage blocks (as in llama.cpp), not an exception."""
+    x = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
+    x[0, 5], x[1, 7] = np.nan, np.inf
+    assert quantize_rows(x, qtype).shape == (2, 256 // gguf.GGML_QUANT_SIZES[qtype][0]
+                                             * gguf.GGML_QUANT_SIZES[qtype][1])
 
 
 def test_kquant_levels_fit_their_ranges():
@@ -159,6 +204,31 @@ def test_fallback_rule():
     assert recipe.fallback(Q.Q4_K, 512) == Q.Q4_K
     with pytest.raises(LocalLLMError):
         recipe.fallback(Q.Q4_0, 100)
+
+
+def test_iq4_recipe_rules():
+    """llama-quant.cpp's IQ4_NL / IQ4_XS rules (the golden model has too few layers for the
+    ffn_down one): attn_v Q5_K when 4+ query heads share a KV head, the first eighth of
+    ffn_down Q5_K, the output Q6_K, IQ4_XS rows that do not fit 256-blocks IQ4_NL."""
+    def md(n_kv):
+        return {"general.architecture": "llama", "llama.block_count": 16,
+                "llama.attention.head_count": 32, "llama.attention.head_count_kv": n_kv}
+
+    tensors = [("token_embd.weight", (1000, 4096), Q.F16), ("output.weight", (1000, 4096), Q.F16)]
+    for i in range(16):
+        tensors += [(f"blk.{i}.attn_v.weight", (1024, 4096), Q.F16),
+                    (f"blk.{i}.attn_q.weight", (4096, 4096), Q.F16),
+                    (f"blk.{i}.ffn_down.weight", (4096, 11008), Q.F16),
+                    (f"blk.{i}.ffn_up.weight", (11008, 4096), Q.F16)]
+    for ftype, default in [("IQ4_XS", Q.IQ4_XS), ("IQ4_NL", Q.IQ4_NL)]:
+        types = recipe.plan(tensors, md(8), ftype)
+        assert types["output.weight"] == Q.Q6_K
+        assert types["token_embd.weight"] == types["blk.3.attn_q.weight"] == default
+        assert {types[f"blk.{i}.attn_v.weight"] for i in range(16)} == {Q.Q5_K}
+        assert [types[f"blk.{i}.ffn_down.weight"] for i in range(4)] == [Q.Q5_K] * 2 + [default] * 2
+        assert recipe.plan(tensors, md(32), ftype)["blk.0.attn_v.weight"] == default
+    assert recipe.fallback(Q.IQ4_XS, 640) == Q.IQ4_NL
+    assert recipe.fallback(Q.IQ4_XS, 100) == Q.F16
 
 
 def test_tied_embeddings_get_the_output_type(tiny_model_path, tmp_path):

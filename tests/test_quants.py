@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -13,13 +14,16 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from localllm.errors import UnsupportedError
 from localllm.gguf.quants import (
+    BLOCK_DEQUANTIZERS,
     BLOCK_FORMATS,
     backends,
     bits_per_weight,
     dequantize,
     dequantize_blocks,
     dequantize_to,
+    is_supported,
     register_backend,
+    row_bytes,
 )
 
 # Byte offsets of the fp16 scale fields of each block (from the struct layouts).
@@ -34,7 +38,20 @@ SCALE_OFFSETS = {
     T.Q4_K: [0, 2],
     T.Q5_K: [0, 2],
     T.Q6_K: [208],
+    T.IQ4_NL: [0],
+    T.IQ4_XS: [0],
+    T.TQ1_0: [52],
+    T.TQ2_0: [64],
+    T.IQ2_XXS: [0],
+    T.IQ2_XS: [0],
+    T.IQ2_S: [0],
+    T.IQ3_XXS: [0],
+    T.IQ3_S: [0],
+    T.IQ1_S: [0],
+    # IQ1_M: the fp16 scale is split over the top nibbles of the last 4 uint16s (below).
+    # MXFP4 and NVFP4: any byte is a valid e8m0 / ue4m3 scale.
 }
+SUPPORTED = list(BLOCK_DEQUANTIZERS)
 
 
 def random_blocks(qtype: T, n_blocks: int, seed: int = 0) -> np.ndarray:
@@ -50,6 +67,13 @@ def random_blocks(qtype: T, n_blocks: int, seed: int = 0) -> np.ndarray:
         # Scales of all magnitudes (subnormals included) and both signs.
         scale = rng.standard_normal(n_blocks) * 10.0 ** rng.integers(-7, 3, n_blocks)
         b[:, off : off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+    if qtype == T.IQ1_M:
+        scale = rng.standard_normal(n_blocks) * 10.0 ** rng.integers(-7, 3, n_blocks)
+        bits = scale.astype(np.float16).view(np.uint16)
+        words = b[:, 48:56].copy().view(np.uint16)  # (n_blocks, 4)
+        for w in range(4):
+            words[:, w] = (words[:, w] & 0x0FFF) | (((bits >> (4 * w)) & 0xF) << 12)
+        b[:, 48:56] = words.view(np.uint8)
     return b
 
 
@@ -63,6 +87,7 @@ def assert_bits_equal(a: np.ndarray, b: np.ndarray) -> None:
 
 
 def test_geometry_matches_gguf():
+    assert set(BLOCK_FORMATS) == set(gguf.GGML_QUANT_SIZES)
     for qtype, fmt in BLOCK_FORMATS.items():
         assert gguf.GGML_QUANT_SIZES[qtype] == (fmt.block_size, fmt.type_size), qtype.name
 
@@ -72,9 +97,38 @@ def test_bits_per_weight():
     assert bits_per_weight(T.Q8_0) == 8.5
     assert bits_per_weight(T.Q6_K) == 6.5625
     assert bits_per_weight(T.F16) == 16
+    # The values llama.cpp prints (ggml.c type_traits, llama-quant.cpp's ftype table).
+    assert bits_per_weight(T.IQ4_XS) == 4.25
+    assert bits_per_weight(T.IQ4_NL) == 4.5
+    assert bits_per_weight(T.MXFP4) == 4.25
+    assert bits_per_weight(T.IQ2_XXS) == 2.0625
+    assert bits_per_weight(T.IQ3_XXS) == 3.0625
+    assert bits_per_weight(T.IQ1_S) == 1.5625
+    assert bits_per_weight(T.IQ1_M) == 1.75
+    assert bits_per_weight(T.TQ1_0) == 1.6875
 
 
-@pytest.mark.parametrize("qtype", list(BLOCK_FORMATS), ids=lambda q: q.name)
+def test_every_type_gguf_dequantizes_is_supported():
+    """Nothing gguf-py can dequantize is refused here."""
+    for qtype, (block, size) in gguf.GGML_QUANT_SIZES.items():
+        try:
+            gguf_dequantize(np.zeros((1, size), dtype=np.uint8), qtype)
+        except NotImplementedError:
+            continue
+        assert qtype in BLOCK_DEQUANTIZERS, qtype.name
+
+
+def test_iq2_sign_table_matches_gguf():
+    from gguf.quants import IQ2_XXS
+
+    from localllm.gguf.quants import _ksigns
+
+    bits = np.unpackbits(np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8)[:, None], axis=1,
+                         bitorder="little")
+    assert np.array_equal(_ksigns("cpu").numpy(), 1.0 - 2.0 * bits)
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)
 def test_bit_exact_random_blocks(qtype):
     fmt = BLOCK_FORMATS[qtype]
     n_rows, blocks_per_row = 3, 5
@@ -90,7 +144,24 @@ def test_bit_exact_random_blocks(qtype):
     assert_bits_equal(dequantize(raw, qtype, shape).numpy(), expected)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.Q5_0], ids=lambda q: q.name)
+LLAMA_CPP = Path(__file__).parent / "data" / "quants" / "llama_cpp_dequant.npz"
+LLAMA_CPP_TYPES = [T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.NVFP4, T.TQ1_0, T.TQ2_0, T.IQ2_XXS, T.IQ2_XS,
+                   T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
+
+
+@pytest.mark.parametrize("qtype", LLAMA_CPP_TYPES, ids=lambda q: q.name)
+def test_bit_exact_with_llama_cpp_to_float(qtype):
+    """The second oracle: libggml-base's own dequantization of random blocks (recorded by
+    tests/data/quants/record.py)."""
+    ref = np.load(LLAMA_CPP)
+    raw, want = ref[f"{qtype.name}_blocks"], ref[f"{qtype.name}_values"]
+    got = dequantize(torch.from_numpy(raw), qtype, want.shape)
+    assert_bits_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize(
+    "qtype", [T.Q4_K, T.Q8_0, T.Q5_0, T.IQ4_NL, T.IQ2_XXS, T.IQ1_M], ids=lambda q: q.name
+)
 def test_chunked_loop_and_dtype(qtype, monkeypatch):
     from localllm.gguf import quants
 
@@ -107,10 +178,22 @@ def test_chunked_loop_and_dtype(qtype, monkeypatch):
 
 
 def test_unsupported_type():
-    with pytest.raises(UnsupportedError, match="^tensor type IQ2_XS is not supported$"):
-        dequantize(torch.zeros(74, dtype=torch.uint8), T.IQ2_XS, (256,))
-    with pytest.raises(UnsupportedError):
-        bits_per_weight(T.IQ4_NL)
+    # Q8_K (llama.cpp's activation type) has a geometry but no dequantizer, here or in gguf-py.
+    with pytest.raises(UnsupportedError, match="^tensor type Q8_K is not supported$"):
+        dequantize(torch.zeros(292, dtype=torch.uint8), T.Q8_K, (256,))
+    with pytest.raises(UnsupportedError, match="^tensor type Q8_K is not supported$"):
+        dequantize_blocks(torch.zeros((1, 292), dtype=torch.uint8), T.Q8_K)
+    assert not is_supported(T.Q8_K) and is_supported(T.IQ4_XS) and not is_supported(99)
+    assert bits_per_weight(T.Q8_K) == 9.125
+    with pytest.raises(UnsupportedError, match="^tensor type 99 is not supported$"):
+        bits_per_weight(99)
+
+
+def test_row_bytes():
+    assert row_bytes(T.IQ4_XS, 512) == 272
+    assert row_bytes(T.MXFP4, 64) == 34
+    with pytest.raises(ValueError, match="multiple of the IQ4_XS block size 256"):
+        row_bytes(T.IQ4_XS, 32)
 
 
 def test_size_mismatch():

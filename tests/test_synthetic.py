@@ -64,7 +64,7 @@ def test_gemma3_270m_geometry_and_types_match_the_real_file():
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K,
-                                   Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.F32])
+                                   Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.F32])
 def test_random_blocks_dequantize_to_realistic_weights(qtype):
     raw = synthetic.random_tensor("blk.0.ffn_up.weight", (64, 512), qtype,
                                   np.random.default_rng(3))

@@ -1,13 +1,18 @@
 """Block geometry of the ggml tensor types and the torch reference dequantizer.
 
 A ggml tensor row is a sequence of fixed-size blocks; each block stores ``block_size``
-weights in ``type_size`` bytes (scales first or last, then packed integers). The layouts
-follow ggml's ``block_q*`` structs (llama.cpp ``ggml/src/ggml-common.h``) and the
-dequantizers follow ``dequantize_row_q*`` (``ggml/src/ggml-quants.c``).
+weights in ``type_size`` bytes (scales first or last, then packed integers). The geometry of
+every type comes from one table, :data:`BLOCK_FORMATS`. The layouts follow ggml's
+``block_*`` structs (llama.cpp ``ggml/src/ggml-common.h``) and the dequantizers follow
+``dequantize_row_*`` (``ggml/src/ggml-quants.c``): the legacy types (Q4_0 .. Q8_0), the
+K-quants (Q2_K .. Q6_K), the non-linear IQ4_NL / IQ4_XS, the microscaling MXFP4 / NVFP4, the
+ternary TQ1_0 / TQ2_0 and the lattice types IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+IQ3_S, whose grids are taken from gguf-py.
 
 Every function here is bit-exact with ``gguf.quants.dequantize`` (numpy): fp16 scales are
-widened to float32 exactly, integer parts are exact, and the float32 operations (products
-of scales, then ``d * q`` and ``- m``) happen in the same order with one rounding each.
+widened to float32 exactly, integer parts and table lookups are exact, and the float32
+operations (products of scales, then ``d * q`` and ``- m``) happen in the same order with
+one rounding each.
 
 Dispatch is open: :func:`register_backend` adds another implementation (the Triton kernels
 register one for CUDA tensors); ``backend="auto"`` picks a registered backend for the
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 from ..errors import UnsupportedError
@@ -38,31 +44,22 @@ class BlockFormat:
     type_size: int
 
 
-# The one table of block geometry. Byte sizes are written as the sum of the struct's fields,
-# in storage order ("d" = fp16 scale, "dmin"/"m" = fp16 minimum, "qs" = packed low bits,
-# "qh" = packed high bits, "scales" = packed sub-block scales).
+# The one table of block geometry, for every type ggml defines (supported or not, so that a
+# file can be validated and described before anything is dequantized). It is gguf-py's copy of
+# ggml's ``type_traits`` (``ggml/src/ggml.c``); the struct layout of each supported type is
+# spelled out next to its dequantizer below, and the tests check that each dequantizer reads
+# exactly ``type_size`` bytes per block.
 BLOCK_FORMATS: dict[T, BlockFormat] = {
-    T.F32: BlockFormat(1, 4),
-    T.F16: BlockFormat(1, 2),
-    T.BF16: BlockFormat(1, 2),
-    T.Q4_0: BlockFormat(QK, 2 + QK // 2),  # d, qs
-    T.Q4_1: BlockFormat(QK, 2 + 2 + QK // 2),  # d, m, qs
-    T.Q5_0: BlockFormat(QK, 2 + 4 + QK // 2),  # d, qh, qs
-    T.Q5_1: BlockFormat(QK, 2 + 2 + 4 + QK // 2),  # d, m, qh, qs
-    T.Q8_0: BlockFormat(QK, 2 + QK),  # d, qs (int8)
-    T.Q2_K: BlockFormat(QK_K, QK_K // 16 + QK_K // 4 + 2 + 2),  # scales, qs, d, dmin
-    T.Q3_K: BlockFormat(QK_K, QK_K // 8 + QK_K // 4 + 12 + 2),  # hmask, qs, scales, d
-    T.Q4_K: BlockFormat(QK_K, 2 + 2 + 12 + QK_K // 2),  # d, dmin, scales, qs
-    T.Q5_K: BlockFormat(QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2),  # d, dmin, scales, qh, qs
-    T.Q6_K: BlockFormat(QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),  # ql, qh, scales, d
+    T(qtype): BlockFormat(block_size, type_size)
+    for qtype, (block_size, type_size) in GGML_QUANT_SIZES.items()
 }
 
 
 def block_format(qtype: T) -> BlockFormat:
-    """Geometry of ``qtype``.
+    """Geometry of ``qtype`` (any type ggml defines, whether or not it can be dequantized).
 
     Raises:
-        UnsupportedError: the type is not in :data:`BLOCK_FORMATS`.
+        UnsupportedError: ``qtype`` is not a ggml type id.
     """
     try:
         return BLOCK_FORMATS[T(qtype)]
@@ -70,14 +67,39 @@ def block_format(qtype: T) -> BlockFormat:
         raise UnsupportedError(f"tensor type {_type_name(qtype)} is not supported") from None
 
 
-def bits_per_weight(qtype: T) -> float:
-    """Storage cost of ``qtype`` in bits per weight, scales included (Q4_K -> 4.5).
+def row_bytes(qtype: T, n_cols: int) -> int:
+    """Bytes of one row of ``n_cols`` weights stored as ``qtype``.
 
     Raises:
-        UnsupportedError: the type is not supported.
+        UnsupportedError: unknown type id.
+        ValueError: ``n_cols`` is not a multiple of the block size.
+    """
+    fmt = block_format(qtype)
+    if n_cols % fmt.block_size:
+        raise ValueError(
+            f"row length {n_cols} is not a multiple of the {T(qtype).name} block size "
+            f"{fmt.block_size}"
+        )
+    return n_cols // fmt.block_size * fmt.type_size
+
+
+def bits_per_weight(qtype: T) -> float:
+    """Storage cost of ``qtype`` in bits per weight, scales included (Q4_K -> 4.5,
+    IQ4_XS -> 4.25).
+
+    Raises:
+        UnsupportedError: ``qtype`` is not a ggml type id.
     """
     fmt = block_format(qtype)
     return 8 * fmt.type_size / fmt.block_size
+
+
+def is_supported(qtype: T) -> bool:
+    """Whether :func:`dequantize` handles ``qtype``."""
+    try:
+        return T(qtype) in BLOCK_DEQUANTIZERS
+    except ValueError:
+        return False
 
 
 def _type_name(qtype) -> str:
@@ -272,6 +294,315 @@ def _deq_q6_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(n, QK_K)
 
 
+# ---------------------------------------------------------------------------------------------
+# Non-linear and lattice types: IQ4_NL / IQ4_XS (a 16-entry non-uniform codebook), MXFP4 and
+# NVFP4 (e2m1 values with power-of-two / e4m3 scales), TQ1_0 / TQ2_0 (ternary), and the
+# IQ1/IQ2/IQ3 families (indices into grids of 4 or 8 weights, with sign bits).
+# Layouts: ``block_iq*``/``block_mxfp4``/``block_nvfp4``/``block_tq*`` in ggml-common.h;
+# dequantizers: ``dequantize_row_iq*`` etc. in ggml-quants.c.
+# ---------------------------------------------------------------------------------------------
+
+# kvalues_iq4nl: the IQ4_NL / IQ4_XS codebook (int8).
+IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# kvalues_mxfp4: the e2m1 values times two (the scales below carry the factor 1/2).
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+_IQ_GRIDS = {  # type -> the gguf.quants class whose unpacked grid it uses
+    T.IQ2_XXS: "IQ2_XXS",
+    T.IQ2_XS: "IQ2_XS",
+    T.IQ2_S: "IQ2_S",
+    T.IQ3_XXS: "IQ3_XXS",
+    T.IQ3_S: "IQ3_S",
+    T.IQ1_S: "IQ1_S",
+    T.IQ1_M: "IQ1_S",  # IQ1_M shares iq1s_grid
+}
+
+_tables: dict[tuple, torch.Tensor] = {}
+
+
+def _table(key: tuple, device, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A constant lookup table, built once per device."""
+    k = (*key, str(device))
+    t = _tables.get(k)
+    if t is None:
+        t = _tables[k] = build().to(device)
+    return t
+
+
+def _grid(qtype: T, device) -> torch.Tensor:
+    """The lattice of an IQ1/IQ2/IQ3 type: float32 (entries, 4 or 8), e.g. iq2xxs_grid's bytes
+    (0x08, 0x19, 0x2b) as numbers, iq1s_grid's as -1/0/1. Taken from gguf-py (which unpacks
+    llama.cpp's tables) rather than copied here."""
+
+    def build() -> torch.Tensor:
+        import gguf.quants
+
+        cls = getattr(gguf.quants, _IQ_GRIDS[qtype])
+        cls.init_grid()
+        return torch.from_numpy(np.asarray(cls.grid, dtype=np.float32).reshape(cls.grid_shape))
+
+    return _table(("grid", _IQ_GRIDS[qtype]), device, build)
+
+
+def _ksigns(device) -> torch.Tensor:
+    """ksigns_iq2xs as float32 (128, 8) of +-1: a 7-bit index gives the signs of 7 weights
+    (bit k set = negative) and the 8th sign makes the count of negatives even."""
+
+    def build() -> torch.Tensor:
+        i = torch.arange(128)
+        bits = (i.view(-1, 1) >> torch.arange(7)) & 1
+        bits = torch.cat([bits, bits.sum(dim=1, keepdim=True) & 1], dim=1)
+        return 1.0 - 2.0 * bits.float()
+
+    return _table(("ksigns",), device, build)
+
+
+def _sign_bits(b: torch.Tensor) -> torch.Tensor:
+    """Bytes of explicit sign bits (n, k) -> float32 (n, k, 8) of +-1 (bit j set = negative)."""
+    bits = _bits(b, 1, 8, 1).reshape(b.shape[0], b.shape[1], 8)
+    return 1.0 - 2.0 * bits.float()
+
+
+def _rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``table[idx]`` (rows of a lookup table for integer indices of any shape), via
+    index_select: several times faster than advanced indexing on the CPU."""
+    return torch.index_select(table, 0, idx.reshape(-1)).reshape(*idx.shape, *table.shape[1:])
+
+
+def _u32(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian bytes (n, 4k) -> int64 (n, k) of their uint32 values."""
+    b = b.long().reshape(b.shape[0], -1, 4)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def _u16(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian bytes (n, 2k) -> int64 (n, k) of their uint16 values."""
+    b = b.long().reshape(b.shape[0], -1, 2)
+    return b[..., 0] | (b[..., 1] << 8)
+
+
+def _codebook(values: tuple[int, ...], device) -> torch.Tensor:
+    return _table(("codebook", values), device, lambda: torch.tensor(values, dtype=torch.float32))
+
+
+def _deq_iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    # block_iq4_nl, 18 bytes, 32 weights:
+    #   [ d: fp16 ][ qs[16]: low nibble -> weight j, high nibble -> weight j + 16 ]
+    #   weight = d * kvalues_iq4nl[nibble]
+    n = b.shape[0]
+    d = _f16(b[:, 0:2])
+    q = _nibbles(b[:, 2:], 16).reshape(n, QK).long()
+    return d * _rows(_codebook(IQ4NL_VALUES, b.device), q)
+
+
+def _deq_iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    # block_iq4_xs, 136 bytes, 256 weights in 8 sub-blocks of 32:
+    #   [ d: fp16 ][ scales_h: uint16, bits 2i..2i+1 = high 2 bits of scale i ]
+    #   [ scales_l[4]: byte j low nibble = low 4 bits of scale 2j, high nibble of scale 2j+1 ]
+    #   [ qs[128]: 16 bytes per sub-block, packed as IQ4_NL ]
+    #   weight = (d * (scale - 32)) * kvalues_iq4nl[nibble]
+    n = b.shape[0]
+    d = _f16(b[:, 0:2])
+    hi = _bits(b[:, 2:4], 1, 8, 2).reshape(n, 8)
+    lo = _bits(b[:, 4:8], 1, 8, 4).reshape(n, 8)
+    scales = ((lo | (hi << 4)).to(torch.int8) - 32).float()
+    dl = (d * scales).reshape(n, 8, 1)
+    q = _nibbles(b[:, 8:], 16).reshape(n, 8, 32).long()
+    return (dl * _rows(_codebook(IQ4NL_VALUES, b.device), q)).reshape(n, QK_K)
+
+
+def _deq_mxfp4(b: torch.Tensor) -> torch.Tensor:
+    # block_mxfp4, 17 bytes, 32 weights (OCP Microscaling MXFP4, as in gpt-oss):
+    #   [ e: uint8, an e8m0 power of two ][ qs[16]: packed as IQ4_NL ]
+    #   weight = ggml_e8m0_to_fp32_half(e) * kvalues_mxfp4[nibble]
+    #   where e8m0_half(e) = 2^(e - 128), built from its float32 bits (subnormal for e < 2).
+    n = b.shape[0]
+    e = b[:, 0:1].int()
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    d = bits.view(torch.float32)
+    q = _nibbles(b[:, 1:], 16).reshape(n, QK).long()
+    return d * _rows(_codebook(MXFP4_VALUES, b.device), q)
+
+
+def _ue4m3_half_values() -> torch.Tensor:
+    """ggml's ``ggml_ue4m3_to_fp32`` times 1/2 for the 256 byte values, float32 (256,):
+    unsigned e4m3 (bias 7, bit 7 ignored), 0 for the codes 0x00 and 0x7F. Every value is a
+    float32 exactly, so the table is exact."""
+    vals = []
+    for x in range(256):
+        exp, man = (x >> 3) & 0xF, x & 7
+        v = man * 2.0**-9 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
+        vals.append(0.0 if x in (0, 0x7F) else v * 0.5)
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+def _deq_nvfp4(b: torch.Tensor) -> torch.Tensor:
+    # block_nvfp4, 36 bytes, 64 weights in 4 sub-blocks of 16:
+    #   [ d[4]: ue4m3 scale per sub-block ][ qs[32]: 8 bytes per sub-block, byte j: low nibble
+    #     -> weight j, high nibble -> weight j + 8 ]
+    #   weight = (ue4m3(d) / 2) * kvalues_mxfp4[nibble]
+    n = b.shape[0]
+    d = _rows(_table(("ue4m3",), b.device, _ue4m3_half_values), b[:, 0:4].long()).reshape(n, 4, 1)
+    q = _nibbles(b[:, 4:], 8).reshape(n, 4, 16).long()
+    return (d * _rows(_codebook(MXFP4_VALUES, b.device), q)).reshape(n, 64)
+
+
+def _deq_tq1_0(b: torch.Tensor) -> torch.Tensor:
+    # block_tq1_0, 54 bytes, 256 ternary weights:
+    #   [ qs[48]: 5 trits per byte ][ qh[4]: 4 trits per byte ][ d: fp16 ]
+    #   A byte holds trits as a fixed-point fraction of 3^5 (3^4 for qh): trit k of byte x is
+    #   ((x * 3^k mod 256) * 3) >> 8. qs[0..31] give weights 32k + j, qs[32..47] weights
+    #   160 + 16k + j, qh weights 240 + 4k + j.   weight = d * (trit - 1)
+    n = b.shape[0]
+    d = _f16(b[:, 52:54])
+    p5 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8, device=b.device).view(1, 5, 1)
+    parts = [
+        (b[:, 0:32].unsqueeze(1) * p5).reshape(n, 160),
+        (b[:, 32:48].unsqueeze(1) * p5).reshape(n, 80),
+        (b[:, 48:52].unsqueeze(1) * p5[:, :4]).reshape(n, 16),
+    ]
+    q = ((torch.cat(parts, dim=1).int() * 3) >> 8) - 1
+    return d * q.float()
+
+
+def _deq_tq2_0(b: torch.Tensor) -> torch.Tensor:
+    # block_tq2_0, 66 bytes, 256 ternary weights:
+    #   [ qs[64]: two halves of 32 bytes; byte j, bits 2c..2c+1 -> weight 128h + 32c + j ][ d ]
+    #   weight = d * (crumb - 1)
+    n = b.shape[0]
+    d = _f16(b[:, 64:66])
+    q = _bits(b[:, 0:64], 32, 8, 2).reshape(n, QK_K).int() - 1
+    return d * q.float()
+
+
+def _deq_iq2_xxs(b: torch.Tensor) -> torch.Tensor:
+    # block_iq2_xxs, 66 bytes, 256 weights in 8 sub-blocks of 32 (4 groups of 8):
+    #   [ d: fp16 ][ qs: 8 x (aux0: uint32, aux1: uint32) ]
+    #   aux0 bytes: iq2xxs_grid index of each group; aux1 bits 7k..7k+6: ksigns index of
+    #   group k; aux1 bits 28..31: the sub-block scale ls.
+    #   weight = ((d * (0.5 + ls)) * 0.25) * grid * sign
+    n = b.shape[0]
+    d = _f16(b[:, 0:2])
+    q = b[:, 2:].reshape(n, 8, 2, 4)
+    aux1 = _u32(q[:, :, 1].reshape(n, 32))
+    db = (d * (0.5 + (aux1 >> 28).float()) * 0.25).reshape(n, 8, 1, 1)
+    grid = _rows(_grid(T.IQ2_XXS, b.device), q[:, :, 0].long())  # (n, 8, 4, 8)
+    sidx = (aux1.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=b.device)) & 127
+    signs = _rows(_ksigns(b.device), sidx)  # (n, 8, 4, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _iq2_scales(d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """IQ2_XS / IQ2_S sub-block scales: 4-bit values, byte j = (s[2j+1] << 4) | s[2j], as
+    ``(d * (0.5 + s)) * 0.25``, float32 (n, 16, 1, 1)."""
+    n = sc.shape[0]
+    s = _bits(sc, 1, 8, 4).reshape(n, 16).float()
+    return (d * (0.5 + s) * 0.25).reshape(n, 16, 1, 1)
+
+
+def _deq_iq2_xs(b: torch.Tensor) -> torch.Tensor:
+    # block_iq2_xs, 74 bytes, 256 weights in 16 sub-blocks of 16 (2 groups of 8):
+    #   [ d: fp16 ][ qs[32]: uint16, bits 0..8 = iq2xs_grid index, 9..15 = ksigns index ]
+    #   [ scales[8]: two 4-bit scales per byte ]
+    #   weight = ((d * (0.5 + s)) * 0.25) * grid * sign
+    n = b.shape[0]
+    d = _f16(b[:, 0:2])
+    qs = _u16(b[:, 2:66])
+    db = _iq2_scales(d, b[:, 66:74])
+    grid = _rows(_grid(T.IQ2_XS, b.device), qs & 511).reshape(n, 16, 2, 8)
+    signs = _rows(_ksigns(b.device), qs >> 9).reshape(n, 16, 2, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _deq_iq2_s(b: torch.Tensor) -> torch.Tensor:
+    # block_iq2_s, 82 bytes, 256 weights in 16 sub-blocks of 16 (2 groups of 8):
+    #   [ d: fp16 ][ qs[32]: low 8 bits of the iq2s_grid index of each group ]
+    #   [ signs[32]: one byte of sign bits per group ][ qh[8]: byte j, bits 2c..2c+1 = bits
+    #     8..9 of the index of group 4j + c ][ scales[8]: two 4-bit scales per byte ]
+    #   weight = ((d * (0.5 + s)) * 0.25) * grid * sign
+    n = b.shape[0]
+    d = _f16(b[:, 0:2])
+    hi = _bits(b[:, 66:74], 1, 8, 2).reshape(n, 32).long()
+    idx = b[:, 2:34].long() | (hi << 8)
+    db = _iq2_scales(d, b[:, 74:82])
+    grid = _rows(_grid(T.IQ2_S, b.device), idx).reshape(n, 16, 2, 8)
+    signs = _sign_bits(b[:, 34:66]).reshape(n, 16, 2, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _deq_iq3_xxs(b: torch.Tensor) -> torch.Tensor:
+    # block_iq3_xxs, 98 bytes, 256 weights in 8 sub-blocks of 32 (4 groups of 8):
+    #   [ d: fp16 ][ qs[64]: iq3xxs_grid index of each 4 weights ]
+    #   [ scales_and_signs: 8 x uint32, bits 7k..7k+6 = ksigns index of group k, 28..31 = ls ]
+    #   weight = ((d * (0.5 + ls)) * 0.5) * grid * sign
+    n = b.shape[0]
+    d = _f16(b[:, 0:2])
+    aux = _u32(b[:, 66:98])
+    db = (d * (0.5 + (aux >> 28).float()) * 0.5).reshape(n, 8, 1, 1)
+    grid = _rows(_grid(T.IQ3_XXS, b.device), b[:, 2:66].long()).reshape(n, 8, 4, 8)
+    sidx = (aux.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=b.device)) & 127
+    signs = _rows(_ksigns(b.device), sidx)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _deq_iq3_s(b: torch.Tensor) -> torch.Tensor:
+    # block_iq3_s, 110 bytes, 256 weights in 8 sub-blocks of 32 (4 groups of 8):
+    #   [ d: fp16 ][ qs[64]: low 8 bits of the iq3s_grid index of each 4 weights ]
+    #   [ qh[8]: byte j, bit k = bit 8 of index 8j + k ][ signs[32]: sign bits per group ]
+    #   [ scales[4]: two 4-bit scales per byte ]
+    #   weight = (d * (1 + 2 * s)) * grid * sign
+    n = b.shape[0]
+    d = _f16(b[:, 0:2])
+    hi = _bits(b[:, 66:74], 1, 8, 1).reshape(n, 64).long()
+    idx = b[:, 2:66].long() | (hi << 8)
+    s = _bits(b[:, 106:110], 1, 8, 4).reshape(n, 8).float()
+    db = (d * (1 + 2 * s)).reshape(n, 8, 1, 1)
+    grid = _rows(_grid(T.IQ3_S, b.device), idx).reshape(n, 8, 4, 8)
+    signs = _sign_bits(b[:, 74:106]).reshape(n, 8, 4, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+IQ1_DELTA = 0.125
+
+
+def _deq_iq1_s(b: torch.Tensor) -> torch.Tensor:
+    # block_iq1_s, 50 bytes, 256 weights in 8 sub-blocks of 32 (4 groups of 8):
+    #   [ d: fp16 ][ qs[32]: low 8 bits of the iq1s_grid index of each group ]
+    #   [ qh[8]: uint16 per sub-block: bits 3k..3k+2 = bits 8..10 of group k's index,
+    #     12..14 = scale s, 15 = sign of the shift delta ]
+    #   weight = (d * (2s + 1)) * (grid + delta), grid in {-1, 0, 1}, delta = +-1/8
+    n = b.shape[0]
+    d = _f16(b[:, 0:2])
+    qh = _u16(b[:, 34:50])  # (n, 8)
+    dl = (d * (2 * ((qh >> 12) & 7) + 1).float()).reshape(n, 8, 1, 1)
+    delta = torch.where((qh & 0x8000) == 0, IQ1_DELTA, -IQ1_DELTA).reshape(n, 8, 1, 1)
+    hi = (qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=b.device)) & 7
+    idx = b[:, 2:34].long() | (hi.reshape(n, 32) << 8)
+    grid = _rows(_grid(T.IQ1_S, b.device), idx).reshape(n, 8, 4, 8)
+    return (dl * (grid + delta)).reshape(n, QK_K)
+
+
+def _deq_iq1_m(b: torch.Tensor) -> torch.Tensor:
+    # block_iq1_m, 56 bytes, 256 weights in 16 halves of 16 (2 groups of 8):
+    #   [ qs[32]: low 8 bits of the iq1s_grid index of each group ]
+    #   [ qh[16]: byte j, low nibble for group 2j, high nibble for 2j + 1: bits 0..2 = bits
+    #     8..10 of the index, bit 3 = sign of the shift delta ]
+    #   [ scales: 4 x uint16: bits 3k..3k+2 of word w = 3-bit scale s of half 4w + k;
+    #     bits 12..15 of word w = bits 4w..4w+3 of the fp16 super-block scale d ]
+    #   weight = (d * (2s + 1)) * (grid + delta), grid in {-1, 0, 1}, delta = +-1/8
+    n = b.shape[0]
+    sc = _u16(b[:, 48:56])  # (n, 4)
+    d_bits = ((sc >> 12) << torch.tensor([0, 4, 8, 12], device=b.device)).sum(dim=1)
+    d = ((d_bits ^ 0x8000) - 0x8000).to(torch.int16).view(torch.float16).float().reshape(n, 1)
+    s = (sc.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=b.device)) & 7
+    dl = (d * (2 * s.reshape(n, 16) + 1).float()).reshape(n, 16, 1, 1)
+    qh = _bits(b[:, 32:48], 1, 8, 4).reshape(n, 32)
+    delta = torch.where((qh & 8) == 0, IQ1_DELTA, -IQ1_DELTA).reshape(n, 16, 2, 1)
+    idx = b[:, 0:32].long() | ((qh & 7).long() << 8)
+    grid = _rows(_grid(T.IQ1_M, b.device), idx).reshape(n, 16, 2, 8)
+    return (dl * (grid + delta)).reshape(n, QK_K)
+
+
 def _deq_f32(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float32)
 
@@ -299,6 +630,19 @@ BLOCK_DEQUANTIZERS: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
     T.Q4_K: _deq_q4_k,
     T.Q5_K: _deq_q5_k,
     T.Q6_K: _deq_q6_k,
+    T.IQ4_NL: _deq_iq4_nl,
+    T.IQ4_XS: _deq_iq4_xs,
+    T.MXFP4: _deq_mxfp4,
+    T.NVFP4: _deq_nvfp4,
+    T.TQ1_0: _deq_tq1_0,
+    T.TQ2_0: _deq_tq2_0,
+    T.IQ2_XXS: _deq_iq2_xxs,
+    T.IQ2_XS: _deq_iq2_xs,
+    T.IQ2_S: _deq_iq2_s,
+    T.IQ3_XXS: _deq_iq3_xxs,
+    T.IQ3_S: _deq_iq3_s,
+    T.IQ1_S: _deq_iq1_s,
+    T.IQ1_M: _deq_iq1_m,
 }
 
 # Elements per chunk of the CPU loop: the float32 temporaries of a chunk stay in cache.
@@ -318,13 +662,21 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: T) -> torch.Tensor:
     Raises:
         UnsupportedError: the type is not supported.
     """
-    fmt = block_format(qtype)
+    fmt, fn = _dequantizer(qtype)
     if blocks.dtype != torch.uint8 or blocks.ndim != 2 or blocks.shape[1] != fmt.type_size:
         raise ValueError(
             f"expected uint8 blocks of shape (n, {fmt.type_size}), got {tuple(blocks.shape)} "
             f"{blocks.dtype}"
         )
-    return BLOCK_DEQUANTIZERS[T(qtype)](blocks)
+    return fn(blocks)
+
+
+def _dequantizer(qtype: T) -> tuple[BlockFormat, Callable[[torch.Tensor], torch.Tensor]]:
+    fmt = block_format(qtype)
+    fn = BLOCK_DEQUANTIZERS.get(T(qtype))
+    if fn is None:
+        raise UnsupportedError(f"tensor type {_type_name(qtype)} is not supported")
+    return fmt, fn
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,8 +722,7 @@ def _as_bytes(data) -> torch.Tensor:
 def _dequantize_torch(
     data: torch.Tensor, qtype: T, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
-    fmt = BLOCK_FORMATS[qtype]
-    fn = BLOCK_DEQUANTIZERS[qtype]
+    fmt, fn = _dequantizer(qtype)
     blocks = data.view(-1, fmt.type_size)
     n_blocks = blocks.shape[0]
     out = torch.empty((n_blocks, fmt.block_size), dtype=dtype, device=data.device)
@@ -416,12 +767,12 @@ def dequantize(
         ``gguf.quants.dequantize``. Always a new tensor (never a view of ``data``).
 
     Raises:
-        UnsupportedError: the type is not supported ("tensor type IQ2_XS is not supported";
+        UnsupportedError: the type is not supported ("tensor type Q8_K is not supported";
             callers add the tensor name).
         ValueError: the byte count does not match ``shape`` or the row length is not a
             multiple of the block size; an unknown backend name.
     """
-    fmt = block_format(qtype)
+    fmt, _ = _dequantizer(qtype)
     qtype = T(qtype)
     shape = tuple(int(s) for s in shape)
     data = _as_bytes(data)

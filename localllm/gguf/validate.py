@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
 from ..errors import GGUFError
+from .quants import BLOCK_FORMATS
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -392,7 +393,8 @@ def _read_tensor_info(r: _Reader, i: int, seen: dict[str, int]) -> GGUFTensorInf
     ttype = r.u32(where, "type")
     try:
         qtype = GGMLQuantizationType(ttype)
-        block, type_size = GGML_QUANT_SIZES[qtype]
+        fmt = BLOCK_FORMATS[qtype]
+        block, type_size = fmt.block_size, fmt.type_size
     except (ValueError, KeyError):
         raise r.fail(where, f"unknown tensor type {ttype} at byte {type_at}") from None
     if ne[0] % block:

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
 
 from ..atomic import atomic_output
 from ..errors import LocalLLMError, ParameterError
+from ..gguf.quants import BLOCK_FORMATS
 from ..tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED  # GGUF token types
 
 Q = GGMLQuantizationType
@@ -225,7 +226,8 @@ _SCALE_LAYOUT: dict[GGMLQuantizationType, tuple[int, int | None, float]] = {
     Q.Q4_0: (0, None, 0.0), Q.Q5_0: (0, None, 0.0), Q.Q8_0: (0, None, 0.0),
     Q.Q4_1: (0, 2, -7.5), Q.Q5_1: (0, 2, -15.5),
     Q.Q2_K: (80, 82, 1.5), Q.Q3_K: (108, None, 0.0), Q.Q4_K: (0, 2, 7.5),
-    Q.Q5_K: (0, 2, 15.5), Q.Q6_K: (208, None, 0.0),
+    Q.Q5_K: (0, 2, 15.5), Q.Q6_K: (208, None, 0.0), Q.IQ4_NL: (0, None, 0.0),
+    Q.IQ4_XS: (0, None, 0.0),
 }
 _UNIT_STD: dict[GGMLQuantizationType, float] = {}
 
@@ -235,7 +237,7 @@ def _random_blocks(qtype: GGMLQuantizationType, n_blocks: int, d: float,
     """``n_blocks`` random blocks of ``qtype`` with scales ``d`` x U(0.75, 1.25): uint8
     (n_blocks, block_bytes)."""
     d_off, m_off, ratio = _SCALE_LAYOUT[qtype]
-    size = GGML_QUANT_SIZES[qtype][1]
+    size = BLOCK_FORMATS[qtype].type_size
     raw = np.frombuffer(rng.bytes(n_blocks * size), dtype=np.uint8).reshape(n_blocks, size).copy()
     scales = (d * rng.uniform(0.75, 1.25, n_blocks)).astype(np.float16)
     raw[:, d_off:d_off + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
@@ -253,7 +255,7 @@ def _unit_std(qtype: GGMLQuantizationType) -> float:
 
         from ..gguf.quants import dequantize
 
-        block = GGML_QUANT_SIZES[qtype][0]
+        block = BLOCK_FORMATS[qtype].block_size
         raw = _random_blocks(qtype, 512, 1.0, np.random.default_rng(1))
         x = dequantize(raw, qtype, (512, block), dtype=torch.float32)
         _UNIT_STD[qtype] = float(x.std())
@@ -280,7 +282,7 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
         return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     if qtype not in _SCALE_LAYOUT:
         raise LocalLLMError(f"synthetic weights of type {qtype.name} are not supported")
-    n_blocks = n // GGML_QUANT_SIZES[qtype][0]
+    n_blocks = n // BLOCK_FORMATS[qtype].block_size
     return _random_blocks(qtype, n_blocks, WEIGHT_STD / _unit_std(qtype), rng).reshape(-1)
 
 
@@ -327,7 +329,7 @@ def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: i
         shapes = tensor_shapes(geometry)
         for name, shape in shapes:
             qt = types[name]
-            block, size = GGML_QUANT_SIZES[qt]
+            block, size = BLOCK_FORMATS[qt].block_size, BLOCK_FORMATS[qt].type_size
             row = shape[-1] // block * size
             w.add_tensor_info(name, (*shape[:-1], row), np.dtype(np.uint8),
                               row * int(np.prod(shape[:-1])), raw_dtype=qt)

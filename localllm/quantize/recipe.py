@@ -6,7 +6,9 @@ the output / tied token-embedding matrix goes to Q6_K (Q8_0 for Q8_0 files or ro
 fit 256-blocks); the ``_M``/``_L`` mixes give attn_v, ffn_down and attn_output more bits, by
 layer position (``use_more_bits``: the first and last eighth of the layers and every third
 layer between); rows whose length is not a multiple of the block size fall back to a
-32-block type (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0) or to F16.
+32-block type (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL)
+or to F16. IQ4_NL / IQ4_XS files give attn_v Q5_K when 4+ query heads share a KV head, and the
+first eighth of the ffn_down matrices Q5_K.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+from gguf import GGMLQuantizationType, LlamaFileType
 
 from ..errors import ParameterError, UnsupportedError
+from ..gguf.quants import block_format
 
 Q = GGMLQuantizationType
 F = LlamaFileType
@@ -37,11 +40,15 @@ FILE_TYPES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
     "Q4_1": (F.MOSTLY_Q4_1, Q.Q4_1),
     "Q5_0": (F.MOSTLY_Q5_0, Q.Q5_0),
     "Q5_1": (F.MOSTLY_Q5_1, Q.Q5_1),
+    "IQ4_NL": (F.MOSTLY_IQ4_NL, Q.IQ4_NL),
+    "IQ4_XS": (F.MOSTLY_IQ4_XS, Q.IQ4_XS),
 }
 
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 
-_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0,
+             Q.IQ4_XS: Q.IQ4_NL}
+_IQ4 = ("IQ4_NL", "IQ4_XS")
 
 # substrings of 2-D ".weight" tensors that llama.cpp never quantizes
 _KEEP = ("_norm.weight", "ffn_gate_inp.weight", "altup", "laurel", "per_layer_model_proj",
@@ -131,7 +138,7 @@ def _tensor_type(ftype: str, default: GGMLQuantizationType, name: str, cat: str,
     new = default
     falcon = ms.arch == "falcon"
     if cat == "output" or (tied and cat == "token_embd"):
-        block = GGML_QUANT_SIZES[default][0]
+        block = block_format(default).block_size
         if falcon or ncols % block:
             return Q.Q8_0
         return Q.Q6_K if default != Q.Q8_0 else Q.Q8_0
@@ -144,7 +151,7 @@ def _tensor_type(ftype: str, default: GGMLQuantizationType, name: str, cat: str,
             new = Q.Q4_K if ms.n_gqa >= 4 else Q.Q3_K
         elif ftype == "Q3_K_M":
             new = Q.Q5_K if i < 2 else Q.Q4_K
-        elif ftype == "Q3_K_L":
+        elif ftype == "Q3_K_L" or (ftype in _IQ4 and ms.n_gqa >= 4):
             new = Q.Q5_K
         elif ftype in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, n):
             new = Q.Q6_K
@@ -175,6 +182,8 @@ def _tensor_type(ftype: str, default: GGMLQuantizationType, name: str, cat: str,
                 new = (Q.Q6_K if i < n // 16 else Q.Q5_K if use_more_bits(i, n) else Q.Q4_K)
             elif use_more_bits(i, n):
                 new = Q.Q6_K
+        elif ftype in _IQ4 and i < n // 8:  # llama.cpp: only without an importance matrix
+            new = Q.Q5_K
         elif ftype == "Q5_K_M" and use_more_bits(i, n):
             new = Q.Q6_K
         elif ftype == "Q4_K_S" and not falcon and i < n // 8:
@@ -183,7 +192,7 @@ def _tensor_type(ftype: str, default: GGMLQuantizationType, name: str, cat: str,
     if cat == "attn_output":
         if not falcon:
             if ms.n_expert == 8:
-                if ftype in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M"):
+                if ftype in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M", *_IQ4):
                     new = Q.Q5_K
             else:
                 new = {"Q2_K": Q.Q3_K, "Q3_K_M": Q.Q4_K, "Q3_K_L": Q.Q5_K}.get(ftype, new)
@@ -199,14 +208,14 @@ def fallback(qtype: GGMLQuantizationType, ncols: int) -> GGMLQuantizationType:
     Raises:
         UnsupportedError: a 32-block type that does not fit (llama.cpp has no fallback).
     """
-    block = GGML_QUANT_SIZES[qtype][0]
+    block = block_format(qtype).block_size
     if ncols % block == 0:
         return qtype
     if qtype not in _FALLBACK:
         raise UnsupportedError(f"rows of {ncols} values cannot be stored as {qtype.name} "
                                f"(needs a multiple of {block})")
     new = _FALLBACK[qtype]
-    return new if ncols % GGML_QUANT_SIZES[new][0] == 0 else Q.F16
+    return new if ncols % block_format(new).block_size == 0 else Q.F16
 
 
 def plan(tensors: list[tuple[str, tuple[int, ...], GGMLQuantizationType]], metadata: dict,

@@ -8,8 +8,8 @@ What a load stores (see ``localllm.models.common.Weights`` and ``localllm.models
 
 * weights of the torch backend: matrices dequantized to ``dtype`` (float16: 2 bytes per
   weight), vectors (norms, biases) as float32; of the quantized (Triton) backend, the
-  default on CUDA: the tensors' bytes as in the file (the kernels read blocks directly);
-  on CUDA plus ``CUDA_WORKSPACE`` bytes for activations;
+  default on CUDA: the tensors' bytes as in the file (the kernels read blocks directly;
+  matrices of a type without a kernel are dequantized to ``dtype``); on CUDA plus ``CUDA_WORKSPACE`` bytes for activations;
 * the KV cache at ``--ctx-size``: per layer 2 (K and V) x n_kv_heads x head_dim x cells x
   4 bytes (float32; 2 on CUDA, float16, see ``localllm.models.cache.kv_dtype``), where a sliding-window layer holds ``window + RING_SLACK`` cells when
   that is less than the context (llama.cpp's SWA cache does the same).
@@ -47,12 +47,16 @@ def weight_bytes(gguf, device: torch.device, dtype: torch.dtype = torch.float16,
                  quantized: bool | None = None) -> int:
     """Bytes of the weights once loaded on ``device`` (see the module docstring).
 
-    ``quantized``: matrices stay in their file blocks (default: on CUDA).
+    ``quantized``: matrices stay in their file blocks (default: on CUDA), except those of a
+    type the kernels do not handle (IQ2_XXS ...), which are dequantized to ``dtype`` at load.
     """
     if quantized is None:
         quantized = device.type == "cuda"
+    if quantized:
+        from localllm.kernels import supports
     workspace = CUDA_WORKSPACE if device.type == "cuda" else 0
-    return workspace + sum(stored_bytes(t, quantized, dtype) for t in gguf.tensors.values())
+    return workspace + sum(stored_bytes(t, quantized and supports(t.qtype), dtype)
+                           for t in gguf.tensors.values())
 
 
 def stored_bytes(info, quantized: bool, dtype: torch.dtype = torch.float16) -> int:

@@ -12,7 +12,9 @@ never a dependency of localllm) to write, next to this script:
   chose for every tensor and the RMSE of its dequantized values against the F16 original;
 - ``blocks.npz``: for each ggml block type, 4 rows x 512 sample values, llama.cpp's
   quantized bytes of them (``ggml_quantize_chunk``) and llama.cpp's dequantization of those
-  bytes (the type's ``to_float``), to check that our layouts are bit-compatible.
+  bytes (the type's ``to_float``), to check that our layouts are bit-compatible; and
+  llama.cpp's IQ4_NL / IQ4_XS bytes of 64 x 256 more varied values (``iq4_rows``), which
+  our quantizers must reproduce exactly.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ FFN_DIM = 640
 SEED = 1234
 
 FILE_TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M",
-              "Q3_K_S", "Q2_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
-BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+              "Q3_K_S", "Q2_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"]
+BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+               "IQ4_NL", "IQ4_XS"]
 
 
 def _weights(rng: np.random.Generator, rows: int, cols: int, scale: float) -> np.ndarray:
@@ -143,25 +146,53 @@ def _ggml():
     return lib
 
 
+def iq4_rows() -> np.ndarray:
+    """Values whose IQ4_NL / IQ4_XS quantization blocks.npz stores bytes of, to check that
+    ours are llama.cpp's: (64, 256) float32 of varied shapes (heavy tails, uniform, outliers,
+    values exactly on the codebook, blocks near the all-zero threshold)."""
+    rng = np.random.default_rng(SEED + 2)
+    x = np.concatenate([
+        rng.standard_t(3, size=(16, 256)) * 0.02,
+        rng.uniform(-1, 1, size=(16, 256)) * 10.0 ** rng.integers(-4, 2, size=(16, 1)),
+        _weights(rng, 16, 256, 0.03),
+        rng.standard_normal((16, 256)),
+    ]).astype(np.float32)
+    kvalues = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                        113], dtype=np.float32)
+    x[48, :] = rng.choice(kvalues, 256) * 0.001  # on the codebook
+    x[49, :32] = 1e-16  # below GROUP_MAX_EPS: an all-zero block
+    x[49, 32:64] = 1e-14
+    x[50, :] = 0.0
+    return x
+
+
+def _ggml_quantize(lib, name: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's bytes of ``x`` quantized to ``name`` and their dequantization."""
+    qt = gguf.GGMLQuantizationType[name]
+    traits = lib.ggml_get_type_traits(int(qt)).contents
+    assert traits.type_name.decode().lower() == name.lower(), traits.type_name
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    dst = np.zeros(x.size // block * size, dtype=np.uint8)
+    n = lib.ggml_quantize_chunk(int(qt), x.ctypes.data, dst.ctypes.data, 0, x.shape[0],
+                                x.shape[1], None)
+    assert n == dst.size
+    deq = np.zeros(x.size, dtype=np.float32)
+    to_float = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(
+        traits.to_float)
+    to_float(dst.ctypes.data, deq.ctypes.data, x.size)
+    return dst.reshape(x.shape[0], -1), deq.reshape(x.shape)
+
+
 def record_blocks(out: Path) -> None:
     lib = _ggml()
     x = np.ascontiguousarray(sample_rows())
     arrays = {"values": x}
     for name in BLOCK_TYPES:
-        qt = gguf.GGMLQuantizationType[name]
-        traits = lib.ggml_get_type_traits(int(qt)).contents
-        assert traits.type_name.decode().lower() == name.lower(), traits.type_name
-        block, size = gguf.GGML_QUANT_SIZES[qt]
-        dst = np.zeros(x.size // block * size, dtype=np.uint8)
-        n = lib.ggml_quantize_chunk(int(qt), x.ctypes.data, dst.ctypes.data, 0, x.shape[0],
-                                    x.shape[1], None)
-        assert n == dst.size
-        deq = np.zeros(x.size, dtype=np.float32)
-        to_float = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(
-            traits.to_float)
-        to_float(dst.ctypes.data, deq.ctypes.data, x.size)
-        arrays[f"{name}_bytes"] = dst.reshape(x.shape[0], -1)
-        arrays[f"{name}_dequant"] = deq.reshape(x.shape)
+        arrays[f"{name}_bytes"], arrays[f"{name}_dequant"] = _ggml_quantize(lib, name, x)
+    x = np.ascontiguousarray(iq4_rows())
+    arrays["iq4_values"] = x
+    for name in ("IQ4_NL", "IQ4_XS"):
+        arrays[f"{name}_iq4_bytes"] = _ggml_quantize(lib, name, x)[0]
     np.savez_compressed(out, **arrays)
 
 

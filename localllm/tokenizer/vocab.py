@@ -22,7 +22,8 @@ import re
 from collections.abc import Sequence
 from functools import lru_cache
 
-from .errors import GGUFError, UnsupportedError
+from ..errors import GGUFError, UnsupportedError
+from .pretokenizers import pre_tokenizer
 
 # GGUF token types (gguf.TokenType; identical to sentencepiece's piece types).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -48,45 +49,6 @@ _FIM_TEXTS = (
 # llama.cpp recognises them by these pairs and then leaves "<|end|>" alone.
 _END_IS_NOT_EOG_WITH = (("<|return|>", "<|call|>"), ("<|calls|>", "<|flush|>"))
 _SPECIAL_ID_KEYS = ("bos", "eos", "eot", "eom", "unknown", "padding", "sep")
-
-# Pre-tokenizer regexes by ``tokenizer.ggml.pre`` (llama.cpp's llama-vocab.cpp lists the same).
-# A tuple is applied in stages: each regex splits every piece the previous one produced, and
-# the text between matches stays a piece of its own (llama.cpp's unicode_regex_split).
-_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-# Contractions match ASCII case only: (?i:'s) would also take the long s "'ſ".
-_CONTRACTIONS = r"'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD]"
-_LLAMA3_REGEX = (
-    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = (
-    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# llama.cpp's fallback when the pre-tokenizer is missing: punctuation runs are cut off first,
-# then the GPT-2 split, then digit runs are cut into groups of three from the left.
-_DEFAULT_REGEXES = (
-    r"[\p{P}\$\+<=>\^~\|]+",
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
-    r"\p{N}+",
-    r"[0-9][0-9][0-9]",
-)
-PRE_TOKENIZER_REGEX: dict[str, str | tuple[str, ...]] = {
-    "default": _DEFAULT_REGEXES,
-    "gpt2": _GPT2_REGEX,
-    "gpt-2": _GPT2_REGEX,
-    "llama3": _LLAMA3_REGEX,
-    "llama-v3": _LLAMA3_REGEX,
-    "llama-bpe": _LLAMA3_REGEX,
-    "falcon3": _LLAMA3_REGEX,
-    "smaug-bpe": _LLAMA3_REGEX,
-    "qwen2": _QWEN2_REGEX,
-    "deepseek-r1-qwen": _QWEN2_REGEX,
-}
-# Pre-tokenizer names llama.cpp loads as LLAMA3: whole words found in the vocabulary skip the
-# merges (ignore_merges) and BOS is added unless tokenizer.ggml.add_bos_token says otherwise.
-_LLAMA3_PRES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3"})
-
 
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
@@ -150,8 +112,12 @@ class Tokenizer:
 
         ids = {name: special_id(name) for name in _SPECIAL_ID_KEYS}
         self.bos_id, self.eos_id = ids["bos"], ids["eos"]
-        pre = metadata.get("tokenizer.ggml.pre", "default")
-        default_bos = self.model_type == "llama" or pre in _LLAMA3_PRES
+        if self.model_type == "gpt2":
+            self.pre, pre = pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
+            default_bos, self.clean_spaces = pre.add_bos, pre.clean_spaces
+        else:
+            self.pre, pre = "default", None
+            default_bos, self.clean_spaces = True, False
         self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
         self.add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
         self.add_space_prefix = bool(
@@ -171,12 +137,16 @@ class Tokenizer:
         self._text_to_id = text_to_id
         self._bytes_cache: list[bytes | None] = [None] * self.n_vocab
         if self.model_type == "llama":
-            self._sp = _build_sentencepiece(self.tokens, self.scores, self.types, ids)
+            from .spm import build_sentencepiece
+
+            self._sp = build_sentencepiece(self.tokens, self.scores, self.types, ids)
         else:
+            from .bpe import build_byte_bpe
+
             merges = metadata.get("tokenizer.ggml.merges")
             if not merges:
                 raise GGUFError("tokenizer.ggml.merges is missing for a gpt2 vocabulary")
-            self._bpe = _build_byte_bpe(self.tokens, list(merges), pre)
+            self._bpe = build_byte_bpe(self.tokens, list(merges), self.pre, pre)
 
     def _promote_special_texts(self) -> set[int]:
         """Mark the turn-end and fill-in-the-middle texts CONTROL, as llama.cpp does on load;
@@ -307,58 +277,3 @@ def _alternation(texts: list[str]) -> re.Pattern | None:
         return None
     texts = sorted(set(texts), key=len, reverse=True)  # longest match first, as llama.cpp
     return re.compile("|".join(map(re.escape, texts)))
-
-
-def _build_sentencepiece(tokens, scores, types, ids):
-    """A SentencePiece BPE processor holding exactly the GGUF vocabulary."""
-    import sentencepiece as spm
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
-    proto = pb.ModelProto()
-    proto.trainer_spec.model_type = pb.TrainerSpec.BPE
-    proto.trainer_spec.vocab_size = len(tokens)
-    proto.trainer_spec.byte_fallback = BYTE in types
-    proto.trainer_spec.unk_id = ids["unknown"] if ids["unknown"] is not None else 0
-    proto.trainer_spec.bos_id = ids["bos"] if ids["bos"] is not None else -1
-    proto.trainer_spec.eos_id = ids["eos"] if ids["eos"] is not None else -1
-    proto.trainer_spec.pad_id = ids["padding"] if ids["padding"] is not None else -1
-    # The space prefix and special-token splitting are done by us, as llama.cpp does them.
-    proto.normalizer_spec.name = "identity"
-    proto.normalizer_spec.add_dummy_prefix = False
-    proto.normalizer_spec.remove_extra_whitespaces = False
-    proto.normalizer_spec.escape_whitespaces = True
-    seen: set[str] = set()
-    for i, text in enumerate(tokens):
-        piece = proto.pieces.add()
-        kind = types[i]
-        if text in seen or not text:  # sentencepiece rejects duplicates and empty pieces
-            text, kind = f"<localllm-unused-{i}>", UNUSED
-        seen.add(text)
-        piece.piece = text
-        piece.score = float(scores[i]) if scores is not None else 0.0
-        piece.type = kind if kind in (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE) else NORMAL
-    if proto.trainer_spec.unk_id >= 0:
-        proto.pieces[proto.trainer_spec.unk_id].type = UNKNOWN
-    processor = spm.SentencePieceProcessor()
-    processor.LoadFromSerializedProto(proto.SerializeToString())
-    return processor
-
-
-def _build_byte_bpe(tokens, merges, pre):
-    """A ``tokenizers`` byte-level BPE holding the GGUF vocabulary and merges."""
-    from tokenizers import Regex, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers.models import BPE
-
-    if pre not in PRE_TOKENIZER_REGEX:
-        raise UnsupportedError(f"tokenizer.ggml.pre {pre!r} is not supported")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    bpe = HFTokenizer(BPE(vocab, pairs, ignore_merges=pre in _LLAMA3_PRES))
-    regexes = PRE_TOKENIZER_REGEX[pre]
-    regexes = (regexes,) if isinstance(regexes, str) else regexes
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    return bpe

@@ -36,7 +36,21 @@ FALCON = (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_CORE, r"[0-9][0-9][0-9]")
 STARCODER = (r"\p{N}", _GPT2_CORE)
 DEEPSEEK_LLM = (
     r"[\r\n]",
-    r"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    # letters by range, escaped (NFC would fold some of these code points)
+    r"\s?"
+    "[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295"
+    "-\u02af\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-"
+    "\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5"
+    "\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00"
+    "-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-"
+    "\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-"
+    "\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-"
+    "\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149"
+    "\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+    "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13"
+    "-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3"
+    "\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df"
+    "\U0001e900-\U0001e943]+",
     r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
     r"\s+$",
     r"[一-龥ࠀ-一가-퟿]+",
@@ -60,11 +74,12 @@ SPARK2_5 = (
 # collapsed-category matching), an ASCII one as its own.
 _UPPER = r"((?=[\p{L}])([^a-z]))"
 _LOWER = r"((?=[\p{L}])([^A-Z]))"
+# llama.cpp matches \p{Lu}, \p{Ll} ... as "any letter" (its std::regex sees one collapsed
+# letter class, ASCII A-Za-z included), so a case-split word is just letters and marks.
+_LETTERS_MARKS = r"[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+" + _CONTRACTIONS + "?"
 YOUTU = (
     r"[가-힣ㄱ-ㆎ]+|[！…“”‘’—：；，、-〿︰-﹏]+|[ㄅ-ㄯ]+|[一-龥぀-ゟ゠-ヿ]+",
-    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
-    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    _LETTERS_MARKS + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
 TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -79,14 +94,8 @@ GRANITE_EMB_MULTI = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER_M}*{_LOWER_M}+{_CONTRACTIO
 # Digit runs cut from the right into groups of three (llama.cpp's custom AFMoE splitter, also
 # used for tiny_aya's \d{1,3}(?=(?:\d{3})*\b)).
 _DIGITS_FROM_RIGHT = r"(?<!\p{N})\p{N}{1,2}(?=(?:\p{N}{3})*(?!\p{N}))|\p{N}{3}"
-# tiny_aya's second regex: llama.cpp's form of tokenizer.json's, Unicode case classes kept.
-_TINY_AYA_WORDS = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    + _CONTRACTIONS + r"?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
-    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _CONTRACTIONS + r"?|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-TINY_AYA = (_DIGITS_FROM_RIGHT, _TINY_AYA_WORDS)
+TINY_AYA = (_DIGITS_FROM_RIGHT, _LETTERS_MARKS + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
+            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 PORO = r" ?[^(\s|.,!?…。，、।۔،)]+"
 VIKING = (r" ?[^(\s|.,!?…。，、।۔،)]+", r"\p{N}")
 CHAMELEON = (
@@ -172,7 +181,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "falcon": _p(FALCON),
     "mpt": _GPT2_TYPE,
     "starcoder": _STARCODER_TYPE,
-    **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es",
+    **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es",
                      "jina-v2-de", "a.x-4.0", "mellum", "modern-bert"), _GPT2_TYPE),
     "jais-2": _p(JAIS2),
     **dict.fromkeys(("jina-v1-en", "jina-v2-code", "roberta-bpe"), _ROBERTA_TYPE),
@@ -185,7 +194,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "dbrx": _p(LLAMA3),
     "smaug-bpe": _p(LLAMA3),
     "poro-chat": _p(PORO, clean_spaces=False),
-    "glm4": _CHATGLM_TYPE,
+    # the oracle build (llama-cpp-python 0.3.36) also skips merges for whole words of glm4
+    "glm4": _p(LLAMA3, ignore_merges=True, no_default_bos=True),
     "chatglm-bpe": _CHATGLM_TYPE,
     "viking": _p(VIKING, clean_spaces=False),
     "jais": _GPT2_TYPE,

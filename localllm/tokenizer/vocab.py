@@ -49,6 +49,8 @@ _FIM_TEXTS = (
 # llama.cpp recognises them by these pairs and then leaves "<|end|>" alone.
 _END_IS_NOT_EOG_WITH = (("<|return|>", "<|call|>"), ("<|calls|>", "<|flush|>"))
 _SPECIAL_ID_KEYS = ("bos", "eos", "eot", "eom", "unknown", "padding", "sep")
+# tokenizer.ggml.model values: SentencePiece BPE, byte-level BPE, WordPiece, Unigram.
+_MODEL_TYPES = ("llama", "gpt2", "bert", "t5")
 
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
@@ -83,10 +85,12 @@ class Tokenizer:
     def __init__(self, metadata: dict) -> None:
         self.model_type: str = metadata.get("tokenizer.ggml.model", "")
         tokens = metadata.get("tokenizer.ggml.tokens")
-        if self.model_type not in ("llama", "gpt2"):
-            raise UnsupportedError(
-                f"tokenizer type {self.model_type!r} is not supported (supported: llama, gpt2)"
-            )
+        if self.model_type == "rwkv":
+            raise UnsupportedError("tokenizer type 'rwkv' (RWKV's greedy trie tokenizer) is not "
+                                   "supported")
+        if self.model_type not in _MODEL_TYPES:
+            raise UnsupportedError(f"tokenizer type {self.model_type!r} is not supported "
+                                   f"(supported: {', '.join(_MODEL_TYPES)})")
         if not tokens:
             raise GGUFError("tokenizer.ggml.tokens is missing or empty")
         self.tokens: list[str] = list(tokens)
@@ -100,7 +104,8 @@ class Tokenizer:
             raise GGUFError("tokenizer.ggml.token_type/scores lengths differ from tokens")
 
         def special_id(name: str) -> int | None:
-            value = metadata.get(f"tokenizer.ggml.{name}_token_id")
+            key = "seperator" if name == "sep" else name  # llama.cpp's spelling of the key
+            value = metadata.get(f"tokenizer.ggml.{key}_token_id")
             if value is None:
                 return None
             if not 0 <= int(value) < self.n_vocab:
@@ -111,15 +116,21 @@ class Tokenizer:
             return int(value)
 
         ids = {name: special_id(name) for name in _SPECIAL_ID_KEYS}
-        self.bos_id, self.eos_id = ids["bos"], ids["eos"]
+        self.bos_id, self.eos_id, self.sep_id = ids["bos"], ids["eos"], ids["sep"]
+        self.unk_id = ids["unknown"]
+        # llama.cpp's per-type defaults (llama_vocab::impl::load), then the GGUF's keys
+        default_eos = default_sep = False
         if self.model_type == "gpt2":
             self.pre, pre = pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
             default_bos, self.clean_spaces = pre.add_bos, pre.clean_spaces
         else:
             self.pre, pre = "default", None
-            default_bos, self.clean_spaces = True, False
+            default_bos, self.clean_spaces = self.model_type != "t5", self.model_type == "bert"
+            default_eos = self.model_type == "t5"
+            default_sep = self.model_type == "bert"
         self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
-        self.add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+        self.add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", default_eos))
+        self.add_sep = bool(metadata.get("tokenizer.ggml.add_sep_token", default_sep))
         self.add_space_prefix = bool(
             metadata.get("tokenizer.ggml.add_space_prefix", self.model_type == "llama")
         )
@@ -140,6 +151,20 @@ class Tokenizer:
             from .spm import build_sentencepiece
 
             self._sp = build_sentencepiece(self.tokens, self.scores, self.types, ids)
+        elif self.model_type == "bert":
+            from .wpm import WordPiece
+
+            lower = bool(metadata.get("tokenizer.ggml.normalizer.lowercase", True))
+            strip = bool(metadata.get("tokenizer.ggml.normalizer.strip_accents", lower))
+            self._wpm = WordPiece(self.tokens, self.unk_id, lowercase=lower, strip_accents=strip)
+        elif self.model_type == "t5":
+            from .ugm import Unigram
+
+            self._ugm = Unigram(self.tokens, self.scores, self.types, self.unk_id,
+                                metadata.get("tokenizer.ggml.precompiled_charsmap"),
+                                add_space_prefix=self.add_space_prefix,
+                                remove_extra_whitespaces=bool(metadata.get(
+                                    "tokenizer.ggml.remove_extra_whitespaces", False)))
         else:
             from .bpe import build_byte_bpe
 
@@ -171,6 +196,7 @@ class Tokenizer:
             special: recognise CONTROL token texts (``<start_of_turn>`` ...) as single tokens;
                 leave False for raw user input.
         """
+        add_special = add_bos is not False  # llama.cpp's add_special: BOS, EOS, SEP
         add_bos = self.add_bos if add_bos is None else add_bos
         ids: list[int] = [self.bos_id] if add_bos and self.bos_id is not None else []
         pattern = self._special_re if special else self._user_re
@@ -183,8 +209,10 @@ class Tokenizer:
             prev_special, pos = True, m.end()
         if pos < len(text):
             ids += self._encode_raw(text[pos:], prev_special)
-        if self.add_eos and self.eos_id is not None:
+        if add_special and self.add_eos and self.eos_id is not None:
             ids.append(self.eos_id)
+        if add_special and self.add_sep and self.sep_id is not None:
+            ids.append(self.sep_id)
         return ids
 
     def _encode_raw(self, text: str, after_special: bool) -> list[int]:
@@ -192,6 +220,10 @@ class Tokenizer:
             if self.add_space_prefix and after_special:
                 text = " " + text
             return self._sp.encode(text)
+        if self.model_type == "bert":
+            return self._wpm.encode(text)
+        if self.model_type == "t5":
+            return self._ugm.encode(text)
         return self._bpe.encode(text, add_special_tokens=False).ids
 
     # ---- decoding -------------------------------------------------------------------------
@@ -217,7 +249,7 @@ class Tokenizer:
             return bytes([int(text[3:-1], 16)])
         if kind == USER_DEFINED:
             return text.encode("utf-8")
-        if self.model_type == "llama":
+        if self.model_type != "gpt2":  # SentencePiece-style pieces: ▁ is a space
             return text.replace("▁", " ").encode("utf-8")
         table = _byte_decoder()
         try:
@@ -233,7 +265,8 @@ class Tokenizer:
         """Text of ``ids``; invalid UTF-8 is replaced. ``special`` renders control tokens."""
         piece = self.special_bytes if special else self.token_bytes
         data = b"".join(piece(i) for i in ids)
-        if self.model_type == "llama" and self.add_space_prefix and data.startswith(b" "):
+        if (self.model_type == "bert" or self.model_type != "gpt2" and self.add_space_prefix) \
+                and data.startswith(b" "):
             data = data[1:]  # the space the encoder prefixed (llama.cpp strips it too)
         return data.decode("utf-8", errors="replace")
 

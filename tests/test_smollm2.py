@@ -90,7 +90,9 @@ def test_next_token_distribution_matches_llama_cpp(smollm, reference):
     for i, p in enumerate(reference["prompts"]):
         ours = torch.log_softmax(smollm.logits(p["prompt_ids"]).double().cpu(), -1)
         ref = ref_logprobs[i]
-        assert int(ours.argmax()) == p["top20_ids"][0], p["prompt"]
+        margin = p["top20_logprobs"][0] - p["top20_logprobs"][1]
+        if margin >= 0.25:  # a near-tie may go either way under float16 weights
+            assert int(ours.argmax()) == p["top20_ids"][0], p["prompt"]
         kls.append(float((ref.exp() * (ref - ours)).sum()))
     assert np.mean(kls) <= 0.02, kls
 
@@ -118,3 +120,27 @@ def test_perplexity_matches_llama_cpp(smollm):
     res = perplexity(smollm, text, n_ctx=ref["n_ctx"])
     assert res.n_chunks == ref["n_chunks"] and res.n_scored == ref["scored"]
     assert abs(res.ppl / ref["ppl"] - 1) < 0.01, res.ppl
+
+
+@pytest.mark.slow
+def test_repl_two_turns_stop_at_end_of_turn_and_reuse_the_cache(smollm):
+    """The chat REPL on a model trained to chat: each reply ends at <|im_end|> (well before
+    the n_predict cap), names the right city, and the second turn reuses the first's KV."""
+    import io
+
+    from rich.console import Console
+
+    from localllm.cli.repl import ChatREPL
+
+    repl = ChatREPL(smollm, console=Console(file=io.StringIO(), width=120, color_system=None),
+                    params=smollm.sampling_params(temp=0.0), n_predict=200)
+    assert repl.template.name == "tokenizer.chat_template"
+    repl.handle_line("What is the capital of France? Answer in one word.")
+    first = repl.messages[-1]
+    assert first["role"] == "assistant" and "Paris" in first["content"]
+    first_prompt = repl.stats.prompt_evaluated
+    replied = len(smollm.tokenize(first["content"], add_bos=False))
+    assert replied < 200  # stopped by the end-of-turn token, not the cap
+    repl.handle_line("And the capital of Italy?")
+    assert "Rome" in repl.messages[-1]["content"]
+    assert repl.stats.prompt_reused >= first_prompt

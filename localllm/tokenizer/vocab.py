@@ -1,13 +1,15 @@
 """Tokenizers built from GGUF metadata, matching llama.cpp's ``llama-vocab.cpp``.
 
-Two vocabulary types are supported, under the names llama.cpp gives them in
+Four vocabulary types are supported, under the names llama.cpp gives them in
 ``tokenizer.ggml.model``:
 
 * ``llama``: SentencePiece BPE (Llama 1/2, Mistral, Gemma). Encoding goes through the
   ``sentencepiece`` library, fed a model proto rebuilt from the GGUF vocabulary
-  (pieces, scores, token types).
-* ``gpt2``: byte-level BPE (Llama 3, Qwen 2/3, ...). Encoding goes through the
-  ``tokenizers`` library with the pre-tokenizer regex that ``tokenizer.ggml.pre`` names.
+  (pieces, scores, token types) (``spm.py``).
+* ``gpt2``: byte-level BPE (Llama 3, Qwen 2/3, SmolLM ...). Encoding goes through the
+  ``tokenizers`` library with the pre-tokenizer that ``tokenizer.ggml.pre`` names
+  (``bpe.py``, ``pretokenizers.py``).
+* ``bert``: WordPiece (``wpm.py``); ``t5``: Unigram (``ugm.py``). ``rwkv`` is refused.
 
 Special tokens follow llama.cpp: CONTROL tokens are only recognised in the text when
 ``special=True``; USER_DEFINED tokens are always recognised. Known turn-end and
@@ -79,7 +81,14 @@ class Tokenizer:
         eog_ids: every end-of-generation token id (EOS, EOT, EOM, known turn-end texts and
             fill-in-the-middle separators, as llama.cpp collects them).
         add_bos: ``tokenizer.ggml.add_bos_token`` (llama.cpp's default: True for ``llama`` and
-            for ``gpt2`` with a Llama-3 pre-tokenizer).
+            ``bert``, and for ``gpt2`` when the pre-tokenizer's type says so).
+        add_eos / add_sep: appended when special tokens are added (defaults: ``t5`` adds EOS,
+            ``bert`` SEP).
+        pre: the ``tokenizer.ggml.pre`` entry in use (``default`` for a missing or unknown
+            name and for non-BPE vocabularies); clean_spaces: its clean-up flag.
+    Raises:
+        GGUFError: missing or inconsistent tokenizer keys, merges naming unknown pieces.
+        UnsupportedError: a vocabulary type (rwkv ...) or pre-tokenizer not implemented.
     """
 
     def __init__(self, metadata: dict) -> None:

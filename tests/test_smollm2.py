@@ -118,6 +118,7 @@ def test_perplexity_matches_llama_cpp(smollm):
     ref = json.loads((DATA / "perplexity-gpl3-ctx512.json").read_text())
     text = (Path(__file__).parent / "data" / "reference" / ref["text"]).read_text()
     res = perplexity(smollm, text, n_ctx=ref["n_ctx"])
+    print(f"perplexity {res.ppl:.4f} (llama.cpp {ref['ppl']:.4f})")
     assert res.n_chunks == ref["n_chunks"] and res.n_scored == ref["scored"]
     assert abs(res.ppl / ref["ppl"] - 1) < 0.01, res.ppl
 

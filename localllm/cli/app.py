@@ -254,18 +254,10 @@ def tokenize(
 
 @app.command()
 def models() -> None:
-    """List the models of models.toml and whether each is present."""
-    from rich.console import Console
-    from rich.table import Table
+    """List the models of models.toml: present or pulled, size and where."""
+    from .pull import print_models
 
-    from ..registry import load_registry
-
-    reg = load_registry()
-    table = Table("name", "source", "status", "notes")
-    for name, e in reg.models.items():
-        table.add_row(name + (" (default)" if name == reg.default else ""), e.source, e.status(),
-                      e.notes)
-    Console().print(table)
+    print_models()
 
 
 @app.command()
@@ -300,6 +292,8 @@ app.command("chat")(_attach_sampling(__import__("localllm.cli.repl", fromlist=["
 app.command("quantize", no_args_is_help=True)(
     __import__("localllm.cli.quantize", fromlist=["_"]).quantize_command)
 app.command("perplexity")(__import__("localllm.cli.perplexity", fromlist=["_"]).perplexity_command)
+app.command("pull", no_args_is_help=True)(__import__("localllm.cli.pull", fromlist=["_"]).pull_command)
+app.command("rm", no_args_is_help=True)(__import__("localllm.cli.pull", fromlist=["_"]).rm_command)
 
 
 def main() -> None:

@@ -601,7 +601,7 @@ def _parse_like(current, value: str, name: str):
 # ---- the `chat` command ----------------------------------------------------------------------
 def chat_command(
     model: Annotated[str | None, typer.Argument(
-        help="models.toml name or .gguf path (default: gemma3-270m)")] = None,
+        help="models.toml name or .gguf path (default: smollm2-135m-instruct)")] = None,
     system: Annotated[str | None, typer.Option("--system", help="system prompt")] = None,
     chat_template: Annotated[str | None, typer.Option(
         "--chat-template", help="built-in template NAME (gemma, llama3, chatml, mistral, "
@@ -626,6 +626,11 @@ def chat_command(
 
     from ..api import LLM
 
+    if model is None:  # chat's own default: an instruct model
+        from ..registry import load_registry
+
+        reg = load_registry()
+        model = reg.chat_default or reg.default
     llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, verbose=verbose)
     if sampling is None:
         params = llm.sampling_params()

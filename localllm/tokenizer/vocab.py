@@ -1,13 +1,15 @@
 """Tokenizers built from GGUF metadata, matching llama.cpp's ``llama-vocab.cpp``.
 
-Two vocabulary types are supported, under the names llama.cpp gives them in
+Four vocabulary types are supported, under the names llama.cpp gives them in
 ``tokenizer.ggml.model``:
 
 * ``llama``: SentencePiece BPE (Llama 1/2, Mistral, Gemma). Encoding goes through the
   ``sentencepiece`` library, fed a model proto rebuilt from the GGUF vocabulary
-  (pieces, scores, token types).
-* ``gpt2``: byte-level BPE (Llama 3, Qwen 2/3, ...). Encoding goes through the
-  ``tokenizers`` library with the pre-tokenizer regex that ``tokenizer.ggml.pre`` names.
+  (pieces, scores, token types) (``spm.py``).
+* ``gpt2``: byte-level BPE (Llama 3, Qwen 2/3, SmolLM ...). Encoding goes through the
+  ``tokenizers`` library with the pre-tokenizer that ``tokenizer.ggml.pre`` names
+  (``bpe.py``, ``pretokenizers.py``).
+* ``bert``: WordPiece (``wpm.py``); ``t5``: Unigram (``ugm.py``). ``rwkv`` is refused.
 
 Special tokens follow llama.cpp: CONTROL tokens are only recognised in the text when
 ``special=True``; USER_DEFINED tokens are always recognised. Known turn-end and
@@ -22,7 +24,8 @@ import re
 from collections.abc import Sequence
 from functools import lru_cache
 
-from .errors import GGUFError, UnsupportedError
+from ..errors import GGUFError, UnsupportedError
+from .pretokenizers import pre_tokenizer
 
 # GGUF token types (gguf.TokenType; identical to sentencepiece's piece types).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -48,45 +51,8 @@ _FIM_TEXTS = (
 # llama.cpp recognises them by these pairs and then leaves "<|end|>" alone.
 _END_IS_NOT_EOG_WITH = (("<|return|>", "<|call|>"), ("<|calls|>", "<|flush|>"))
 _SPECIAL_ID_KEYS = ("bos", "eos", "eot", "eom", "unknown", "padding", "sep")
-
-# Pre-tokenizer regexes by ``tokenizer.ggml.pre`` (llama.cpp's llama-vocab.cpp lists the same).
-# A tuple is applied in stages: each regex splits every piece the previous one produced, and
-# the text between matches stays a piece of its own (llama.cpp's unicode_regex_split).
-_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-# Contractions match ASCII case only: (?i:'s) would also take the long s "'ſ".
-_CONTRACTIONS = r"'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD]"
-_LLAMA3_REGEX = (
-    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = (
-    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# llama.cpp's fallback when the pre-tokenizer is missing: punctuation runs are cut off first,
-# then the GPT-2 split, then digit runs are cut into groups of three from the left.
-_DEFAULT_REGEXES = (
-    r"[\p{P}\$\+<=>\^~\|]+",
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
-    r"\p{N}+",
-    r"[0-9][0-9][0-9]",
-)
-PRE_TOKENIZER_REGEX: dict[str, str | tuple[str, ...]] = {
-    "default": _DEFAULT_REGEXES,
-    "gpt2": _GPT2_REGEX,
-    "gpt-2": _GPT2_REGEX,
-    "llama3": _LLAMA3_REGEX,
-    "llama-v3": _LLAMA3_REGEX,
-    "llama-bpe": _LLAMA3_REGEX,
-    "falcon3": _LLAMA3_REGEX,
-    "smaug-bpe": _LLAMA3_REGEX,
-    "qwen2": _QWEN2_REGEX,
-    "deepseek-r1-qwen": _QWEN2_REGEX,
-}
-# Pre-tokenizer names llama.cpp loads as LLAMA3: whole words found in the vocabulary skip the
-# merges (ignore_merges) and BOS is added unless tokenizer.ggml.add_bos_token says otherwise.
-_LLAMA3_PRES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3"})
-
+# tokenizer.ggml.model values: SentencePiece BPE, byte-level BPE, WordPiece, Unigram.
+_MODEL_TYPES = ("llama", "gpt2", "bert", "t5")
 
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
@@ -115,16 +81,25 @@ class Tokenizer:
         eog_ids: every end-of-generation token id (EOS, EOT, EOM, known turn-end texts and
             fill-in-the-middle separators, as llama.cpp collects them).
         add_bos: ``tokenizer.ggml.add_bos_token`` (llama.cpp's default: True for ``llama`` and
-            for ``gpt2`` with a Llama-3 pre-tokenizer).
+            ``bert``, and for ``gpt2`` when the pre-tokenizer's type says so).
+        add_eos / add_sep: appended when special tokens are added (defaults: ``t5`` adds EOS,
+            ``bert`` SEP).
+        pre: the ``tokenizer.ggml.pre`` entry in use (``default`` for a missing or unknown
+            name and for non-BPE vocabularies); clean_spaces: its clean-up flag.
+    Raises:
+        GGUFError: missing or inconsistent tokenizer keys, merges naming unknown pieces.
+        UnsupportedError: a vocabulary type (rwkv ...) or pre-tokenizer not implemented.
     """
 
     def __init__(self, metadata: dict) -> None:
         self.model_type: str = metadata.get("tokenizer.ggml.model", "")
         tokens = metadata.get("tokenizer.ggml.tokens")
-        if self.model_type not in ("llama", "gpt2"):
-            raise UnsupportedError(
-                f"tokenizer type {self.model_type!r} is not supported (supported: llama, gpt2)"
-            )
+        if self.model_type == "rwkv":
+            raise UnsupportedError("tokenizer type 'rwkv' (RWKV's greedy trie tokenizer) is not "
+                                   "supported")
+        if self.model_type not in _MODEL_TYPES:
+            raise UnsupportedError(f"tokenizer type {self.model_type!r} is not supported "
+                                   f"(supported: {', '.join(_MODEL_TYPES)})")
         if not tokens:
             raise GGUFError("tokenizer.ggml.tokens is missing or empty")
         self.tokens: list[str] = list(tokens)
@@ -138,7 +113,8 @@ class Tokenizer:
             raise GGUFError("tokenizer.ggml.token_type/scores lengths differ from tokens")
 
         def special_id(name: str) -> int | None:
-            value = metadata.get(f"tokenizer.ggml.{name}_token_id")
+            key = "seperator" if name == "sep" else name  # llama.cpp's spelling of the key
+            value = metadata.get(f"tokenizer.ggml.{key}_token_id")
             if value is None:
                 return None
             if not 0 <= int(value) < self.n_vocab:
@@ -149,11 +125,21 @@ class Tokenizer:
             return int(value)
 
         ids = {name: special_id(name) for name in _SPECIAL_ID_KEYS}
-        self.bos_id, self.eos_id = ids["bos"], ids["eos"]
-        pre = metadata.get("tokenizer.ggml.pre", "default")
-        default_bos = self.model_type == "llama" or pre in _LLAMA3_PRES
+        self.bos_id, self.eos_id, self.sep_id = ids["bos"], ids["eos"], ids["sep"]
+        self.unk_id = ids["unknown"]
+        # llama.cpp's per-type defaults (llama_vocab::impl::load), then the GGUF's keys
+        default_eos = default_sep = False
+        if self.model_type == "gpt2":
+            self.pre, pre = pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
+            default_bos, self.clean_spaces = pre.add_bos, pre.clean_spaces
+        else:
+            self.pre, pre = "default", None
+            default_bos, self.clean_spaces = self.model_type != "t5", self.model_type == "bert"
+            default_eos = self.model_type == "t5"
+            default_sep = self.model_type == "bert"
         self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
-        self.add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+        self.add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", default_eos))
+        self.add_sep = bool(metadata.get("tokenizer.ggml.add_sep_token", default_sep))
         self.add_space_prefix = bool(
             metadata.get("tokenizer.ggml.add_space_prefix", self.model_type == "llama")
         )
@@ -171,12 +157,30 @@ class Tokenizer:
         self._text_to_id = text_to_id
         self._bytes_cache: list[bytes | None] = [None] * self.n_vocab
         if self.model_type == "llama":
-            self._sp = _build_sentencepiece(self.tokens, self.scores, self.types, ids)
+            from .spm import build_sentencepiece
+
+            self._sp = build_sentencepiece(self.tokens, self.scores, self.types, ids)
+        elif self.model_type == "bert":
+            from .wpm import WordPiece
+
+            lower = bool(metadata.get("tokenizer.ggml.normalizer.lowercase", True))
+            strip = bool(metadata.get("tokenizer.ggml.normalizer.strip_accents", lower))
+            self._wpm = WordPiece(self.tokens, self.unk_id, lowercase=lower, strip_accents=strip)
+        elif self.model_type == "t5":
+            from .ugm import Unigram
+
+            self._ugm = Unigram(self.tokens, self.scores, self.types, self.unk_id,
+                                metadata.get("tokenizer.ggml.precompiled_charsmap"),
+                                add_space_prefix=self.add_space_prefix,
+                                remove_extra_whitespaces=bool(metadata.get(
+                                    "tokenizer.ggml.remove_extra_whitespaces", False)))
         else:
+            from .bpe import build_byte_bpe
+
             merges = metadata.get("tokenizer.ggml.merges")
             if not merges:
                 raise GGUFError("tokenizer.ggml.merges is missing for a gpt2 vocabulary")
-            self._bpe = _build_byte_bpe(self.tokens, list(merges), pre)
+            self._bpe = build_byte_bpe(self.tokens, list(merges), self.pre, pre)
 
     def _promote_special_texts(self) -> set[int]:
         """Mark the turn-end and fill-in-the-middle texts CONTROL, as llama.cpp does on load;
@@ -201,6 +205,7 @@ class Tokenizer:
             special: recognise CONTROL token texts (``<start_of_turn>`` ...) as single tokens;
                 leave False for raw user input.
         """
+        add_special = add_bos is not False  # llama.cpp's add_special: BOS, EOS, SEP
         add_bos = self.add_bos if add_bos is None else add_bos
         ids: list[int] = [self.bos_id] if add_bos and self.bos_id is not None else []
         pattern = self._special_re if special else self._user_re
@@ -213,8 +218,10 @@ class Tokenizer:
             prev_special, pos = True, m.end()
         if pos < len(text):
             ids += self._encode_raw(text[pos:], prev_special)
-        if self.add_eos and self.eos_id is not None:
+        if add_special and self.add_eos and self.eos_id is not None:
             ids.append(self.eos_id)
+        if add_special and self.add_sep and self.sep_id is not None:
+            ids.append(self.sep_id)
         return ids
 
     def _encode_raw(self, text: str, after_special: bool) -> list[int]:
@@ -222,6 +229,10 @@ class Tokenizer:
             if self.add_space_prefix and after_special:
                 text = " " + text
             return self._sp.encode(text)
+        if self.model_type == "bert":
+            return self._wpm.encode(text)
+        if self.model_type == "t5":
+            return self._ugm.encode(text)
         return self._bpe.encode(text, add_special_tokens=False).ids
 
     # ---- decoding -------------------------------------------------------------------------
@@ -247,7 +258,7 @@ class Tokenizer:
             return bytes([int(text[3:-1], 16)])
         if kind == USER_DEFINED:
             return text.encode("utf-8")
-        if self.model_type == "llama":
+        if self.model_type != "gpt2":  # SentencePiece-style pieces: ▁ is a space
             return text.replace("▁", " ").encode("utf-8")
         table = _byte_decoder()
         try:
@@ -263,7 +274,8 @@ class Tokenizer:
         """Text of ``ids``; invalid UTF-8 is replaced. ``special`` renders control tokens."""
         piece = self.special_bytes if special else self.token_bytes
         data = b"".join(piece(i) for i in ids)
-        if self.model_type == "llama" and self.add_space_prefix and data.startswith(b" "):
+        if (self.model_type == "bert" or self.model_type != "gpt2" and self.add_space_prefix) \
+                and data.startswith(b" "):
             data = data[1:]  # the space the encoder prefixed (llama.cpp strips it too)
         return data.decode("utf-8", errors="replace")
 
@@ -307,58 +319,3 @@ def _alternation(texts: list[str]) -> re.Pattern | None:
         return None
     texts = sorted(set(texts), key=len, reverse=True)  # longest match first, as llama.cpp
     return re.compile("|".join(map(re.escape, texts)))
-
-
-def _build_sentencepiece(tokens, scores, types, ids):
-    """A SentencePiece BPE processor holding exactly the GGUF vocabulary."""
-    import sentencepiece as spm
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
-    proto = pb.ModelProto()
-    proto.trainer_spec.model_type = pb.TrainerSpec.BPE
-    proto.trainer_spec.vocab_size = len(tokens)
-    proto.trainer_spec.byte_fallback = BYTE in types
-    proto.trainer_spec.unk_id = ids["unknown"] if ids["unknown"] is not None else 0
-    proto.trainer_spec.bos_id = ids["bos"] if ids["bos"] is not None else -1
-    proto.trainer_spec.eos_id = ids["eos"] if ids["eos"] is not None else -1
-    proto.trainer_spec.pad_id = ids["padding"] if ids["padding"] is not None else -1
-    # The space prefix and special-token splitting are done by us, as llama.cpp does them.
-    proto.normalizer_spec.name = "identity"
-    proto.normalizer_spec.add_dummy_prefix = False
-    proto.normalizer_spec.remove_extra_whitespaces = False
-    proto.normalizer_spec.escape_whitespaces = True
-    seen: set[str] = set()
-    for i, text in enumerate(tokens):
-        piece = proto.pieces.add()
-        kind = types[i]
-        if text in seen or not text:  # sentencepiece rejects duplicates and empty pieces
-            text, kind = f"<localllm-unused-{i}>", UNUSED
-        seen.add(text)
-        piece.piece = text
-        piece.score = float(scores[i]) if scores is not None else 0.0
-        piece.type = kind if kind in (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE) else NORMAL
-    if proto.trainer_spec.unk_id >= 0:
-        proto.pieces[proto.trainer_spec.unk_id].type = UNKNOWN
-    processor = spm.SentencePieceProcessor()
-    processor.LoadFromSerializedProto(proto.SerializeToString())
-    return processor
-
-
-def _build_byte_bpe(tokens, merges, pre):
-    """A ``tokenizers`` byte-level BPE holding the GGUF vocabulary and merges."""
-    from tokenizers import Regex, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers.models import BPE
-
-    if pre not in PRE_TOKENIZER_REGEX:
-        raise UnsupportedError(f"tokenizer.ggml.pre {pre!r} is not supported")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    bpe = HFTokenizer(BPE(vocab, pairs, ignore_merges=pre in _LLAMA3_PRES))
-    regexes = PRE_TOKENIZER_REGEX[pre]
-    regexes = (regexes,) if isinstance(regexes, str) else regexes
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    return bpe

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+import typer.main
 
 from ..errors import LocalLLMError, ParameterError
 
@@ -97,7 +98,8 @@ def print_timings(llm, timings, finish_reason: str | None) -> None:
 # ---- run ----------------------------------------------------------------------------------
 def _run(
     args: Annotated[list[str] | None, typer.Argument(
-        help="[MODEL] PROMPT  (PROMPT '-' reads stdin)", show_default=False)] = None,
+        help="[MODEL] PROMPT  (PROMPT '-' reads stdin)", metavar="[MODEL] PROMPT",
+        show_default=False)] = None,
     model_opt: Annotated[str | None, typer.Option("--model", "-m", help="model name or path")] = None,
     file: Annotated[Path | None, typer.Option("--file", "-f", help="read the prompt from FILE")] = None,
     n_predict: Annotated[int, typer.Option("--n-predict", "-n", help="tokens to generate (-1: no limit)")] = -1,
@@ -302,12 +304,85 @@ app.command("quantize", no_args_is_help=True)(
 app.command("perplexity")(__import__("localllm.cli.perplexity", fromlist=["_"]).perplexity_command)
 
 
-def main() -> None:
-    """Console entry point: maps user errors and signals to one line and an exit code."""
+def _click_exceptions() -> list:
+    """The exception modules of every click in use: typer >= 0.28 vendors its own copy as
+    ``typer._click``, older typer uses the ``click`` package (both may be installed)."""
+    import importlib
+
+    found = []
+    for name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            found.append(importlib.import_module(name))
+        except ImportError:
+            pass
+    return found
+
+
+def _usage_error_line(e) -> str:
+    """A click usage error (unknown flag, bad or missing value) as one ``error:`` line."""
+    ctx = getattr(e, "ctx", None)
+    where = f"{ctx.command_path}: " if ctx is not None and ctx.command_path else ""
+    message = " ".join(line.strip() for line in e.format_message().splitlines() if line.strip())
+    hint = f" (see {ctx.command_path} --help)" if ctx is not None and ctx.command_path else ""
+    return f"error: {where}{message}{hint}"
+
+
+def _plain_metavars(command, settings: dict | None = None) -> None:
+    """Help without type tags (``<bool>``, ``<int>``): flags show none, values show llama.cpp's
+    metavars (``N``, ``FILE``, ``TEXT``). Options that name their own metavar keep it."""
+    settings = {**(settings or {}), **(command.context_settings or {})}
+    for sub in getattr(command, "commands", {}).values():
+        _plain_metavars(sub, settings)
+    params = list(getattr(command, "params", ()))
+    try:  # click >= 8.2 / typer._click build --help once per command and cache it
+        params.append(command.get_help_option(command.context_class(command, **settings)))
+    except Exception:  # noqa: BLE001 - older click: --help shows no type anyway
+        pass
+    for p in params:
+        if p is None:
+            continue
+        if p.param_type_name == "argument" and hasattr(p, "display_type_rich"):
+            p.display_type_rich = lambda ctx: None  # typer >= 0.28: the name column says it
+        if p.metavar is not None:
+            continue
+        if getattr(p, "is_flag", False) or getattr(p, "count", False):
+            p.metavar = ""
+            continue
+        kind = getattr(getattr(p, "type", None), "name", None)
+        desc = getattr(p, "type_descriptor", None)  # typer >= 0.28 keeps the annotation
+        text = str(getattr(desc, "annotation", "")) if desc is not None else str(kind)
+        if p.param_type_name == "argument":
+            p.metavar = p.name.upper()
+        elif "int" in text or "float" in text:
+            p.metavar = "N"
+        elif "path" in text.lower():
+            p.metavar = "FILE"
+        else:
+            p.metavar = "TEXT"
+
+
+def main(args: list[str] | None = None) -> None:
+    """Console entry point: maps user errors and signals to one line and an exit code.
+
+    Exit status: 0 success (and ``--help``, or a command given no arguments, which prints
+    its help); 1 any user error, usage errors included (unknown flag, a bad or missing
+    value: one ``error:`` line naming the command and the flag, never a traceback);
+    130 Ctrl-C; 143 SIGTERM.
+    """
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    click_errors = _click_exceptions()
+    def classes(name: str) -> tuple:
+        return tuple(getattr(m, name) for m in click_errors if hasattr(m, name))
+
+    usage_errors = classes("ClickException")
+    exits = (typer.Exit, *classes("Exit"))  # typer >= 0.28 has its own Exit and Abort
+    aborts = (typer.Abort, *classes("Abort"))
+    no_args = classes("NoArgsIsHelpError")
     try:
-        code = app(standalone_mode=False)  # typer returns exit codes (130 for Ctrl-C)
-        if isinstance(code, int) and code != 0:
+        command = typer.main.get_command(app)
+        _plain_metavars(command)
+        code = command.main(args=args, prog_name="localllm", standalone_mode=False)
+        if isinstance(code, int) and code != 0:  # typer returns exit codes (130 for Ctrl-C)
             if code == 130:
                 _err("interrupted")
             sys.exit(code)
@@ -320,17 +395,19 @@ def main() -> None:
     except BrokenPipeError:  # `localllm tokenize ... | head`
         _silence_stdout()
         sys.exit(0)
-    except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Exit):
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(130)
-        raise
+    except no_args as e:  # `localllm run`: the help (typer's rich help is already printed)
+        text = e.format_message()
+        if text.strip():
+            print(text)
+        sys.exit(0)
+    except usage_errors as e:
+        _err(_usage_error_line(e))
+        sys.exit(1)
+    except exits as e:
+        sys.exit(e.exit_code)
+    except aborts:
+        _err("interrupted")
+        sys.exit(130)
 
 
 if __name__ == "__main__":

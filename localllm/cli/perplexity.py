@@ -17,12 +17,18 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-import numpy as np
+from typing import TYPE_CHECKING
+
 import typer
 
 from ..errors import LocalLLMError
-from ..eval import kld as K
-from ..eval.perplexity import PerplexityResult, chunk_token_ranges, evaluate, load_for_eval
+
+if TYPE_CHECKING:  # the evaluation imports torch: only when the command runs
+    from ..eval.perplexity import PerplexityResult
+
+# kld.DEFAULT_TOP_K, spelled out so that building the CLI does not import torch
+# (tests/test_newcomer.py checks that they agree).
+DEFAULT_KL_TOP_K = 32
 
 
 def _read_text(file: Path | None) -> str:
@@ -35,6 +41,8 @@ def _read_text(file: Path | None) -> str:
 
 
 def _vocab_of(llm) -> str:
+    from ..eval import kld as K
+
     return K.vocab_fingerprint(llm.metadata.get("tokenizer.ggml.tokens", []))
 
 
@@ -57,7 +65,7 @@ def perplexity_command(
     kl_divergence: Annotated[bool, typer.Option(
         "--kl-divergence", help="compare MODEL with --kl-divergence-base")] = False,
     kl_top_k: Annotated[int, typer.Option(
-        "--kl-top-k", help="top-k log-probs kept per token in the base file")] = K.DEFAULT_TOP_K,
+        "--kl-top-k", help="top-k log-probs kept per token in the base file")] = DEFAULT_KL_TOP_K,
     compare: Annotated[bool, typer.Option(
         "--compare", help="compare the MODELS (the first is the reference)")] = False,
     plot: Annotated[Path, typer.Option(
@@ -65,6 +73,11 @@ def perplexity_command(
         "perplexity-compare.png"),
 ) -> None:
     """Perplexity of a text with llama-perplexity's method; KL divergence; quant comparison."""
+    import numpy as np
+
+    from ..eval import kld as K
+    from ..eval.perplexity import chunk_token_ranges, evaluate, load_for_eval
+
     models = list(models or [])
     if compare:
         from ..eval.compare import run_compare

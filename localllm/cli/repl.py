@@ -19,14 +19,16 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from ..atomic import atomic_output
-from ..chat.template import ChatTemplate, apply_chat, template_for
 from ..errors import LocalLLMError, ParameterError
 from ..runtime.stop import StopMatcher
+
+if TYPE_CHECKING:  # jinja2 and torch load only when a chat starts
+    from ..chat.template import ChatTemplate
 
 HELP = """\
 /help                 this help
@@ -117,6 +119,8 @@ class ChatREPL:
             raise ParameterError(f"--keep must be >= -1, got {keep}")
         self.llm = llm
         self.console = console
+        from ..chat.template import template_for
+
         self.tokenizer = llm.tokenizer
         self.template = template or template_for(llm)
         self.params = params if params is not None else llm.sampling_params()
@@ -625,6 +629,7 @@ def chat_command(
     from rich.console import Console
 
     from ..api import LLM
+    from ..chat.template import template_for
 
     llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, verbose=verbose)
     if sampling is None:
@@ -645,4 +650,4 @@ def chat_command(
     repl.run()
 
 
-__all__ = ["ChatREPL", "apply_chat", "chat_command", "history_path"]
+__all__ = ["ChatREPL", "chat_command", "history_path"]

@@ -15,12 +15,14 @@ import inspect
 import math
 import re
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ..errors import ParameterError
-from ..sampling.chain import SamplingParams, parse_samplers, parse_sampling_seq
+
+if TYPE_CHECKING:  # the sampler chain imports torch: only when a command runs
+    from ..sampling.chain import SamplingParams
 
 _PANEL = "Sampling"
 
@@ -136,6 +138,8 @@ def params_from_flags(values: dict[str, Any]) -> SamplingParams:
     Raises:
         ParameterError: an invalid or malformed flag value.
     """
+    from ..sampling.chain import SamplingParams, parse_samplers, parse_sampling_seq
+
     overrides: dict[str, Any] = {}
     for name, field_name, _ in _OPTIONS:
         value = values.get(name)

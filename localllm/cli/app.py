@@ -298,7 +298,7 @@ def bench(
 
 
 # --- commands registered by other modules ---
-app.command("chat")(_attach_sampling(__import__("localllm.cli.repl", fromlist=["_"]).chat_command))
+app.command("chat")(_attach_sampling(__import__("localllm.cli.chat", fromlist=["_"]).chat_command))
 app.command("quantize", no_args_is_help=True)(
     __import__("localllm.cli.quantize", fromlist=["_"]).quantize_command)
 app.command("perplexity")(__import__("localllm.cli.perplexity", fromlist=["_"]).perplexity_command)

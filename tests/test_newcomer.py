@@ -103,3 +103,145 @@ def test_building_the_cli_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+# ---- run: -n 0, newlines, --verbose ---------------------------------------------------------
+def test_n_predict_zero_generates_nothing(monkeypatch, capsys, tiny_model_path):
+    path = str(tiny_model_path("llama"))
+    code, out, err = run_cli(monkeypatch, capsys, "run", path, "the", "-n", "0", "--temp", "0")
+    assert code == 0 and out == "", err
+    code, out, _ = run_cli(monkeypatch, capsys, "run", path, "the", "-n", "1", "--temp", "0")
+    assert code == 0 and out  # one token does print
+
+
+def test_verbose_prints_the_effective_sampler_chain(monkeypatch, capsys, tiny_model_path):
+    code, _, err = run_cli(monkeypatch, capsys, "run", str(tiny_model_path("llama")), "the",
+                           "-n", "2", "--verbose", "--seed", "3", "--top-k", "5",
+                           "--samplers", "top_k;temperature", "-l", "5+1")
+    assert code == 0, err
+    lines = err.splitlines()
+    assert "sampler seed: 3" in lines
+    assert any(x.startswith("sampler params: ") and "top_k = 5" in x for x in lines)
+    assert "sampler chain: logits -> logit-bias -> top-k -> temp-ext -> dist" in lines
+
+
+def _cli_process(args, **kw):
+    return subprocess.run([sys.executable, "-c", "from localllm.cli import main; main()", *args],
+                          **kw)
+
+
+def test_verbose_lines_never_glue_onto_the_text(tiny_model_path):
+    """`run -v ... 2>&1`: the text gets its own line before the timings."""
+    proc = _cli_process(["run", str(tiny_model_path("llama")), "the", "-n", "6", "--temp",
+                         "0", "--verbose", "--device", "cpu"],
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout
+    lines = proc.stdout.splitlines()
+    for label in ("sampler seed:", "sampler chain:", "load time", "prompt eval time"):
+        assert any(x.lstrip().startswith(label) for x in lines), (label, proc.stdout)
+    assert not any(label in x and not x.lstrip().startswith(label)
+                   for x in lines for label in ("load time", "sampler seed:")), proc.stdout
+
+
+def test_run_ends_with_a_newline_on_a_terminal(tiny_model_path):
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        proc = _cli_process(["run", str(tiny_model_path("llama")), "the", "-n", "6", "--temp",
+                             "0"], stdout=slave, stderr=subprocess.DEVNULL, timeout=300)
+        os.close(slave)
+        data = b""
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the writer is gone
+                break
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(master)
+    assert proc.returncode == 0
+    assert data.strip() and data.endswith(b"\n"), data
+
+
+# ---- --help shows the model's defaults -------------------------------------------------------
+def test_help_shows_the_default_models_sampling_defaults(monkeypatch, capsys):
+    from localllm.registry import load_registry
+
+    reg = load_registry()
+    own = reg.models[reg.default].sampling
+    assert own  # models.toml gives the default model its own sampling defaults
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = run_cli(monkeypatch, capsys, "run", "--help")
+    assert code == 0 and "Sampling defaults" in out
+    assert f"{reg.default}: {own['temp']})" in out  # on the --temp line
+    code, out, _ = run_cli(monkeypatch, capsys, "chat", "--help")
+    assert code == 0 and f"{reg.default}: {own['top_k']})" in out
+
+
+# ---- info, quantize, tokenize, perplexity ---------------------------------------------------
+def test_quantize_by_model_name_and_info_names_the_file_type(monkeypatch, capsys, tmp_path,
+                                                              tiny_model_path):
+    src = tiny_model_path("llama")
+    registry = tmp_path / "models.toml"
+    registry.write_text(f'[models.tiny-f16]\npath = "{src}"\n')
+    monkeypatch.setenv("LOCALLLM_MODELS", str(registry))
+    out_file = tmp_path / "tiny-q8.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "quantize", "tiny-f16", str(out_file),
+                           "--type", "Q8_0")
+    assert code == 0 and out_file.is_file(), err
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = run_cli(monkeypatch, capsys, "info", str(out_file))
+    assert code == 0 and "file type Q8_0" in out and "file type 7" not in out
+
+
+def test_file_type_names():
+    from localllm.cli.info import file_type_name
+
+    assert file_type_name(15) == "Q4_K_M" and file_type_name(1) == "F16"
+    assert file_type_name(0) == "F32" and file_type_name(None) == "?"
+    assert file_type_name(9999) == "9999 (unknown)"
+
+
+def test_tokenize_reads_a_file(monkeypatch, capsys, tmp_path, tiny_model_path):
+    path = str(tiny_model_path("gemma3"))
+    f = tmp_path / "text.txt"
+    f.write_text("the and")
+    code, out_file, _ = run_cli(monkeypatch, capsys, "tokenize", path, "-f", str(f))
+    code2, out_arg, _ = run_cli(monkeypatch, capsys, "tokenize", path, "the and")
+    assert code == code2 == 0 and out_file == out_arg and out_arg.startswith("[2,")
+    code, _, err = run_cli(monkeypatch, capsys, "tokenize", path, "x", "-f", str(f))
+    assert_one_line_error(code, err, "TEXT", "-f")
+
+
+def test_compare_writes_a_plot_only_when_asked_sorted_by_bpw(monkeypatch, capsys, workdir,
+                                                              tiny_model_path):
+    from localllm.quantize.convert import quantize_gguf
+
+    src = tiny_model_path("llama", d_model=256, n_heads=4, head_dim=64, ffn_dim=512,
+                          context_length=64)
+    q4, q8 = workdir / "m-Q4_0.gguf", workdir / "m-Q8_0.gguf"
+    quantize_gguf(src, q8, "Q8_0")
+    quantize_gguf(src, q4, "Q4_0")
+    text = workdir / "text.txt"
+    text.write_text(" ".join(["the sand and the tale of the"] * 40))
+    before = sorted(p.name for p in workdir.iterdir())
+    args = ["perplexity", "-f", str(text), "--compare", str(q8), str(q4), "-c", "16", "-b",
+            "16", "--chunks", "1", "--device", "cpu"]
+    code, out, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 0, err
+    assert sorted(p.name for p in workdir.iterdir()) == before  # no PNG unasked
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    plot = workdir / "cmp.png"
+    code, out, err = run_cli(monkeypatch, capsys, *args, "--plot", str(plot))
+    assert code == 0, err
+    points = Image.open(plot).text["Description"].removeprefix("bpw,ppl: ").split()
+    bpw = [float(p.split(",")[0]) for p in points]
+    assert len(bpw) == 2 and bpw == sorted(bpw)  # Q8_0 was given first
+    code, _, err = run_cli(monkeypatch, capsys, "perplexity", "-f", str(text), "--plot", "x.png")
+    assert_one_line_error(code, err, "--compare")

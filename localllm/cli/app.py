@@ -6,6 +6,7 @@ and exit 1; Ctrl-C exits 130; SIGTERM exits 143.
 
 from __future__ import annotations
 
+import itertools
 import signal
 import sys
 from pathlib import Path
@@ -37,8 +38,8 @@ def _err(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def read_prompt(prompt: str | None, file: Path | None) -> str:
-    """The prompt from ``-f FILE``, ``-`` (stdin) or the argument.
+def read_prompt(prompt: str | None, file: Path | None, name: str = "PROMPT") -> str:
+    """The prompt from ``-f FILE``, ``-`` (stdin) or the argument (``name`` in messages).
 
     Raises:
         LocalLLMError: no prompt, an unreadable file, or an empty prompt.
@@ -51,7 +52,7 @@ def read_prompt(prompt: str | None, file: Path | None) -> str:
     elif prompt == "-":
         text = sys.stdin.read()
     elif prompt is None:
-        raise LocalLLMError("no prompt: give PROMPT, -f FILE, or - to read stdin")
+        raise LocalLLMError(f"no {name.lower()}: give {name}, -f FILE, or - to read stdin")
     else:
         text = prompt
     if not text:
@@ -153,9 +154,14 @@ def _run(
     pieces: list[str] = []  # JSON mode prints the value only once it is complete
     finish = None
     out = sys.stdout
+    tail = ""  # the last text written, to end the output on a newline where it is due
+    steps = llm.stream(ids, params=params, n_predict=n_predict, stop=stop or (),
+                       constraint=constraint)
+    first = next(steps, None)  # builds the sampler chain and evaluates the prompt
+    if verbose:
+        print_sampler(llm.last_sampler)
     try:
-        for step in llm.stream(ids, params=params, n_predict=n_predict, stop=stop or (),
-                               constraint=constraint):
+        for step in itertools.chain([first] if first is not None else [], steps):
             if params.n_probs > 0 and step.trace is not None:
                 print_trace(llm.tokenizer, step.trace)
             if step.text:
@@ -164,20 +170,41 @@ def _run(
                 else:
                     out.write(step.text)
                     out.flush()
+                    tail = step.text
             finish = step.finish_reason
     except BrokenPipeError:  # `localllm run ... | head`: the reader has all it wanted
         _silence_stdout()
         return
-    if verbose:
-        _err(f"seed: {llm.last_sampler.seed}")
-        print_timings(llm, llm.last_timings, finish)
     if constraint is not None and not constraint.is_accepting():
         raise LocalLLMError(f"generation ended ({finish}) before the grammar was complete")
     if json_out:
         out.write(one_line_json("".join(pieces)) + "\n")
-    elif constraint is not None or out.isatty():
-        out.write("\n")
+    elif tail and not tail.endswith("\n") and (
+            constraint is not None or out.isatty() or (verbose and _same_file(out, sys.stderr))):
+        out.write("\n")  # a terminal's prompt, or --verbose's lines, start on their own line
     out.flush()
+    if verbose:
+        print_timings(llm, llm.last_timings, finish)
+
+
+def _same_file(a, b) -> bool:
+    """True when streams ``a`` and ``b`` write to the same file or terminal (``2>&1``)."""
+    import os
+
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (AttributeError, OSError, ValueError):  # not a real file (tests' capture)
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def print_sampler(sampler) -> None:
+    """llama.cpp's ``sampler seed / params / chain`` lines on stderr (``--verbose``)."""
+    from .sampling import chain_line, describe
+
+    _err(f"sampler seed: {sampler.seed}")
+    _err(f"sampler params: {describe(sampler.params)}")
+    _err(f"sampler chain: {chain_line(sampler)}")
 
 
 def _silence_stdout() -> None:
@@ -232,14 +259,18 @@ def info(model: ModelArg = None) -> None:
 def tokenize(
     model: ModelArg = None,
     text: Annotated[str | None, typer.Argument(help="text to tokenize ('-' reads stdin)")] = None,
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="read the text from FILE")] = None,
     no_bos: Annotated[bool, typer.Option("--no-bos", help="do not add BOS")] = False,
     special: Annotated[bool, typer.Option("--special", help="parse special-token text")] = False,
     pieces: Annotated[bool, typer.Option("--pieces", help="print id and piece per line")] = False,
 ) -> None:
     """Print the token ids of TEXT."""
-    if text is None:  # one argument: it is the text, for the default model
+    if file is not None:
+        if text is not None:
+            raise ParameterError("give TEXT or -f FILE, not both")
+    elif text is None:  # one argument: it is the text, for the default model
         model, text = None, model
-    text = read_prompt(text, None) if text != "" else ""
+    text = read_prompt(text, file, "TEXT") if text != "" or file is not None else ""
     from ..gguf.file import open_gguf
     from ..registry import load_registry
     from ..tokenizer import Tokenizer
@@ -381,6 +412,9 @@ def main(args: list[str] | None = None) -> None:
     try:
         command = typer.main.get_command(app)
         _plain_metavars(command)
+        from .sampling import show_model_defaults
+
+        show_model_defaults(command)
         code = command.main(args=args, prog_name="localllm", standalone_mode=False)
         if isinstance(code, int) and code != 0:  # typer returns exit codes (130 for Ctrl-C)
             if code == 130:

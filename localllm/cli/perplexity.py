@@ -8,7 +8,8 @@ Modes (flags follow llama-perplexity, ``tools/perplexity/perplexity.cpp``):
 - ``perplexity QMODEL --kl-divergence-base BASE.npz --kl-divergence``: the text's tokens and
   n_ctx come from the base file; prints PPL(Q) vs PPL(base), KLD, Δp and same-top-p sections;
 - ``perplexity -f TEXT --compare A.gguf B.gguf ...``: a table (size, bits per weight, PPL ± err,
-  ΔPPL %, KLD vs A, same top-1 %, decode tok/s) and a PNG plot of PPL against bits per weight.
+  ΔPPL %, KLD vs A, same top-1 %, decode tok/s) and, with ``--plot FILE``, a PNG plot of PPL
+  against bits per weight (points joined in order of bits per weight).
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ def perplexity_command(
         "--kl-top-k", help="top-k log-probs kept per token in the base file")] = DEFAULT_KL_TOP_K,
     compare: Annotated[bool, typer.Option(
         "--compare", help="compare the MODELS (the first is the reference)")] = False,
-    plot: Annotated[Path, typer.Option(
-        "--plot", help="PNG of PPL against bits per weight (with --compare)")] = Path(
-        "perplexity-compare.png"),
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="write a PNG of PPL against bits per weight to FILE (with --compare)",
+        show_default=False)] = None,
 ) -> None:
     """Perplexity of a text with llama-perplexity's method; KL divergence; quant comparison."""
     import numpy as np
@@ -79,6 +80,8 @@ def perplexity_command(
     from ..eval.perplexity import chunk_token_ranges, evaluate, load_for_eval
 
     models = list(models or [])
+    if plot is not None and not compare:
+        raise LocalLLMError("--plot draws the --compare table: use it with --compare")
     if compare:
         from ..eval.compare import run_compare
 

@@ -2,7 +2,8 @@
 
 Files read, later ones overriding earlier entries of the same name:
 
-1. ``models.toml`` at the project root (shipped with localllm);
+1. ``models.toml`` shipped with localllm (package data, :mod:`localllm.data`; its source is
+   ``models.toml`` at the project's top level);
 2. ``$XDG_CONFIG_HOME/localllm/models.toml`` (the user's own entries);
 3. the file named by ``$LOCALLLM_MODELS``, when set.
 """
@@ -16,9 +17,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .data import MODELS_TOML as PROJECT_MODELS
 from .errors import LocalLLMError, ModelNotFoundError
-
-PROJECT_MODELS = Path(__file__).resolve().parents[1] / "models.toml"
 
 
 @dataclass

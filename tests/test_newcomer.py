@@ -6,6 +6,7 @@ every command, whatever typer version (typer >= 0.28 vendors click as ``typer._c
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -245,3 +246,136 @@ def test_compare_writes_a_plot_only_when_asked_sorted_by_bpw(monkeypatch, capsys
     assert len(bpw) == 2 and bpw == sorted(bpw)  # Q8_0 was given first
     code, _, err = run_cli(monkeypatch, capsys, "perplexity", "-f", str(text), "--plot", "x.png")
     assert_one_line_error(code, err, "--compare")
+
+
+# ---- start-up: the assembled default model is not hashed on every run ---------------------
+def test_assembled_path_is_remembered_until_the_file_changes(monkeypatch, tmp_path):
+    import os
+
+    from localllm.registry import load_registry
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF model bytes")
+    calls = tmp_path / "calls"
+    (tmp_path / "assembler_probe.py").write_text(
+        "from pathlib import Path\n"
+        "def assemble():\n"
+        f"    with open({str(calls)!r}, 'a') as f:\n"
+        "        f.write('x')\n"
+        f"    return Path({str(model)!r})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    registry = tmp_path / "models.toml"
+    registry.write_text('[models.probe]\npackage = "assembler-probe"\n'
+                        'assembler = "assembler_probe:assemble"\n')
+    reg = load_registry([registry])
+    for _ in range(3):
+        assert reg.resolve("probe")[0] == model
+    assert calls.read_text() == "x"  # assembled (and checked) once, then remembered
+    os.utime(model, ns=(1, 1))  # the file changed: assemble (and check) again
+    assert reg.resolve("probe")[0] == model and calls.read_text() == "xx"
+    assert reg.resolve("probe")[0] == model and calls.read_text() == "xx"
+
+
+# ---- long work shows progress (on a terminal only); the synthetic writer is bounded ---------
+def _read_pty(master) -> bytes:
+    import os
+
+    data = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the writer is gone
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+def test_bench_shows_its_steps_on_a_terminal(tiny_model_path):
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from localllm.cli import main; main()", "bench",
+             str(tiny_model_path("llama")), "-p", "16", "-n", "2", "-r", "2", "--device", "cpu",
+             "--no-llama-cpp", "--json"], stdout=subprocess.PIPE, stderr=slave)
+        os.close(slave)
+        err = _read_pty(master)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        os.close(master)
+    assert proc.returncode == 0, err
+    assert b"loading the model" in err or b"localllm: pp16" in err, err
+    assert json.loads(out)["tg"] > 0  # stdout: the figures only
+
+
+def test_bench_progress_stays_off_a_pipe(monkeypatch, capsys, tiny_model_path):
+    code, out, err = run_cli(monkeypatch, capsys, "bench", str(tiny_model_path("llama")), "-p",
+                             "16", "-n", "2", "-r", "1", "--device", "cpu", "--no-llama-cpp",
+                             "--json")
+    assert code == 0 and json.loads(out)["tg"] > 0
+    assert "loading the model" not in err and "localllm: pp" not in err
+
+
+def _medium_geometry():
+    import dataclasses
+
+    from localllm.models.synthetic import GEOMETRIES
+
+    return dataclasses.replace(
+        GEOMETRIES["llama3-8b"], name="medium-llama", n_vocab=1024, n_layers=6, d_model=1024,
+        n_heads=8, n_kv_heads=2, head_dim=128, ffn_dim=4096, context_length=256)
+
+
+def test_synthetic_writer_streams_tensors_with_progress(tmp_path):
+    import tracemalloc
+
+    from localllm.models.synthetic import planned_tensors, write_synthetic
+
+    g = _medium_geometry()
+    tensors = planned_tensors(g, "Q8_0")
+    total = sum(t.n_bytes for t in tensors)
+    seen: list[tuple[int, int]] = []
+    tracemalloc.start()
+    try:
+        path = write_synthetic(tmp_path / "m.gguf", g, "Q8_0",
+                               progress=lambda done, n: seen.append((done, n)))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(seen) == len(tensors) and seen[-1] == (total, total)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert path.stat().st_size >= total
+    # one tensor at a time: far less than the file (the largest tensor is ~4.5 MB of ~110 MB)
+    assert peak < total / 3, (peak, total)
+
+
+def test_synthetic_refuses_before_writing(tmp_path):
+    import dataclasses
+
+    import torch
+
+    from localllm.errors import LocalLLMError
+    from localllm.eval.bench import check_synthetic_memory
+    from localllm.models.synthetic import (
+        GEOMETRIES,
+        check_disk,
+        planned_tensors,
+        synthetic_model,
+    )
+
+    with pytest.raises(LocalLLMError, match="of disk but"):
+        check_disk(tmp_path / "x.gguf", 2**60)
+    huge = dataclasses.replace(GEOMETRIES["llama3-8b"], n_layers=3000)  # ~1.4 TB of float16
+    with pytest.raises(LocalLLMError, match="nothing was written"):
+        check_synthetic_memory(huge, planned_tensors(huge, "Q4_K_M"), torch.device("cpu"), 512)
+
+    def refuse(geometry, tensors):
+        raise LocalLLMError(f"refused {geometry.name} ({len(tensors)} tensors)")
+
+    with pytest.raises(LocalLLMError, match="refused gemma3-270m"):
+        synthetic_model("gemma3-270m", "Q8_0", cache_dir=tmp_path, before_write=refuse)
+    assert list(tmp_path.iterdir()) == []

@@ -7,6 +7,7 @@ and exit 1; Ctrl-C exits 130; SIGTERM exits 143.
 from __future__ import annotations
 
 import itertools
+import json
 import signal
 import sys
 from pathlib import Path
@@ -321,11 +322,21 @@ def bench(
         "--json", help="print the figures as one JSON line")] = False,
 ) -> None:
     """Prefill (pp) and decode (tg) speed, time to first token, peak memory and bandwidth."""
-    from ..eval.bench import run_bench
+    from .progress import step_progress
 
-    run_bench(model, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions, device=device,
-              synthetic=synthetic, quant=quant, threads=threads, peak_bandwidth=peak_bandwidth,
-              llama_cpp=llama_cpp, as_json=json_out)
+    with step_progress("starting") as report:
+        from ..eval.bench import run_bench
+
+        figures = run_bench(model, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions,
+                            device=device, synthetic=synthetic, quant=quant, threads=threads,
+                            peak_bandwidth=peak_bandwidth, llama_cpp=llama_cpp, as_json=True,
+                            progress=report, print_result=False)
+    from ..eval.bench import print_figures
+
+    if json_out:
+        print(json.dumps(figures), flush=True)
+    else:
+        print_figures(figures)
 
 
 # --- commands registered by other modules ---

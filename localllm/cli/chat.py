@@ -33,11 +33,15 @@ def chat_command(
     """Chat with a model in the terminal (streaming, /help for commands)."""
     from rich.console import Console
 
-    from ..api import LLM
-    from ..chat.template import template_for
-    from .repl import ChatREPL
+    from .progress import step_progress
 
-    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, verbose=verbose)
+    with step_progress("starting: importing torch"):  # seconds of a blank screen otherwise
+        from ..api import LLM
+        from ..chat.template import template_for
+        from .repl import ChatREPL
+
+    llm = LLM(  # its own progress bar while the weights load (on a terminal)
+        model, device=device, ctx_size=ctx_size, batch_size=batch_size, verbose=verbose)
     if sampling is None:
         params = llm.sampling_params()
     elif hasattr(sampling, "overrides"):

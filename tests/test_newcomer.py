@@ -1,7 +1,15 @@
-"""What a newcomer hits first (issue 13): usage errors, --help, a light start.
+"""What a newcomer hits first (issue 13).
 
-Usage errors (unknown flag, bad value, missing value) are one ``error:`` line and exit 1 on
-every command, whatever typer version (typer >= 0.28 vendors click as ``typer._click``).
+- Usage errors (unknown flag, bad value, missing value) are one ``error:`` line and exit 1 on
+  every command, whatever typer version (typer >= 0.28 vendors click as ``typer._click``);
+  ``--help`` has no type tags and marks the default model's sampling defaults.
+- Building the CLI imports no torch; the assembled default model's path is remembered.
+- ``run``: ``-n 0`` generates nothing, a newline ends the text on a terminal and before
+  ``--verbose``'s lines, which include llama.cpp's ``sampler chain:``.
+- ``info`` names the file type, ``quantize`` takes model names, ``tokenize -f``,
+  ``perplexity --compare`` plots only with ``--plot``, points sorted by bits per weight.
+- Progress on a terminal only; the synthetic writer checks memory and disk and streams.
+(The wheel install is tests/test_wheel.py; the one decode loop is in tests/test_repl.py.)
 """
 
 from __future__ import annotations

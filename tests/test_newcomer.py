@@ -136,7 +136,7 @@ def test_verbose_prints_the_effective_sampler_chain(monkeypatch, capsys, tiny_mo
 
 def _cli_process(args, **kw):
     return subprocess.run([sys.executable, "-c", "from localllm.cli import main; main()", *args],
-                          **kw)
+                          check=False, **kw)
 
 
 def test_verbose_lines_never_glue_onto_the_text(tiny_model_path):
@@ -240,14 +240,14 @@ def test_compare_writes_a_plot_only_when_asked_sorted_by_bpw(monkeypatch, capsys
     before = sorted(p.name for p in workdir.iterdir())
     args = ["perplexity", "-f", str(text), "--compare", str(q8), str(q4), "-c", "16", "-b",
             "16", "--chunks", "1", "--device", "cpu"]
-    code, out, err = run_cli(monkeypatch, capsys, *args)
+    code, _, err = run_cli(monkeypatch, capsys, *args)
     assert code == 0, err
     assert sorted(p.name for p in workdir.iterdir()) == before  # no PNG unasked
     pytest.importorskip("matplotlib")
     from PIL import Image
 
     plot = workdir / "cmp.png"
-    code, out, err = run_cli(monkeypatch, capsys, *args, "--plot", str(plot))
+    code, _, err = run_cli(monkeypatch, capsys, *args, "--plot", str(plot))
     assert code == 0, err
     points = Image.open(plot).text["Description"].removeprefix("bpw,ppl: ").split()
     bpw = [float(p.split(",")[0]) for p in points]

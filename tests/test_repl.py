@@ -479,7 +479,7 @@ def test_run_chat_and_the_repl_give_the_same_tokens(monkeypatch, capsys, tiny_mo
 
 
 def test_n_predict_zero_generates_nothing():
-    llm, repl = make_repl("the tale")
+    _llm, repl = make_repl("the tale")
     repl.n_predict = 0
     repl.handle_line("hi")
     assert repl.messages[-1] == {"role": "assistant", "content": ""}
@@ -503,7 +503,7 @@ def test_no_echo_while_a_reply_streams():
         assert termios.tcgetattr(slave)[3] & termios.ECHO
         with no_echo(None):  # not a terminal: nothing to do
             pass
-        llm, repl = make_repl("the tale")
+        _llm, repl = make_repl("the tale")
         repl._echo_fd = slave
         seen = []
         repl._emit = lambda text: seen.append(termios.tcgetattr(slave)[3] & termios.ECHO)

@@ -378,7 +378,7 @@ def _plain_metavars(command, settings: dict | None = None) -> None:
     params = list(getattr(command, "params", ()))
     try:  # click >= 8.2 / typer._click build --help once per command and cache it
         params.append(command.get_help_option(command.context_class(command, **settings)))
-    except Exception:  # noqa: BLE001 - older click: --help shows no type anyway
+    except Exception:  # noqa: BLE001, S110 - older click: --help shows no type anyway
         pass
     for p in params:
         if p is None:

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 

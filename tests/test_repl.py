@@ -45,6 +45,7 @@ class FakeSession:
 
     def __init__(self, llm, ctx_size: int):
         self.llm = llm
+        self.loaded = llm  # generate_tokens reads session.loaded.tokenizer
         self.ctx_size = ctx_size
         self.tokens: list[int] = []
         self.evals: list[int] = []  # sizes of eval calls
@@ -74,6 +75,10 @@ class FakeSession:
         logits[self._next()] = 0.0
         return logits
 
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
     def truncate(self, n: int) -> None:
         del self.tokens[n:]
 
@@ -93,8 +98,14 @@ class FakeParams:
 
 
 class ArgmaxSampler:
+    last_trace = None
+
     def __init__(self):
         self.accepted: list[int] = []
+        self.prompts: list[list[int]] = []
+
+    def accept_prompt(self, ids) -> None:
+        self.prompts.append(list(ids))
 
     def sample(self, logits) -> int:
         return int(torch.argmax(logits))
@@ -440,3 +451,65 @@ def test_tiny_real_model_cache_stays_exact_through_shifts(tiny_model_path):
     # misplaced cache entry would move the logits by whole units
     assert torch.allclose(got, want, atol=0.05), (got - want).abs().max()
     assert expect.shape == got.shape
+
+
+def test_run_chat_and_the_repl_give_the_same_tokens(monkeypatch, capsys, tiny_model_path):
+    """One decode loop: the same seed and settings give the same reply through
+    `localllm run --chat` and the chat REPL (penalties see the prompt in both, and -1 in
+    --repeat-last-n means the context size in both)."""
+    from cli_helpers import run_cli
+
+    from localllm import LLM
+
+    path = tiny_model_path("gemma3")
+    text = "the sand and the tale of the sand"
+    # a flat distribution (the tiny model's logits are peaked) and a presence penalty that
+    # all but removes the tokens seen: the prompt's tokens must count as seen
+    flags = ["--seed", "7", "--temp", "10", "--top-k", "0", "--top-p", "1", "--min-p", "0",
+             "--presence-penalty", "50", "--repeat-last-n", "-1", "-c", "256", "-n", "16"]
+    code, out, err = run_cli(monkeypatch, capsys, "run", str(path), text, "--chat", *flags)
+    assert code == 0, err
+    llm = LLM(path, device="cpu", ctx_size=256)
+    params = llm.sampling_params(seed=7, temp=10.0, top_k=0, top_p=1.0, min_p=0.0,
+                                 penalty_present=50.0, penalty_last_n=-1)
+    repl = ChatREPL(llm, console=Console(file=io.StringIO(), width=200), params=params,
+                    n_predict=16)
+    repl.handle_line(text)
+    assert repl.last_reply_ids and repl.messages[-1]["content"] == out
+
+
+def test_n_predict_zero_generates_nothing():
+    _llm, repl = make_repl("the tale")
+    repl.n_predict = 0
+    repl.handle_line("hi")
+    assert repl.messages[-1] == {"role": "assistant", "content": ""}
+    assert repl.stats.generated == 0 and repl.stats.finish == "length"
+
+
+def test_no_echo_while_a_reply_streams():
+    """Keys typed during a reply are not echoed into it: echo is off on the terminal for the
+    reply and restored afterwards (a real pseudo-terminal)."""
+    import os
+    import termios
+
+    from localllm.cli.repl import no_echo
+
+    master, slave = os.openpty()
+    try:
+        assert termios.tcgetattr(slave)[3] & termios.ECHO
+        with no_echo(slave):
+            assert not termios.tcgetattr(slave)[3] & termios.ECHO
+            assert termios.tcgetattr(slave)[3] & termios.ISIG  # Ctrl-C still interrupts
+        assert termios.tcgetattr(slave)[3] & termios.ECHO
+        with no_echo(None):  # not a terminal: nothing to do
+            pass
+        _llm, repl = make_repl("the tale")
+        repl._echo_fd = slave
+        seen = []
+        repl._emit = lambda text: seen.append(termios.tcgetattr(slave)[3] & termios.ECHO)
+        repl.handle_line("hi")
+        assert seen and not any(seen)
+        assert termios.tcgetattr(slave)[3] & termios.ECHO
+    finally:
+        os.close(master)
+        os.close(slave)

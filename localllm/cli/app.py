@@ -6,12 +6,15 @@ and exit 1; Ctrl-C exits 130; SIGTERM exits 143.
 
 from __future__ import annotations
 
+import itertools
+import json
 import signal
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
+import typer.main
 
 from ..errors import LocalLLMError, ParameterError
 
@@ -36,8 +39,8 @@ def _err(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def read_prompt(prompt: str | None, file: Path | None) -> str:
-    """The prompt from ``-f FILE``, ``-`` (stdin) or the argument.
+def read_prompt(prompt: str | None, file: Path | None, name: str = "PROMPT") -> str:
+    """The prompt from ``-f FILE``, ``-`` (stdin) or the argument (``name`` in messages).
 
     Raises:
         LocalLLMError: no prompt, an unreadable file, or an empty prompt.
@@ -50,7 +53,7 @@ def read_prompt(prompt: str | None, file: Path | None) -> str:
     elif prompt == "-":
         text = sys.stdin.read()
     elif prompt is None:
-        raise LocalLLMError("no prompt: give PROMPT, -f FILE, or - to read stdin")
+        raise LocalLLMError(f"no {name.lower()}: give {name}, -f FILE, or - to read stdin")
     else:
         text = prompt
     if not text:
@@ -97,7 +100,8 @@ def print_timings(llm, timings, finish_reason: str | None) -> None:
 # ---- run ----------------------------------------------------------------------------------
 def _run(
     args: Annotated[list[str] | None, typer.Argument(
-        help="[MODEL] PROMPT  (PROMPT '-' reads stdin)", show_default=False)] = None,
+        help="[MODEL] PROMPT  (PROMPT '-' reads stdin)", metavar="[MODEL] PROMPT",
+        show_default=False)] = None,
     model_opt: Annotated[str | None, typer.Option("--model", "-m", help="model name or path")] = None,
     file: Annotated[Path | None, typer.Option("--file", "-f", help="read the prompt from FILE")] = None,
     n_predict: Annotated[int, typer.Option("--n-predict", "-n", help="tokens to generate (-1: no limit)")] = -1,
@@ -151,9 +155,14 @@ def _run(
     pieces: list[str] = []  # JSON mode prints the value only once it is complete
     finish = None
     out = sys.stdout
+    tail = ""  # the last text written, to end the output on a newline where it is due
+    steps = llm.stream(ids, params=params, n_predict=n_predict, stop=stop or (),
+                       constraint=constraint)
+    first = next(steps, None)  # builds the sampler chain and evaluates the prompt
+    if verbose:
+        print_sampler(llm.last_sampler)
     try:
-        for step in llm.stream(ids, params=params, n_predict=n_predict, stop=stop or (),
-                               constraint=constraint):
+        for step in itertools.chain([first] if first is not None else [], steps):
             if params.n_probs > 0 and step.trace is not None:
                 print_trace(llm.tokenizer, step.trace)
             if step.text:
@@ -162,20 +171,41 @@ def _run(
                 else:
                     out.write(step.text)
                     out.flush()
+                    tail = step.text
             finish = step.finish_reason
     except BrokenPipeError:  # `localllm run ... | head`: the reader has all it wanted
         _silence_stdout()
         return
-    if verbose:
-        _err(f"seed: {llm.last_sampler.seed}")
-        print_timings(llm, llm.last_timings, finish)
     if constraint is not None and not constraint.is_accepting():
         raise LocalLLMError(f"generation ended ({finish}) before the grammar was complete")
     if json_out:
         out.write(one_line_json("".join(pieces)) + "\n")
-    elif constraint is not None or out.isatty():
-        out.write("\n")
+    elif tail and not tail.endswith("\n") and (
+            constraint is not None or out.isatty() or (verbose and _same_file(out, sys.stderr))):
+        out.write("\n")  # a terminal's prompt, or --verbose's lines, start on their own line
     out.flush()
+    if verbose:
+        print_timings(llm, llm.last_timings, finish)
+
+
+def _same_file(a, b) -> bool:
+    """True when streams ``a`` and ``b`` write to the same file or terminal (``2>&1``)."""
+    import os
+
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (AttributeError, OSError, ValueError):  # not a real file (tests' capture)
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def print_sampler(sampler) -> None:
+    """llama.cpp's ``sampler seed / params / chain`` lines on stderr (``--verbose``)."""
+    from .sampling import chain_line, describe
+
+    _err(f"sampler seed: {sampler.seed}")
+    _err(f"sampler params: {describe(sampler.params)}")
+    _err(f"sampler chain: {chain_line(sampler)}")
 
 
 def _silence_stdout() -> None:
@@ -230,14 +260,18 @@ def info(model: ModelArg = None) -> None:
 def tokenize(
     model: ModelArg = None,
     text: Annotated[str | None, typer.Argument(help="text to tokenize ('-' reads stdin)")] = None,
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="read the text from FILE")] = None,
     no_bos: Annotated[bool, typer.Option("--no-bos", help="do not add BOS")] = False,
     special: Annotated[bool, typer.Option("--special", help="parse special-token text")] = False,
     pieces: Annotated[bool, typer.Option("--pieces", help="print id and piece per line")] = False,
 ) -> None:
     """Print the token ids of TEXT."""
-    if text is None:  # one argument: it is the text, for the default model
+    if file is not None:
+        if text is not None:
+            raise ParameterError("give TEXT or -f FILE, not both")
+    elif text is None:  # one argument: it is the text, for the default model
         model, text = None, model
-    text = read_prompt(text, None) if text != "" else ""
+    text = read_prompt(text, file, "TEXT") if text != "" or file is not None else ""
     from ..gguf.file import open_gguf
     from ..registry import load_registry
     from ..tokenizer import Tokenizer
@@ -280,15 +314,25 @@ def bench(
         "--json", help="print the figures as one JSON line")] = False,
 ) -> None:
     """Prefill (pp) and decode (tg) speed, time to first token, peak memory and bandwidth."""
-    from ..eval.bench import run_bench
+    from .progress import step_progress
 
-    run_bench(model, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions, device=device,
-              synthetic=synthetic, quant=quant, threads=threads, peak_bandwidth=peak_bandwidth,
-              llama_cpp=llama_cpp, as_json=json_out)
+    with step_progress("starting") as report:
+        from ..eval.bench import run_bench
+
+        figures = run_bench(model, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions,
+                            device=device, synthetic=synthetic, quant=quant, threads=threads,
+                            peak_bandwidth=peak_bandwidth, llama_cpp=llama_cpp, as_json=True,
+                            progress=report, print_result=False)
+    from ..eval.bench import print_figures
+
+    if json_out:
+        print(json.dumps(figures), flush=True)
+    else:
+        print_figures(figures)
 
 
 # --- commands registered by other modules ---
-app.command("chat")(_attach_sampling(__import__("localllm.cli.repl", fromlist=["_"]).chat_command))
+app.command("chat")(_attach_sampling(__import__("localllm.cli.chat", fromlist=["_"]).chat_command))
 app.command("quantize", no_args_is_help=True)(
     __import__("localllm.cli.quantize", fromlist=["_"]).quantize_command)
 app.command("perplexity")(__import__("localllm.cli.perplexity", fromlist=["_"]).perplexity_command)
@@ -296,12 +340,88 @@ app.command("pull", no_args_is_help=True)(__import__("localllm.cli.pull", fromli
 app.command("rm", no_args_is_help=True)(__import__("localllm.cli.pull", fromlist=["_"]).rm_command)
 
 
-def main() -> None:
-    """Console entry point: maps user errors and signals to one line and an exit code."""
+def _click_exceptions() -> list:
+    """The exception modules of every click in use: typer >= 0.28 vendors its own copy as
+    ``typer._click``, older typer uses the ``click`` package (both may be installed)."""
+    import importlib
+
+    found = []
+    for name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            found.append(importlib.import_module(name))
+        except ImportError:
+            pass
+    return found
+
+
+def _usage_error_line(e) -> str:
+    """A click usage error (unknown flag, bad or missing value) as one ``error:`` line."""
+    ctx = getattr(e, "ctx", None)
+    where = f"{ctx.command_path}: " if ctx is not None and ctx.command_path else ""
+    message = " ".join(line.strip() for line in e.format_message().splitlines() if line.strip())
+    hint = f" (see {ctx.command_path} --help)" if ctx is not None and ctx.command_path else ""
+    return f"error: {where}{message}{hint}"
+
+
+def _plain_metavars(command, settings: dict | None = None) -> None:
+    """Help without type tags (``<bool>``, ``<int>``): flags show none, values show llama.cpp's
+    metavars (``N``, ``FILE``, ``TEXT``). Options that name their own metavar keep it."""
+    settings = {**(settings or {}), **(command.context_settings or {})}
+    for sub in getattr(command, "commands", {}).values():
+        _plain_metavars(sub, settings)
+    params = list(getattr(command, "params", ()))
+    try:  # click >= 8.2 / typer._click build --help once per command and cache it
+        params.append(command.get_help_option(command.context_class(command, **settings)))
+    except Exception:  # noqa: BLE001, S110 - older click: --help shows no type anyway
+        pass
+    for p in params:
+        if p is None:
+            continue
+        if p.param_type_name == "argument" and hasattr(p, "display_type_rich"):
+            p.display_type_rich = lambda ctx: None  # typer >= 0.28: the name column says it
+        if p.metavar is not None:
+            continue
+        if getattr(p, "is_flag", False) or getattr(p, "count", False):
+            p.metavar = ""
+            continue
+        kind = getattr(getattr(p, "type", None), "name", None)
+        desc = getattr(p, "type_descriptor", None)  # typer >= 0.28 keeps the annotation
+        text = str(getattr(desc, "annotation", "")) if desc is not None else str(kind)
+        if p.param_type_name == "argument":
+            p.metavar = p.name.upper()
+        elif "int" in text or "float" in text:
+            p.metavar = "N"
+        elif "path" in text.lower():
+            p.metavar = "FILE"
+        else:
+            p.metavar = "TEXT"
+
+
+def main(args: list[str] | None = None) -> None:
+    """Console entry point: maps user errors and signals to one line and an exit code.
+
+    Exit status: 0 success (and ``--help``, or a command given no arguments, which prints
+    its help); 1 any user error, usage errors included (unknown flag, a bad or missing
+    value: one ``error:`` line naming the command and the flag, never a traceback);
+    130 Ctrl-C; 143 SIGTERM.
+    """
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    click_errors = _click_exceptions()
+    def classes(name: str) -> tuple:
+        return tuple(getattr(m, name) for m in click_errors if hasattr(m, name))
+
+    usage_errors = classes("ClickException")
+    exits = (typer.Exit, *classes("Exit"))  # typer >= 0.28 has its own Exit and Abort
+    aborts = (typer.Abort, *classes("Abort"))
+    no_args = classes("NoArgsIsHelpError")
     try:
-        code = app(standalone_mode=False)  # typer returns exit codes (130 for Ctrl-C)
-        if isinstance(code, int) and code != 0:
+        command = typer.main.get_command(app)
+        _plain_metavars(command)
+        from .sampling import show_model_defaults
+
+        show_model_defaults(command)
+        code = command.main(args=args, prog_name="localllm", standalone_mode=False)
+        if isinstance(code, int) and code != 0:  # typer returns exit codes (130 for Ctrl-C)
             if code == 130:
                 _err("interrupted")
             sys.exit(code)
@@ -314,17 +434,19 @@ def main() -> None:
     except BrokenPipeError:  # `localllm tokenize ... | head`
         _silence_stdout()
         sys.exit(0)
-    except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Exit):
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(130)
-        raise
+    except no_args as e:  # `localllm run`: the help (typer's rich help is already printed)
+        text = e.format_message()
+        if text.strip():
+            print(text)
+        sys.exit(0)
+    except usage_errors as e:
+        _err(_usage_error_line(e))
+        sys.exit(1)
+    except exits as e:
+        sys.exit(e.exit_code)
+    except aborts:
+        _err("interrupted")
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,22 @@ from ..registry import load_registry
 from ..tokenizer import Tokenizer
 
 
+def file_type_name(value) -> str:
+    """``general.file_type`` as llama.cpp names it: 15 -> ``Q4_K_M`` (gguf's LlamaFileType);
+    an unknown number is shown as is, a missing key as ``?``."""
+    from gguf import LlamaFileType
+
+    if value is None:
+        return "?"
+    try:
+        name = LlamaFileType(int(value)).name
+    except (ValueError, TypeError):
+        return f"{value} (unknown)"
+    for prefix in ("MOSTLY_", "ALL_"):
+        name = name.removeprefix(prefix)
+    return name
+
+
 def print_info(model: str | None, console: Console | None = None) -> None:
     """Architecture, hyperparameters, tokenizer, and tensor bytes per quant type."""
     console = console or Console()
@@ -25,7 +41,7 @@ def print_info(model: str | None, console: Console | None = None) -> None:
     args = architecture(gguf.architecture).ModelArgs.from_gguf(md, tok.n_vocab)
     console.print(f"[bold]{md.get('general.name', path.name)}[/bold]  {path}")
     console.print(f"GGUF v{gguf.version}, architecture {gguf.architecture}, "
-                  f"file type {md.get('general.file_type', '?')}")
+                  f"file type {file_type_name(md.get('general.file_type'))}", highlight=False)
     hp = Table("hyperparameter", "value", title="model")
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)

@@ -8,21 +8,26 @@ Modes (flags follow llama-perplexity, ``tools/perplexity/perplexity.cpp``):
 - ``perplexity QMODEL --kl-divergence-base BASE.npz --kl-divergence``: the text's tokens and
   n_ctx come from the base file; prints PPL(Q) vs PPL(base), KLD, Δp and same-top-p sections;
 - ``perplexity -f TEXT --compare A.gguf B.gguf ...``: a table (size, bits per weight, PPL ± err,
-  ΔPPL %, KLD vs A, same top-1 %, decode tok/s) and a PNG plot of PPL against bits per weight.
+  ΔPPL %, KLD vs A, same top-1 %, decode tok/s) and, with ``--plot FILE``, a PNG plot of PPL
+  against bits per weight (points joined in order of bits per weight).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import numpy as np
 import typer
 
 from ..errors import LocalLLMError
-from ..eval import kld as K
-from ..eval.perplexity import PerplexityResult, chunk_token_ranges, evaluate, load_for_eval
+
+if TYPE_CHECKING:  # the evaluation imports torch: only when the command runs
+    from ..eval.perplexity import PerplexityResult
+
+# kld.DEFAULT_TOP_K, spelled out so that building the CLI does not import torch
+# (tests/test_newcomer.py checks that they agree).
+DEFAULT_KL_TOP_K = 32
 
 
 def _read_text(file: Path | None) -> str:
@@ -35,6 +40,8 @@ def _read_text(file: Path | None) -> str:
 
 
 def _vocab_of(llm) -> str:
+    from ..eval import kld as K
+
     return K.vocab_fingerprint(llm.metadata.get("tokenizer.ggml.tokens", []))
 
 
@@ -57,15 +64,22 @@ def perplexity_command(
     kl_divergence: Annotated[bool, typer.Option(
         "--kl-divergence", help="compare MODEL with --kl-divergence-base")] = False,
     kl_top_k: Annotated[int, typer.Option(
-        "--kl-top-k", help="top-k log-probs kept per token in the base file")] = K.DEFAULT_TOP_K,
+        "--kl-top-k", help="top-k log-probs kept per token in the base file")] = DEFAULT_KL_TOP_K,
     compare: Annotated[bool, typer.Option(
         "--compare", help="compare the MODELS (the first is the reference)")] = False,
-    plot: Annotated[Path, typer.Option(
-        "--plot", help="PNG of PPL against bits per weight (with --compare)")] = Path(
-        "perplexity-compare.png"),
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="write a PNG of PPL against bits per weight to FILE (with --compare)",
+        show_default=False)] = None,
 ) -> None:
     """Perplexity of a text with llama-perplexity's method; KL divergence; quant comparison."""
+    import numpy as np
+
+    from ..eval import kld as K
+    from ..eval.perplexity import chunk_token_ranges, evaluate, load_for_eval
+
     models = list(models or [])
+    if plot is not None and not compare:
+        raise LocalLLMError("--plot draws the --compare table: use it with --compare")
     if compare:
         from ..eval.compare import run_compare
 

@@ -8,13 +8,17 @@ from typing import Annotated
 
 import typer
 
-from ..quantize.recipe import FILE_TYPES, parse_file_type
+# quantize.recipe.FILE_TYPES, spelled out so that building the CLI does not import gguf and
+# numpy (tests/test_newcomer.py checks that they agree).
+TYPE_NAMES = ("Q8_0, Q6_K, Q5_K_M, Q5_K_S, Q4_K_M, Q4_K_S, Q3_K_L, Q3_K_M, Q3_K_S, Q2_K, Q4_0, Q4_1, "
+              "Q5_0, Q5_1")
 
 
 def quantize_command(
-    input: Annotated[Path, typer.Argument(help="F32/F16/BF16 GGUF file to quantize")],
+    input: Annotated[str, typer.Argument(
+        help="F32/F16/BF16 model to quantize: a models.toml name or a GGUF file")],
     output: Annotated[Path, typer.Argument(help="GGUF file to write")],
-    type: Annotated[str, typer.Option("--type", "-t", help=", ".join(FILE_TYPES))] = "Q4_K_M",
+    type: Annotated[str, typer.Option("--type", "-t", help=TYPE_NAMES)] = "Q4_K_M",
     allow_requantize: Annotated[bool, typer.Option(
         "--allow-requantize", help="accept an already quantized input (quality drops)")] = False,
 ) -> None:
@@ -29,8 +33,11 @@ def quantize_command(
     )
 
     from ..quantize.convert import quantize_gguf
+    from ..quantize.recipe import parse_file_type
+    from ..registry import load_registry
 
     ftype = parse_file_type(type)  # fail on a bad --type before touching any file
+    source, _ = load_registry().resolve(input)  # a name in models.toml or a path
     console = Console(file=sys.stderr)
     with Progress(TextColumn("{task.description:<36}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
@@ -41,7 +48,7 @@ def quantize_command(
         def progress(name: str, i: int, n: int) -> None:
             bar.update(task, description=name, completed=i, total=n)
 
-        rep = quantize_gguf(input, output, ftype, allow_requantize=allow_requantize,
+        rep = quantize_gguf(source, output, ftype, allow_requantize=allow_requantize,
                             progress=progress)
     counts: dict[str, int] = {}
     for t in rep.types.values():

@@ -1,11 +1,9 @@
 """``localllm chat``: an interactive, streaming chat REPL (prompt-toolkit in, rich out).
 
-Each turn renders the whole conversation with the chat template, keeps the longest common
-prefix of the session's KV cache and evaluates only the new tokens, so the cost of a turn
-does not grow with the history. When the context fills, the oldest whole messages are
-dropped (the system prompt and the messages inside the first ``--keep`` tokens stay) and
-what changed is recomputed: llama.cpp's context shift (``tools/main/main.cpp``), done on
-message boundaries so the template still sees a well-formed conversation.
+The conversation itself (messages, KV-cache reuse, the context shift, the decode loop) is
+:class:`localllm.chat.conversation.Conversation`; :class:`ChatREPL` adds input lines, slash
+commands and printing. While a reply streams, terminal echo is off, so keys typed meanwhile
+do not land in the reply's text.
 
 :class:`ChatREPL` needs no terminal: :meth:`ChatREPL.handle_line` takes one input line and
 output goes to the rich ``Console`` it is given, which is how the tests drive it.
@@ -13,20 +11,17 @@ output goes to the rich ``Console`` it is given, which is how the tests drive it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Annotated
-
-import typer
 
 from ..atomic import atomic_output
-from ..chat.template import ChatTemplate, apply_chat, template_for
+from ..chat.conversation import Conversation, TurnStats
+from ..chat.template import ChatTemplate
 from ..errors import LocalLLMError, ParameterError
-from ..runtime.stop import StopMatcher
 
 HELP = """\
 /help                 this help
@@ -48,12 +43,29 @@ _PARAM_ALIASES = {
 }
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+@contextlib.contextmanager
+def no_echo(fd: int | None) -> Iterator[None]:
+    """Terminal echo and line editing off on ``fd`` for the duration (a reply streaming): keys
+    typed meanwhile are not printed into the reply and stay queued for the next prompt.
+    Ctrl-C still interrupts (signals stay on). ``fd`` None or not a terminal: no change."""
+    old = None
+    if fd is not None:
+        try:
+            import termios
+
+            old = termios.tcgetattr(fd)
+        except Exception:  # noqa: BLE001 - no termios (Windows), or not a terminal
+            old = None
+    if old is None:
+        yield
+        return
+    new = list(old)
+    new[3] &= ~(termios.ECHO | termios.ICANON)
+    termios.tcsetattr(fd, termios.TCSANOW, new)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, old)
 
 
 def history_path() -> Path:
@@ -63,35 +75,15 @@ def history_path() -> Path:
     return Path(user_data_dir("localllm")) / "chat_history"
 
 
-@dataclasses.dataclass
-class TurnStats:
-    """Figures of the last reply: tokens, seconds, prompt tokens evaluated and reused."""
-
-    generated: int = 0
-    seconds: float = 0.0
-    prompt_evaluated: int = 0
-    prompt_reused: int = 0
-    finish: str | None = None
-    first_token_seconds: float = 0.0
-
-
-class ChatREPL:
-    """A conversation with a model, driven line by line.
+class ChatREPL(Conversation):
+    """A :class:`~localllm.chat.conversation.Conversation` driven line by line, printing.
 
     Args:
-        llm: a :class:`localllm.LLM` (or an object with ``tokenizer``, ``metadata``,
-            ``session()`` and optionally ``entry``/``path``).
+        llm, template, params, system, keep, context_shift, stop, n_predict, session: see
+            :class:`~localllm.chat.conversation.Conversation`.
         console: rich Console for all output (default: stdout).
-        template: the chat template (default: :func:`template_for` the model).
-        params: SamplingParams (default: ``llm.sampling_params()``).
-        make_sampler: ``params -> sampler`` with ``sample(logits) -> int`` and
-            ``accept(token)`` (default: :func:`localllm.sampling.chain.build_sampler`).
-        system: system prompt.
-        keep: messages lying within the first ``keep`` tokens of the conversation are never
-            dropped by a context shift (the system prompt never is); -1 keeps them all.
-        context_shift: False ends a reply that fills the context instead of shifting.
-        stop: stop strings.
-        n_predict: most tokens per reply (-1: no limit).
+        make_sampler: ``params -> sampler`` (default: :func:`localllm.sampling.chain.
+            build_sampler` with the session's context size as n_ctx, as ``run`` builds it).
     """
 
     def __init__(
@@ -113,57 +105,24 @@ class ChatREPL:
             from rich.console import Console
 
             console = Console(highlight=False)
-        if keep < -1:
-            raise ParameterError(f"--keep must be >= -1, got {keep}")
-        self.llm = llm
-        self.console = console
-        self.tokenizer = llm.tokenizer
-        self.template = template or template_for(llm)
-        self.params = params if params is not None else llm.sampling_params()
         if make_sampler is None:
             from ..sampling.chain import build_sampler
 
             def make_sampler(p):
-                return build_sampler(p, llm.tokenizer)
+                return build_sampler(p, llm.tokenizer, n_ctx=self.ctx_size)
 
-        self.make_sampler = make_sampler
-        self.session = session or llm.session()
-        self.system = system or None
-        self.keep = keep
-        self.context_shift = context_shift
-        self.stop = tuple(stop)
-        self.n_predict = n_predict
-        self.messages: list[dict] = []  # the whole history (system prompt apart)
-        self.window_start = 0  # messages before it (and after the pinned ones) were shifted out
-        self.pinned = 0  # leading messages kept by --keep
-        self.stats = TurnStats()
+        super().__init__(llm, make_sampler=make_sampler, template=template, params=params,
+                         system=system, keep=keep, context_shift=context_shift, stop=stop,
+                         n_predict=n_predict, session=session)
+        self.console = console
         self._pending: list[str] = []
         self._in_block = False
-
-    # ---- conversation ---------------------------------------------------------------------
-    @property
-    def ctx_size(self) -> int:
-        return self.session.ctx_size
+        self._echo_fd: int | None = None  # the terminal whose echo is off during replies
 
     @property
     def continuing(self) -> bool:
         """True while a multiline input is open (the prompt shows '... ')."""
         return bool(self._pending) or self._in_block
-
-    def window(self) -> list[dict]:
-        """The messages the model sees: system, pinned, then the unshifted tail."""
-        start = max(self.window_start, self.pinned)
-        head = [{"role": "system", "content": self.system}] if self.system else []
-        return head + self.messages[: self.pinned] + self.messages[start:]
-
-    def _encode(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.template.encode(self.tokenizer, messages, add_generation_prompt)
-
-    def clear(self) -> None:
-        """Forget the conversation and empty the KV cache."""
-        self.messages = []
-        self.window_start = self.pinned = 0
-        self.session.reset()
 
     # ---- input ----------------------------------------------------------------------------
     def handle_line(self, line: str) -> bool:
@@ -323,13 +282,7 @@ class ChatREPL:
         for i, m in enumerate(messages):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
                 raise LocalLLMError(f"/load {file}: message {i} needs 'role' and 'content'")
-        system = None
-        if messages and messages[0]["role"] == "system":
-            system, messages = messages[0]["content"], messages[1:]
-        self.system = system
-        self.messages = [dict(m) for m in messages]
-        self.window_start = self.pinned = 0
-        # The cache is not reset: the next turn reuses whatever prefix still matches.
+        self.load_messages(messages)
         self.note(f"loaded {len(self.messages)} messages from {file}")
 
     def regen(self) -> None:
@@ -360,159 +313,30 @@ class ChatREPL:
         self.messages.append({"role": "user", "content": text})
         return self._reply()
 
-    def _fit_prompt(self) -> list[int] | None:
-        """Prompt ids of the window, shifting old messages out until it fits with room to
-        generate; None (and the user message removed) when it cannot fit."""
-        ids = self._encode(self.window())
-        while len(ids) + 1 > self.ctx_size:
-            if not self.context_shift or not self._drop_oldest():
-                last = self.messages.pop()  # the message that does not fit
-                n_msg = len(self._encode([last], add_generation_prompt=False))
-                if n_msg + 1 > self.ctx_size:
-                    self.error(f"the message is {n_msg} tokens; the context holds "
-                               f"{self.ctx_size} (raise --ctx-size or shorten it)")
-                else:
-                    self.error(f"the context is full ({len(ids)} of {self.ctx_size} tokens): "
-                               "/clear, or run without --no-context-shift")
-                return None
-            ids = self._encode(self.window())
-        return ids
-
-    def _drop_oldest(self) -> bool:
-        """Shift the oldest droppable message out of the window; False when none is left.
-
-        The message being answered (the last user message) is never dropped.
-        """
-        if self.keep and self.pinned == 0 and self.window_start == 0:
-            self.pinned = self._count_pinned()
-        start = max(self.window_start, self.pinned)
-        last_user = max(i for i, m in enumerate(self.messages) if m["role"] == "user")
-        if start >= last_user:
-            return False
-        self.window_start = start + 1
-        # Do not leave the window opening on an assistant/tool turn.
-        while (self.window_start < last_user
-               and self.messages[self.window_start]["role"] != "user"):
-            self.window_start += 1
-        return True
-
-    def _count_pinned(self) -> int:
-        """How many leading messages end within the first ``keep`` tokens (-1: all but the
-        message being answered)."""
-        if self.keep < 0:
-            return max(0, len(self.messages) - 1)
-        head = [{"role": "system", "content": self.system}] if self.system else []
-        n = 0
-        while n < len(self.messages) - 1:
-            if len(self._encode(head + self.messages[: n + 1], False)) > self.keep:
-                break
-            n += 1
-        return n
-
-    def _prefill(self, ids: list[int]):
-        """Bring the cache to ``ids`` reusing the common prefix; next-token logits."""
-        keep = min(_common_prefix(self.session.tokens, ids), len(ids) - 1)
-        self.session.truncate(keep)
-        reused = len(self.session.tokens)
-        self.stats.prompt_reused += reused
-        self.stats.prompt_evaluated += len(ids) - reused
-        return self.session.eval(ids[reused:])
-
     def _reply(self) -> str | None:
-        self.stats = stats = TurnStats()
-        asked = self.messages[-1]
         try:
-            ids = self._fit_prompt()
-        except LocalLLMError as e:  # a template error: the message is not kept
-            if self.messages and self.messages[-1] is asked:
-                self.messages.pop()
+            with no_echo(self._echo_fd):
+                text = self.reply(self._emit, self._shifted)
+        except LocalLLMError as e:  # the prompt does not fit, or a template error
             self.error(str(e))
             return None
-        if ids is None:
-            return None
-        from ..tokenizer import StreamDecoder
-
-        tok = self.tokenizer
-        sampler = self.make_sampler(self.params)
-        decoder = StreamDecoder(tok)
-        stopper = StopMatcher(self.stop)
-        shown: list[str] = []
-        reply_ids: list[int] = []
-        t0 = time.perf_counter()
-        try:
-            logits = self._prefill(ids)
-            while True:
-                if 0 <= self.n_predict <= len(reply_ids):
-                    stats.finish = "length"
-                    break
-                token = sampler.sample(logits)
-                sampler.accept(token)
-                if not reply_ids:
-                    stats.first_token_seconds = time.perf_counter() - t0
-                if token in tok.eog_ids:
-                    stats.finish = "eog"
-                    break
-                reply_ids.append(token)
-                piece, stopped = stopper.push(decoder.push(token))
-                shown.append(piece)
-                self._emit(piece)
-                if stopped:
-                    stats.finish = "stop"
-                    break
-                if len(self.session.tokens) + 1 > self.ctx_size:
-                    if not self.context_shift:
-                        stats.finish = "ctx"
-                        break
-                    shifted = self._shift_during_reply(ids, reply_ids)
-                    if shifted is None:
-                        stats.finish = "full"
-                        break
-                    logits, ids = shifted
-                else:
-                    logits = self.session.eval([token])
-        except KeyboardInterrupt:
-            stats.finish = "interrupted"
-        if not stopper.stopped:
-            tail, _ = stopper.push(decoder.flush())
-            tail += stopper.flush()
-            shown.append(tail)
-            self._emit(tail)
-        stats.generated = len(reply_ids)
-        stats.seconds = time.perf_counter() - t0
-        text = "".join(shown)
-        # The partial reply of an interrupted or cut turn is kept: the template closes it.
-        self.messages.append({"role": "assistant", "content": text})
         self.console.print()
-        if stats.finish == "interrupted":
+        finish = self.stats.finish
+        if finish == "interrupted":
             self.note("[interrupted]")
-        elif stats.finish == "ctx":
+        elif finish == "ctx":
             self.note(f"[the context is full ({self.ctx_size} tokens) and --no-context-shift "
                       "is set: reply ended; /clear to start over]")
-        elif stats.finish == "full":
+        elif finish == "full":
             self.note(f"[the context is full ({self.ctx_size} tokens) and no older message is "
                       "left to shift out: reply ended]")
         self._print_stats()
         return text
 
-    def _shift_during_reply(self, prompt_ids: list[int], reply_ids: list[int]):
-        """The context is full mid-reply: shift old messages out and recompute.
-
-        Returns (next-token logits, the new prompt ids), or None when nothing can be dropped.
-        """
-        n_before = len(self.session.tokens)
-        target = self.ctx_size * 3 // 4  # leave room to go on after the shift
-        ids = prompt_ids
-        dropped = 0
-        while len(ids) + len(reply_ids) > target and self._drop_oldest():
-            dropped += 1
-            ids = self._encode(self.window())
-        if dropped == 0 or len(ids) + len(reply_ids) + 1 > self.ctx_size:
-            return None
-        logits = self._prefill(ids + reply_ids)
+    def _shifted(self, dropped: int, before: int, after: int) -> None:
         self.console.print()
         self.note(f"[context shift: dropped {dropped} oldest message(s), "
-                  f"{n_before} -> {len(self.session.tokens)} tokens]")
-        return logits, ids
+                  f"{before} -> {after} tokens]")
 
     def _print_stats(self) -> None:
         s = self.stats
@@ -547,6 +371,8 @@ class ChatREPL:
         except OSError:
             pass  # a read-only home: history for this run only
         prompt = PromptSession(history=history, input=input, output=output)
+        if input is None:  # the real terminal: no echo into the replies
+            self._echo_fd = sys.stdin.fileno()
         while True:
             try:
                 line = prompt.prompt("... " if self.continuing else ">>> ")
@@ -598,56 +424,4 @@ def _parse_like(current, value: str, name: str):
         ) from None
 
 
-# ---- the `chat` command ----------------------------------------------------------------------
-def chat_command(
-    model: Annotated[str | None, typer.Argument(
-        help="models.toml name or .gguf path (default: smollm2-135m-instruct)")] = None,
-    system: Annotated[str | None, typer.Option("--system", help="system prompt")] = None,
-    chat_template: Annotated[str | None, typer.Option(
-        "--chat-template", help="built-in template NAME (gemma, llama3, chatml, mistral, "
-        "llama2, phi3), metadata variant NAME, or a template FILE")] = None,
-    ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="context size in tokens")] = 4096,
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="prefill chunk")] = 512,
-    keep: Annotated[int, typer.Option(
-        "--keep", help="tokens at the start of the conversation kept by a context shift "
-        "(-1: all)")] = 0,
-    no_context_shift: Annotated[bool, typer.Option(
-        "--no-context-shift", help="end the reply when the context is full")] = False,
-    stop: Annotated[list[str] | None, typer.Option(
-        "--stop", "-r", help="stop string (repeatable)")] = None,
-    n_predict: Annotated[int, typer.Option(
-        "--n-predict", "-n", help="most tokens per reply (-1: no limit)")] = -1,
-    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda")] = "auto",
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="details on stderr")] = False,
-    sampling=None,
-) -> None:
-    """Chat with a model in the terminal (streaming, /help for commands)."""
-    from rich.console import Console
-
-    from ..api import LLM
-
-    if model is None:  # chat's own default: an instruct model
-        from ..registry import load_registry
-
-        reg = load_registry()
-        model = reg.chat_default or reg.default
-    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, verbose=verbose)
-    if sampling is None:
-        params = llm.sampling_params()
-    elif hasattr(sampling, "overrides"):
-        params = llm.sampling_params(**sampling.overrides)
-    else:
-        params = llm.sampling_params(sampling)
-    template = template_for(llm, chat_template)
-    console = Console(highlight=False)
-    repl = ChatREPL(llm, console=console, template=template, params=params, system=system,
-                    keep=keep, context_shift=not no_context_shift, stop=stop or (),
-                    n_predict=n_predict)
-    if verbose:
-        console.print(f"model {llm.path}, template {template.name}, device {llm.device}",
-                      style="dim", markup=False)
-    console.print("/help for commands, Ctrl-D to leave", style="dim", markup=False)
-    repl.run()
-
-
-__all__ = ["ChatREPL", "apply_chat", "chat_command", "history_path"]
+__all__ = ["ChatREPL", "TurnStats", "history_path"]

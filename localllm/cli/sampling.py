@@ -15,12 +15,14 @@ import inspect
 import math
 import re
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ..errors import ParameterError
-from ..sampling.chain import SamplingParams, parse_samplers, parse_sampling_seq
+
+if TYPE_CHECKING:  # the sampler chain imports torch: only when a command runs
+    from ..sampling.chain import SamplingParams
 
 _PANEL = "Sampling"
 
@@ -136,6 +138,8 @@ def params_from_flags(values: dict[str, Any]) -> SamplingParams:
     Raises:
         ParameterError: an invalid or malformed flag value.
     """
+    from ..sampling.chain import SamplingParams, parse_samplers, parse_sampling_seq
+
     overrides: dict[str, Any] = {}
     for name, field_name, _ in _OPTIONS:
         value = values.get(name)
@@ -204,3 +208,52 @@ def describe(params: SamplingParams) -> str:
             "top_p", "min_p", "xtc_probability", "xtc_threshold", "typ_p", "top_n_sigma", "temp",
             "mirostat", "mirostat_eta", "mirostat_tau"]
     return ", ".join(f"{k} = {d[k]}" for k in keys) + f"; samplers: {';'.join(params.samplers)}"
+
+
+# Our chain step names -> llama.cpp's sampler names (llama_sampler_i::name), for --verbose.
+_LLAMA_NAMES = {"logit_bias": "logit-bias", "top_n_sigma": "top-n-sigma", "top_k": "top-k",
+                "typ_p": "typical", "top_p": "top-p", "min_p": "min-p",
+                "temperature": "temp-ext", "mirostatv2": "mirostat-v2"}
+
+
+def chain_line(sampler) -> str:
+    """The built chain as llama.cpp's ``sampler chain:`` line, e.g. ``logits -> logit-bias ->
+    penalties -> ... -> temp-ext -> dist`` (the steps actually in the chain, in order)."""
+    names = [n for n, _ in sampler.steps] + [type(sampler.selector).__name__.lower()]
+    return " -> ".join(["logits"] + [_LLAMA_NAMES.get(n, n) for n in names])
+
+
+def show_model_defaults(command) -> None:
+    """Add the default model's own sampling defaults (models.toml ``[models.NAME.sampling]``)
+    to the ``--help`` of every command with sampling flags, so that help shows what will be
+    used: ``temperature (default 0.8; <= 0: greedy; gemma3-270m: 1.0)``. Another MODEL uses its own
+    entry; flags given on the command line win over both."""
+    from ..errors import LocalLLMError
+    from ..registry import load_registry
+
+    try:
+        registry = load_registry()
+    except LocalLLMError:  # a broken user registry: the command itself will report it
+        return
+    entry = registry.models.get(registry.default)
+    own = dict(entry.sampling) if entry is not None else {}
+    by_field = {field: name for name, field, _ in _OPTIONS if field is not None}
+    _annotate(command, registry.default, own, by_field)
+
+
+def _annotate(command, model: str, own: dict, by_field: dict) -> None:
+    for sub in getattr(command, "commands", {}).values():
+        _annotate(sub, model, own, by_field)
+    params = {p.name: p for p in getattr(command, "params", ())}
+    if "temp" not in params:  # no sampling flags
+        return
+    for field, value in own.items():
+        p = params.get(by_field.get(field, ""))
+        if p is not None and p.help and f"; {model}: " not in p.help:
+            mark = f"{model}: {value}"
+            p.help = f"{p.help[:-1]}; {mark})" if p.help.endswith(")") else f"{p.help} ({mark})"
+    note = (f"Sampling defaults: llama.cpp's, then the model's own from models.toml, section "
+            f"models.NAME.sampling ({model}: "
+            + (", ".join(f"{k} {v}" for k, v in own.items()) or "none") + "), then the flags.")
+    if command.help and "Sampling defaults:" not in command.help:
+        command.help = f"{command.help}\n\n{note}"

@@ -82,14 +82,18 @@ def _median(xs: Sequence[float]) -> float:
 # ---- the two runners ----------------------------------------------------------------------
 def time_protocol(eval_last: Callable[[list[int]], int], reset: Callable[[], None],
                   prompt: list[int], n_gen: int, repetitions: int,
-                  sync: Callable[[], None] = lambda: None) -> dict:
+                  sync: Callable[[], None] = lambda: None,
+                  on_run: Callable[[int, int], None] | None = None) -> dict:
     """Time one engine. ``eval_last(ids)`` appends ids and returns the greedy next token.
 
     Returns medians: ``pp`` and ``tg`` (tokens/s), ``ttft_ms`` (prompt -> first token id).
-    The first of ``repetitions + 1`` runs is a warm-up and is discarded.
+    The first of ``repetitions + 1`` runs is a warm-up and is discarded. ``on_run(i, n)`` is
+    called before run i of n (0: the warm-up).
     """
     pp, ttft, tg = [], [], []
     for rep in range(repetitions + 1):
+        if on_run is not None:
+            on_run(rep, repetitions + 1)
         reset()
         sync()
         t0 = time.perf_counter()
@@ -109,18 +113,19 @@ def time_protocol(eval_last: Callable[[list[int]], int], reset: Callable[[], Non
     return {"pp": _median(pp), "tg": _median(tg), "ttft_ms": _median(ttft)}
 
 
-def _ours(llm, prompt: list[int], n_gen: int, repetitions: int) -> dict:
+def _ours(llm, prompt: list[int], n_gen: int, repetitions: int, on_run=None) -> dict:
     session = llm.session()
 
     def eval_last(ids: list[int]) -> int:
         return int(session.eval(ids).argmax())  # the host sync: one token id
 
     return time_protocol(eval_last, session.reset, prompt, n_gen, repetitions,
-                         lambda: _sync(llm.device))
+                         lambda: _sync(llm.device), on_run)
 
 
 def llama_cpp_figures(path: Path, prompt: list[int], n_gen: int, repetitions: int, *,
-                      device: torch.device, threads: int, ctx_size: int) -> dict | str:
+                      device: torch.device, threads: int, ctx_size: int,
+                      on_run: Callable[[int, int], None] | None = None) -> dict | str:
     """The same protocol through llama-cpp-python, or a one-line reason it was not run."""
     try:
         import llama_cpp
@@ -148,7 +153,8 @@ def llama_cpp_figures(path: Path, prompt: list[int], n_gen: int, repetitions: in
         return int(np.argmax(np.ctypeslib.as_array(logits, shape=(n_vocab,))))
 
     try:
-        figures = time_protocol(eval_last, llm.reset, prompt, n_gen, repetitions)
+        figures = time_protocol(eval_last, llm.reset, prompt, n_gen, repetitions,
+                                on_run=on_run)
     finally:
         llm.close()
     figures["version"] = getattr(llama_cpp, "__version__", "?")
@@ -206,7 +212,8 @@ def _gpu_driver() -> str | None:
 def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int = 3,
               device: str = "auto", synthetic: str | None = None, quant: str = "Q4_K_M",
               threads: int | None = None, peak_bandwidth: float | None = None,
-              llama_cpp: bool = True, as_json: bool = False) -> dict:
+              llama_cpp: bool = True, as_json: bool = False,
+              progress: Callable[..., None] | None = None, print_result: bool = True) -> dict:
     """Measure pp/tg/TTFT/peak memory/bandwidth (and llama.cpp's, when available); print them
     as text, or as one JSON line with ``as_json``. Returns the figures.
 
@@ -217,10 +224,19 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
         threads: torch (and llama.cpp) CPU threads (default: torch's current setting).
         peak_bandwidth: the device's peak memory bandwidth in GB/s (default: looked up by
             GPU name; none on the CPU).
+        progress: ``progress(step, completed=None, total=None)`` as each step starts and
+            goes on (writing the synthetic file, loading, each timed run); the CLI shows it.
+        print_result: print the figures (False: only return them).
     Raises:
         ParameterError: a count or bandwidth out of range, an unknown synthetic name or quant.
-        LocalLLMError: model loading errors (see :class:`localllm.LLM`).
+        LocalLLMError: model loading errors (see :class:`localllm.LLM`); for ``synthetic``,
+            before its file is written: the model would not fit in the device's free memory
+            at bench time, or the disk has not room for the file.
     """
+    def say(step: str, completed: int | None = None, total: int | None = None) -> None:
+        if progress is not None:
+            progress(step, completed, total)
+
     from ..api import LLM
     from ..models.cache import RING_SLACK
 
@@ -233,12 +249,20 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
         if threads < 1:
             raise ParameterError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
+    ctx_size = max(n_prompt, TG_PROMPT + n_gen) + 8
     if synthetic is not None:
         from ..models.synthetic import synthetic_model
+        from ..runtime.session import resolve_device
 
-        model = synthetic_model(synthetic, quant)
-    ctx_size = max(n_prompt, TG_PROMPT + n_gen) + 8
-    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=n_prompt, progress=None)
+        target = resolve_device(device)
+        model = synthetic_model(
+            synthetic, quant,
+            before_write=lambda g, tensors: check_synthetic_memory(g, tensors, target, ctx_size),
+            progress=lambda done, total: say(f"writing synthetic {synthetic} {quant}", done,
+                                             total))
+    say("loading the model")
+    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=n_prompt,
+              progress=False if progress is not None else None)
     dev = llm.device
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, llm.tokenizer.n_vocab - 100, (n_prompt,), generator=gen).tolist()
@@ -250,7 +274,8 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
                  "threads": torch.get_num_threads(), "n_prompt": n_prompt, "n_gen": n_gen,
                  "repetitions": repetitions, "torch": torch.__version__,
                  "backend": getattr(llm.loaded, "backend", "torch")}
-    res.update(_ours(llm, prompt, n_gen, repetitions))
+    res.update(_ours(llm, prompt, n_gen, repetitions, on_run=lambda i, n: say(
+        f"localllm: pp{n_prompt} + tg{n_gen}, " + ("warm-up" if i == 0 else f"run {i}"), i, n)))
     if dev.type == "cuda":
         res["peak_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20
         res["cuda"] = torch.version.cuda
@@ -272,8 +297,12 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     if llama_cpp:
+        say("llama.cpp: loading")
         ref = llama_cpp_figures(path, prompt, n_gen, repetitions, device=dev,
-                                threads=torch.get_num_threads(), ctx_size=ctx_size)
+                                threads=torch.get_num_threads(), ctx_size=ctx_size,
+                                on_run=lambda i, n: say(
+                                    f"llama.cpp: pp{n_prompt} + tg{n_gen}, "
+                                    + ("warm-up" if i == 0 else f"run {i}"), i, n))
         if isinstance(ref, dict):
             res["llama_cpp"] = ref
             res["ratio_pp"] = res["pp"] / ref["pp"]
@@ -281,11 +310,44 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
         else:
             res["llama_cpp"] = None
             res["llama_cpp_skipped"] = ref
-    if as_json:
-        print(json.dumps(res), flush=True)
-    else:
-        print_figures(res)
+    if print_result:
+        if as_json:
+            print(json.dumps(res), flush=True)
+        else:
+            print_figures(res)
     return res
+
+
+def check_synthetic_memory(geometry, tensors, device: torch.device, ctx_size: int) -> None:
+    """Refuse, before a synthetic file is written, a model that would not fit in ``device``'s
+    free memory when benched (its weights as the runtime holds them + the KV cache).
+
+    Raises:
+        LocalLLMError: one line with the memory needed and free (``LOCALLLM_SKIP_MEMORY_CHECK=1``
+            skips the check, as for any load).
+    """
+    import os
+
+    from ..errors import LocalLLMError
+    from ..runtime.resources import (
+        SKIP_ENV,
+        format_bytes,
+        free_memory,
+        kv_cache_bytes,
+        stored_bytes,
+    )
+
+    if os.environ.get(SKIP_ENV, "") not in ("", "0"):
+        return
+    quantized = device.type == "cuda"
+    need = (sum(stored_bytes(t, quantized) for t in tensors)
+            + kv_cache_bytes(geometry, ctx_size, device))
+    free = free_memory(device)
+    if free is not None and need > free:
+        raise LocalLLMError(
+            f"--synthetic {geometry.name}: benching it needs {format_bytes(need)} on "
+            f"{device.type} but {format_bytes(free)} is free; nothing was written (set "
+            f"{SKIP_ENV}=1 to try anyway)")
 
 
 def print_figures(res: dict, file=None) -> None:

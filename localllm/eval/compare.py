@@ -143,6 +143,7 @@ def write_plot(rows: list[CompareRow], path: Path) -> bool:
         print("notice: matplotlib is not installed (pip install 'localllm[plot]'); no plot",
               file=sys.stderr)
         return False
+    rows = sorted(rows, key=lambda r: r.bpw)  # the line joins the points by bits per weight
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.errorbar([r.bpw for r in rows], [r.ppl for r in rows], yerr=[r.ppl_err for r in rows],
                 fmt="o-", capsize=3)
@@ -155,7 +156,8 @@ def write_plot(rows: list[CompareRow], path: Path) -> bool:
     fig.tight_layout()
     try:
         with atomic_output(path, "--plot") as tmp:
-            fig.savefig(tmp, dpi=120, format="png")
+            fig.savefig(tmp, dpi=120, format="png", metadata={
+                "Description": "bpw,ppl: " + " ".join(f"{r.bpw:.4f},{r.ppl:.4f}" for r in rows)})
     finally:
         plt.close(fig)
     print(f"plot: {path}", file=sys.stderr)

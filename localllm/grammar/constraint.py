@@ -21,11 +21,10 @@ import llguidance
 import numpy as np
 import torch
 
+from ..data import GRAMMARS_DIR  # the ready grammars (package data)
 from ..errors import GrammarError, LocalLLMError, ParameterError
 from ..tokenizer import USER_DEFINED
 from .gbnf import gbnf_to_lark
-
-GRAMMARS_DIR = Path(__file__).resolve().parents[2] / "grammars"
 
 # Resource limits handed to llguidance (its defaults, made explicit, a little tighter on
 # grammar size): compile time and memory stay bounded whatever grammar a user passes.

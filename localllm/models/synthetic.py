@@ -15,7 +15,8 @@ random floats. The block layouts are ggml's (``ggml-common.h``: ``block_q4_K`` .
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -287,6 +288,53 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
 
 
 # ---- files ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor of a synthetic file: name, shape (GGUF order reversed: rows last), type."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def n_bytes(self) -> int:
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        return self.n_elements // block * size
+
+
+def planned_tensors(geometry: Geometry, quant: str) -> list[PlannedTensor]:
+    """The tensors :func:`write_synthetic` writes for ``geometry`` at recipe ``quant``.
+
+    Raises:
+        ParameterError: unknown quant type.
+    """
+    types = tensor_types(geometry, quant.upper())
+    return [PlannedTensor(name, shape, types[name]) for name, shape in tensor_shapes(geometry)]
+
+
+# Header, metadata (the vocabulary) and alignment padding, over the tensor bytes; generous.
+_FILE_OVERHEAD = 64 * 2**20
+
+
+def check_disk(path: Path, n_bytes: int) -> None:
+    """Refuse to start writing ``n_bytes`` at ``path`` when its file system has less free.
+
+    Raises:
+        LocalLLMError: one line with the bytes needed and free, and the directory.
+    """
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return  # unknown: the write itself reports a full disk
+    if n_bytes > free:
+        raise LocalLLMError(f"{path.name}: writing it needs {n_bytes / 2**30:.1f} GiB of disk "
+                            f"but {free / 2**30:.1f} GiB is free in {path.parent}")
+
+
 def cache_path(name: str, quant: str) -> Path:
     """``<user cache>/localllm/synthetic/NAME-QUANT.gguf``."""
     from platformdirs import user_cache_dir
@@ -294,15 +342,19 @@ def cache_path(name: str, quant: str) -> Path:
     return Path(user_cache_dir("localllm")) / "synthetic" / f"{name}-{quant.upper()}.gguf"
 
 
-def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: int = 0) -> Path:
+def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: int = 0,
+                    progress: Callable[[int, int], None] | None = None) -> Path:
     """Write a random-weights GGUF of ``geometry`` with the tensor types of recipe ``quant``.
 
-    The file is written to a temporary name beside ``path`` and renamed when complete, so an
-    interrupted write leaves nothing behind. Returns ``path``.
+    Tensors are generated and written one at a time (memory: about the largest tensor, not
+    the file). The free disk space is checked first. The file is written to a temporary name
+    beside ``path`` and renamed when complete, so an interrupted write leaves nothing
+    behind. ``progress(bytes_written, total_bytes)`` is called after each tensor.
+    Returns ``path``.
 
     Raises:
         ParameterError: unknown quant type.
-        LocalLLMError: the file cannot be written.
+        LocalLLMError: not enough disk space, or the file cannot be written.
     """
     from ..quantize.recipe import FILE_TYPES
 
@@ -318,6 +370,8 @@ def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: i
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise LocalLLMError(f"{path.parent}: cannot create: {e.strerror or e}") from None
+    total = sum(t.n_bytes for t in planned_tensors(geometry, quant))
+    check_disk(path, total + _FILE_OVERHEAD)
     with atomic_output(path) as tmp:
         w = GGUFWriter(tmp, geometry.arch)
         w.add_name(f"synthetic {geometry.name} {quant}")
@@ -336,8 +390,14 @@ def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: i
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
+        done = 0
         for name, shape in shapes:
-            w.write_tensor_data(random_tensor(name, shape, types[name], rng))
+            data = random_tensor(name, shape, types[name], rng)
+            w.write_tensor_data(data)  # straight to the file: one tensor in memory at a time
+            done += data.nbytes
+            del data
+            if progress is not None:
+                progress(done, total)
         w.close()
     return path
 
@@ -361,13 +421,18 @@ def _add_kv(w: GGUFWriter, key: str, value) -> None:
         raise TypeError(f"{key}: cannot store {type(value).__name__}")
 
 
-def synthetic_model(name: str, quant: str = "Q4_K_M", *, cache_dir: str | Path | None = None
-                    ) -> Path:
+def synthetic_model(name: str, quant: str = "Q4_K_M", *, cache_dir: str | Path | None = None,
+                    before_write: Callable[[Geometry, list[PlannedTensor]], None] | None = None,
+                    progress: Callable[[int, int], None] | None = None) -> Path:
     """Path of the synthetic model ``name`` (a key of :data:`GEOMETRIES`) at ``quant``,
     written on first use into the cache directory and reused afterwards.
 
+    ``before_write(geometry, tensors)`` runs before a file is written (a memory check that
+    raises to refuse); ``progress`` is :func:`write_synthetic`'s.
+
     Raises:
         ParameterError: unknown geometry name or quant type (naming ``--synthetic``/``--quant``).
+        LocalLLMError: not enough disk space, or what ``before_write`` raises.
     """
     from ..quantize.recipe import parse_file_type
 
@@ -381,5 +446,7 @@ def synthetic_model(name: str, quant: str = "Q4_K_M", *, cache_dir: str | Path |
     path = (Path(cache_dir) / f"{name}-{quant}.gguf" if cache_dir is not None
             else cache_path(name, quant))
     if not path.exists():
-        write_synthetic(path, GEOMETRIES[name], quant)
+        if before_write is not None:
+            before_write(GEOMETRIES[name], planned_tensors(GEOMETRIES[name], quant))
+        write_synthetic(path, GEOMETRIES[name], quant, progress=progress)
     return path

@@ -9,7 +9,7 @@ constraint (grammar) completes.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -87,21 +87,31 @@ def generate_tokens(
     stop: Sequence[str] = (),
     constraint=None,
     timings: Timings | None = None,
+    on_context_full: Callable[[list[int]], Sequence[int] | None] | None = None,
 ) -> Iterator[Step]:
     """Generate from ``prompt_ids``; yields one :class:`Step` per token.
 
     Args:
         sampler: a :class:`localllm.sampling.chain.SamplerChain` (``sample``, ``accept``,
             ``accept_prompt``, ``last_trace``).
-        n_predict: most tokens to generate (-1 or -2: until the context is full).
+        n_predict: most tokens to generate (-1 or -2: until the context is full; 0: none,
+            as llama.cpp: the prompt is not evaluated and one closing step with token -1 and
+            finish_reason "length" is yielded).
         stop: strings that end generation; never included in the text.
         constraint: a grammar constraint; generation ends when it is finished.
         timings: filled in as generation goes.
+        on_context_full: the context shift. When the next token no longer fits, it is called
+            with the tokens generated so far and returns the ids the cache should hold
+            instead (a shorter prompt followed by those tokens; the common prefix is reused),
+            or None to finish with "ctx". Without it a full context finishes with "ctx".
     Raises:
         ContextOverflowError: the prompt does not fit in the context.
     """
     tok = session.loaded.tokenizer
     timings = timings if timings is not None else Timings()
+    if n_predict == 0:
+        yield Step(-1, "", None, "length")
+        return
     t0 = time.perf_counter()
     logits, timings.reused_tokens = prefill(session, prompt_ids)
     sampler.accept_prompt(prompt_ids)  # penalties see the prompt, as in llama.cpp's main loop
@@ -117,9 +127,11 @@ def generate_tokens(
 
     t1 = time.perf_counter()
     n = 0
+    generated: list[int] = []
     while True:
         token = sampler.sample(logits)
         sampler.accept(token)
+        generated.append(token)
         n += 1
         timings.generated_tokens = n
         if n == 1:
@@ -133,18 +145,24 @@ def generate_tokens(
         if stopped:
             yield Step(token, text, logprob, "stop", trace)
             break
-        finish = None
+        finish = refill = None
         if constraint is not None and constraint.is_finished():
             finish = "grammar"
         elif n_predict >= 0 and n >= n_predict:
             finish = "length"
         elif session.n_past + 1 > session.ctx_size:
-            finish = "ctx"
+            refill = on_context_full(list(generated)) if on_context_full is not None else None
+            finish = None if refill else "ctx"
         if finish:
             yield Step(token, text + remaining_text(), logprob, finish, trace)
             break
         yield Step(token, text, logprob, None, trace)
-        logits = session.eval([token])
+        if refill:  # context shift: recompute what changed, go on from the new last token
+            logits, reused = prefill(session, refill)
+            timings.reused_tokens += reused
+            timings.prompt_tokens += len(refill) - reused
+        else:
+            logits = session.eval([token])
         timings.generate_seconds = time.perf_counter() - t1
     timings.generate_seconds = time.perf_counter() - t1
 

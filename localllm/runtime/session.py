@@ -103,8 +103,8 @@ def load_model(
 def _use_quantized(backend: str, device: torch.device) -> bool:
     if backend not in ("auto", "torch", "triton"):
         raise LocalLLMError(f"backend must be auto, torch or triton, got {backend!r}")
-    if backend == "torch":
-        return False
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return False  # without importing Triton (a quarter second of start-up)
     from ..kernels import triton_available
 
     if not triton_available():

@@ -1,0 +1,68 @@
+"""The ``localllm chat`` command (typer function registered in :mod:`localllm.cli.app`); the
+REPL itself is :mod:`localllm.cli.repl`, imported when the command runs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+
+def chat_command(
+    model: Annotated[str | None, typer.Argument(
+        help="models.toml name or .gguf path (default: smollm2-135m-instruct)")] = None,
+    system: Annotated[str | None, typer.Option("--system", help="system prompt")] = None,
+    chat_template: Annotated[str | None, typer.Option(
+        "--chat-template", help="built-in template NAME (gemma, llama3, chatml, mistral, "
+        "llama2, phi3), metadata variant NAME, or a template FILE")] = None,
+    ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="context size in tokens")] = 4096,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="prefill chunk")] = 512,
+    keep: Annotated[int, typer.Option(
+        "--keep", help="tokens at the start of the conversation kept by a context shift "
+        "(-1: all)")] = 0,
+    no_context_shift: Annotated[bool, typer.Option(
+        "--no-context-shift", help="end the reply when the context is full")] = False,
+    stop: Annotated[list[str] | None, typer.Option(
+        "--stop", "-r", help="stop string (repeatable)")] = None,
+    n_predict: Annotated[int, typer.Option(
+        "--n-predict", "-n", help="most tokens per reply (-1: no limit)")] = -1,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda")] = "auto",
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="details on stderr")] = False,
+    sampling=None,
+) -> None:
+    """Chat with a model in the terminal (streaming, /help for commands)."""
+    from rich.console import Console
+
+    from .progress import step_progress
+
+    with step_progress("starting: importing torch"):  # seconds of a blank screen otherwise
+        from ..api import LLM
+        from ..chat.template import template_for
+        from .repl import ChatREPL
+
+    if model is None:  # chat's own default: an instruct model
+        from ..registry import load_registry
+
+        reg = load_registry()
+        model = reg.chat_default or reg.default
+    llm = LLM(  # its own progress bar while the weights load (on a terminal)
+        model, device=device, ctx_size=ctx_size, batch_size=batch_size, verbose=verbose)
+    if sampling is None:
+        params = llm.sampling_params()
+    elif hasattr(sampling, "overrides"):
+        params = llm.sampling_params(**sampling.overrides)
+    else:
+        params = llm.sampling_params(sampling)
+    template = template_for(llm, chat_template)
+    console = Console(highlight=False)
+    repl = ChatREPL(llm, console=console, template=template, params=params, system=system,
+                    keep=keep, context_shift=not no_context_shift, stop=stop or (),
+                    n_predict=n_predict)
+    if verbose:
+        console.print(f"model {llm.path}, template {template.name}, device {llm.device}",
+                      style="dim", markup=False)
+    console.print("/help for commands, Ctrl-D to leave", style="dim", markup=False)
+    repl.run()
+
+
+__all__ = ["chat_command"]

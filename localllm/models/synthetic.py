@@ -302,8 +302,8 @@ class PlannedTensor:
 
     @property
     def n_bytes(self) -> int:
-        block, size = GGML_QUANT_SIZES[self.qtype]
-        return self.n_elements // block * size
+        fmt = BLOCK_FORMATS[self.qtype]
+        return self.n_elements // fmt.block_size * fmt.type_size
 
 
 def planned_tensors(geometry: Geometry, quant: str) -> list[PlannedTensor]:

@@ -25,7 +25,7 @@ from ..errors import GrammarError, LocalLLMError, ParameterError
 from ..tokenizer import USER_DEFINED
 from .gbnf import gbnf_to_lark
 
-GRAMMARS_DIR = Path(__file__).resolve().parents[1] / "grammars"
+GRAMMARS_DIR = Path(__file__).resolve().parents[2] / "grammars"
 
 # Resource limits handed to llguidance (its defaults, made explicit, a little tighter on
 # grammar size): compile time and memory stay bounded whatever grammar a user passes.

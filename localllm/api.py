@@ -72,6 +72,8 @@ class LLM:
         self._session: Session | None = None
         self._lock = threading.Lock()
         self._lock_owner: int | None = None
+        self.chat_template: str | None = None  # override of create_chat_completion's template
+        self._templates: dict = {}
 
     # ---- tokens ---------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
@@ -307,6 +309,9 @@ class LLM:
         want = logprobs is not None
         if stream:
             return self._completion_chunks(run, head, ids, prefix, want, stream_options)
+        return self._completion(run, head, ids, prefix, want)
+
+    def _completion(self, run, head, ids, prefix, want) -> dict:
         text, lps, finish, count = [prefix], _CompletionLogprobs(len(prefix)), None, 0
         for step in run:
             count += step.token >= 0
@@ -412,7 +417,10 @@ class LLM:
         if tool_choice is not None and not tools and tool_choice != "none":
             raise ParameterError("tool_choice needs tools")
         use_tools = bool(tools) and tool_choice != "none"
-        ids = template_for(self, chat_template).encode(
+        key = chat_template or self.chat_template
+        if key not in self._templates:
+            self._templates[key] = template_for(self, key)
+        ids = self._templates[key].encode(
             self.tokenizer, template_messages(list(messages)), tools=tools if use_tools else None)
         if not ids:
             raise LocalLLMError("the chat template rendered an empty prompt")
@@ -442,6 +450,9 @@ class LLM:
         tool_list = tools if use_tools else []
         if stream:
             return self._chat_chunks(run, head, ids, tool_list, bool(logprobs), stream_options)
+        return self._chat(run, head, ids, tool_list, logprobs)
+
+    def _chat(self, run, head, ids, tool_list, logprobs) -> dict:
         text, content_lps, finish, count = [], [], None, 0
         for step in run:
             count += step.token >= 0

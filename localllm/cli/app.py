@@ -113,6 +113,8 @@ def _run(
     grammar_file: Annotated[str | None, typer.Option("--grammar-file", help="GBNF file or grammars/ name")] = None,
     json_mode: Annotated[bool, typer.Option("--json", help="output one JSON value")] = False,
     json_schema: Annotated[str | None, typer.Option("--json-schema", help="JSON schema FILE or inline")] = None,
+    prompt_cache: Annotated[Path | None, typer.Option(
+        "--prompt-cache", help="file to cache the prompt's KV state in (reused when it matches)")] = None,
     verbose: VerboseOpt = False,
     sampling=None,
 ) -> None:
@@ -148,12 +150,17 @@ def _run(
 
         constraint = constraint_from_cli(grammar, grammar_file, json_mode, json_schema, llm.tokenizer)
     json_out = json_mode or json_schema is not None
+    session = None
+    if prompt_cache is not None:  # llama-cli's --prompt-cache: reuse the matching prefix
+        session = llm.session()
+        if prompt_cache.is_file():
+            session.load(prompt_cache)
     pieces: list[str] = []  # JSON mode prints the value only once it is complete
     finish = None
     out = sys.stdout
     try:
         for step in llm.stream(ids, params=params, n_predict=n_predict, stop=stop or (),
-                               constraint=constraint):
+                               constraint=constraint, session=session):
             if params.n_probs > 0 and step.trace is not None:
                 print_trace(llm.tokenizer, step.trace)
             if step.text:
@@ -166,8 +173,13 @@ def _run(
     except BrokenPipeError:  # `localllm run ... | head`: the reader has all it wanted
         _silence_stdout()
         return
+    if session is not None:
+        session.truncate(len(ids))  # the prompt's state, as llama-cli saves it
+        session.save(prompt_cache)
     if verbose:
         _err(f"seed: {llm.last_sampler.seed}")
+        if session is not None:
+            _err(f"prompt cache: {llm.last_timings.reused_tokens} of {len(ids)} prompt tokens reused")
         print_timings(llm, llm.last_timings, finish)
     if constraint is not None and not constraint.is_accepting():
         raise LocalLLMError(f"generation ended ({finish}) before the grammar was complete")
@@ -300,6 +312,7 @@ app.command("chat")(_attach_sampling(__import__("localllm.cli.repl", fromlist=["
 app.command("quantize", no_args_is_help=True)(
     __import__("localllm.cli.quantize", fromlist=["_"]).quantize_command)
 app.command("perplexity")(__import__("localllm.cli.perplexity", fromlist=["_"]).perplexity_command)
+app.command("serve")(__import__("localllm.cli.serve", fromlist=["_"]).serve_command)
 
 
 def main() -> None:

@@ -110,7 +110,7 @@ class _Schemas:
         if kind == "object":
             props = s.get("properties") or {}
             parts = [f"{_dump(k)}: {self.minimal(props.get(k, _extra(s)), depth + 1)}"
-                     for k in _required(s)]
+                     for k in _ordered(s) if k in _required(s)]
             return "{" + ", ".join(parts) + "}"
         if kind == "array":
             n = int(s.get("minItems") or 0)
@@ -345,7 +345,8 @@ def _complete(nav: _Schemas, schema: Any, text: str) -> str | None:
                 out.append(nav.minimal(_value_schema(nav, f)))
                 f.keys.append(f.key)
                 f.state = "after"
-            missing = [k for k in _required(f.schema) if k not in f.keys]
+            missing = [k for k in _ordered(f.schema) if k in _required(f.schema)
+                       and k not in f.keys]
             if f.state == "key" and not missing:
                 extra = _pick_key(f, "")
                 if extra is None:
@@ -379,15 +380,23 @@ def _complete(nav: _Schemas, schema: Any, text: str) -> str | None:
     return "".join(out)
 
 
+def _ordered(s: dict) -> list[str]:
+    """Property names in the order the grammar writes them: declared order, then required
+    names that are not declared."""
+    props = list((s.get("properties") or {}).keys())
+    return props + [k for k in _required(s) if k not in props]
+
+
 def _pick_key(f: _Frame, partial: str) -> str | None:
-    """A property name starting with ``partial`` not used yet: a missing required one
-    first, else a declared one, else (when extra properties are allowed) ``partial``."""
-    props = list((f.schema.get("properties") or {}).keys())
+    """A property name starting with ``partial`` not used yet: the first missing required
+    one in declared order (llguidance keeps that order), else the first declared one, else
+    (when extra properties are allowed) ``partial``."""
+    order = _ordered(f.schema)
     required = _required(f.schema)
-    for group in ([k for k in required if k not in f.keys], props):
+    for group in ([k for k in order if k in required], order):
         fits = [k for k in group if k.startswith(partial) and k not in f.keys]
         if fits:
-            return min(fits, key=len)
+            return fits[0]
     if f.schema.get("additionalProperties", True) is False:
         return None
     return partial

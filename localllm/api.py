@@ -408,7 +408,8 @@ class LLM:
             ContextOverflowError, GrammarError: see :meth:`stream`.
         """
         from .chat.template import template_for
-        from .chat.tools import check_tools, forced_tool_schema, template_messages
+        from .chat.tools import (check_tools, fallback_messages, forced_tool_schema,
+                                 template_knows_tools, template_messages)
 
         if n != 1:
             raise ParameterError(f"n must be 1 (one sequence at a time), got {n}")
@@ -420,8 +421,13 @@ class LLM:
         key = chat_template or self.chat_template
         if key not in self._templates:
             self._templates[key] = template_for(self, key)
-        ids = self._templates[key].encode(
-            self.tokenizer, template_messages(list(messages)), tools=tools if use_tools else None)
+        template = self._templates[key]
+        msgs = template_messages(list(messages))
+        if use_tools and not template_knows_tools(template.source):
+            msgs = fallback_messages(msgs, tools)
+        ids = template.encode(self.tokenizer, msgs,
+                              tools=tools if use_tools and template_knows_tools(template.source)
+                              else None)
         if not ids:
             raise LocalLLMError("the chat template rendered an empty prompt")
         if max_completion_tokens is not None:

@@ -18,7 +18,8 @@ from tiny_model import write_tiny_gguf
 
 from localllm import LLM
 from localllm.chat.template import select_template
-from localllm.chat.tools import forced_tool_schema, parse_tool_calls, template_messages
+from localllm.chat.tools import (fallback_messages, forced_tool_schema, parse_tool_calls,
+                                 template_knows_tools, template_messages)
 from localllm.errors import LocalLLMError, ParameterError
 from localllm.grammar.budget import shortest_completion, strict_schema
 from localllm.grammar.constraint import GrammarConstraint
@@ -324,3 +325,26 @@ def test_named_tool_choice_in_the_api(tiny):
     assert choice.finish_reason == "tool_calls"
     args = json.loads(choice.message.tool_calls[0].function.arguments)
     jsonschema.validate(args, TOOLS[0]["function"]["parameters"])
+
+
+def test_templates_without_tools_get_the_fallback():
+    # A template that knows nothing of tools and insists on alternating user/assistant turns.
+    source = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+              "{{ raise_exception('roles must alternate') }}{% endif %}"
+              "<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}")
+    assert not template_knows_tools(source)
+    assert template_knows_tools(select_template({}, "chatml").source)
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = template_messages([
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "21 degrees"}])
+    out = fallback_messages(messages, TOOLS)
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.")
+    assert "get_weather" in out[0]["content"] and "tool_call" in out[0]["content"]
+    text = select_template({}, source).render(out[1:])  # renders: roles alternate
+    _, calls = parse_tool_calls(out[2]["content"], TOOLS)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert "tool_response" in text and "21 degrees" in text

@@ -180,9 +180,12 @@ def parse_tool_calls(text: str, tools: list[dict]) -> tuple[str | None, list[dic
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """Messages as chat templates expect them: tool-call ``arguments`` given as JSON text
-    (OpenAI's wire form) become objects, as Hugging Face templates read them."""
+    (OpenAI's wire form) become objects, as Hugging Face templates read them, and the
+    ``developer`` role is ``system``."""
     out = []
     for m in messages:
+        if isinstance(m, dict) and m.get("role") == "developer":  # OpenAI's newer name
+            m = {**m, "role": "system"}
         calls = m.get("tool_calls") if isinstance(m, dict) else None
         if calls:
             m = dict(m)
@@ -199,4 +202,56 @@ def template_messages(messages: list[dict]) -> list[dict]:
                 fixed.append(call)
             m["tool_calls"] = fixed
         out.append(m)
+    return out
+
+
+def template_knows_tools(source: str) -> bool:
+    """Whether a chat template's Jinja reads the ``tools`` variable at all."""
+    return re.search(r"\btools\b", source) is not None
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return "" if content is None else str(content)
+
+
+def fallback_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """Tools for a template that knows nothing of them (Gemma 3's, many fine-tunes'): the
+    descriptions and the call format (our built-in fenced ``tool_call`` block) go into the
+    system message, earlier calls become assistant text in that format, and tool results
+    become user text in a ``tool_response`` block (merged with an adjacent user turn, for
+    templates that insist on alternating roles). llama.cpp's generic tool format does the
+    same with its own wording."""
+    described = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    instructions = (
+        "You can call these tools (JSON schemas):\n" + described + "\n"
+        "To call one, reply with only:\n```tool_call\n"
+        '{"name": <tool name>, "arguments": {<argument>: <value>}}\n```')
+    rest = list(messages)
+    system = instructions
+    if rest and rest[0].get("role") == "system":
+        system = _text(rest[0].get("content")) + "\n\n" + instructions
+        rest = rest[1:]
+    out: list[dict] = [{"role": "system", "content": system}]
+    for m in rest:
+        role = m.get("role")
+        if role == "assistant" and m.get("tool_calls"):
+            blocks = []
+            for call in m["tool_calls"]:
+                fn = call.get("function") or {}
+                blocks.append("```tool_call\n" + json.dumps(
+                    {"name": fn.get("name"), "arguments": fn.get("arguments")},
+                    ensure_ascii=False) + "\n```")
+            text = _text(m.get("content"))
+            out.append({"role": "assistant", "content": (text + "\n" if text else "")
+                        + "\n".join(blocks)})
+        elif role == "tool":
+            text = "```tool_response\n" + _text(m.get("content")) + "\n```"
+            if out[-1]["role"] == "user":
+                out[-1] = {"role": "user", "content": _text(out[-1].get("content")) + "\n\n" + text}
+            else:
+                out.append({"role": "user", "content": text})
+        else:
+            out.append(m)
     return out

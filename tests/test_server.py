@@ -381,3 +381,24 @@ def test_order_schema_real_model():
         jsonschema.validate(args, WEATHER_TOOL["function"]["parameters"])
     finally:
         s.stop()
+
+
+def test_port_in_use_is_one_line_error(tiny_path, monkeypatch, capsys):
+    from cli_helpers import assert_one_line_error, run_cli
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        code, _, err = run_cli(monkeypatch, capsys, "serve", str(tiny_path), "--port", str(port),
+                               "--device", "cpu")
+    assert_one_line_error(code, err, f"cannot listen on 127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--port", "70000"), ("--max-queue", "-1"),
+                                             ("--api-key", ""), ("--threads", "0")])
+def test_bad_serve_flags(tiny_path, monkeypatch, capsys, flag, value):
+    from cli_helpers import assert_one_line_error, run_cli
+
+    code, _, err = run_cli(monkeypatch, capsys, "serve", str(tiny_path), flag, value)
+    assert_one_line_error(code, err, flag)

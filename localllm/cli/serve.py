@@ -57,8 +57,8 @@ def serve_command(
         template_for(llm, chat_template)  # a broken template is an error now, not per request
         llm.chat_template = chat_template
 
-    def ready() -> None:
-        print(f"localllm: serving {llm.model_name} on http://{host}:{port}/v1 "
+    def ready(bound: int) -> None:
+        print(f"localllm: serving {llm.model_name} on http://{host}:{bound}/v1 "
               f"(Ctrl-C stops)", file=sys.stderr, flush=True)
 
     serve(llm, host=host, port=port, api_key=api_key, max_queue=max_queue, max_body=max_body,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
@@ -290,9 +291,13 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
     """
     metrics = Metrics()
     scheduler = Scheduler(max_queue)
+    active: set[threading.Event] = set()  # cancel flags of the requests not finished
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
+        for cancel in list(active):  # shutting down: stop the generation in progress
+            cancel.set()
         scheduler.shutdown()
 
     app = FastAPI(title="localllm", docs_url=None, redoc_url=None, openapi_url=None,
@@ -352,6 +357,7 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
+        active.add(cancel)
 
         def put(item) -> None:
             loop.call_soon_threadsafe(items.put_nowait, item)
@@ -378,11 +384,13 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
                 if stream and hasattr(result, "close"):
                     result.close()  # releases the LLM's lock if the client went away
                 metrics.add_timings(llm.last_timings if result is not None else None)
+                active.discard(cancel)
                 put(_END)
 
         try:
             future = scheduler.submit(job)
         except Busy:
+            active.discard(cancel)
             metrics.count(endpoint, 503)
             return _error(503, "the server is busy: too many requests are waiting",
                           "unavailable_error", code="server_busy", headers={"Retry-After": "1"})
@@ -435,18 +443,44 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
     return Guard(app, api_key=api_key, max_body=max_body)
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: any free port).
+
+    Raises:
+        LocalLLMError: the address cannot be bound (in use, not local, not allowed).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise LocalLLMError(f"--host {host}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise LocalLLMError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(llm, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           max_queue: int = 64, max_body: int = 8 << 20, log_level: str = "warning",
           on_ready=None) -> None:
     """Serve ``llm`` with uvicorn until interrupted (Ctrl-C, SIGTERM).
 
+    Args:
+        on_ready: called with the bound port once the server accepts connections.
     Raises:
         LocalLLMError: the address cannot be bound.
     """
     import uvicorn
 
+    sock = bind(host, port)
     app = create_app(llm, api_key=api_key, max_queue=max_queue, max_body=max_body)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+    config = uvicorn.Config(app, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     if on_ready is not None:
@@ -455,9 +489,10 @@ def serve(llm, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None
         async def startup(sockets=None):
             await original(sockets=sockets)
             if server.started:
-                on_ready()
+                on_ready(sock.getsockname()[1])
 
         server.startup = startup
-    server.run()
-    if not server.started:
-        raise LocalLLMError(f"cannot listen on {host}:{port} (address in use or not allowed)")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()

@@ -441,6 +441,7 @@ class BudgetedConstraint:
         self.forced: list[int] | None = None
         self.steered = False
         self._unsteerable = False
+        self._next_check = 0
 
     def __getattr__(self, name: str) -> Any:  # source, tokenizer, matches ... of the inner one
         return getattr(self.inner, name)
@@ -451,17 +452,19 @@ class BudgetedConstraint:
             return self.forced[0]
         if self._unsteerable or self.inner.is_accepting():
             return None
-        remaining = self.budget - self.n
-        # A completion never needs more tokens than it has bytes: skip the work while the
-        # budget is far away.
-        if remaining > 1 + 4 * 64 and remaining > 1 + len(self.data):
+        if self.n < self._next_check:
             return None
+        remaining = self.budget - self.n
         completion = shortest_completion(self.schema, bytes(self.data))
         if not completion:
             return None
         lltok = self.inner._lltok
         tokens = lltok.tokenize_bytes(completion.encode("utf-8"))
-        if len(tokens) + 1 < remaining:
+        slack = remaining - len(tokens) - 1
+        if slack > 0:
+            # Far from the budget: look again after a few tokens (the completion rarely
+            # grows by more than a token or two per generated token).
+            self._next_check = self.n + max(1, min(16, slack // 4))
             return None
         matcher = self.inner._matcher.deep_copy()
         if matcher.validate_tokens(tokens) != len(tokens):

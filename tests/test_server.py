@@ -402,3 +402,14 @@ def test_bad_serve_flags(tiny_path, monkeypatch, capsys, flag, value):
 
     code, _, err = run_cli(monkeypatch, capsys, "serve", str(tiny_path), flag, value)
     assert_one_line_error(code, err, flag)
+
+
+def test_streamed_tool_call(server):
+    chunks = list(server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER_TOOL],
+        max_tokens=150, stream=True, tool_choice="required"))
+    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather" and calls[0].index == 0
+    jsonschema.validate(json.loads(calls[0].function.arguments),
+                        WEATHER_TOOL["function"]["parameters"])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"

@@ -107,7 +107,8 @@ def main() -> None:
         served = [first_chunk_seconds(remote(prompt)) for _ in range(args.repeats)]
 
         prefix = shared_prefix(_Tok(args.model), args.prefix)
-        questions = [f"\nQuestion {i}: what does the runtime reuse?" for i in range(args.repeats + 1)]
+        questions = [f"\nQuestion {i}: what does the runtime reuse?"
+                     for i in range(args.repeats + 1)]
         cold, warm = [], []
         for i in range(args.repeats):
             cold.append(first_chunk_seconds(remote(prefix + questions[i], cache_prompt=False)))

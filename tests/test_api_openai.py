@@ -42,7 +42,7 @@ def tiny(paths):
     return LLM(paths[0], device="cpu", ctx_size=512)
 
 
-# ---- shapes -----------------------------------------------------------------------------------
+# ---- shapes --------------------------------------------------------------------------------------
 def test_chat_completion_is_openai_shaped(tiny):
     r = tiny.create_chat_completion(HI, max_tokens=5, temperature=0, logprobs=True,
                                     top_logprobs=3)
@@ -121,7 +121,7 @@ def test_stop_string_and_finish_reason(tiny):
     assert r["choices"][0]["finish_reason"] == "stop"
 
 
-# ---- prefix cache ---------------------------------------------------------------------------------
+# ---- prefix cache --------------------------------------------------------------------------------
 def test_consecutive_calls_reuse_the_common_prefix(tiny):
     prefix = "the and of the is " * 6
     tiny.create_completion(prefix + "a", max_tokens=2, temperature=0)
@@ -205,7 +205,7 @@ def test_run_prompt_cache(paths, tmp_path, monkeypatch, capsys):
     assert_one_line_error(code, err, "another model")
 
 
-# ---- structured output -----------------------------------------------------------------------------
+# ---- structured output ---------------------------------------------------------------------------
 ORDER = {"type": "object", "properties": {
     "id": {"type": "integer"},
     "items": {"type": "array", "items": {"type": "object", "properties": {
@@ -265,7 +265,7 @@ def test_run_json_schema_completes_within_n_predict(paths, tmp_path, monkeypatch
     jsonschema.validate(json.loads(out), ORDER)
 
 
-# ---- tools ---------------------------------------------------------------------------------------------
+# ---- tools ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("text", [
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
     '{"name": "get_weather", "parameters": {"city": "Paris"}}',
@@ -348,3 +348,9 @@ def test_templates_without_tools_get_the_fallback():
     _, calls = parse_tool_calls(out[2]["content"], TOOLS)
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
     assert "tool_response" in text and "21 degrees" in text
+
+
+def test_text_parts_become_one_string():
+    parts = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]
+    assert template_messages([{"role": "user", "content": parts}]) == [
+        {"role": "user", "content": "Hello, world"}]

@@ -93,7 +93,8 @@ class Server:
         try:
             c.request("POST", path, body=body, headers=headers)
             r = c.getresponse()
-            return r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(r.read() or b"null")
+            headers = {k.lower(): v for k, v in r.getheaders()}
+            return r.status, headers, json.loads(r.read() or b"null")
         finally:
             c.close()
 
@@ -346,7 +347,8 @@ def test_queue_full_is_503_with_retry_after(tiny_path):
         body = json.dumps({"prompt": "the", "max_tokens": 3000, "stream": True,
                            "ignore_eos": True}).encode()
         c = s.conn()
-        c.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        c.request("POST", "/v1/completions", body=body,
+                  headers={"Content-Type": "application/json"})
         r = c.getresponse()
         assert r.readline().startswith(b"data: {")  # generating: the one slot is taken
         status, headers, reply = s.post("/v1/completions", b'{"prompt": "the", "max_tokens": 1}')

@@ -180,12 +180,15 @@ def parse_tool_calls(text: str, tools: list[dict]) -> tuple[str | None, list[dic
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """Messages as chat templates expect them: tool-call ``arguments`` given as JSON text
-    (OpenAI's wire form) become objects, as Hugging Face templates read them, and the
-    ``developer`` role is ``system``."""
+    (OpenAI's wire form) become objects, as Hugging Face templates read them; the
+    ``developer`` role is ``system``; content given as text parts is one string."""
     out = []
     for m in messages:
         if isinstance(m, dict) and m.get("role") == "developer":  # OpenAI's newer name
             m = {**m, "role": "system"}
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            # Text parts as one string: many templates only handle strings.
+            m = {**m, "content": _text(m["content"])}
         calls = m.get("tool_calls") if isinstance(m, dict) else None
         if calls:
             m = dict(m)

@@ -114,7 +114,8 @@ def _run(
     json_mode: Annotated[bool, typer.Option("--json", help="output one JSON value")] = False,
     json_schema: Annotated[str | None, typer.Option("--json-schema", help="JSON schema FILE or inline")] = None,
     prompt_cache: Annotated[Path | None, typer.Option(
-        "--prompt-cache", help="file to cache the prompt's KV state in (reused when it matches)")] = None,
+        "--prompt-cache",
+        help="file to cache the prompt's KV state in (reused when it matches)")] = None,
     verbose: VerboseOpt = False,
     sampling=None,
 ) -> None:
@@ -179,7 +180,8 @@ def _run(
     if verbose:
         _err(f"seed: {llm.last_sampler.seed}")
         if session is not None:
-            _err(f"prompt cache: {llm.last_timings.reused_tokens} of {len(ids)} prompt tokens reused")
+            reused = llm.last_timings.reused_tokens
+            _err(f"prompt cache: {reused} of {len(ids)} prompt tokens reused")
         print_timings(llm, llm.last_timings, finish)
     if constraint is not None and not constraint.is_accepting():
         raise LocalLLMError(f"generation ended ({finish}) before the grammar was complete")

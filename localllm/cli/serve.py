@@ -18,7 +18,8 @@ def serve_command(
     api_key: Annotated[str | None, typer.Option(
         "--api-key", help="require 'Authorization: Bearer KEY' on /v1/*",
         envvar="LOCALLLM_API_KEY")] = None,
-    ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="context size in tokens")] = 4096,
+    ctx_size: Annotated[int, typer.Option(
+        "--ctx-size", "-c", help="context size in tokens")] = 4096,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="prefill chunk")] = 512,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda")] = "auto",
     chat_template: Annotated[str | None, typer.Option(

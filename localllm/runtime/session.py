@@ -239,7 +239,8 @@ class Session:
 
     # ---- saving and loading the cache (llama.cpp's --prompt-cache) ------------------------------
     def _geometry(self) -> dict[str, str]:
-        kinds = ",".join(f"ring{c.size}" if hasattr(c, "positions") else "full" for c in self.caches)
+        kinds = ",".join(f"ring{c.size}" if hasattr(c, "positions") else "full"
+                         for c in self.caches)
         c0 = self.caches[0]
         return {"n_layer": str(len(self.caches)), "n_head_kv": str(c0.k.shape[0]),
                 "head_dim": str(c0.k.shape[2]), "caches": kinds}

@@ -140,7 +140,8 @@ class Metrics:
             lines = ["# HELP localllm_requests_total Requests answered, by endpoint and status.",
                      "# TYPE localllm_requests_total counter"]
             for (endpoint, status), n in sorted(self.requests.items()):
-                lines.append(f'localllm_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
+                labels = f'endpoint="{endpoint}",status="{status}"'
+                lines.append(f"localllm_requests_total{{{labels}}} {n}")
             rows = [
                 ("prompt_tokens_total", "counter", "Prompt tokens evaluated.", self.prompt_tokens),
                 ("prompt_seconds_total", "counter", "Seconds spent evaluating prompts.",

@@ -415,3 +415,28 @@ def test_streamed_tool_call(server):
     jsonschema.validate(json.loads(calls[0].function.arguments),
                         WEATHER_TOOL["function"]["parameters"])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_scheduler_runs_in_arrival_order_and_bounds_the_queue():
+    from localllm.server.app import Busy, Scheduler
+
+    scheduler = Scheduler(max_queue=8)
+    gate = threading.Event()
+    ran: list[int] = []
+
+    def job(i: int):
+        def run() -> int:
+            gate.wait(30)
+            ran.append(i)
+            return i
+        return run
+
+    futures = [scheduler.submit(job(i)) for i in range(9)]  # one running, eight waiting
+    with pytest.raises(Busy):
+        scheduler.submit(job(99))
+    futures[3].cancel()  # a client that left while waiting
+    gate.set()
+    assert [f.result(30) for i, f in enumerate(futures) if i != 3] == [0, 1, 2, 4, 5, 6, 7, 8]
+    assert ran == [0, 1, 2, 4, 5, 6, 7, 8]
+    assert scheduler.pending == 0 and scheduler.waiting == 0
+    scheduler.shutdown()

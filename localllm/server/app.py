@@ -186,7 +186,7 @@ class Scheduler:
             Busy: ``max_queue`` requests already wait.
         """
         with self.lock:
-            if self.pending - self.running >= self.max_queue and self.pending > 0:
+            if self.pending > self.max_queue:  # the first pending one runs, the rest wait
                 raise Busy
             self.pending += 1
 

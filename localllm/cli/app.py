@@ -117,6 +117,9 @@ def _run(
     grammar_file: Annotated[str | None, typer.Option("--grammar-file", help="GBNF file or grammars/ name")] = None,
     json_mode: Annotated[bool, typer.Option("--json", help="output one JSON value")] = False,
     json_schema: Annotated[str | None, typer.Option("--json-schema", help="JSON schema FILE or inline")] = None,
+    prompt_cache: Annotated[Path | None, typer.Option(
+        "--prompt-cache",
+        help="file to cache the prompt's KV state in (reused when it matches)")] = None,
     verbose: VerboseOpt = False,
     sampling=None,
 ) -> None:
@@ -152,12 +155,17 @@ def _run(
 
         constraint = constraint_from_cli(grammar, grammar_file, json_mode, json_schema, llm.tokenizer)
     json_out = json_mode or json_schema is not None
+    session = None
+    if prompt_cache is not None:  # llama-cli's --prompt-cache: reuse the matching prefix
+        session = llm.session()
+        if prompt_cache.is_file():
+            session.load(prompt_cache)
     pieces: list[str] = []  # JSON mode prints the value only once it is complete
     finish = None
     out = sys.stdout
     tail = ""  # the last text written, to end the output on a newline where it is due
     steps = llm.stream(ids, params=params, n_predict=n_predict, stop=stop or (),
-                       constraint=constraint)
+                       constraint=constraint, session=session)
     first = next(steps, None)  # builds the sampler chain and evaluates the prompt
     if verbose:
         print_sampler(llm.last_sampler)
@@ -176,6 +184,9 @@ def _run(
     except BrokenPipeError:  # `localllm run ... | head`: the reader has all it wanted
         _silence_stdout()
         return
+    if session is not None:
+        session.truncate(len(ids))  # the prompt's state, as llama-cli saves it
+        session.save(prompt_cache)
     if constraint is not None and not constraint.is_accepting():
         raise LocalLLMError(f"generation ended ({finish}) before the grammar was complete")
     if json_out:
@@ -185,6 +196,9 @@ def _run(
         out.write("\n")  # a terminal's prompt, or --verbose's lines, start on their own line
     out.flush()
     if verbose:
+        if session is not None:
+            reused = llm.last_timings.reused_tokens
+            _err(f"prompt cache: {reused} of {len(ids)} prompt tokens reused")
         print_timings(llm, llm.last_timings, finish)
 
 
@@ -338,6 +352,7 @@ app.command("quantize", no_args_is_help=True)(
 app.command("perplexity")(__import__("localllm.cli.perplexity", fromlist=["_"]).perplexity_command)
 app.command("pull", no_args_is_help=True)(__import__("localllm.cli.pull", fromlist=["_"]).pull_command)
 app.command("rm", no_args_is_help=True)(__import__("localllm.cli.pull", fromlist=["_"]).rm_command)
+app.command("serve")(__import__("localllm.cli.serve", fromlist=["_"]).serve_command)
 
 
 def _click_exceptions() -> list:

@@ -211,7 +211,9 @@ class GrammarConstraint:
         except ValueError as e:
             raise GrammarError(f"{source}: {_first_line(str(e))}") from None
         try:
-            return cls(grammar, tokenizer, source=source)
+            constraint = cls(grammar, tokenizer, source=source)
+            constraint.json_schema = schema  # lets generation steer to a complete value
+            return constraint
         except GrammarError as e:
             # Name where an unsupported keyword sits: "Unimplemented keys: ["foo"]".
             m = re.search(r'Unimplemented keys: \["([^"]+)"', str(e))

@@ -27,6 +27,8 @@ from ..tokenizer import Tokenizer
 from .graphs import DecodeGraph
 from .resources import check_memory
 
+SESSION_FORMAT = "localllm-session-1"
+
 
 def resolve_device(device: str) -> torch.device:
     """``auto`` -> CUDA when a GPU is usable, else CPU.
@@ -55,6 +57,19 @@ class LoadedModel:
     load_seconds: float
     backend: str = "torch"  # "triton": matrices stay quantized (Triton kernels)
     fallbacks: list[str] | None = None  # tensors without a kernel, dequantized instead
+    _sha256: str | None = None
+
+    def sha256(self) -> str:
+        """Hex SHA-256 of the model file (computed once, about 1 s per GB)."""
+        if self._sha256 is None:
+            import hashlib
+
+            h = hashlib.sha256()
+            with open(self.gguf.path, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+            self._sha256 = h.hexdigest()
+        return self._sha256
 
 
 def load_model(
@@ -221,3 +236,98 @@ class Session:
         for c in self.caches:
             c.reset()
         self.tokens = []
+
+    # ---- saving and loading the cache (llama.cpp's --prompt-cache) ------------------------------
+    def _geometry(self) -> dict[str, str]:
+        kinds = ",".join(f"ring{c.size}" if hasattr(c, "positions") else "full"
+                         for c in self.caches)
+        c0 = self.caches[0]
+        return {"n_layer": str(len(self.caches)), "n_head_kv": str(c0.k.shape[0]),
+                "head_dim": str(c0.k.shape[2]), "caches": kinds}
+
+    def save(self, path: str | Path) -> None:
+        """Write the cache and its tokens to ``path`` (safetensors, written atomically).
+
+        Tensors: ``tokens`` int64 (n,); per layer ``{i}.k``/``{i}.v`` (n_kv_heads, n,
+        head_dim) for full caches, the whole ring plus ``{i}.positions`` for sliding-window
+        layers. Metadata: the model file's SHA-256, its name, the geometry and ``ctx_size``.
+        Raises:
+            LocalLLMError: the file cannot be written.
+        """
+        from safetensors.torch import save_file
+
+        from ..atomic import atomic_output
+
+        tensors = {"tokens": torch.tensor(self.tokens, dtype=torch.int64).reshape(-1)}
+        for i, c in enumerate(self.caches):
+            if hasattr(c, "positions"):
+                tensors[f"{i}.k"], tensors[f"{i}.v"] = c.k, c.v
+                tensors[f"{i}.positions"] = c.positions
+            else:
+                tensors[f"{i}.k"], tensors[f"{i}.v"] = c.k[:, : self.n_past], c.v[:, : self.n_past]
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        meta = {"format": SESSION_FORMAT, "model_sha256": self.loaded.sha256(),
+                "model_name": self.loaded.gguf.path.name, "ctx_size": str(self.ctx_size),
+                **self._geometry()}
+        with atomic_output(path, "prompt cache") as tmp:
+            save_file(tensors, str(tmp), metadata=meta)
+
+    def load(self, path: str | Path) -> None:
+        """Replace this session's cache and tokens with those saved in ``path``.
+
+        Raises:
+            LocalLLMError: the file is unreadable or not a session file, or it was saved for
+                another model file (SHA-256) or another geometry (layers, heads, sliding-window
+                sizes), or it holds more tokens than this session's context.
+        """
+        from safetensors import safe_open
+
+        where = f"prompt cache {path}"
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # safetensors raises its own error types and OSError
+            raise LocalLLMError(f"{where}: cannot read: {' '.join(str(e).split())[:200]}") from None
+        if meta.get("format") != SESSION_FORMAT:
+            raise LocalLLMError(f"{where}: not a localllm session file")
+        if meta.get("model_sha256") != self.loaded.sha256():
+            raise LocalLLMError(
+                f"{where}: saved for another model ({meta.get('model_name')}, sha256 "
+                f"{str(meta.get('model_sha256'))[:12]}...), not {self.loaded.gguf.path.name}")
+        mine = self._geometry()
+        theirs = {k: meta.get(k) for k in mine}
+        if theirs != mine:
+            diff = ", ".join(f"{k} {theirs[k]} vs {mine[k]}" for k in mine if theirs[k] != mine[k])
+            raise LocalLLMError(f"{where}: cache geometry differs ({diff})")
+        tokens = tensors.get("tokens")
+        if tokens is None or tokens.dim() != 1:
+            raise LocalLLMError(f"{where}: no token list")
+        n = tokens.numel()
+        if n > self.ctx_size:
+            raise LocalLLMError(f"{where}: {n} tokens do not fit in the context of {self.ctx_size}")
+        self.reset()
+        try:
+            for i, c in enumerate(self.caches):
+                k, v = tensors[f"{i}.k"], tensors[f"{i}.v"]
+                if hasattr(c, "positions"):
+                    if k.shape != c.k.shape or v.shape != c.v.shape:
+                        raise ValueError(f"layer {i} ring shape {tuple(k.shape)}")
+                    c.k.copy_(k)
+                    c.v.copy_(v)
+                    c.positions.copy_(tensors[f"{i}.positions"])
+                    c.n = n
+                else:
+                    if k.shape != (c.k.shape[0], n, c.k.shape[2]) or v.shape != k.shape:
+                        raise ValueError(f"layer {i} shape {tuple(k.shape)}")
+                    c.k[:, :n] = k
+                    c.v[:, :n] = v
+                    c.n = n
+        except (KeyError, ValueError, RuntimeError) as e:
+            self.reset()
+            raise LocalLLMError(f"{where}: malformed cache ({e})") from None
+        self.tokens = [int(t) for t in tokens.tolist()]
+        vocab = self.loaded.tokenizer.n_vocab
+        if any(not 0 <= t < vocab for t in self.tokens):
+            self.reset()
+            raise LocalLLMError(f"{where}: token ids out of the vocabulary")

@@ -1,0 +1,260 @@
+"""Tool (function) calling: checking OpenAI ``tools``, parsing calls out of model text, and
+the JSON schema that forces a call.
+
+Models write tool calls in their family's format; :func:`parse_tool_calls` recognises
+
+* Hermes / Qwen 2.5+: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (repeated);
+* Llama 3.1+: the whole reply is ``{"name": ..., "parameters": {...}}`` (``arguments`` also
+  accepted), optionally after ``<|python_tag|>``, several separated by ``;``;
+* Mistral: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``;
+* our built-in templates' fallback (``localllm/chat/builtin.py``): a fenced block
+  ```` ```tool_call\\n{"name": ..., "arguments": {...}}\\n``` ````.
+
+Only names of the request's tools count as calls; anything else stays content. The formats
+follow llama.cpp's ``common/chat.cpp`` parsers (names and shapes, not code).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from typing import Any
+
+from ..errors import ParameterError
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+_FENCED = re.compile(r"```tool_call\s*\n(.*?)\n?```", re.S)
+_MISTRAL = "[TOOL_CALLS]"
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def check_tools(tools: Any) -> list[dict]:
+    """OpenAI ``tools`` as a list of ``{"type": "function", "function": {...}}``.
+
+    Raises:
+        ParameterError: not a list, a tool that is not a function, or a function without a
+            name; the message names the item (``tools[2].function.name``).
+    """
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise ParameterError("tools must be a list of {\"type\": \"function\", ...} objects")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise ParameterError(f"tools[{i}]: only type 'function' is supported")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ParameterError(f"tools[{i}].function.name must be a non-empty string")
+        params = fn.get("parameters", {})
+        if not isinstance(params, dict):
+            raise ParameterError(f"tools[{i}].function.parameters must be a JSON schema object")
+    return tools
+
+
+def forced_tool_schema(tools: list[dict], tool_choice: Any) -> dict | None:
+    """The JSON schema a reply must follow for ``tool_choice``, or None when the model may
+    answer freely (``"auto"``, ``"none"``, None).
+
+    ``"required"``: one call to any of the tools; ``{"type": "function", "function":
+    {"name": N}}``: a call to N. The call is ``{"name": N, "arguments": {...}}`` with the
+    arguments following the tool's ``parameters`` schema (Llama 3.1's JSON form, which
+    :func:`parse_tool_calls` reads back).
+
+    Raises:
+        ParameterError: an unknown ``tool_choice`` or a name not among ``tools``.
+    """
+    if tool_choice in (None, "auto", "none"):
+        return None
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    if tool_choice == "required":
+        names = list(by_name)
+    elif isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
+        name = tool_choice["function"].get("name")
+        if name not in by_name:
+            raise ParameterError(f"tool_choice names {name!r}, which is not among tools")
+        names = [name]
+    else:
+        raise ParameterError(
+            "tool_choice must be 'none', 'auto', 'required' or "
+            "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    if not names:
+        raise ParameterError(f"tool_choice={tool_choice!r} needs at least one tool")
+
+    def call(name: str) -> dict:
+        params = by_name[name].get("parameters") or {"type": "object"}
+        return {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+                "required": ["name", "arguments"], "additionalProperties": False}
+
+    return call(names[0]) if len(names) == 1 else {"anyOf": [call(n) for n in names]}
+
+
+def _call(name: str, arguments: Any) -> dict:
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+    return {"id": "call_" + secrets.token_hex(12), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _decode_objects(text: str) -> list[Any] | None:
+    """JSON values in ``text`` separated by whitespace, ``;`` or ``,``; None if not only that."""
+    decoder = json.JSONDecoder()
+    out, i = [], 0
+    while True:
+        while i < len(text) and text[i] in " \t\r\n;,":
+            i += 1
+        if i >= len(text):
+            return out
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return None
+        out.append(value)
+
+
+def _as_call(obj: Any, names: set[str]) -> dict | None:
+    if not isinstance(obj, dict):
+        return None
+    fn = obj.get("function") if isinstance(obj.get("function"), dict) else obj
+    name = fn.get("name")
+    if name not in names:
+        return None
+    args = fn.get("arguments", fn.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return _call(name, args)
+
+
+def parse_tool_calls(text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
+    """Split a reply into (content, tool calls) in OpenAI's shape.
+
+    Returns:
+        content: the text outside the calls, stripped (None when empty and there are calls);
+        calls: ``[{"id": "call_...", "type": "function", "function": {"name": ...,
+        "arguments": "<JSON text>"}}]`` (empty when the reply holds no call to a known tool).
+    """
+    names = {t["function"]["name"] for t in tools}
+    if not names:
+        return text, []
+
+    def found(calls: list[dict | None], rest: str) -> tuple[str | None, list[dict]] | None:
+        if calls and all(c is not None for c in calls):
+            rest = rest.strip()
+            return (rest or None), calls  # type: ignore[return-value]
+        return None
+
+    for pattern in (_HERMES, _FENCED):
+        blocks = pattern.findall(text)
+        if blocks:
+            calls = []
+            for block in blocks:
+                objs = _decode_objects(block)
+                calls += [_as_call(o, names) for o in objs] if objs else [None]
+            result = found(calls, pattern.sub("", text))
+            if result:
+                return result
+    if _MISTRAL in text:
+        head, _, tail = text.partition(_MISTRAL)
+        objs = _decode_objects(tail)
+        if objs:
+            flat = [o for v in objs for o in (v if isinstance(v, list) else [v])]
+            result = found([_as_call(o, names) for o in flat], head)
+            if result:
+                return result
+    body = text.strip()
+    head = ""
+    if _PYTHON_TAG in body:
+        head, _, body = body.partition(_PYTHON_TAG)
+    objs = _decode_objects(body)
+    if objs:
+        result = found([_as_call(o, names) for o in objs], head)
+        if result:
+            return result
+    return text, []
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as chat templates expect them: tool-call ``arguments`` given as JSON text
+    (OpenAI's wire form) become objects, as Hugging Face templates read them; the
+    ``developer`` role is ``system``; content given as text parts is one string."""
+    out = []
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") == "developer":  # OpenAI's newer name
+            m = {**m, "role": "system"}
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            # Text parts as one string: many templates only handle strings.
+            m = {**m, "content": _text(m["content"])}
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls:
+            m = dict(m)
+            fixed = []
+            for call in calls:
+                call = dict(call)
+                fn = dict(call.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass
+                call["function"] = fn
+                fixed.append(call)
+            m["tool_calls"] = fixed
+        out.append(m)
+    return out
+
+
+def template_knows_tools(source: str) -> bool:
+    """Whether a chat template's Jinja reads the ``tools`` variable at all."""
+    return re.search(r"\btools\b", source) is not None
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return "" if content is None else str(content)
+
+
+def fallback_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """Tools for a template that knows nothing of them (Gemma 3's, many fine-tunes'): the
+    descriptions and the call format (our built-in fenced ``tool_call`` block) go into the
+    system message, earlier calls become assistant text in that format, and tool results
+    become user text in a ``tool_response`` block (merged with an adjacent user turn, for
+    templates that insist on alternating roles). llama.cpp's generic tool format does the
+    same with its own wording."""
+    described = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    instructions = (
+        "You can call these tools (JSON schemas):\n" + described + "\n"
+        "To call one, reply with only:\n```tool_call\n"
+        '{"name": <tool name>, "arguments": {<argument>: <value>}}\n```')
+    rest = list(messages)
+    system = instructions
+    if rest and rest[0].get("role") == "system":
+        system = _text(rest[0].get("content")) + "\n\n" + instructions
+        rest = rest[1:]
+    out: list[dict] = [{"role": "system", "content": system}]
+    for m in rest:
+        role = m.get("role")
+        if role == "assistant" and m.get("tool_calls"):
+            blocks = []
+            for call in m["tool_calls"]:
+                fn = call.get("function") or {}
+                blocks.append("```tool_call\n" + json.dumps(
+                    {"name": fn.get("name"), "arguments": fn.get("arguments")},
+                    ensure_ascii=False) + "\n```")
+            text = _text(m.get("content"))
+            out.append({"role": "assistant", "content": (text + "\n" if text else "")
+                        + "\n".join(blocks)})
+        elif role == "tool":
+            text = "```tool_response\n" + _text(m.get("content")) + "\n```"
+            if out[-1]["role"] == "user":
+                out[-1] = {"role": "user", "content": _text(out[-1].get("content")) + "\n\n" + text}
+            else:
+                out.append({"role": "user", "content": text})
+        else:
+            out.append(m)
+    return out

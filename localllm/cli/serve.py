@@ -1,0 +1,66 @@
+"""``localllm serve``: the OpenAI-compatible HTTP server (llama-server's flags)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from ..errors import ParameterError
+
+
+def serve_command(
+    model: Annotated[str | None, typer.Argument(
+        help="models.toml name or .gguf path (default: gemma3-270m)")] = None,
+    host: Annotated[str, typer.Option("--host", help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port")] = 8080,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", help="require 'Authorization: Bearer KEY' on /v1/*",
+        envvar="LOCALLLM_API_KEY")] = None,
+    ctx_size: Annotated[int, typer.Option(
+        "--ctx-size", "-c", help="context size in tokens")] = 4096,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="prefill chunk")] = 512,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda")] = "auto",
+    chat_template: Annotated[str | None, typer.Option(
+        "--chat-template", help="template NAME or FILE")] = None,
+    max_queue: Annotated[int, typer.Option(
+        "--max-queue", help="requests that may wait (more get 503)")] = 64,
+    max_body: Annotated[int, typer.Option(
+        "--max-body", help="largest request body in bytes (more get 413)")] = 8 << 20,
+    threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log requests")] = False,
+) -> None:
+    """Serve MODEL over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions,
+    /v1/models, /health, /metrics."""
+    if not 0 <= port <= 65535:
+        raise ParameterError(f"--port must be 0..65535, got {port}")
+    if max_queue < 0:
+        raise ParameterError(f"--max-queue must be >= 0, got {max_queue}")
+    if max_body < 1:
+        raise ParameterError(f"--max-body must be >= 1, got {max_body}")
+    if api_key == "":
+        raise ParameterError("--api-key must not be empty")
+
+    if threads is not None:
+        if threads < 1:
+            raise ParameterError(f"--threads must be >= 1, got {threads}")
+        import torch
+
+        torch.set_num_threads(threads)
+    from ..api import LLM
+    from ..server import serve
+
+    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None)
+    if chat_template is not None:
+        from ..chat.template import template_for
+
+        template_for(llm, chat_template)  # a broken template is an error now, not per request
+        llm.chat_template = chat_template
+
+    def ready(bound: int) -> None:
+        print(f"localllm: serving {llm.model_name} on http://{host}:{bound}/v1 "
+              f"(Ctrl-C stops)", file=sys.stderr, flush=True)
+
+    serve(llm, host=host, port=port, api_key=api_key, max_queue=max_queue, max_body=max_body,
+          log_level="info" if verbose else "warning", on_ready=ready)

@@ -83,7 +83,7 @@ def test_refusal_names_both_sizes_and_loads_nothing(tiny_model_path, monkeypatch
     monkeypatch.delenv(resources.SKIP_ENV, raising=False)
     monkeypatch.setattr(resources, "free_memory", lambda device: 100 * 1024)
     built = []
-    monkeypatch.setattr(runtime, "Weights", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(runtime, "bind", lambda *a, **k: built.append(a))
     with pytest.raises(LocalLLMError) as err:
         load_model(path, device="cpu", ctx_size=4096, progress=False)
     msg = str(err.value)

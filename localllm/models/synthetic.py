@@ -56,6 +56,7 @@ class Geometry:
     sliding_window: int | None = None
     n_pad_tokens: int = 0  # [PAD] tokens after the specials (rows of the embedding past the vocab)
     extra: dict = field(default_factory=dict)  # other ``{arch}.*`` keys
+    optional: tuple[str, ...] = ()  # optional tensors to write (``rope_freqs.weight`` ...)
 
 
 _LLAMA3_SPECIALS = tuple(
@@ -84,29 +85,16 @@ GEOMETRIES: dict[str, Geometry] = {
 
 
 def tensor_shapes(g: Geometry) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape in torch order) of every tensor, in llama.cpp's converter order."""
-    d, hd, nq, nkv = g.d_model, g.head_dim, g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim
-    out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (g.n_vocab, d))]
-    for i in range(g.n_layers):
-        p = f"blk.{i}."
-        out += [(p + "attn_norm.weight", (d,)), (p + "attn_q.weight", (nq, d)),
-                (p + "attn_k.weight", (nkv, d)), (p + "attn_v.weight", (nkv, d))]
-        if g.qkv_bias:
-            out += [(p + "attn_q.bias", (nq,)), (p + "attn_k.bias", (nkv,)),
-                    (p + "attn_v.bias", (nkv,))]
-        if g.arch == "gemma3":
-            out += [(p + "attn_q_norm.weight", (hd,)), (p + "attn_k_norm.weight", (hd,))]
-        out.append((p + "attn_output.weight", (d, nq)))
-        if g.arch == "gemma3":
-            out.append((p + "post_attention_norm.weight", (d,)))
-        out += [(p + "ffn_norm.weight", (d,)), (p + "ffn_gate.weight", (g.ffn_dim, d)),
-                (p + "ffn_up.weight", (g.ffn_dim, d)), (p + "ffn_down.weight", (d, g.ffn_dim))]
-        if g.arch == "gemma3":
-            out.append((p + "post_ffw_norm.weight", (d,)))
-    out.append(("output_norm.weight", (d,)))
-    if not g.tied_output:
-        out.append(("output.weight", (g.n_vocab, d)))
-    return out
+    """(name, shape in torch order) of every tensor, from the architecture's declaration
+    (``tensor_specs`` of the geometry's metadata): the required tensors, ``output.weight``
+    unless the output is tied, and the optional ones named in ``g.optional``."""
+    from . import model_args, tensor_specs
+
+    args = model_args(_hparams(g), g.n_vocab)
+    return [(s.name, s.shape) for s in tensor_specs(args)
+            if not s.optional or (s.name == "output.weight" and not g.tied_output)
+            or s.name in g.optional or (g.qkv_bias and ".bias" in s.name
+                                       and "attn_output" not in s.name)]
 
 
 def tensor_types(g: Geometry, quant: str) -> dict[str, GGMLQuantizationType]:
@@ -158,7 +146,7 @@ def _bpe_vocab(g: Geometry) -> dict:
     md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": g.pre,
           "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
           "tokenizer.ggml.merges": merges}
-    if g.arch == "llama":
+    if g.arch in ("llama", "mistral", "granite", "olmo2", "phi3"):
         md.update({"tokenizer.ggml.bos_token_id": first_special,
                    "tokenizer.ggml.eos_token_id": first_special + 1,
                    "tokenizer.ggml.add_bos_token": True})
@@ -207,7 +195,7 @@ def _hparams(g: Geometry) -> dict:
           a + "attention.head_count_kv": g.n_kv_heads, a + "attention.key_length": g.head_dim,
           a + "attention.value_length": g.head_dim, a + "rope.freq_base": g.rope_base,
           a + "attention.layer_norm_rms_epsilon": g.norm_eps}
-    if g.arch != "gemma3":
+    if not g.arch.startswith("gemma"):
         md[a + "rope.dimension_count"] = g.head_dim
         md[a + "vocab_size"] = g.n_vocab
     if g.sliding_window is not None:

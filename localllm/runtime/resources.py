@@ -66,31 +66,30 @@ def stored_bytes(info, quantized: bool, dtype: torch.dtype = torch.float16) -> i
 
 
 def kv_cell_bytes(args, device: torch.device | str = "cpu") -> int:
-    """Bytes of one cache cell of one layer on ``device``: K and V of every KV head."""
+    """Bytes of one cache cell of one layer on ``device``: K and V of every KV head (of the
+    first layer of ``cache_layout(args)``; the families here have one geometry per model)."""
+    from ..models import cache_layout
     from ..models.cache import kv_dtype
 
-    return 2 * args.n_kv_heads * args.head_dim * kv_dtype(device).itemsize
+    c = cache_layout(args)[0]
+    return 2 * c.n_kv_heads * c.head_dim * kv_dtype(device).itemsize
 
 
 def kv_cache_bytes(args, ctx_size: int, device: torch.device | str = "cpu") -> int:
     """Bytes of one session's KV cache at ``ctx_size`` tokens (capped at the model's context)
-    on ``device``.
+    on ``device``, from the architecture's ``cache_layout(args)`` (full layers hold the
+    context, sliding-window layers ``window + RING_SLACK`` cells when that is less).
 
-    ``args``: a model's ModelArgs (n_layers, n_kv_heads, head_dim, context_length and, for
-    sliding-window models, sliding_window with ``is_sliding(layer)`` when only some layers
-    slide).
+    ``args``: a model's validated ModelArgs.
     """
-    from ..models.cache import RING_SLACK
+    from ..models import cache_layout
+    from ..models.cache import RING_SLACK, kv_dtype, layout_cells
 
     ctx = max(1, min(ctx_size, args.context_length))
-    window = getattr(args, "sliding_window", None)
-    is_sliding = getattr(args, "is_sliding", lambda layer: True)
-    per_cell = kv_cell_bytes(args, device)
-    cells = 0
-    for layer in range(args.n_layers):
-        ring = window is not None and window < ctx and is_sliding(layer)
-        cells += window + RING_SLACK if ring else ctx
-    return cells * per_cell
+    layout = cache_layout(args)
+    item = kv_dtype(device).itemsize
+    return sum(2 * c.n_kv_heads * c.head_dim * item * cells
+               for c, cells in zip(layout, layout_cells(layout, ctx, RING_SLACK)))
 
 
 def estimate_memory(gguf, args, ctx_size: int | None, device: torch.device,

@@ -1,0 +1,57 @@
+"""Every family against llama.cpp: the small model of each family (tests/families.py),
+regenerated bit-identically from its declaration, gives llama.cpp's next-token distributions
+(fixtures recorded by tests/data/families/record.py with llama-cpp-python).
+
+Per family: mean KL(llama.cpp || localllm) over the recorded positions <= 0.01 nats, and the
+same top-1 token at the last position of every prompt.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from families import FAMILIES, sha256, write_family
+
+from localllm.runtime.session import Session, load_model
+
+DATA = Path(__file__).parent / "data" / "families"
+MAX_MEAN_KL = 0.01
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("families")
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_matches_llama_cpp(family, device, family_dir):
+    ref = np.load(DATA / f"{family}.npz")
+    path = family_dir / f"{family}.gguf"
+    if not path.exists():
+        write_family(family, family_dir)
+    assert sha256(path) == str(ref["sha256"]), "the file differs from the one llama.cpp ran"
+    loaded = load_model(path, device=device, progress=False)
+    theirs = ref["logits"]  # (prompts, positions, n_vocab) float16
+    n_last = theirs.shape[1]
+    kls = []
+    for i in range(theirs.shape[0]):
+        ids = ref[f"prompt{i}"].tolist()
+        ours = Session(loaded, ctx_size=64).eval(ids, all_logits=True,
+                                                 logits_start=len(ids) - n_last)
+        ours = ours.float().cpu().numpy()
+        lt, lo = _log_softmax(theirs[i]), _log_softmax(ours)
+        kls.append((np.exp(lt) * (lt - lo)).sum(-1))
+        assert int(ours[-1].argmax()) == int(theirs[i][-1].argmax()), f"prompt {i}: top-1"
+    mean_kl = float(np.mean(kls))
+    print(f"{family} {device}: mean KL {mean_kl:.5f}, max {float(np.max(kls)):.5f}")
+    assert mean_kl <= MAX_MEAN_KL

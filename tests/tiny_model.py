@@ -95,7 +95,7 @@ def write_tiny_gguf(
     context_length: int = 256,
     seed: int = 0,
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F16,
-    extra: dict | None = None,
+    extra: dict | tuple | None = None,
     optional: tuple[str, ...] | None = None,
 ) -> Path:
     """Write a random-weights model; matrices stored as ``qtype`` (F32, F16, legacy quants;
@@ -106,6 +106,7 @@ def write_tiny_gguf(
     from localllm.models import model_args, tensor_specs
 
     path = Path(path)
+    extra = dict(extra or {})  # a tuple of pairs too (hashable, for the conftest cache)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")

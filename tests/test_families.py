@@ -55,3 +55,25 @@ def test_family_matches_llama_cpp(family, device, family_dir):
     mean_kl = float(np.mean(kls))
     print(f"{family} {device}: mean KL {mean_kl:.5f}, max {float(np.max(kls)):.5f}")
     assert mean_kl <= MAX_MEAN_KL
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_info_run_perplexity_on_each_family(family, family_dir, monkeypatch, capsys, tmp_path):
+    """``localllm info``, ``run`` and ``perplexity`` work on each family's file."""
+    from cli_helpers import run_cli
+
+    path = family_dir / f"{family}.gguf"
+    if not path.exists():
+        write_family(family, family_dir)
+    code, out, err = run_cli(monkeypatch, capsys, "info", str(path))
+    assert code == 0, err
+    assert FAMILIES[family][0].arch in out
+    code, out, err = run_cli(monkeypatch, capsys, "run", str(path), "the cat and the dog",
+                             "-n", "4", "--temp", "0", "-c", "64")
+    assert code == 0, err
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(["the quick brown fox jumps over the lazy dog"] * 6))
+    code, out, err = run_cli(monkeypatch, capsys, "perplexity", str(path), "-f", str(text),
+                             "-c", "16", "-b", "16")
+    assert code == 0, err
+    assert "PPL" in out + err or "perplexity" in (out + err).lower()

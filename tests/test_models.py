@@ -89,14 +89,15 @@ def test_context_overflow_is_a_user_error(tiny_model_path):
     assert s.tokens == []
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2", "qwen3moe", "phi3", "olmo2", "gemma2"])
 def test_quantized_triton_path_matches_torch_path(tiny_model_path, arch):
     """The CUDA path (weights kept in Q8_0 blocks, Triton GEMV/GEMM) run in Triton's
     interpreter on the CPU gives the logits of the dequantize-at-load torch path."""
     pytest.importorskip("triton")
     import gguf
 
-    path = tiny_model_path(arch, qtype=gguf.GGMLQuantizationType.Q8_0, n_layers=2)
+    kw = {"extra": MOE} if arch == "qwen3moe" else {}
+    path = tiny_model_path(arch, qtype=gguf.GGMLQuantizationType.Q8_0, n_layers=2, **kw)
     ref = load_model(path, device="cpu", progress=False, dtype=torch.float32, backend="torch")
     quant = load_model(path, device="cpu", progress=False, backend="triton")
     assert quant.backend == "triton" and not quant.fallbacks

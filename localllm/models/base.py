@@ -42,6 +42,9 @@ MAX_EXPERTS = 512
 MAX_DIM = 1 << 20  # embedding, FFN and head sizes
 MAX_HEADS = 1 << 12
 MAX_CONTEXT = 1 << 24  # tokens
+# Matrices kept in float32 whatever the load's dtype: MoE routers (small; llama.cpp keeps them
+# F32, and rounding them moves tokens between experts at near-ties).
+FLOAT32_MATRICES = ("ffn_gate_inp",)
 
 
 @dataclass(frozen=True)
@@ -346,6 +349,8 @@ def bind(model: BaseModel, gguf, device, *, dtype: torch.dtype = torch.float16,
             getattr(owner, stem).bias = loader.dense(s.name)
         elif stem == "token_embd":
             owner.token_embd = Embedding(loader.matrix(s.name))
+        elif stem in FLOAT32_MATRICES:
+            setattr(owner, stem, Linear(loader.dense(s.name, torch.float32)))
         elif len(s.shape) == 3:
             setattr(owner, stem, loader.experts(s.name))
         elif len(s.shape) == 2:

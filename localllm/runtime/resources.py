@@ -57,8 +57,11 @@ def weight_bytes(gguf, device: torch.device, dtype: torch.dtype = torch.float16,
 
 def stored_bytes(info, quantized: bool, dtype: torch.dtype = torch.float16) -> int:
     """Bytes the runtime holds for one GGUF tensor (a ``TensorInfo``): its file bytes when
-    ``quantized`` and a matrix, else ``dtype`` elements for matrices, float32 for vectors."""
-    if len(info.shape) < 2:
+    ``quantized`` and a matrix, else ``dtype`` elements for matrices, float32 for vectors and
+    MoE routers (``models.base.FLOAT32_MATRICES``)."""
+    from ..models.base import FLOAT32_MATRICES
+
+    if len(info.shape) < 2 or info.name.split(".")[-2] in FLOAT32_MATRICES:
         return info.n_elements * 4
     if quantized:
         return info.n_bytes

@@ -4,7 +4,7 @@
 model that cannot fit is refused in a fraction of a second with both figures, instead of
 being killed by the OOM killer (CPU) or failing half-way with a CUDA out-of-memory error.
 
-What a load stores (see ``localllm.models.common.Weights`` and ``localllm.models.cache``):
+What a load stores (see ``localllm.models.base.bind`` and ``localllm.models.cache``):
 
 * weights of the torch backend: matrices dequantized to ``dtype`` (float16: 2 bytes per
   weight), vectors (norms, biases) as float32; of the quantized (Triton) backend, the

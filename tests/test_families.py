@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from families import FAMILIES, sha256, write_family
 
 from localllm.runtime.session import Session, load_model

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import GGUFError, UnsupportedError
 from .cache import make_caches
-from .common import Embedding, Experts, Linear, Loader, TorchOps, default_ops, fuse
+from .common import Embedding, Linear, Loader, TorchOps, default_ops, fuse
 
 # Bounds on hyperparameters (llama.cpp: LLAMA_MAX_LAYERS = 512, LLAMA_MAX_EXPERTS = 512).
 MAX_LAYERS = 512

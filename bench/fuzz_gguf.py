@@ -1,6 +1,14 @@
 """Long fuzzing run of the GGUF validator (random mutations of small valid files).
 
     python bench/fuzz_gguf.py --seconds 600 [--seed N] [--crash-dir DIR]
+    python bench/fuzz_gguf.py --metadata --seconds 600 [--seed N]
+
+``--metadata`` mutates hyperparameter VALUES instead of bytes: a small valid model of each
+family (``gguf_craft.metadata_fuzz_seeds``) gets 1-3 keys set to hostile values (0, NaN, inf,
+2^40, strings, arrays, deleted keys, another family's name: ``gguf_craft.mutate_metadata``)
+and goes through the whole load and a few decode steps (``gguf_craft.load_with_metadata``).
+A crash is any exception other than ``LocalLLMError``, or a hang; the mutated metadata of each
+crash is printed.
 
 Each execution mutates one of ``tests/gguf_craft.fuzz_seeds()`` with 1-4 random operations
 (bit flips, byte sets, truncation, insertion, deletion, span copies, integer extremes aimed at
@@ -61,7 +69,10 @@ def main() -> int:
     ap.add_argument("--mem-mib", type=int, default=1024, help="address space allowed on top")
     ap.add_argument("--reader-every", type=int, default=50)
     ap.add_argument("--crash-dir", type=Path, default=Path("fuzz-crashes"))
+    ap.add_argument("--metadata", action="store_true", help="mutate metadata values")
     args = ap.parse_args()
+    if args.metadata:
+        return fuzz_metadata(args)
 
     seed = args.seed if args.seed is not None else time.time_ns() % 2**32
     rng = random.Random(seed)
@@ -124,6 +135,39 @@ def main() -> int:
         f"{crashes} crashes"
     )
     return 1 if crashes else 0
+
+
+def fuzz_metadata(args) -> int:
+    from gguf_craft import load_with_metadata, metadata_fuzz_seeds, mutate_metadata
+
+    seed = args.seed if args.seed is not None else time.time_ns() % 2**32
+    rng = random.Random(seed)
+    seeds = metadata_fuzz_seeds(tempfile.mkdtemp(prefix="fuzz-md-"))
+    signal.signal(signal.SIGALRM, _alarm)
+    _cap_memory(args.mem_mib)
+    outcomes = {"loaded": 0, "refused": 0, "crash": 0}
+    start = time.monotonic()
+    while time.monotonic() - start < args.seconds:
+        f = seeds[rng.randrange(len(seeds))]
+        md = mutate_metadata(f.metadata, rng)
+        signal.setitimer(signal.ITIMER_REAL, args.timeout)
+        try:
+            outcomes[load_with_metadata(f, md, rng)] += 1
+        except Exception:  # noqa: BLE001 - everything that is not LocalLLMError is a finding
+            outcomes["crash"] += 1
+            changed = {k: v for k, v in md.items() if f.metadata.get(k, object()) != v}
+            removed = sorted(set(f.metadata) - set(md))
+            print(f"CRASH on {f.path.name}: changed {changed!r} removed {removed}",
+                  file=sys.stderr)
+            traceback.print_exc(limit=3)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    n = sum(outcomes.values())
+    elapsed = time.monotonic() - start
+    print(f"metadata fuzz: seed {seed}: {n} executions in {elapsed:.1f} s ({n / elapsed:,.1f}/s), "
+          f"{outcomes['loaded']} loaded, {outcomes['refused']} refused with LocalLLMError, "
+          f"{outcomes['crash']} crashes")
+    return 1 if outcomes["crash"] else 0
 
 
 if __name__ == "__main__":

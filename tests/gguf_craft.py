@@ -326,3 +326,87 @@ def fuzz_seeds() -> list[Built]:
     aligned.alignment = 64
     bare = GGUFBuilder().kv("general.architecture", STRING, "x").tensor("t", (4, 2), F16)
     return [minimal().build(), aligned.build(), bare.build()]
+
+
+# ---- metadata values (issue 16 item 2) -------------------------------------------------------
+# Hostile values for hyperparameter keys: zero, negatives, huge and boundary integers, non-finite
+# and tiny/huge floats, wrong types (bool, string, arrays), and "delete the key" (None).
+HOSTILE_VALUES: list = [
+    0, 1, -1, 2, 3, 7, 15, 2**31 - 1, 2**31, 2**32 - 1, 2**40, 2**63 - 1, -(2**63), 2**64 - 1,
+    0.0, -0.0, 0.5, 1e-30, 1e30, float("nan"), float("inf"), float("-inf"), True, False,
+    "", "x", "yarn", "linear", "longrope", "llama", [], [0], [1, 2], [2, 2], [1.5], ["a"], None,
+]
+# Keys worth adding to a model that lacks them.
+EXTRA_KEYS = ["rope.scaling.type", "rope.scaling.factor", "attention.sliding_window",
+              "expert_count", "expert_used_count", "expert_feed_forward_length",
+              "rope.dimension_count", "attention.scale", "embedding_scale", "logit_scale",
+              "attn_logit_softcapping", "final_logit_softcapping", "expert_weights_norm",
+              "rope.scaling.attn_factor", "rope.scaling.original_context_length"]
+
+
+def mutate_metadata(md: dict, rng) -> dict:
+    """A copy of ``md`` with 1-3 hyperparameter values replaced (``random.Random``): a hostile
+    value, a near miss of the current one (x2, /2, +-1), a deleted key, or a new key; sometimes
+    ``general.architecture`` is swapped for another family's (its tensors become foreign)."""
+    from localllm.models import ARCHITECTURES
+
+    out = dict(md)
+    arch = md["general.architecture"]
+    keys = [k for k in md if k.startswith(arch + ".")]
+    for _ in range(rng.randrange(1, 4)):
+        r = rng.random()
+        if r < 0.05:
+            out["general.architecture"] = rng.choice(sorted(ARCHITECTURES) + ["mamba9", 7])
+            continue
+        key = (f"{arch}.{rng.choice(EXTRA_KEYS)}" if r < 0.25 or not keys
+               else rng.choice(keys))
+        cur = out.get(key)
+        if isinstance(cur, (int, float)) and not isinstance(cur, bool) and rng.random() < 0.4:
+            value = rng.choice([cur * 2, cur // 2 if isinstance(cur, int) else cur / 2,
+                                cur + 1, cur - 1])
+        else:
+            value = rng.choice(HOSTILE_VALUES)
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+def metadata_fuzz_seeds(directory) -> list:
+    """Small valid models of several families (opened ``GGUFFile``s) for the metadata fuzzer."""
+    from pathlib import Path
+
+    from tiny_model import write_tiny_gguf
+
+    from localllm.gguf.file import open_gguf
+
+    moe = {"expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32}
+    cases = [("llama", {}), ("qwen2", {}), ("gemma3", {"n_layers": 6}), ("gemma2", {}),
+             ("qwen3moe", {"extra": moe}), ("phi3", {}), ("olmo2", {}), ("granite", {})]
+    return [open_gguf(write_tiny_gguf(Path(directory) / f"seed-{arch}.gguf", arch, **kw))
+            for arch, kw in cases]
+
+
+def load_with_metadata(f, md: dict, rng) -> str:
+    """Load ``f`` with metadata ``md`` as ``localllm run`` does and evaluate a few tokens.
+
+    Returns "loaded" or "refused" (a LocalLLMError); any other exception propagates.
+    """
+    import dataclasses
+
+    from localllm.errors import LocalLLMError
+    from localllm.runtime.session import Session, load_gguf
+
+    try:
+        m = load_gguf(dataclasses.replace(f, metadata=md), device="cpu", progress=False,
+                      ctx_size=rng.choice([0, 16, 4096, 2**31]))
+        s = Session(m, ctx_size=16)
+        s.eval([1, 2, 3])
+        s.eval([4])
+        return "loaded"
+    except LocalLLMError as e:
+        msg = str(e)
+        if "\n" in msg or not msg:
+            raise AssertionError(f"not a one-line error: {msg!r}") from None
+        return "refused"

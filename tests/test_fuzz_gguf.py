@@ -24,7 +24,15 @@ import tracemalloc
 
 import gguf
 import pytest
-from gguf_craft import N_OP_KINDS, apply_op, fuzz_seeds, random_op
+from gguf_craft import (
+    N_OP_KINDS,
+    apply_op,
+    fuzz_seeds,
+    load_with_metadata,
+    metadata_fuzz_seeds,
+    mutate_metadata,
+    random_op,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -177,3 +185,40 @@ def test_seeds_are_valid_and_read_by_gguf_reader(which, tmp_path):
     header = check_one(data)
     assert header is not None
     check_reader_agrees(data, header, tmp_path)
+
+
+# ---- metadata values: a small valid model of each family with hyperparameters mutated ------------
+METADATA_FUZZ_SECONDS = float(_ON_DEMAND or 6)
+
+
+@pytest.fixture(scope="module")
+def metadata_seeds(tmp_path_factory):
+    return metadata_fuzz_seeds(tmp_path_factory.mktemp("md-fuzz"))
+
+
+def test_metadata_value_fuzz_raises_only_localllm_errors(metadata_seeds, monkeypatch):
+    """Mutated hyperparameter values (0, NaN, inf, 2^40, strings, arrays, deleted keys, another
+    family's name ...) through the whole load and a few decode steps: every outcome is a load
+    or one LocalLLMError line; no other exception, no hang, bounded memory."""
+    monkeypatch.delenv("LOCALLLM_SKIP_MEMORY_CHECK", raising=False)
+    seed = int(os.environ.get("LOCALLLM_FUZZ_SEED", "0" if not _ON_DEMAND else time.time_ns()))
+    rng = random.Random(seed)
+    outcomes = {"loaded": 0, "refused": 0}
+    deadline = time.monotonic() + METADATA_FUZZ_SECONDS
+    with guarded():
+        while time.monotonic() < deadline or sum(outcomes.values()) < 40:
+            f = metadata_seeds[rng.randrange(len(metadata_seeds))]
+            md = mutate_metadata(f.metadata, rng)
+            signal.setitimer(signal.ITIMER_REAL, CALL_TIMEOUT_S)
+            try:
+                outcomes[load_with_metadata(f, md, rng)] += 1
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    print(f"metadata fuzz: seed {seed}: {outcomes}")
+    assert outcomes["loaded"] > 0 and outcomes["refused"] > 0
+
+
+@pytest.mark.parametrize("which", range(8))
+def test_metadata_seeds_load_unchanged(metadata_seeds, which):
+    assert load_with_metadata(metadata_seeds[which], metadata_seeds[which].metadata,
+                              random.Random(0)) == "loaded"

@@ -83,7 +83,7 @@ def test_refusal_names_both_sizes_and_loads_nothing(tiny_model_path, monkeypatch
     monkeypatch.delenv(resources.SKIP_ENV, raising=False)
     monkeypatch.setattr(resources, "free_memory", lambda device: 100 * 1024)
     built = []
-    monkeypatch.setattr(runtime, "Weights", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(runtime, "bind", lambda *a, **k: built.append(a))
     with pytest.raises(LocalLLMError) as err:
         load_model(path, device="cpu", ctx_size=4096, progress=False)
     msg = str(err.value)
@@ -115,3 +115,16 @@ def test_unknown_free_memory_skips_the_check(tiny_model_path, monkeypatch):
 def test_free_memory_on_this_machine():
     free = resources.free_memory(CPU)
     assert free is None or free > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gemma2", "phi3", "olmo2"])
+def test_estimate_equals_allocation_for_other_families(tiny_model_path, arch):
+    # The estimate and the caches both follow the declaration (cache_layout, tensor list):
+    # MoE experts and routers, alternating sliding windows, fused file tensors.
+    kw = {"extra": (("expert_count", 4), ("expert_used_count", 2),
+                    ("expert_feed_forward_length", 32))} if arch == "qwen3moe" else {}
+    loaded = load_model(tiny_model_path(arch, **kw), device="cpu", progress=False)
+    session = Session(loaded, ctx_size=100)
+    allocated = sum(c.k.nbytes + c.v.nbytes for c in session.caches)
+    assert kv_cache_bytes(loaded.args, 100) == allocated
+    assert estimate_memory(loaded.gguf, loaded.args, 100, CPU).weights == _tensor_bytes(loaded.model)

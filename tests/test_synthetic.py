@@ -148,3 +148,23 @@ def test_gemma3_270m_synthetic_runs_in_llama_cpp(gemma3_270m_file):
     ours = Session(load_model(gemma3_270m_file, device="cpu", progress=False),
                    ctx_size=64).eval([2, 100, 200, 300]).numpy()
     assert np.isfinite(theirs).all() and np.corrcoef(ours, theirs)[0, 1] > 0.99
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_every_geometry_follows_its_declaration(name):
+    """Each real geometry (bench --synthetic) has metadata that validates, the tensors of its
+    architecture's declaration and a type for every tensor under Q4_K_M; the parameter count
+    is that of the real model within a few percent where the geometry says so."""
+    from localllm.models import model_args, tensor_specs
+
+    g = GEOMETRIES[name]
+    args = model_args(synthetic._hparams(g), g.n_vocab)
+    shapes = dict(synthetic.tensor_shapes(g))
+    required = {s.name for s in tensor_specs(args) if not s.optional}
+    assert required <= set(shapes)
+    assert set(tensor_types(g, "Q4_K_M")) == set(shapes)
+    n_params = sum(int(np.prod(s)) for s in shapes.values())
+    billions = {"llama3-8b": 8.0, "qwen3-30b-a3b": 30.5, "gemma2-9b": 9.2, "phi3-mini": 3.8,
+                "qwen2.5-7b": 7.6, "llama3.2-1b": 1.24, "qwen3-0.6b": 0.6, "mistral-7b": 7.2}
+    if name in billions:
+        assert abs(n_params / 1e9 / billions[name] - 1) < 0.05, n_params

@@ -1,8 +1,9 @@
 """Tiny random-weights GGUF models for fast tests (written with gguf.GGUFWriter).
 
 ``write_tiny_gguf(path, arch)`` writes a model of a real architecture's tensor layout with a
-small vocabulary: SentencePiece-style (``llama`` vocab) for gemma3/llama/mistral, byte-level
-BPE (``gpt2`` vocab) for qwen2/qwen3.
+small vocabulary: SentencePiece-style (``llama`` vocab) for most, byte-level BPE (``gpt2``
+vocab) for the Qwen families. Its tensors come from the architecture's declaration
+(``localllm.models.<arch>.tensor_specs``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,23 @@ def _byte_bpe_vocab(w: gguf.GGUFWriter) -> int:
     return len(tokens)
 
 
+# The order in which tensors get their random values (kept from the first version of this
+# file, so that the tiny models of the original architectures keep their weights).
+_ORDER = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_norm",
+          "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps",
+          "ffn_down_exps", "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"]
+_TOP = {"token_embd": 0, "output_norm": 1, "rope_freqs": 2, "output": 10**6}
+
+
+def _rank(name: str) -> tuple:
+    from localllm.models.base import layer_of
+
+    layer, stem, suffix = layer_of(name)
+    if layer is None:
+        return (_TOP.get(stem, 3), 0, 0)
+    return (4 + layer, suffix == "bias", _ORDER.index(stem) if stem in _ORDER else 99)
+
+
 def write_tiny_gguf(
     path: str | Path,
     arch: str = "gemma3",
@@ -77,29 +95,51 @@ def write_tiny_gguf(
     context_length: int = 256,
     seed: int = 0,
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F16,
+    extra: dict | tuple | None = None,
+    optional: tuple[str, ...] | None = None,
 ) -> Path:
     """Write a random-weights model; matrices stored as ``qtype`` (F32, F16, legacy quants;
-    other types get random bytes)."""
+    other types get random bytes). The tensors are those of the architecture's declaration
+    (``tensor_specs``) for these hyperparameters: the required ones plus ``optional`` (default:
+    ``output.weight`` for llama/mistral). ``extra``: more ``{arch}.*`` keys (expert counts ...).
+    """
+    from localllm.models import model_args, tensor_specs
+
     path = Path(path)
+    extra = dict(extra or {})  # a tuple of pairs too (hashable, for the conftest cache)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")
-    n_vocab = _byte_bpe_vocab(w) if arch in ("qwen2", "qwen3") else _spm_vocab(w)
-    w.add_context_length(context_length)
-    w.add_embedding_length(d_model)
-    w.add_block_count(n_layers)
-    w.add_feed_forward_length(ffn_dim)
-    w.add_head_count(n_heads)
-    w.add_head_count_kv(n_kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
-    if arch == "gemma3":
-        w.add_sliding_window(sliding_window)
+    n_vocab = _byte_bpe_vocab(w) if arch in ("qwen2", "qwen3", "qwen3moe") else _spm_vocab(w)
+    a = arch + "."
+    md = {"general.architecture": arch, a + "context_length": context_length,
+          a + "embedding_length": d_model, a + "block_count": n_layers,
+          a + "feed_forward_length": ffn_dim, a + "attention.head_count": n_heads,
+          a + "attention.head_count_kv": n_kv_heads, a + "attention.key_length": head_dim,
+          a + "attention.value_length": head_dim, a + "attention.layer_norm_rms_epsilon": 1e-6,
+          a + "rope.freq_base": 10000.0}
+    if arch in ("gemma2", "gemma3"):
+        md[a + "attention.sliding_window"] = sliding_window
+    md.update({(k if "." in k and k.split(".")[0] in (arch, "general") else a + k): v
+               for k, v in (extra or {}).items()})
+    from localllm.models.synthetic import _add_kv
 
-    def mat(name: str, rows: int, cols: int, scale: float = 0.2) -> None:
-        a = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+    for key, value in md.items():
+        if key != "general.architecture":
+            _add_kv(w, key, value)
+    if optional is None:
+        optional = ("output.weight",) if arch in ("llama", "mistral") else ()
+    from localllm.errors import LocalLLMError
+
+    try:
+        args = model_args(md, n_vocab)
+    except LocalLLMError:  # a deliberately invalid key in ``extra``: tensors of the rest
+        args = model_args({k: v for k, v in md.items()
+                           if k.removeprefix(a) not in (extra or {})}, n_vocab)
+    specs = [s for s in tensor_specs(args) if not s.optional or s.name in optional]
+
+    def mat(name: str, shape: tuple[int, ...], scale: float = 0.2) -> None:
+        a = (rng.standard_normal(shape) * scale).astype(np.float32)
         if qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, a)
         elif qtype == gguf.GGMLQuantizationType.F16:
@@ -110,37 +150,19 @@ def write_tiny_gguf(
             w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:  # a type gguf-py cannot quantize: random bytes of the right size
             block, size = gguf.GGML_QUANT_SIZES[qtype]
-            raw = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+            raw = rng.integers(0, 256, (*shape[:-1], shape[-1] // block * size), dtype=np.uint8)
             w.add_tensor(name, raw, raw_dtype=qtype)
 
     def vec(name: str, n: int, center: float = 1.0) -> None:
         w.add_tensor(name, (center + 0.1 * rng.standard_normal(n)).astype(np.float32))
 
-    mat("token_embd.weight", n_vocab, d_model, 1.0)
-    vec("output_norm.weight", d_model)
-    for i in range(n_layers):
-        p = f"blk.{i}."
-        vec(p + "attn_norm.weight", d_model)
-        mat(p + "attn_q.weight", n_heads * head_dim, d_model)
-        mat(p + "attn_k.weight", n_kv_heads * head_dim, d_model)
-        mat(p + "attn_v.weight", n_kv_heads * head_dim, d_model)
-        mat(p + "attn_output.weight", d_model, n_heads * head_dim)
-        vec(p + "ffn_norm.weight", d_model)
-        mat(p + "ffn_gate.weight", ffn_dim, d_model)
-        mat(p + "ffn_up.weight", ffn_dim, d_model)
-        mat(p + "ffn_down.weight", d_model, ffn_dim)
-        if arch in ("gemma3", "qwen3"):
-            vec(p + "attn_q_norm.weight", head_dim)
-            vec(p + "attn_k_norm.weight", head_dim)
-        if arch == "gemma3":
-            vec(p + "post_attention_norm.weight", d_model)
-            vec(p + "post_ffw_norm.weight", d_model)
-        if arch == "qwen2":
-            vec(p + "attn_q.bias", n_heads * head_dim, 0.0)
-            vec(p + "attn_k.bias", n_kv_heads * head_dim, 0.0)
-            vec(p + "attn_v.bias", n_kv_heads * head_dim, 0.0)
-    if arch in ("llama", "mistral"):
-        mat("output.weight", n_vocab, d_model)
+    for s in sorted(specs, key=lambda s: _rank(s.name)):
+        if len(s.shape) > 1 and "gate_inp" not in s.name:
+            mat(s.name, s.shape, 1.0 if s.name == "token_embd.weight" else 0.2)
+        elif len(s.shape) > 1:  # the MoE router stays float32, as llama.cpp's converter keeps it
+            w.add_tensor(s.name, (rng.standard_normal(s.shape) * 0.2).astype(np.float32))
+        else:
+            vec(s.name, s.shape[0], 0.0 if s.name.endswith(".bias") else 1.0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

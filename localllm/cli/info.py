@@ -11,6 +11,7 @@ from rich.table import Table
 from ..gguf.file import open_gguf
 from ..gguf.quants import bits_per_weight
 from ..models import architecture
+from ..models.base import check_tensors
 from ..registry import load_registry
 from ..tokenizer import Tokenizer
 
@@ -38,7 +39,9 @@ def print_info(model: str | None, console: Console | None = None) -> None:
     gguf = open_gguf(path)
     md = gguf.metadata
     tok = Tokenizer(md)
-    args = architecture(gguf.architecture).ModelArgs.from_gguf(md, tok.n_vocab)
+    arch = architecture(gguf.architecture)
+    args = arch.ModelArgs.from_gguf(md, tok.n_vocab, path.name)
+    check_tensors(arch.tensor_specs(args), gguf.tensors, path.name)
     console.print(f"[bold]{md.get('general.name', path.name)}[/bold]  {path}")
     console.print(f"GGUF v{gguf.version}, architecture {gguf.architecture}, "
                   f"file type {file_type_name(md.get('general.file_type'))}", highlight=False)

@@ -181,18 +181,18 @@ def kv_bytes_per_token(args, start: int, n_gen: int, ring_slack: int, device="cp
     """Mean KV-cache bytes a decode step reads over positions ``start .. start+n_gen-1``
     (K and V of :func:`localllm.models.cache.kv_dtype` on ``device``: float32 on the CPU, float16
     on CUDA; sliding-window layers read their ring of window + slack cells)."""
-    from ..runtime.resources import kv_cell_bytes
+    from ..models import cache_layout
+    from ..models.cache import kv_dtype
 
-    window = getattr(args, "sliding_window", None)
-    is_sliding = getattr(args, "is_sliding", lambda layer: True)
-    per_cell = kv_cell_bytes(args, device)
+    layout = cache_layout(args)
+    item = kv_dtype(device).itemsize
     total = 0
     for pos in range(start, start + n_gen):
-        for layer in range(args.n_layers):
+        for c in layout:
             cells = pos + 1
-            if window is not None and is_sliding(layer):
-                cells = min(cells, window + ring_slack)
-            total += cells * per_cell
+            if c.window is not None:
+                cells = min(cells, c.window + ring_slack)
+            total += cells * 2 * c.n_kv_heads * c.head_dim * item
     return total // max(n_gen, 1)
 
 

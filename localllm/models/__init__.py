@@ -1,7 +1,28 @@
-"""Architectures, one file each, found by ``general.architecture``.
+"""Architectures, one file each, found by ``general.architecture`` (llama.cpp's names).
 
-Each module defines ``ModelArgs.from_gguf(metadata, n_vocab)`` and ``Model(args, weights)``
-with ``make_caches(ctx_size, slack=...)`` and ``forward(tokens, pos, caches, all_logits=...)``.
+How to add an architecture (see :mod:`localllm.models.base` for the pieces):
+
+1. Write ``localllm/models/NAME.py`` with
+
+   * ``ModelArgs``: a dataclass with at least ``arch``, ``n_vocab``, ``n_layers``,
+     ``context_length``; ``ModelArgs.from_gguf(metadata, n_vocab)`` reads every
+     hyperparameter through ``base.HParams`` (typed, finite, in range, consistent: one
+     ``GGUFError`` naming the key otherwise; ``base.common_hparams`` reads the usual ones) and
+     refuses what it does not implement (a RoPE scaling type ...) with ``UnsupportedError``;
+   * ``tensor_specs(args)``: every tensor as ``base.TensorSpec(gguf_name, torch_shape,
+     optional)``, with llama.cpp's names (``gguf.constants.MODEL_TENSORS``);
+   * ``cache_layout(args)``: one ``base.LayerCache`` per layer (full, or a sliding window);
+   * ``Model(base.BaseModel)``: built from ``args`` alone; ``forward(tokens, pos, caches, *,
+     all_logits=False, logits_start=0)`` reads the tensors :func:`base.bind` attached
+     (``self.layers[i].attn_norm``, the fused ``attn_qkv`` / ``ffn_gate_up`` ...) and computes
+     with ``self.ops`` (``common.TorchOps`` / ``KernelOps``), as llama.cpp's
+     ``src/models/NAME.cpp`` graph does.
+
+2. Add one line to :data:`ARCHITECTURES` (several GGUF names may share a module).
+
+Loading, memory estimate, shape checks, KV caches, synthetic files (``synthetic.py``,
+``bench --synthetic``) and the tiny test models then follow from the declaration. Check the
+new family against llama.cpp with a fixture in ``tests/data/families/`` (``record.py`` there).
 """
 
 from __future__ import annotations
@@ -9,14 +30,20 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import UnsupportedError
-from . import gemma3, llama
+from . import gemma, llama, olmo2, phi3
 
 ARCHITECTURES: dict[str, ModuleType] = {
-    "gemma3": gemma3,
     "llama": llama,
     "mistral": llama,
+    "granite": llama,
     "qwen2": llama,
     "qwen3": llama,
+    "qwen3moe": llama,
+    "gemma": gemma,
+    "gemma2": gemma,
+    "gemma3": gemma,
+    "phi3": phi3,
+    "olmo2": olmo2,
 }
 
 
@@ -28,8 +55,29 @@ def architecture(name: str) -> ModuleType:
     """
     try:
         return ARCHITECTURES[name]
-    except KeyError:
+    except (KeyError, TypeError):
         supported = ", ".join(sorted(ARCHITECTURES))
         raise UnsupportedError(
             f"architecture {name!r} is not supported (supported: {supported})"
         ) from None
+
+
+def model_args(metadata: dict, n_vocab: int, source: str = ""):
+    """The validated ``ModelArgs`` of a file's metadata (see each module's ``from_gguf``).
+
+    Raises:
+        GGUFError: a hyperparameter is missing, mistyped, out of range or inconsistent.
+        UnsupportedError: unknown architecture or an unsupported feature (RoPE scaling ...).
+    """
+    return architecture(metadata.get("general.architecture")).ModelArgs.from_gguf(
+        metadata, n_vocab, source)
+
+
+def tensor_specs(args) -> list:
+    """The tensor declaration (``base.TensorSpec`` list) of a model's ``args``."""
+    return architecture(args.arch).tensor_specs(args)
+
+
+def cache_layout(args) -> list:
+    """The KV cache plan (``base.LayerCache`` per layer) of a model's ``args``."""
+    return architecture(args.arch).cache_layout(args)

@@ -179,6 +179,18 @@ def make_cache(
     return KVCache(ctx_size, n_kv_heads, head_dim, dtype=dtype, device=device)
 
 
+def make_caches(layout: list, ctx_size: int, *, slack: int, device) -> list:
+    """One cache per ``base.LayerCache`` of an architecture's ``cache_layout(args)``."""
+    return [make_cache(ctx_size, c.window, c.n_kv_heads, c.head_dim, slack=slack, device=device)
+            for c in layout]
+
+
+def layout_cells(layout: list, ctx_size: int, slack: int) -> list[int]:
+    """Cells each layer's cache holds at ``ctx_size``: the context, or ``window + slack`` for
+    a sliding-window layer whose window is smaller than the context (as :func:`make_cache`)."""
+    return [c.window + slack if c.window and c.window < ctx_size else ctx_size for c in layout]
+
+
 def attention_mask(
     q_positions: torch.Tensor, k_positions: torch.Tensor | int, window: int | None
 ) -> torch.Tensor:

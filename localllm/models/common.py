@@ -18,51 +18,39 @@ import torch.nn.functional as F
 from ..errors import UnsupportedError
 from ..gguf.file import GGUFFile
 from ..gguf.quants import dequantize
-from ..gguf.validate import check_tensor_shape
 from .cache import attention_mask
 
 # Above this many rows a CPU product takes the float32 GEMM path (see the module docstring).
 GEMV_MAX_ROWS = 8
 
 
-class Weights:
-    """Loads tensors of a GGUF file by name, dequantized, checked against expected shapes.
+class Loader:
+    """Reads tensors of a GGUF file for :func:`localllm.models.base.bind`.
 
     Args:
-        gguf: the opened file.
+        gguf: the opened file (tensor shapes already checked by ``base.check_tensors``).
         device: torch device for the weights.
-        dtype: storage dtype of matrices (float16 on CPU); vectors (norms, biases) are float32.
+        dtype: dtype of dequantized matrices (float16 on CPU); vectors are float32.
+        quantized: keep matrices in their ggml blocks (Triton kernels) where a kernel exists.
         progress: called with the number of bytes of each tensor loaded.
     """
 
-    def __init__(
-        self,
-        gguf: GGUFFile,
-        device,
-        dtype,
-        progress: Callable[[int], None] | None = None,
-        *,
-        quantized: bool = False,
-    ):
-        self.gguf, self.device, self.dtype = gguf, device, dtype
+    def __init__(self, gguf: GGUFFile, device, dtype, *, quantized: bool = False,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.gguf, self.device, self.dtype, self.quantized = gguf, device, dtype, quantized
         self.progress = progress or (lambda n: None)
-        # Keep matrices in their ggml blocks and multiply with the Triton kernels (CUDA).
-        self.quantized = quantized
         self.fallbacks: list[str] = []  # tensors without a kernel, dequantized instead
 
-    def has(self, name: str) -> bool:
-        return name in self.gguf.tensors
-
-    def get(self, name: str, shape: tuple[int, ...], *, dtype=None) -> torch.Tensor:
-        """Tensor ``name`` dequantized to ``dtype`` with torch shape ``shape``.
+    def dense(self, name: str, dtype=None) -> torch.Tensor:
+        """Tensor ``name`` dequantized (``dtype``: default ``self.dtype`` for matrices,
+        float32 for vectors), in torch shape order, on the device.
 
         Raises:
-            GGUFError: the tensor is missing or its shape contradicts the hyperparameters.
+            UnsupportedError: its quant type has no dequantizer.
         """
         info = self.gguf.tensor(name)
-        check_tensor_shape(name, shape, info.shape, self.gguf.path.name)
         if dtype is None:
-            dtype = self.dtype if len(shape) > 1 else torch.float32
+            dtype = self.dtype if len(info.shape) > 1 else torch.float32
         try:
             out = dequantize(info.data, info.qtype, info.shape, dtype=dtype)
         except UnsupportedError:
@@ -73,64 +61,88 @@ class Weights:
         self.progress(info.n_bytes)
         return out.to(self.device)
 
+    def matrix(self, name: str):
+        """A 2-D weight (out, in) as stored for :class:`Linear`: a ``QuantWeight`` in its ggml
+        blocks when quantized and a kernel exists for its type, else a dense tensor."""
+        if self.quantized:
+            from localllm.kernels import QuantWeight, supports
 
-    def _quant(self, name: str, shape: tuple[int, int]):
-        """The tensor as a ``QuantWeight`` on the device, or None without a kernel for its type."""
-        from localllm.kernels import QuantWeight, supports
-
-        info = self.gguf.tensor(name)
-        check_tensor_shape(name, shape, info.shape, self.gguf.path.name)
-        if not supports(info.qtype):
+            info = self.gguf.tensor(name)
+            if supports(info.qtype):
+                self.progress(info.n_bytes)
+                return QuantWeight.from_bytes(info.data.copy(), info.qtype,
+                                              info.shape).to(self.device)
             self.fallbacks.append(f"{name} ({info.qtype.name})")
-            return None
-        self.progress(info.n_bytes)
-        return QuantWeight.from_bytes(info.data.copy(), info.qtype, shape).to(self.device)
+        return self.dense(name)
 
-    def linear(self, name: str, shape: tuple[int, int], bias: str | None = None):
-        """A projection by tensor ``name`` (out, in): quantized when the weights stay so."""
-        b = self.get(bias, (shape[0],)) if bias and self.has(bias) else None
+    def experts(self, name: str) -> Experts:
+        """A 3-D expert tensor (n_expert, out, in): one matrix per expert."""
+        info = self.gguf.tensor(name)
+        n_exp, rows, cols = info.shape
         if self.quantized:
-            q = self._quant(name, shape)
-            if q is not None:
-                return QuantLinear(q, b)
-        return Linear(self.get(name, shape), b)
+            from localllm.kernels import QuantWeight, supports
 
-    def fused(self, specs: list[tuple[str, tuple[int, int]]], biases: list[str | None] | None = None):
-        """Projections of one input (Q/K/V, gate/up) as one product where the types allow."""
-        biases = biases or [None] * len(specs)
-        if self.quantized:
-            parts = [self.linear(n, s, b) for (n, s), b in zip(specs, biases)]
-            if all(isinstance(p, QuantLinear) for p in parts):
-                return FusedQuantLinear(parts)
-            return SeparateLinears(parts)
-        bias_vecs = [self.get(b, (s[0],)) if b and self.has(b) else None
-                     for (_, s), b in zip(specs, biases)]
-        return FusedLinear([self.get(n, s) for n, s in specs], bias_vecs)
+            if supports(info.qtype):
+                per = info.n_bytes // n_exp
+                self.progress(info.n_bytes)
+                return Experts([QuantWeight.from_bytes(info.data[e * per:(e + 1) * per].copy(),
+                                                       info.qtype, (rows, cols)).to(self.device)
+                                for e in range(n_exp)])
+            self.fallbacks.append(f"{name} ({info.qtype.name})")
+        return Experts(list(self.dense(name).unbind(0)))
 
-    def embedding(self, name: str, shape: tuple[int, int]):
-        """The token embedding table (n_vocab, d), also usable as a tied output projection."""
-        if self.quantized:
-            q = self._quant(name, shape)
-            if q is not None:
-                return QuantEmbedding(q)
-        return Embedding(self.get(name, shape))
+
+def matmul(x: torch.Tensor, w) -> torch.Tensor:
+    """x @ w.T for a weight (out, in): the one place a matrix product is dispatched.
+
+    ``w`` is a dense tensor (float16 on CPU: GEMV in float16 for few rows, float32 GEMM for
+    many, see the module docstring) or a ``localllm.kernels.QuantWeight`` (Triton dequant
+    GEMV / GEMM). x: (T, in) float32 -> (T, out) float32.
+    """
+    if isinstance(w, torch.Tensor):
+        if x.shape[0] <= GEMV_MAX_ROWS or w.device.type != "cpu":
+            return F.linear(x.to(w.dtype), w).float()
+        return F.linear(x, w.float())
+    from localllm.kernels import GEMV_MAX_ROWS as KERNEL_GEMV_ROWS
+    from localllm.kernels import quant_linear
+
+    xin = x if x.shape[0] <= KERNEL_GEMV_ROWS else x.half()
+    return quant_linear(xin, w, out_dtype=torch.float32)
 
 
 class Linear:
-    """``y = x @ W.T (+ b)`` for a weight of shape (out_features, in_features)."""
+    """``y = x @ W.T (+ b)`` for a weight (out_features, in_features), dense or quantized.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight  # (out, in), float16 on CPU
+    With ``sizes`` the weight holds several projections of the same input stacked by rows
+    (fused Q/K/V or gate/up, see :func:`fuse`) and the call returns one output per part.
+    """
+
+    def __init__(self, weight, bias: torch.Tensor | None = None,
+                 sizes: list[int] | None = None) -> None:
+        self.weight = weight  # torch.Tensor (out, in) or kernels.QuantWeight
         self.bias = bias  # (out,) float32 or None
+        self.sizes = sizes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, in) float32 -> (T, out) float32."""
-        w = self.weight
-        if x.shape[0] <= GEMV_MAX_ROWS or w.device.type != "cpu":
-            y = F.linear(x.to(w.dtype), w).float()
-        else:
-            y = F.linear(x, w.float())
-        return y if self.bias is None else y + self.bias
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    def __call__(self, x: torch.Tensor):
+        """x: (T, in) float32 -> (T, out) float32, or a tuple of (T, out_i) with ``sizes``."""
+        y = matmul(x, self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if self.sizes is None else y.split(self.sizes, dim=-1)
+
+
+class Split:
+    """Projections of one input that cannot share a product (different quant types)."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(p(x) for p in self.parts)
 
 
 def cat_biases(biases: list[torch.Tensor | None], sizes: list[int], device) -> torch.Tensor | None:
@@ -141,88 +153,52 @@ def cat_biases(biases: list[torch.Tensor | None], sizes: list[int], device) -> t
                       for b, n in zip(biases, sizes)])
 
 
-class FusedLinear:
-    """Several projections of the same input in one product (Q/K/V, gate/up).
-
-    One larger matrix product costs less than several small ones, above all in decode.
-    Returns the outputs as a tuple, in the order of ``weights``.
-    """
-
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None):
-        self.sizes = [w.shape[0] for w in weights]
-        bias = cat_biases(biases or [None] * len(weights), self.sizes, weights[0].device)
-        self.linear = Linear(torch.cat(weights), bias)
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x: (T, in) -> one (T, out_i) tensor per weight."""
-        return self.linear(x).split(self.sizes, dim=-1)
-
-
-class SeparateLinears:
-    """Projections of one input that cannot share a product (different quant types)."""
-
-    def __init__(self, parts: list) -> None:
-        self.parts = parts
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(p(x) for p in self.parts)
-
-
-class QuantLinear:
-    """``y = x @ W.T (+ b)`` reading W in its ggml blocks (Triton GEMV / GEMM kernels)."""
-
-    def __init__(self, weight, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight  # localllm.kernels.QuantWeight (out, in)
-        self.bias = bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, in) float32 -> (T, out) float32 (GEMV in float32, GEMM with fp16 tiles)."""
-        from localllm.kernels import GEMV_MAX_ROWS as KERNEL_GEMV_ROWS
-        from localllm.kernels import quant_linear
-
-        xin = x if x.shape[0] <= KERNEL_GEMV_ROWS else x.half()
-        y = quant_linear(xin, self.weight, out_dtype=torch.float32)
-        return y if self.bias is None else y + self.bias
-
-
-class FusedQuantLinear(QuantLinear):
-    """Quantized projections of one input with one type, fused into one kernel launch."""
-
-    def __init__(self, parts: list[QuantLinear]) -> None:
+def fuse(parts: list[Linear]) -> Linear | Split:
+    """One :class:`Linear` for projections of one input when their weights can be stacked
+    (all dense, or all quantized with one type), else a :class:`Split`; both return one
+    output per part. One larger product costs less than several, above all in decode."""
+    sizes = [p.out_features for p in parts]
+    ws = [p.weight for p in parts]
+    device = ws[0].device if isinstance(ws[0], torch.Tensor) else ws[0].data.device
+    bias = cat_biases([p.bias for p in parts], sizes, device)
+    if all(isinstance(w, torch.Tensor) for w in ws) and len({w.dtype for w in ws}) == 1:
+        return Linear(torch.cat(ws), bias, sizes)
+    if not any(isinstance(w, torch.Tensor) for w in ws) and len({w.qtype for w in ws}) == 1:
         from localllm.kernels import QuantWeight
 
-        self.sizes = [p.weight.shape[0] for p in parts]
-        fused = QuantWeight.cat([p.weight for p in parts])
+        fused = QuantWeight.cat(ws)
         # One output tensor (no per-part splits in the kernel call); split after the bias.
-        super().__init__(QuantWeight(fused.data, fused.qtype, fused.shape),
-                         cat_biases([p.bias for p in parts], self.sizes, fused.data.device))
+        return Linear(QuantWeight(fused.data, fused.qtype, fused.shape), bias, sizes)
+    return Split(parts)
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return super().__call__(x).split(self.sizes, dim=-1)
+
+class Experts:
+    """The matrices of a mixture-of-experts layer (llama.cpp's ``ffn_*_exps``), one per expert,
+    each (out, in) dense or quantized: a product reads only the experts a token selected."""
+
+    def __init__(self, weights: list) -> None:
+        self.weights = weights
+
+    def __call__(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """x: (T, in) float32 through expert ``e`` -> (T, out) float32."""
+        return matmul(x, self.weights[e])
 
 
 class Embedding:
-    """A dequantized embedding table (n_vocab, d); ``head`` is the tied output projection."""
+    """The token embedding table (n_vocab, d), dense or in ggml blocks (rows dequantized when
+    looked up); ``head`` is the tied output projection."""
 
-    def __init__(self, table: torch.Tensor) -> None:
-        self.table = table
-        self.head = Linear(table)
+    def __init__(self, weight) -> None:
+        self.weight = weight
+        self.head = Linear(weight)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: (T,) int64 -> (T, d) float32."""
-        return self.table[tokens].float()
-
-
-class QuantEmbedding:
-    """An embedding table kept in ggml blocks: rows are dequantized when looked up."""
-
-    def __init__(self, weight) -> None:
-        self.weight = weight  # QuantWeight (n_vocab, d)
-        self.head = QuantLinear(weight)
-
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        rows = self.weight.data[tokens]  # (T, row_bytes) uint8
-        return dequantize(rows, self.weight.qtype, (tokens.shape[0], self.weight.shape[1]))
+        w = self.weight
+        if isinstance(w, torch.Tensor):
+            return w[tokens].float()
+        rows = w.data[tokens]  # (T, row_bytes) uint8
+        return dequantize(rows, w.qtype, (tokens.shape[0], w.shape[1]))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -282,12 +258,15 @@ def attend(
     *,
     window: int | None,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads (GQA), float32.
 
     q: (n_heads, T, hd); keys/values: (n_kv_heads, S, hd) float32 or float16;
     k_positions: (S,) int64 absolute positions (-1: empty slot), or None when slot ``j``
     holds position ``j`` -> (T, n_heads * hd) float32.
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2's
+    ``attn_logit_softcapping``, llama.cpp's ``hparams.attn_soft_cap``).
     Query head h reads KV head h // (n_heads / n_kv_heads), as llama.cpp does. The heads of a
     group are stacked into one product instead of repeating K/V: in decode this is several
     times faster on the CPU than torch's SDPA with a mask.
@@ -299,6 +278,8 @@ def attend(
                           window)  # (T, S)
     qg = q.reshape(n_kv, group * t, hd)  # (nkv, g*T, hd)
     scores = torch.matmul(qg, keys.float().transpose(1, 2)) * scale  # (nkv, g*T, S)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(n_kv, group, t, -1).masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(n_kv, group * t, -1)
     out = torch.matmul(probs, values.float())  # (nkv, g*T, hd)
@@ -361,6 +342,7 @@ class TorchOps:
         positions: torch.Tensor,
         *,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Store the new keys/values in ``cache`` and attend the new queries over it.
 
@@ -369,7 +351,8 @@ class TorchOps:
         :mod:`localllm.models.cache`) -> (T, n_heads * hd) float32.
         """
         keys, values, k_pos = cache.update(pos, k, v)
-        return attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale)
+        return attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale,
+                      softcap=softcap)
 
 
 class KernelOps(TorchOps):
@@ -413,9 +396,11 @@ class KernelOps(TorchOps):
 
         return gated_act(gate, up, act=act)
 
-    def attention(self, q, k, v, cache, pos, positions, *, scale: float) -> torch.Tensor:
-        if q.shape[1] != 1:
-            return super().attention(q, k, v, cache, pos, positions, scale=scale)
+    def attention(self, q, k, v, cache, pos, positions, *, scale: float,
+                  softcap: float | None = None) -> torch.Tensor:
+        if q.shape[1] != 1 or softcap is not None:  # the decode kernel has no soft-capping
+            return super().attention(q, k, v, cache, pos, positions, scale=scale,
+                                     softcap=softcap)
         from localllm.kernels import decode_attention
 
         keys, values, k_pos = cache.update(pos, k, v)
@@ -423,9 +408,15 @@ class KernelOps(TorchOps):
                                 window=cache.window, scale=scale)
 
 
-def model_ops(w: Weights) -> TorchOps:
-    """The kernels when the weights stay quantized (Triton backend), else torch."""
-    return KernelOps() if w.quantized else TorchOps()
+def default_ops(device) -> TorchOps:
+    """The ops for ``device``: the Triton kernels on CUDA when Triton is importable, else
+    torch."""
+    if torch.device(device).type == "cuda":
+        from localllm.kernels import triton_available
+
+        if triton_available():
+            return KernelOps()
+    return TorchOps()
 
 
 def positions_of(pos: int | torch.Tensor, t: int, device) -> torch.Tensor:

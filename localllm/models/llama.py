@@ -1,14 +1,25 @@
-"""The Llama family: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` (llama.cpp's
-``src/models/llama.cpp``, ``qwen2.cpp``, ``qwen3.cpp``).
+"""The Llama family: ``llama`` (Llama 2/3.x, SmolLM2, TinyLlama, Mixtral-style MoE),
+``mistral``, ``granite``, ``qwen2``, ``qwen3``, ``qwen3moe`` (llama.cpp's
+``src/models/llama.cpp``, ``granite.cpp``, ``qwen2.cpp``, ``qwen3.cpp``, ``qwen3moe.cpp``).
 
 Per layer::
 
-    h   = x + wo(attn(attn_norm(x)))          # GQA; Qwen2 has QKV biases, Qwen3 QK-norm
-    out = h + down(silu(gate(n)) * up(n)),  n = ffn_norm(h)
+    h   = x + s_r * wo(attn(attn_norm(x)))     # GQA; qwen2: QKV biases; qwen3*: QK-norm
+    out = h + s_r * ffn(ffn_norm(h))            # ffn: down(silu(gate(n)) * up(n)), or MoE
 
-RoPE: adjacent pairs for ``llama``/``mistral`` (the converter permutes Q/K for that),
-halves (NEOX) for ``qwen2``/``qwen3``; linear scaling from ``rope.scaling.factor`` and
-Llama 3.1's per-frequency factors from the ``rope_freqs.weight`` tensor.
+MoE (``expert_count`` > 0; ``qwen3moe``): router ``ffn_gate_inp`` -> softmax over experts ->
+top ``expert_used_count`` -> weights renormalised to sum 1 (``expert_weights_norm``, llama.cpp's
+``norm_w``, true for these families) -> sum of the selected experts' SwiGLU outputs, each
+expert a slice of the 3-D ``ffn_{gate,up,down}_exps`` tensors.
+
+Granite multiplies the embedding by ``embedding_scale``, each sublayer output by
+``residual_scale``, uses ``attention.scale`` as the attention scale and divides the logits by
+``logit_scale``; the others have 1 and 1/sqrt(head_dim).
+
+RoPE: adjacent pairs for ``llama``/``mistral``/``granite`` (the converter permutes Q/K for
+that), halves (NEOX) for the Qwen families; linear scaling (``rope.scaling.type = linear``,
+positions x 1/factor) and Llama 3.x's per-frequency factors from the ``rope_freqs.weight``
+tensor (the ``llama3`` scaling, precomputed by the converter); YaRN is refused.
 """
 
 from __future__ import annotations
@@ -18,10 +29,21 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import make_cache
-from .common import Weights, model_ops, positions_of, rope_inv_freq
+from .base import (
+    MAX_CONTEXT,
+    MAX_EXPERTS,
+    REQUIRED,
+    BaseModel,
+    HParams,
+    LayerCache,
+    TensorSpec,
+    common_hparams,
+)
+from .common import positions_of, rope_inv_freq
 
-NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3"})
+NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3", "qwen3moe"})
+QKV_BIAS = frozenset({"qwen2"})  # required Q/K/V biases (llama: optional biases)
+QK_NORM = frozenset({"qwen3", "qwen3moe"})
 
 
 @dataclass
@@ -30,97 +52,128 @@ class ModelArgs:
 
     arch: str
     n_vocab: int
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
+    n_layers: int  # block_count
+    d_model: int  # embedding_length
+    n_heads: int  # attention.head_count
+    n_kv_heads: int  # attention.head_count_kv
+    head_dim: int  # attention.key_length
+    ffn_dim: int  # feed_forward_length (0 for MoE files without it)
     context_length: int
     norm_eps: float = 1e-5
     rope_base: float = 10_000.0
-    rope_scale: float = 1.0
+    rope_scale: float = 1.0  # linear scaling: 1 / rope.scaling.factor
     sliding_window: int | None = None  # mistral-style SWA on every layer, when given
+    n_expert: int = 0  # expert_count
+    n_expert_used: int = 0  # expert_used_count
+    expert_ffn_dim: int = 0  # expert_feed_forward_length
+    expert_weights_norm: bool = True
+    embedding_scale: float = 1.0  # granite
+    residual_scale: float = 1.0  # granite
+    logit_scale: float = 1.0  # granite: logits are divided by it
+    attention_scale: float = 0.0  # 1/sqrt(head_dim) unless attention.scale says otherwise
 
     @classmethod
-    def from_gguf(cls, md: dict, n_vocab: int) -> ModelArgs:
-        arch = md["general.architecture"]
-        a = arch + "."
-        n_heads = int(md[a + "attention.head_count"])
-        d_model = int(md[a + "embedding_length"])
-        factor = md.get(a + "rope.scaling.factor")
-        use_linear = md.get(a + "rope.scaling.type", "linear" if factor else "none") == "linear"
-        window = md.get(a + "attention.sliding_window")
-        return cls(
-            arch=arch,
-            n_vocab=n_vocab,
-            n_layers=int(md[a + "block_count"]),
-            d_model=d_model,
-            n_heads=n_heads,
-            n_kv_heads=int(md.get(a + "attention.head_count_kv", n_heads)),
-            head_dim=int(md.get(a + "attention.key_length", d_model // n_heads)),
-            ffn_dim=int(md[a + "feed_forward_length"]),
-            context_length=int(md.get(a + "context_length", 4096)),
-            norm_eps=float(md.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_base=float(md.get(a + "rope.freq_base", 10_000.0)),
-            rope_scale=1.0 / float(factor) if (factor and use_linear) else 1.0,
-            sliding_window=int(window) if window else None,
-        )
+    def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
+        """Validated hyperparameters (see :class:`~localllm.models.base.HParams`).
+
+        Raises:
+            GGUFError: a key missing, mistyped, out of range or inconsistent (named).
+            UnsupportedError: YaRN / LongRoPE scaling (``rope.scaling.type``).
+        """
+        hp = HParams(md, source)
+        c = common_hparams(hp, n_vocab)
+        n_expert = hp.int("expert_count", 0, lo=0, hi=MAX_EXPERTS)
+        hp.require(n_expert > 0 or hp.arch != "qwen3moe", "expert_count",
+                   "must be > 0 for qwen3moe")
+        ffn = hp.int("feed_forward_length", 0 if n_expert else REQUIRED, lo=0 if n_expert else 1,
+                     per_layer=True)
+        kw = {}
+        if n_expert:
+            kw["n_expert"] = n_expert
+            kw["n_expert_used"] = hp.int("expert_used_count", REQUIRED, hi=n_expert)
+            kw["expert_ffn_dim"] = hp.int("expert_feed_forward_length", ffn or REQUIRED)
+            kw["expert_weights_norm"] = hp.bool("expert_weights_norm", True)
+        _, factor = hp.rope_scaling(("linear",))
+        if hp.arch == "granite":
+            kw["embedding_scale"] = hp.float("embedding_scale", 1.0)
+            kw["residual_scale"] = hp.float("residual_scale", 1.0)
+            kw["logit_scale"] = hp.float("logit_scale", 1.0)
+        scale = hp.float("attention.scale", 1.0 / math.sqrt(c["head_dim"]))
+        return cls(**c, ffn_dim=ffn, rope_scale=1.0 / factor, attention_scale=scale,
+                   sliding_window=hp.int("attention.sliding_window", None, hi=MAX_CONTEXT),
+                   **kw)
 
     @property
     def neox(self) -> bool:
         return self.arch in NEOX_ARCHITECTURES
 
-    @property
-    def attention_scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
+
+def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
+    """llama.cpp's tensors of the family (``llama_model::load_tensors``), torch shapes."""
+    d, hd, v = a.d_model, a.head_dim, a.n_vocab
+    nq, nkv = a.n_heads * hd, a.n_kv_heads * hd
+    specs = [TensorSpec("token_embd.weight", (v, d)),
+             TensorSpec("rope_freqs.weight", (hd // 2,), optional=True)]
+    bias_optional = a.arch not in QKV_BIAS
+    for i in range(a.n_layers):
+        p = f"blk.{i}."
+        specs += [TensorSpec(p + "attn_norm.weight", (d,)),
+                  TensorSpec(p + "attn_q.weight", (nq, d)),
+                  TensorSpec(p + "attn_k.weight", (nkv, d)),
+                  TensorSpec(p + "attn_v.weight", (nkv, d))]
+        if a.arch in QKV_BIAS or a.arch in ("llama", "mistral", "granite"):
+            specs += [TensorSpec(p + "attn_q.bias", (nq,), bias_optional),
+                      TensorSpec(p + "attn_k.bias", (nkv,), bias_optional),
+                      TensorSpec(p + "attn_v.bias", (nkv,), bias_optional)]
+        if a.arch in QK_NORM:
+            specs += [TensorSpec(p + "attn_q_norm.weight", (hd,)),
+                      TensorSpec(p + "attn_k_norm.weight", (hd,))]
+        specs.append(TensorSpec(p + "attn_output.weight", (d, nq)))
+        if a.arch in ("llama", "mistral", "granite"):
+            specs.append(TensorSpec(p + "attn_output.bias", (d,), optional=True))
+        specs.append(TensorSpec(p + "ffn_norm.weight", (d,)))
+        if a.n_expert:
+            e, f = a.n_expert, a.expert_ffn_dim
+            specs += [TensorSpec(p + "ffn_gate_inp.weight", (e, d)),
+                      TensorSpec(p + "ffn_gate_exps.weight", (e, f, d)),
+                      TensorSpec(p + "ffn_up_exps.weight", (e, f, d)),
+                      TensorSpec(p + "ffn_down_exps.weight", (e, d, f))]
+        else:
+            specs += [TensorSpec(p + "ffn_gate.weight", (a.ffn_dim, d)),
+                      TensorSpec(p + "ffn_up.weight", (a.ffn_dim, d)),
+                      TensorSpec(p + "ffn_down.weight", (d, a.ffn_dim))]
+    specs += [TensorSpec("output_norm.weight", (d,)),
+              TensorSpec("output.weight", (v, d), optional=True)]
+    return specs
 
 
-class Block:
-    def __init__(self, w: Weights, i: int, args: ModelArgs) -> None:
-        p, d, hd = f"blk.{i}.", args.d_model, args.head_dim
-        nq, nkv = args.n_heads * hd, args.n_kv_heads * hd
-
-        self.attn_norm = w.get(p + "attn_norm.weight", (d,))
-        self.wqkv = w.fused(
-            [(p + "attn_q.weight", (nq, d)), (p + "attn_k.weight", (nkv, d)),
-             (p + "attn_v.weight", (nkv, d))],
-            [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"],
-        )
-        self.q_norm = w.get(p + "attn_q_norm.weight", (hd,)) if w.has(p + "attn_q_norm.weight") else None
-        self.k_norm = w.get(p + "attn_k_norm.weight", (hd,)) if w.has(p + "attn_k_norm.weight") else None
-        self.wo = w.linear(p + "attn_output.weight", (d, nq), p + "attn_output.bias")
-        self.ffn_norm = w.get(p + "ffn_norm.weight", (d,))
-        self.gate_up = w.fused([
-            (p + "ffn_gate.weight", (args.ffn_dim, d)),
-            (p + "ffn_up.weight", (args.ffn_dim, d)),
-        ])
-        self.down = w.linear(p + "ffn_down.weight", (d, args.ffn_dim))
+def cache_layout(a: ModelArgs) -> list[LayerCache]:
+    return [LayerCache(a.n_kv_heads, a.head_dim, a.sliding_window)] * a.n_layers
 
 
-class Model:
-    """A Llama-family decoder over a GGUF file's weights."""
+def moe_ffn(layer, x: torch.Tensor, n_used: int, norm: bool, ops) -> torch.Tensor:
+    """Mixture of experts on x (T, d) float32 -> (T, d) float32 (llama.cpp's
+    ``build_moe_ffn`` with softmax gating and SwiGLU experts). Tokens are grouped by expert:
+    each selected expert multiplies the rows routed to it, and no other expert is read."""
+    probs = torch.softmax(layer.ffn_gate_inp(x), dim=-1)  # (T, E)
+    weights, chosen = probs.topk(n_used, dim=-1)  # (T, k)
+    if norm:
+        weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in chosen.unique().tolist():
+        rows, slot = (chosen == e).nonzero(as_tuple=True)
+        xe = x[rows]
+        h = ops.gated(layer.ffn_gate_exps(xe, e), layer.ffn_up_exps(xe, e), "silu")
+        out.index_add_(0, rows, layer.ffn_down_exps(h, e) * weights[rows, slot, None])
+    return out
 
-    def __init__(self, args: ModelArgs, w: Weights) -> None:
-        self.args = args
-        self.device = w.device
-        self.tok_embd = w.embedding("token_embd.weight", (args.n_vocab, args.d_model))
-        self.blocks = [Block(w, i, args) for i in range(args.n_layers)]
-        self.output_norm = w.get("output_norm.weight", (args.d_model,))
-        self.lm_head = (
-            w.linear("output.weight", (args.n_vocab, args.d_model))
-            if w.has("output.weight") else self.tok_embd.head
-        )
-        factors = (
-            w.get("rope_freqs.weight", (args.head_dim // 2,)) if w.has("rope_freqs.weight") else None
-        )
-        self.inv_freq = rope_inv_freq(args.head_dim, args.rope_base, factors, device=w.device)
-        self.ops = model_ops(w)
 
-    def make_caches(self, ctx_size: int, *, slack: int) -> list:
+class Model(BaseModel):
+    """A Llama-family decoder; weights attached by :func:`localllm.models.base.bind`."""
+
+    def prepare(self) -> None:
         a = self.args
-        return [make_cache(ctx_size, a.sliding_window, a.n_kv_heads, a.head_dim, slack=slack,
-                           device=self.device) for _ in self.blocks]
+        self.inv_freq = rope_inv_freq(a.head_dim, a.rope_base, self.rope_freqs, device=self.device)
 
     def forward(
         self,
@@ -139,22 +192,30 @@ class Model:
         a, ops = self.args, self.ops
         t = tokens.shape[0]
         positions = positions_of(pos, t, self.device)
-        x = self.tok_embd(tokens)  # (T, d)
+        x = self.token_embd(tokens)  # (T, d)
+        if a.embedding_scale != 1.0:
+            x = x * a.embedding_scale
         rope = ops.rope_angles(positions, self.inv_freq, a.rope_scale)  # shared by every layer
         # Each block ends with the next block's pre-norm (the output norm after the last),
         # fused with its residual add.
-        nexts = [b.attn_norm for b in self.blocks[1:]] + [self.output_norm]
-        eps = a.norm_eps
-        n = ops.rms_norm(x, self.blocks[0].attn_norm, eps)
-        for b, cache, next_norm in zip(self.blocks, caches, nexts):
-            q, k, v = b.wqkv(n)
+        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
+        eps, rs = a.norm_eps, a.residual_scale
+        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
+        for b, cache, next_norm in zip(self.layers, caches, nexts):
+            q, k, v = b.attn_qkv(n)
             q = q.reshape(t, a.n_heads, a.head_dim).transpose(0, 1)  # (nh, T, hd)
             k = k.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)  # (nkv, T, hd)
             v = v.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)
-            q = ops.norm_rope(q, b.q_norm, eps, rope, neox=a.neox)  # QK-norm: qwen3
-            k = ops.norm_rope(k, b.k_norm, eps, rope, neox=a.neox)
+            q = ops.norm_rope(q, b.attn_q_norm, eps, rope, neox=a.neox)  # QK-norm: qwen3
+            k = ops.norm_rope(k, b.attn_k_norm, eps, rope, neox=a.neox)
             attn = ops.attention(q, k, v, cache, pos, positions, scale=a.attention_scale)
-            h, n = ops.residual_norm(x, b.wo(attn), None, b.ffn_norm, eps)
-            gate, up = b.gate_up(n)
-            x, n = ops.residual_norm(h, b.down(ops.gated(gate, up, "silu")), None, next_norm, eps)
-        return self.lm_head(n[logits_start:] if all_logits else n[-1:])
+            o = b.attn_output(attn)
+            h, n = ops.residual_norm(x, o * rs if rs != 1.0 else o, None, b.ffn_norm, eps)
+            if a.n_expert:
+                f = moe_ffn(b, n, a.n_expert_used, a.expert_weights_norm, ops)
+            else:
+                gate, up = b.ffn_gate_up(n)
+                f = b.ffn_down(ops.gated(gate, up, "silu"))
+            x, n = ops.residual_norm(h, f * rs if rs != 1.0 else f, None, next_norm, eps)
+        logits = self.output(n[logits_start:] if all_logits else n[-1:])
+        return logits / a.logit_scale if a.logit_scale != 1.0 else logits

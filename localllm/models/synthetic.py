@@ -58,6 +58,7 @@ class Geometry:
     sliding_window: int | None = None
     n_pad_tokens: int = 0  # [PAD] tokens after the specials (rows of the embedding past the vocab)
     extra: dict = field(default_factory=dict)  # other ``{arch}.*`` keys
+    optional: tuple[str, ...] = ()  # optional tensors to write (``rope_freqs.weight`` ...)
 
 
 _LLAMA3_SPECIALS = tuple(
@@ -82,33 +83,82 @@ GEOMETRIES: dict[str, Geometry] = {
         "llama", "default", specials=("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>",
                                       "<end_of_turn>"),
         tied_output=True, sliding_window=512),
+    # Llama-3.2-1B: tied output, Llama 3.x RoPE scaling through the rope_freqs tensor
+    "llama3.2-1b": Geometry(
+        "llama3.2-1b", "llama", 128256, 16, 2048, 32, 8, 64, 8192, 131072, 500000.0, 1e-5,
+        "gpt2", "llama-bpe", specials=_LLAMA3_SPECIALS, tied_output=True,
+        optional=("rope_freqs.weight",)),
+    # Mistral-7B-v0.3 (GGUF architecture "llama", SentencePiece vocabulary)
+    "mistral-7b": Geometry(
+        "mistral-7b", "llama", 32768, 32, 4096, 32, 8, 128, 14336, 32768, 1000000.0, 1e-5,
+        "llama", "default", specials=("<unk>", "<s>", "</s>")),
+    # Qwen2.5-7B / 0.5B: QKV biases (0.5B: tied output)
+    "qwen2.5-7b": Geometry(
+        "qwen2.5-7b", "qwen2", 152064, 28, 3584, 28, 4, 128, 18944, 32768, 1000000.0, 1e-6,
+        "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        qkv_bias=True, n_pad_tokens=418),
+    "qwen2.5-0.5b": Geometry(
+        "qwen2.5-0.5b", "qwen2", 151936, 24, 896, 14, 2, 64, 4864, 32768, 1000000.0, 1e-6,
+        "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        qkv_bias=True, tied_output=True, n_pad_tokens=290),
+    # Qwen3-8B / 0.6B: QK-norm
+    "qwen3-8b": Geometry(
+        "qwen3-8b", "qwen3", 151936, 36, 4096, 32, 8, 128, 12288, 40960, 1000000.0, 1e-6,
+        "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        n_pad_tokens=290),
+    "qwen3-0.6b": Geometry(
+        "qwen3-0.6b", "qwen3", 151936, 28, 1024, 16, 8, 128, 3072, 40960, 1000000.0, 1e-6,
+        "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        tied_output=True, n_pad_tokens=290),
+    # Qwen3-30B-A3B: 128 experts, 8 used, expert FFN 768
+    "qwen3-30b-a3b": Geometry(
+        "qwen3-30b-a3b", "qwen3moe", 151936, 48, 2048, 32, 4, 128, 6144, 40960, 1000000.0,
+        1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        n_pad_tokens=290, extra={"qwen3moe.expert_count": 128, "qwen3moe.expert_used_count": 8,
+                                 "qwen3moe.expert_feed_forward_length": 768}),
+    # Gemma-2B (Gemma 1): MQA, tied output
+    "gemma-2b": Geometry(
+        "gemma-2b", "gemma", 256000, 18, 2048, 8, 1, 256, 16384, 8192, 10000.0, 1e-6,
+        "llama", "default", specials=("<pad>", "<eos>", "<bos>", "<unk>"), tied_output=True),
+    # Gemma-2-9B / 2B: soft-capping, every other layer sliding (4096)
+    "gemma2-9b": Geometry(
+        "gemma2-9b", "gemma2", 256000, 42, 3584, 16, 8, 256, 14336, 8192, 10000.0, 1e-6,
+        "llama", "default", specials=("<pad>", "<eos>", "<bos>", "<unk>"), tied_output=True,
+        sliding_window=4096, extra={"gemma2.attn_logit_softcapping": 50.0,
+                                    "gemma2.final_logit_softcapping": 30.0}),
+    "gemma2-2b": Geometry(
+        "gemma2-2b", "gemma2", 256000, 26, 2304, 8, 4, 256, 9216, 8192, 10000.0, 1e-6,
+        "llama", "default", specials=("<pad>", "<eos>", "<bos>", "<unk>"), tied_output=True,
+        sliding_window=4096, extra={"gemma2.attn_logit_softcapping": 50.0,
+                                    "gemma2.final_logit_softcapping": 30.0}),
+    # Phi-3-mini-4k: fused QKV and gate/up
+    "phi3-mini": Geometry(
+        "phi3-mini", "phi3", 32064, 32, 3072, 32, 32, 96, 8192, 4096, 10000.0, 1e-5,
+        "llama", "default", specials=("<unk>", "<s>", "</s>", "<|endoftext|>", "<|end|>")),
+    # OLMo-2-7B: post-norms, QK-norm over all heads
+    "olmo2-7b": Geometry(
+        "olmo2-7b", "olmo2", 100352, 32, 4096, 32, 32, 128, 11008, 4096, 500000.0, 1e-6,
+        "gpt2", "llama-bpe", specials=("<|endoftext|>", "<|pad|>")),
+    # Granite-3.0-8B: embedding/residual/attention/logit multipliers
+    "granite3-8b": Geometry(
+        "granite3-8b", "granite", 49155, 40, 4096, 32, 8, 128, 12800, 4096, 10000.0, 1e-5,
+        "gpt2", "llama-bpe", specials=("<|endoftext|>", "<fim_prefix>"), tied_output=True,
+        extra={"granite.embedding_scale": 12.0, "granite.residual_scale": 0.22,
+               "granite.attention.scale": 0.0078125, "granite.logit_scale": 16.0}),
 }
 
 
 def tensor_shapes(g: Geometry) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape in torch order) of every tensor, in llama.cpp's converter order."""
-    d, hd, nq, nkv = g.d_model, g.head_dim, g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim
-    out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (g.n_vocab, d))]
-    for i in range(g.n_layers):
-        p = f"blk.{i}."
-        out += [(p + "attn_norm.weight", (d,)), (p + "attn_q.weight", (nq, d)),
-                (p + "attn_k.weight", (nkv, d)), (p + "attn_v.weight", (nkv, d))]
-        if g.qkv_bias:
-            out += [(p + "attn_q.bias", (nq,)), (p + "attn_k.bias", (nkv,)),
-                    (p + "attn_v.bias", (nkv,))]
-        if g.arch == "gemma3":
-            out += [(p + "attn_q_norm.weight", (hd,)), (p + "attn_k_norm.weight", (hd,))]
-        out.append((p + "attn_output.weight", (d, nq)))
-        if g.arch == "gemma3":
-            out.append((p + "post_attention_norm.weight", (d,)))
-        out += [(p + "ffn_norm.weight", (d,)), (p + "ffn_gate.weight", (g.ffn_dim, d)),
-                (p + "ffn_up.weight", (g.ffn_dim, d)), (p + "ffn_down.weight", (d, g.ffn_dim))]
-        if g.arch == "gemma3":
-            out.append((p + "post_ffw_norm.weight", (d,)))
-    out.append(("output_norm.weight", (d,)))
-    if not g.tied_output:
-        out.append(("output.weight", (g.n_vocab, d)))
-    return out
+    """(name, shape in torch order) of every tensor, from the architecture's declaration
+    (``tensor_specs`` of the geometry's metadata): the required tensors, ``output.weight``
+    unless the output is tied, and the optional ones named in ``g.optional``."""
+    from . import model_args, tensor_specs
+
+    args = model_args(_hparams(g), g.n_vocab)
+    return [(s.name, s.shape) for s in tensor_specs(args)
+            if not s.optional or (s.name == "output.weight" and not g.tied_output)
+            or s.name in g.optional or (g.qkv_bias and ".bias" in s.name
+                                       and "attn_output" not in s.name)]
 
 
 def tensor_types(g: Geometry, quant: str) -> dict[str, GGMLQuantizationType]:
@@ -160,7 +210,7 @@ def _bpe_vocab(g: Geometry) -> dict:
     md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": g.pre,
           "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
           "tokenizer.ggml.merges": merges}
-    if g.arch == "llama":
+    if g.arch in ("llama", "mistral", "granite", "olmo2", "phi3"):
         md.update({"tokenizer.ggml.bos_token_id": first_special,
                    "tokenizer.ggml.eos_token_id": first_special + 1,
                    "tokenizer.ggml.add_bos_token": True})
@@ -194,11 +244,16 @@ def _spm_vocab(g: Geometry) -> dict:
     return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": g.pre,
             "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
             "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.bos_token_id": g.specials.index("<bos>"),
-            "tokenizer.ggml.eos_token_id": g.specials.index("<eos>"),
+            "tokenizer.ggml.bos_token_id": _special(g, "<bos>", "<s>"),
+            "tokenizer.ggml.eos_token_id": _special(g, "<eos>", "</s>"),
             "tokenizer.ggml.unknown_token_id": g.specials.index("<unk>"),
-            "tokenizer.ggml.padding_token_id": g.specials.index("<pad>"),
+            "tokenizer.ggml.padding_token_id": _special(g, "<pad>", "<unk>"),
             "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_space_prefix": False}
+
+
+def _special(g: Geometry, *names: str) -> int:
+    """Id of the first of ``names`` among the geometry's special tokens."""
+    return next(g.specials.index(n) for n in names if n in g.specials)
 
 
 def _hparams(g: Geometry) -> dict:
@@ -209,7 +264,7 @@ def _hparams(g: Geometry) -> dict:
           a + "attention.head_count_kv": g.n_kv_heads, a + "attention.key_length": g.head_dim,
           a + "attention.value_length": g.head_dim, a + "rope.freq_base": g.rope_base,
           a + "attention.layer_norm_rms_epsilon": g.norm_eps}
-    if g.arch != "gemma3":
+    if not g.arch.startswith("gemma"):
         md[a + "rope.dimension_count"] = g.head_dim
         md[a + "vocab_size"] = g.n_vocab
     if g.sliding_window is not None:
@@ -264,18 +319,23 @@ def _unit_std(qtype: GGMLQuantizationType) -> float:
 
 
 def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType,
-                  rng: np.random.Generator) -> np.ndarray:
+                  rng: np.random.Generator, std: float = WEIGHT_STD) -> np.ndarray:
     """Random data of one tensor as the bytes GGUF stores: uint8 (n_bytes,).
 
-    Norm weights are 1 + N(0, 0.02) (Gemma's GGUF norms already include its +1); biases and
-    float matrices are N(0, WEIGHT_STD); quantized matrices dequantize to std ~WEIGHT_STD.
+    Norm weights are 1 + N(0, 0.02) (Gemma's GGUF norms already include its +1); RoPE
+    frequency factors (``rope_freqs``, ``rope_factors_*``) 1 + |N(0, 2)|; biases and
+    float matrices are N(0, ``std``); quantized matrices dequantize to std ~``std``.
     """
     n = int(np.prod(shape))
     if qtype in (Q.F32, Q.F16, Q.BF16):
         x = rng.standard_normal(n, dtype=np.float32)
-        x *= WEIGHT_STD
         if "norm" in name:
+            x *= WEIGHT_STD
             x += 1.0
+        elif name.startswith("rope_f"):
+            x = 1.0 + np.abs(x) * 2.0
+        else:
+            x *= std
         if qtype == Q.F32:
             return x.view(np.uint8)
         if qtype == Q.F16:
@@ -284,7 +344,7 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
     if qtype not in _SCALE_LAYOUT:
         raise LocalLLMError(f"synthetic weights of type {qtype.name} are not supported")
     n_blocks = n // BLOCK_FORMATS[qtype].block_size
-    return _random_blocks(qtype, n_blocks, WEIGHT_STD / _unit_std(qtype), rng).reshape(-1)
+    return _random_blocks(qtype, n_blocks, std / _unit_std(qtype), rng).reshape(-1)
 
 
 # ---- files ----------------------------------------------------------------------------------
@@ -343,8 +403,13 @@ def cache_path(name: str, quant: str) -> Path:
 
 
 def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: int = 0,
+                    weight_std: float = WEIGHT_STD,
                     progress: Callable[[int, int], None] | None = None) -> Path:
     """Write a random-weights GGUF of ``geometry`` with the tensor types of recipe ``quant``.
+
+    ``weight_std``: standard deviation of the matrices (larger: a more peaked next-token
+    distribution, as the llama.cpp comparison fixtures use). The file is a deterministic
+    function of the arguments.
 
     Tensors are generated and written one at a time (memory: about the largest tensor, not
     the file). The free disk space is checked first. The file is written to a temporary name
@@ -392,7 +457,7 @@ def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: i
         w.write_ti_data_to_file()
         done = 0
         for name, shape in shapes:
-            data = random_tensor(name, shape, types[name], rng)
+            data = random_tensor(name, shape, types[name], rng, weight_std)
             w.write_tensor_data(data)  # straight to the file: one tensor in memory at a time
             done += data.nbytes
             del data

@@ -4,7 +4,7 @@
 model that cannot fit is refused in a fraction of a second with both figures, instead of
 being killed by the OOM killer (CPU) or failing half-way with a CUDA out-of-memory error.
 
-What a load stores (see ``localllm.models.common.Weights`` and ``localllm.models.cache``):
+What a load stores (see ``localllm.models.base.bind`` and ``localllm.models.cache``):
 
 * weights of the torch backend: matrices dequantized to ``dtype`` (float16: 2 bytes per
   weight), vectors (norms, biases) as float32; of the quantized (Triton) backend, the
@@ -61,8 +61,11 @@ def weight_bytes(gguf, device: torch.device, dtype: torch.dtype = torch.float16,
 
 def stored_bytes(info, quantized: bool, dtype: torch.dtype = torch.float16) -> int:
     """Bytes the runtime holds for one GGUF tensor (a ``TensorInfo``): its file bytes when
-    ``quantized`` and a matrix, else ``dtype`` elements for matrices, float32 for vectors."""
-    if len(info.shape) < 2:
+    ``quantized`` and a matrix, else ``dtype`` elements for matrices, float32 for vectors and
+    MoE routers (``models.base.FLOAT32_MATRICES``)."""
+    from ..models.base import FLOAT32_MATRICES
+
+    if len(info.shape) < 2 or info.name.split(".")[-2] in FLOAT32_MATRICES:
         return info.n_elements * 4
     if quantized:
         return info.n_bytes
@@ -70,31 +73,30 @@ def stored_bytes(info, quantized: bool, dtype: torch.dtype = torch.float16) -> i
 
 
 def kv_cell_bytes(args, device: torch.device | str = "cpu") -> int:
-    """Bytes of one cache cell of one layer on ``device``: K and V of every KV head."""
+    """Bytes of one cache cell of one layer on ``device``: K and V of every KV head (of the
+    first layer of ``cache_layout(args)``; the families here have one geometry per model)."""
+    from ..models import cache_layout
     from ..models.cache import kv_dtype
 
-    return 2 * args.n_kv_heads * args.head_dim * kv_dtype(device).itemsize
+    c = cache_layout(args)[0]
+    return 2 * c.n_kv_heads * c.head_dim * kv_dtype(device).itemsize
 
 
 def kv_cache_bytes(args, ctx_size: int, device: torch.device | str = "cpu") -> int:
     """Bytes of one session's KV cache at ``ctx_size`` tokens (capped at the model's context)
-    on ``device``.
+    on ``device``, from the architecture's ``cache_layout(args)`` (full layers hold the
+    context, sliding-window layers ``window + RING_SLACK`` cells when that is less).
 
-    ``args``: a model's ModelArgs (n_layers, n_kv_heads, head_dim, context_length and, for
-    sliding-window models, sliding_window with ``is_sliding(layer)`` when only some layers
-    slide).
+    ``args``: a model's validated ModelArgs.
     """
-    from ..models.cache import RING_SLACK
+    from ..models import cache_layout
+    from ..models.cache import RING_SLACK, kv_dtype, layout_cells
 
     ctx = max(1, min(ctx_size, args.context_length))
-    window = getattr(args, "sliding_window", None)
-    is_sliding = getattr(args, "is_sliding", lambda layer: True)
-    per_cell = kv_cell_bytes(args, device)
-    cells = 0
-    for layer in range(args.n_layers):
-        ring = window is not None and window < ctx and is_sliding(layer)
-        cells += window + RING_SLACK if ring else ctx
-    return cells * per_cell
+    layout = cache_layout(args)
+    item = kv_dtype(device).itemsize
+    return sum(2 * c.n_kv_heads * c.head_dim * item * cells
+               for c, cells in zip(layout, layout_cells(layout, ctx, RING_SLACK)))
 
 
 def estimate_memory(gguf, args, ctx_size: int | None, device: torch.device,

@@ -21,8 +21,9 @@ from ..errors import ContextOverflowError, LocalLLMError
 from ..gguf.file import GGUFFile, open_gguf
 from ..gguf.validate import validate_vocab
 from ..models import architecture
+from ..models.base import bind, check_tensors
 from ..models.cache import RING_SLACK
-from ..models.common import Weights
+from ..models.common import KernelOps, default_ops
 from ..tokenizer import Tokenizer
 from .graphs import DecodeGraph
 from .resources import check_memory
@@ -93,26 +94,45 @@ def load_model(
         progress: show a progress bar on stderr (default: when stderr is a terminal).
         ctx_size: context size the caller will use; its KV cache counts in the memory check.
     Raises:
-        GGUFError, UnsupportedError: the file is malformed or uses something unsupported.
+        GGUFError, UnsupportedError: the file is malformed, its hyperparameters are invalid
+            or contradict its tensors, or it uses something unsupported (raised before any
+            weight is read).
         LocalLLMError: the weights and KV cache do not fit in the device's free memory
             (:func:`localllm.runtime.resources.check_memory`), raised before any weight is read.
     """
     t0 = time.perf_counter()
-    gguf = open_gguf(path)
+    return load_gguf(open_gguf(path), device=device, progress=progress, dtype=dtype,
+                     ctx_size=ctx_size, backend=backend, t0=t0)
+
+
+def load_gguf(gguf: GGUFFile, *, device: str = "auto", progress: bool | None = None,
+              dtype: torch.dtype = torch.float16, ctx_size: int | None = None,
+              backend: str = "auto", t0: float | None = None) -> LoadedModel:
+    """:func:`load_model` of an opened file (the metadata fuzzer feeds it mutated metadata).
+
+    Order: architecture, vocabulary, hyperparameters (validated), tensor shapes against the
+    declaration, memory check; only then are weights read. Raises as :func:`load_model`.
+    """
+    t0 = time.perf_counter() if t0 is None else t0
     arch = architecture(gguf.architecture)
     validate_vocab(gguf.metadata, gguf.path.name)
     tokenizer = Tokenizer(gguf.metadata)
-    args = arch.ModelArgs.from_gguf(gguf.metadata, tokenizer.n_vocab)
+    args = arch.ModelArgs.from_gguf(gguf.metadata, tokenizer.n_vocab, gguf.path.name)
+    check_tensors(arch.tensor_specs(args), gguf.tensors, gguf.path.name)
     dev = resolve_device(device)
     quantized = _use_quantized(backend, dev)
     check_memory(gguf, args, ctx_size, dev, dtype, quantized=quantized)
     if progress is None:
         progress = sys.stderr.isatty()
+    model = arch.Model(args)
+    # The Triton element-wise kernels on CUDA, and wherever the Triton backend was asked for
+    # (on the CPU: Triton's interpreter, for tests).
+    ops = KernelOps() if quantized else default_ops(dev)
     with _load_progress(gguf, enabled=progress) as advance:
-        weights = Weights(gguf, dev, dtype, advance, quantized=quantized)
-        model = arch.Model(args, weights)
+        fallbacks = bind(model, gguf, dev, dtype=dtype, quantized=quantized, ops=ops,
+                         progress=advance)
     return LoadedModel(gguf, tokenizer, args, model, dev, time.perf_counter() - t0,
-                       "triton" if quantized else "torch", weights.fallbacks)
+                       "triton" if quantized else "torch", fallbacks)
 
 
 def _use_quantized(backend: str, device: torch.device) -> bool:

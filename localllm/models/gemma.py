@@ -1,0 +1,204 @@
+"""The Gemma family: ``gemma`` (1), ``gemma2``, ``gemma3`` (text), as llama.cpp's
+``src/models/gemma.cpp``, ``gemma2-iswa.cpp`` and ``gemma3-iswa.cpp`` compute them.
+
+Per layer::
+
+    h   = x + post_attn_norm(attn(attn_norm(x)))              # gemma2/3: post-norms
+    out = h + post_ffw_norm(down(gelu_tanh(gate(n)) * up(n))),  n = ffn_norm(h)
+
+The input embedding is scaled by sqrt(d_model); the output projection is tied to it. RoPE
+rotates halves (NEOX). Queries are scaled by 1/sqrt(head_dim), or by
+1/sqrt(d_model / n_heads) for the 27B models (llama.cpp's ``f_attention_scale``: Gemma 2 with
+46 layers, Gemma 3 with 62).
+
+* ``gemma2``: attention scores soft-capped (``attn_logit_softcapping``: cap * tanh(s / cap))
+  and so are the final logits (``final_logit_softcapping``); even layers use sliding-window
+  attention (``attention.sliding_window``), odd layers are global.
+* ``gemma3``: QK-norm; five of every six layers slide (window 512 for the small models)
+  with their own RoPE base (10,000, llama.cpp's ``rope_freq_base_train_swa``), the sixth is
+  global (base and linear scaling from the metadata).
+
+The GGUF norm weights already include Gemma's "+1" (llama.cpp's converter adds it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import (
+    MAX_CONTEXT,
+    REQUIRED,
+    BaseModel,
+    HParams,
+    LayerCache,
+    TensorSpec,
+    common_hparams,
+)
+from .common import positions_of, rope_inv_freq
+
+SWA_PATTERN = {"gemma": 0, "gemma2": 2, "gemma3": 6}  # every n-th layer global; 0: no SWA
+LAYERS_27B = {"gemma2": 46, "gemma3": 62}
+
+
+@dataclass
+class ModelArgs:
+    """Hyperparameters from ``{gemma,gemma2,gemma3}.*`` metadata keys."""
+
+    arch: str
+    n_vocab: int
+    n_layers: int  # block_count
+    d_model: int  # embedding_length
+    n_heads: int  # attention.head_count
+    n_kv_heads: int  # attention.head_count_kv
+    head_dim: int  # attention.key_length
+    ffn_dim: int  # feed_forward_length
+    context_length: int
+    norm_eps: float = 1e-6
+    rope_base: float = 10_000.0  # global layers
+    rope_base_swa: float = 10_000.0  # sliding-window layers (gemma3)
+    rope_scale: float = 1.0  # linear scaling of global layers: 1 / rope.scaling.factor
+    sliding_window: int | None = None
+    swa_pattern: int = 0
+    attn_softcap: float | None = None  # gemma2
+    final_softcap: float | None = None  # gemma2
+    attention_scale: float = 0.0
+
+    @classmethod
+    def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
+        """Validated hyperparameters (see :class:`~localllm.models.base.HParams`).
+
+        Raises:
+            GGUFError: a key missing, mistyped, out of range or inconsistent (named).
+            UnsupportedError: a RoPE scaling type other than linear.
+        """
+        hp = HParams(md, source)
+        arch = hp.arch
+        c = common_hparams(hp, n_vocab, eps=1e-6, context_length=8192)
+        ffn = hp.int("feed_forward_length", REQUIRED, per_layer=True)
+        _, factor = hp.rope_scaling(("linear",))
+        pattern = SWA_PATTERN[arch]
+        window = None
+        if pattern:
+            window = hp.int("attention.sliding_window", 512 if arch == "gemma3" else 4096,
+                            hi=MAX_CONTEXT)
+        big = c["n_layers"] == LAYERS_27B.get(arch)
+        hd = c["head_dim"]
+        scale = 1.0 / math.sqrt(c["d_model"] / c["n_heads"] if big else hd)
+        kw = {}
+        if arch == "gemma2":
+            kw["attn_softcap"] = hp.float("attn_logit_softcapping", 50.0)
+            kw["final_softcap"] = hp.float("final_logit_softcapping", 30.0)
+        elif arch == "gemma3":
+            kw["final_softcap"] = hp.float("final_logit_softcapping", None)
+        if arch == "gemma3":
+            c["rope_base"] = hp.float("rope.freq_base", 1_000_000.0)
+        return cls(**c, ffn_dim=ffn, rope_scale=1.0 / factor, sliding_window=window,
+                   swa_pattern=pattern, attention_scale=scale, **kw)
+
+    def is_sliding(self, layer: int) -> bool:
+        """llama.cpp's ``set_swa_pattern(n)``: layer il slides when il % n < n - 1."""
+        p = self.swa_pattern
+        return bool(p) and layer % p < p - 1
+
+
+def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
+    """llama.cpp's tensors of the family, torch shapes (the output is tied; gemma3 files may
+    carry ``output.weight``)."""
+    d, hd, nq, nkv = a.d_model, a.head_dim, a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    specs = [TensorSpec("token_embd.weight", (a.n_vocab, d))]
+    post = a.arch != "gemma"
+    for i in range(a.n_layers):
+        p = f"blk.{i}."
+        specs += [TensorSpec(p + "attn_norm.weight", (d,)),
+                  TensorSpec(p + "attn_q.weight", (nq, d)),
+                  TensorSpec(p + "attn_k.weight", (nkv, d)),
+                  TensorSpec(p + "attn_v.weight", (nkv, d))]
+        if a.arch == "gemma3":
+            specs += [TensorSpec(p + "attn_q_norm.weight", (hd,)),
+                      TensorSpec(p + "attn_k_norm.weight", (hd,))]
+        specs.append(TensorSpec(p + "attn_output.weight", (d, nq)))
+        if post:
+            specs.append(TensorSpec(p + "post_attention_norm.weight", (d,)))
+        specs += [TensorSpec(p + "ffn_norm.weight", (d,)),
+                  TensorSpec(p + "ffn_gate.weight", (a.ffn_dim, d)),
+                  TensorSpec(p + "ffn_up.weight", (a.ffn_dim, d)),
+                  TensorSpec(p + "ffn_down.weight", (d, a.ffn_dim))]
+        if post:
+            specs.append(TensorSpec(p + "post_ffw_norm.weight", (d,)))
+    specs.append(TensorSpec("output_norm.weight", (d,)))
+    if a.arch == "gemma3":
+        specs.append(TensorSpec("output.weight", (a.n_vocab, d), optional=True))
+    return specs
+
+
+def cache_layout(a: ModelArgs) -> list[LayerCache]:
+    return [LayerCache(a.n_kv_heads, a.head_dim, a.sliding_window if a.is_sliding(i) else None)
+            for i in range(a.n_layers)]
+
+
+class Model(BaseModel):
+    """A Gemma-family decoder; weights attached by :func:`localllm.models.base.bind`."""
+
+    def prepare(self) -> None:
+        a = self.args
+        self.inv_freq_global = rope_inv_freq(a.head_dim, a.rope_base, device=self.device)
+        base_swa = a.rope_base_swa if a.arch == "gemma3" else a.rope_base
+        self.inv_freq_local = rope_inv_freq(a.head_dim, base_swa, device=self.device)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        pos: int | torch.Tensor,
+        caches: list,
+        *,
+        all_logits: bool = False,
+        logits_start: int = 0,
+    ) -> torch.Tensor:
+        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
+        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits.
+
+        ``pos`` may be a (1,) int64 tensor on the model's device for a one-token step with
+        static shapes and no host reads (CUDA graphs, :mod:`localllm.runtime.graphs`)."""
+        a, ops = self.args, self.ops
+        t = tokens.shape[0]
+        positions = positions_of(pos, t, self.device)
+        x = self.token_embd(tokens) * math.sqrt(a.d_model)  # (T, d)
+        global_scale = a.rope_scale
+        rope = {  # the angles per kind of layer, shared by all layers of that kind
+            True: ops.rope_angles(positions, self.inv_freq_local,
+                                  1.0 if a.arch == "gemma3" else global_scale),
+            False: ops.rope_angles(positions, self.inv_freq_global, global_scale),
+        }
+        # Each block ends with the next block's pre-norm (the output norm after the last),
+        # fused with its residual add.
+        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
+        n = ops.rms_norm(x, self.layers[0].attn_norm, a.norm_eps)
+        for i, (b, cache, next_norm) in enumerate(zip(self.layers, caches, nexts)):
+            x, n = self._block(b, cache, x, n, next_norm, pos, positions,
+                               rope[a.is_sliding(i)])
+        logits = self.output(n[logits_start:] if all_logits else n[-1:])
+        if a.final_softcap is not None:
+            logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
+        return logits
+
+    def _block(self, b, cache, x: torch.Tensor, n: torch.Tensor, next_norm: torch.Tensor,
+               pos, positions: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, d) residual stream, n = attn_norm(x) -> (x', next_norm(x'))."""
+        a, ops = self.args, self.ops
+        t, hd, eps = x.shape[0], a.head_dim, a.norm_eps
+        q, k, v = b.attn_qkv(n)
+        q = q.reshape(t, a.n_heads, hd).transpose(0, 1)  # (nh, T, hd)
+        k = k.reshape(t, a.n_kv_heads, hd).transpose(0, 1)  # (nkv, T, hd)
+        v = v.reshape(t, a.n_kv_heads, hd).transpose(0, 1)
+        q = ops.norm_rope(q, b.attn_q_norm, eps, rope, neox=True)  # QK-norm: gemma3
+        k = ops.norm_rope(k, b.attn_k_norm, eps, rope, neox=True)
+        # A sliding layer whose window covers the whole context has a full cache (no window).
+        attn = ops.attention(q, k, v, cache, pos, positions, scale=a.attention_scale,
+                             softcap=a.attn_softcap)
+        h, n = ops.residual_norm(x, b.attn_output(attn), b.post_attention_norm, b.ffn_norm, eps)
+        gate, up = b.ffn_gate_up(n)
+        f = b.ffn_down(ops.gated(gate, up, "gelu_tanh"))
+        return ops.residual_norm(h, f, b.post_ffw_norm, next_norm, eps)

@@ -1,0 +1,110 @@
+"""OLMo 2 (``olmo2``), as llama.cpp's ``src/models/olmo2.cpp`` computes it.
+
+Per layer (no pre-norms: the norms follow each sublayer)::
+
+    h   = x + post_attention_norm(wo(attn(q, k, v)))   # q = q_norm(wq x), k = k_norm(wk x)
+    out = h + post_ffw_norm(down(silu(gate(h)) * up(h)))
+
+The QK-norm is an RMSNorm over all heads together (weights of n_heads * head_dim and
+n_kv_heads * head_dim), unlike Qwen 3's per-head norm. RoPE rotates halves (NEOX).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import REQUIRED, BaseModel, HParams, LayerCache, TensorSpec, common_hparams
+from .common import positions_of, rope_inv_freq
+
+
+@dataclass
+class ModelArgs:
+    """Hyperparameters from ``olmo2.*`` metadata keys."""
+
+    arch: str
+    n_vocab: int
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    context_length: int
+    norm_eps: float = 1e-6
+    rope_base: float = 10_000.0
+    rope_scale: float = 1.0
+
+    @classmethod
+    def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
+        """Validated hyperparameters (see :class:`~localllm.models.base.HParams`).
+
+        Raises:
+            GGUFError: a key missing, mistyped, out of range or inconsistent (named).
+            UnsupportedError: a RoPE scaling type other than linear.
+        """
+        hp = HParams(md, source)
+        c = common_hparams(hp, n_vocab, eps=1e-6)
+        ffn = hp.int("feed_forward_length", REQUIRED, per_layer=True)
+        _, factor = hp.rope_scaling(("linear",))
+        return cls(**c, ffn_dim=ffn, rope_scale=1.0 / factor)
+
+
+def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
+    """llama.cpp's ``olmo2`` tensors, torch shapes."""
+    d, hd, v = a.d_model, a.head_dim, a.n_vocab
+    nq, nkv = a.n_heads * hd, a.n_kv_heads * hd
+    specs = [TensorSpec("token_embd.weight", (v, d))]
+    for i in range(a.n_layers):
+        p = f"blk.{i}."
+        specs += [TensorSpec(p + "attn_q.weight", (nq, d)),
+                  TensorSpec(p + "attn_k.weight", (nkv, d)),
+                  TensorSpec(p + "attn_v.weight", (nkv, d)),
+                  TensorSpec(p + "attn_q_norm.weight", (nq,)),
+                  TensorSpec(p + "attn_k_norm.weight", (nkv,)),
+                  TensorSpec(p + "attn_output.weight", (d, nq)),
+                  TensorSpec(p + "post_attention_norm.weight", (d,)),
+                  TensorSpec(p + "ffn_gate.weight", (a.ffn_dim, d)),
+                  TensorSpec(p + "ffn_up.weight", (a.ffn_dim, d)),
+                  TensorSpec(p + "ffn_down.weight", (d, a.ffn_dim)),
+                  TensorSpec(p + "post_ffw_norm.weight", (d,))]
+    specs += [TensorSpec("output_norm.weight", (d,)),
+              TensorSpec("output.weight", (v, d), optional=True)]
+    return specs
+
+
+def cache_layout(a: ModelArgs) -> list[LayerCache]:
+    return [LayerCache(a.n_kv_heads, a.head_dim)] * a.n_layers
+
+
+class Model(BaseModel):
+    """An OLMo 2 decoder; weights attached by :func:`localllm.models.base.bind`."""
+
+    def prepare(self) -> None:
+        a = self.args
+        self.inv_freq = rope_inv_freq(a.head_dim, a.rope_base, device=self.device)
+
+    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, caches: list, *,
+                all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
+        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
+        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits."""
+        a, ops = self.args, self.ops
+        t = tokens.shape[0]
+        positions = positions_of(pos, t, self.device)
+        x = self.token_embd(tokens)
+        rope = ops.rope_angles(positions, self.inv_freq, a.rope_scale)
+        eps = a.norm_eps
+        for b, cache in zip(self.layers, caches):
+            q, k, v = b.attn_qkv(x)
+            q = ops.rms_norm(q, b.attn_q_norm, eps).reshape(t, a.n_heads, a.head_dim)
+            k = ops.rms_norm(k, b.attn_k_norm, eps).reshape(t, a.n_kv_heads, a.head_dim)
+            v = v.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)
+            q = ops.norm_rope(q.transpose(0, 1).contiguous(), None, eps, rope, neox=True)
+            k = ops.norm_rope(k.transpose(0, 1).contiguous(), None, eps, rope, neox=True)
+            attn = ops.attention(q, k, v, cache, pos, positions, scale=a.head_dim ** -0.5)
+            h = x + ops.rms_norm(b.attn_output(attn), b.post_attention_norm, eps)
+            gate, up = b.ffn_gate_up(h)
+            x = h + ops.rms_norm(b.ffn_down(ops.gated(gate, up, "silu")), b.post_ffw_norm, eps)
+        n = ops.rms_norm(x, self.output_norm, eps)
+        return self.output(n[logits_start:] if all_logits else n[-1:])

@@ -1,0 +1,141 @@
+"""Phi-3 / Phi-4-mini (``phi3``), as llama.cpp's ``src/models/phi3.cpp`` computes it.
+
+Per layer::
+
+    h   = x + wo(attn(attn_norm(x)))          # Q/K/V from one fused ``attn_qkv`` tensor
+    out = h + down(silu(g) * u),  (g, u) = halves of ffn_up(ffn_norm(h))
+
+RoPE rotates halves (NEOX). LongRoPE ("su") scaling: per-frequency factors from the
+``rope_factors_short`` / ``rope_factors_long`` tensors, the long ones when the context
+exceeds ``rope.scaling.original_context_length`` (llama.cpp's ``get_rope_factors``), and the
+rotated Q and K scaled by ``rope.scaling.attn_factor`` (so the scores by its square).
+``attention.sliding_window`` is read but not used: llama.cpp disables Phi-3's SWA too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import (
+    MAX_CONTEXT,
+    REQUIRED,
+    BaseModel,
+    HParams,
+    LayerCache,
+    TensorSpec,
+    common_hparams,
+)
+from .common import positions_of, rope_inv_freq
+
+
+@dataclass
+class ModelArgs:
+    """Hyperparameters from ``phi3.*`` metadata keys."""
+
+    arch: str
+    n_vocab: int
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    context_length: int
+    norm_eps: float = 1e-5
+    rope_base: float = 10_000.0
+    rope_scale: float = 1.0
+    rope_orig_context: int = 0  # rope.scaling.original_context_length
+    rope_attn_factor: float = 1.0  # rope.scaling.attn_factor
+    attention_scale: float = 0.0
+
+    @classmethod
+    def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
+        """Validated hyperparameters (see :class:`~localllm.models.base.HParams`).
+
+        Raises:
+            GGUFError: a key missing, mistyped, out of range or inconsistent (named).
+            UnsupportedError: a RoPE scaling type other than linear or longrope.
+        """
+        hp = HParams(md, source)
+        c = common_hparams(hp, n_vocab)
+        ffn = hp.int("feed_forward_length", REQUIRED, per_layer=True)
+        _, factor = hp.rope_scaling(("linear", "longrope", "su"))
+        hp.int("attention.sliding_window", None, lo=0, hi=MAX_CONTEXT)  # validated, unused
+        attn_factor = hp.float("rope.scaling.attn_factor", 1.0)
+        orig = hp.int("rope.scaling.original_context_length", c["context_length"],
+                      hi=MAX_CONTEXT)
+        return cls(**c, ffn_dim=ffn, rope_scale=1.0 / factor, rope_orig_context=orig,
+                   rope_attn_factor=attn_factor,
+                   attention_scale=attn_factor ** 2 / c["head_dim"] ** 0.5)
+
+
+def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
+    """llama.cpp's ``phi3`` tensors (fused ``attn_qkv``, ``ffn_up`` holding gate and up)."""
+    d, hd, v = a.d_model, a.head_dim, a.n_vocab
+    nq, nkv = a.n_heads * hd, a.n_kv_heads * hd
+    specs = [TensorSpec("token_embd.weight", (v, d)),
+             TensorSpec("rope_factors_long.weight", (hd // 2,), optional=True),
+             TensorSpec("rope_factors_short.weight", (hd // 2,), optional=True)]
+    for i in range(a.n_layers):
+        p = f"blk.{i}."
+        specs += [TensorSpec(p + "attn_norm.weight", (d,)),
+                  TensorSpec(p + "attn_qkv.weight", (nq + 2 * nkv, d)),
+                  TensorSpec(p + "attn_output.weight", (d, nq)),
+                  TensorSpec(p + "ffn_norm.weight", (d,)),
+                  TensorSpec(p + "ffn_up.weight", (2 * a.ffn_dim, d)),
+                  TensorSpec(p + "ffn_down.weight", (d, a.ffn_dim))]
+    specs += [TensorSpec("output_norm.weight", (d,)),
+              TensorSpec("output.weight", (v, d), optional=True)]
+    return specs
+
+
+def cache_layout(a: ModelArgs) -> list[LayerCache]:
+    return [LayerCache(a.n_kv_heads, a.head_dim)] * a.n_layers
+
+
+class Model(BaseModel):
+    """A Phi-3 decoder; weights attached by :func:`localllm.models.base.bind`."""
+
+    FUSE: dict = {}  # the file's tensors are fused already
+
+    def prepare(self) -> None:
+        self._set_factors(self.args.context_length)
+
+    def _set_factors(self, ctx_size: int) -> None:
+        a = self.args
+        factors = (self.rope_factors_long if ctx_size > a.rope_orig_context
+                   else self.rope_factors_short)
+        self.inv_freq = rope_inv_freq(a.head_dim, a.rope_base, factors, device=self.device)
+
+    def make_caches(self, ctx_size: int, *, slack: int) -> list:
+        # llama.cpp picks the long or short factors from the context size of the sequence.
+        self._set_factors(ctx_size)
+        return super().make_caches(ctx_size, slack=slack)
+
+    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, caches: list, *,
+                all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
+        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
+        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits."""
+        a, ops = self.args, self.ops
+        t = tokens.shape[0]
+        positions = positions_of(pos, t, self.device)
+        x = self.token_embd(tokens)
+        rope = ops.rope_angles(positions, self.inv_freq, a.rope_scale)
+        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
+        eps, nq, nkv = a.norm_eps, a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
+        for b, cache, next_norm in zip(self.layers, caches, nexts):
+            q, k, v = b.attn_qkv(n).split([nq, nkv, nkv], dim=-1)
+            q = q.reshape(t, a.n_heads, a.head_dim).transpose(0, 1)
+            k = k.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)
+            v = v.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)
+            q = ops.norm_rope(q, None, eps, rope, neox=True)
+            k = ops.norm_rope(k, None, eps, rope, neox=True)
+            attn = ops.attention(q, k, v, cache, pos, positions, scale=a.attention_scale)
+            h, n = ops.residual_norm(x, b.attn_output(attn), None, b.ffn_norm, eps)
+            gate, up = b.ffn_up(n).chunk(2, dim=-1)
+            x, n = ops.residual_norm(h, b.ffn_down(ops.gated(gate, up, "silu")), None,
+                                     next_norm, eps)
+        return self.output(n[logits_start:] if all_logits else n[-1:])

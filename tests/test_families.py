@@ -1,0 +1,78 @@
+"""Every family against llama.cpp: the small model of each family (tests/families.py),
+regenerated bit-identically from its declaration, gives llama.cpp's next-token distributions
+(fixtures recorded by tests/data/families/record.py with llama-cpp-python).
+
+Per family: mean KL(llama.cpp || localllm) over the recorded positions <= 0.01 nats, and the
+same top-1 token at the last position of every prompt.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from families import FAMILIES, sha256, write_family
+
+from localllm.runtime.session import Session, load_model
+
+DATA = Path(__file__).parent / "data" / "families"
+MAX_MEAN_KL = 0.01
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("families")
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_matches_llama_cpp(family, device, family_dir):
+    ref = np.load(DATA / f"{family}.npz")
+    path = family_dir / f"{family}.gguf"
+    if not path.exists():
+        write_family(family, family_dir)
+    assert sha256(path) == str(ref["sha256"]), "the file differs from the one llama.cpp ran"
+    loaded = load_model(path, device=device, progress=False)
+    theirs = ref["logits"]  # (prompts, positions, n_vocab) float16
+    n_last = theirs.shape[1]
+    kls = []
+    for i in range(theirs.shape[0]):
+        ids = ref[f"prompt{i}"].tolist()
+        ours = Session(loaded, ctx_size=64).eval(ids, all_logits=True,
+                                                 logits_start=len(ids) - n_last)
+        ours = ours.float().cpu().numpy()
+        lt, lo = _log_softmax(theirs[i]), _log_softmax(ours)
+        kls.append((np.exp(lt) * (lt - lo)).sum(-1))
+        assert int(ours[-1].argmax()) == int(theirs[i][-1].argmax()), f"prompt {i}: top-1"
+    mean_kl = float(np.mean(kls))
+    print(f"{family} {device}: mean KL {mean_kl:.5f}, max {float(np.max(kls)):.5f}")
+    assert mean_kl <= MAX_MEAN_KL
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_info_run_perplexity_on_each_family(family, family_dir, monkeypatch, capsys, tmp_path):
+    """``localllm info``, ``run`` and ``perplexity`` work on each family's file."""
+    from cli_helpers import run_cli
+
+    path = family_dir / f"{family}.gguf"
+    if not path.exists():
+        write_family(family, family_dir)
+    code, out, err = run_cli(monkeypatch, capsys, "info", str(path))
+    assert code == 0, err
+    assert FAMILIES[family][0].arch in out
+    code, out, err = run_cli(monkeypatch, capsys, "run", str(path), "the cat and the dog",
+                             "-n", "4", "--temp", "0", "-c", "64")
+    assert code == 0, err
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(["the quick brown fox jumps over the lazy dog"] * 6))
+    code, out, err = run_cli(monkeypatch, capsys, "perplexity", str(path), "-f", str(text),
+                             "-c", "16", "-b", "16")
+    assert code == 0, err
+    assert "PPL" in out + err or "perplexity" in (out + err).lower()

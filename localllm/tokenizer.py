@@ -170,13 +170,21 @@ class Tokenizer:
         self._user_re = _alternation(user)
         self._text_to_id = text_to_id
         self._bytes_cache: list[bytes | None] = [None] * self.n_vocab
-        if self.model_type == "llama":
-            self._sp = _build_sentencepiece(self.tokens, self.scores, self.types, ids)
-        else:
-            merges = metadata.get("tokenizer.ggml.merges")
-            if not merges:
-                raise GGUFError("tokenizer.ggml.merges is missing for a gpt2 vocabulary")
-            self._bpe = _build_byte_bpe(self.tokens, list(merges), pre)
+        merges = metadata.get("tokenizer.ggml.merges")
+        if self.model_type == "gpt2" and not merges:
+            raise GGUFError("tokenizer.ggml.merges is missing for a gpt2 vocabulary")
+        try:
+            if self.model_type == "llama":
+                self._sp = _build_sentencepiece(self.tokens, self.scores, self.types, ids)
+            else:
+                self._bpe = _build_byte_bpe(self.tokens, list(merges), pre)
+        except (KeyboardInterrupt, SystemExit, UnsupportedError):
+            raise
+        except BaseException as e:  # noqa: BLE001 - sentencepiece's RuntimeError, a Rust
+            # panic in tokenizers (a BaseException): what validate_vocab did not foresee
+            library = "sentencepiece" if self.model_type == "llama" else "tokenizers"
+            message = " ".join(str(e).split())[:200]
+            raise GGUFError(f"the vocabulary is refused by {library}: {message}") from None
 
     def _promote_special_texts(self) -> set[int]:
         """Mark the turn-end and fill-in-the-middle texts CONTROL, as llama.cpp does on load;
@@ -318,10 +326,14 @@ def _build_sentencepiece(tokens, scores, types, ids):
     proto.trainer_spec.model_type = pb.TrainerSpec.BPE
     proto.trainer_spec.vocab_size = len(tokens)
     proto.trainer_spec.byte_fallback = BYTE in types
-    proto.trainer_spec.unk_id = ids["unknown"] if ids["unknown"] is not None else 0
-    proto.trainer_spec.bos_id = ids["bos"] if ids["bos"] is not None else -1
-    proto.trainer_spec.eos_id = ids["eos"] if ids["eos"] is not None else -1
-    proto.trainer_spec.pad_id = ids["padding"] if ids["padding"] is not None else -1
+    # Without tokenizer.ggml.unknown_token_id, the UNKNOWN-typed piece is the unknown one
+    # (sentencepiece refuses a second); else piece 0, as sentencepiece's default.
+    unk = ids["unknown"] if ids["unknown"] is not None else next(
+        (i for i, kind in enumerate(types) if kind == UNKNOWN), 0)
+    proto.trainer_spec.unk_id = unk
+    # BOS/EOS/padding are added and recognised by us, not by sentencepiece: left out of the
+    # spec, so that one also being the unknown token (Llama 2's pad = unk) is no conflict.
+    proto.trainer_spec.bos_id = proto.trainer_spec.eos_id = proto.trainer_spec.pad_id = -1
     # The space prefix and special-token splitting are done by us, as llama.cpp does them.
     proto.normalizer_spec.name = "identity"
     proto.normalizer_spec.add_dummy_prefix = False
@@ -333,6 +345,8 @@ def _build_sentencepiece(tokens, scores, types, ids):
         kind = types[i]
         if text in seen or not text:  # sentencepiece rejects duplicates and empty pieces
             text, kind = f"<localllm-unused-{i}>", UNUSED
+        elif kind == UNKNOWN and i != unk:  # sentencepiece allows one unknown piece
+            kind = CONTROL
         seen.add(text)
         piece.piece = text
         piece.score = float(scores[i]) if scores is not None else 0.0

@@ -36,26 +36,56 @@ def _err(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+MAX_PROMPT_BYTES = 64 * 2**20  # a prompt file or stdin (-f /dev/zero would never end)
+
+
 def read_prompt(prompt: str | None, file: Path | None) -> str:
     """The prompt from ``-f FILE``, ``-`` (stdin) or the argument.
 
+    Files and stdin are read as bytes, at most :data:`MAX_PROMPT_BYTES`, and must be UTF-8;
+    an argument must be too (Python hands invalid bytes in argv over as lone surrogates).
+
     Raises:
-        LocalLLMError: no prompt, an unreadable file, or an empty prompt.
+        LocalLLMError: no prompt, an unreadable, oversized or non-UTF-8 file or stream, or an
+            empty prompt.
     """
     if file is not None:
+        where = f"-f {file}"
         try:
-            text = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise LocalLLMError(f"-f {file}: cannot read prompt file: {e}") from None
+            with open(file, "rb") as f:
+                data = f.read(MAX_PROMPT_BYTES + 1)
+        except OSError as e:
+            raise LocalLLMError(f"{where}: cannot read prompt file: {e.strerror or e}") from None
+        text = _decode_prompt(data, where)
     elif prompt == "-":
-        text = sys.stdin.read()
+        stdin = sys.stdin
+        if stdin is None:
+            raise LocalLLMError("stdin is closed: nothing to read the prompt from")
+        try:
+            data = (stdin.buffer.read(MAX_PROMPT_BYTES + 1) if hasattr(stdin, "buffer")
+                    else stdin.read(MAX_PROMPT_BYTES + 1))
+        except (OSError, ValueError) as e:  # a closed or unreadable descriptor
+            raise LocalLLMError(f"stdin: cannot read the prompt: {e}") from None
+        text = _decode_prompt(data, "stdin")
     elif prompt is None:
         raise LocalLLMError("no prompt: give PROMPT, -f FILE, or - to read stdin")
     else:
-        text = prompt
+        text = _decode_prompt(prompt, "the prompt")
     if not text:
         raise LocalLLMError("the prompt is empty")
     return text
+
+
+def _decode_prompt(data: bytes | str, where: str) -> str:
+    if len(data) > MAX_PROMPT_BYTES:
+        raise LocalLLMError(f"{where}: longer than {MAX_PROMPT_BYTES >> 20} MiB")
+    try:
+        if isinstance(data, str):
+            data.encode("utf-8")  # lone surrogates: bytes that were not UTF-8
+            return data
+        return data.decode("utf-8")
+    except UnicodeError as e:
+        raise LocalLLMError(f"{where}: not valid UTF-8 (byte {e.start})") from None
 
 
 def print_model_summary(llm) -> None:
@@ -239,11 +269,14 @@ def tokenize(
         model, text = None, model
     text = read_prompt(text, None) if text != "" else ""
     from ..gguf.file import open_gguf
+    from ..gguf.validate import validate_vocab
     from ..registry import load_registry
     from ..tokenizer import Tokenizer
 
     path, _ = load_registry().resolve(model)
-    tok = Tokenizer(open_gguf(path).metadata)  # no weights needed
+    metadata = open_gguf(path).metadata
+    validate_vocab(metadata, path.name)  # the checks `run` makes before loading
+    tok = Tokenizer(metadata)  # no weights needed
     ids = tok.encode(text, add_bos=not no_bos and tok.add_bos, special=special)
     if pieces:
         for i in ids:
@@ -259,12 +292,13 @@ def models() -> None:
     from rich.table import Table
 
     from ..registry import load_registry
+    from .info import shown
 
     reg = load_registry()
     table = Table("name", "source", "status", "notes")
     for name, e in reg.models.items():
-        table.add_row(name + (" (default)" if name == reg.default else ""), e.source, e.status(),
-                      e.notes)
+        table.add_row(shown(name + (" (default)" if name == reg.default else "")),
+                      shown(e.source), shown(e.status()), shown(e.notes))
     Console().print(table)
 
 
@@ -302,9 +336,25 @@ app.command("quantize", no_args_is_help=True)(
 app.command("perplexity")(__import__("localllm.cli.perplexity", fromlist=["_"]).perplexity_command)
 
 
+# Signals whose default action kills the process at once: turned into SystemExit so that
+# cleanup runs (a half-written output file is removed). Ignored signals (nohup) stay ignored.
+_EXIT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGALRM")
+
+
+def _exit_on_signals() -> None:
+    for name in _EXIT_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
+
+
 def main() -> None:
     """Console entry point: maps user errors and signals to one line and an exit code."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    import os
+
+    _exit_on_signals()
+    if sys.stdout is None:  # started with stdout closed: output goes nowhere, as to a closed pipe
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives until exit
     try:
         code = app(standalone_mode=False)  # typer returns exit codes (130 for Ctrl-C)
         if isinstance(code, int) and code != 0:
@@ -320,6 +370,10 @@ def main() -> None:
     except BrokenPipeError:  # `localllm tokenize ... | head`
         _silence_stdout()
         sys.exit(0)
+    except OSError as e:  # stdout on a full disk (ENOSPC), an I/O error writing output
+        _err(f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
+        _silence_stdout()
+        sys.exit(1)
     except Exception as e:  # click usage errors
         import click
 

@@ -28,6 +28,7 @@ from tiny_model import spm_vocab, write_tiny_gguf
 from localllm.chat.template import MAX_TEMPLATE_CHARS, ChatTemplate
 from localllm.errors import GGUFError, GrammarError, LocalLLMError, ParameterError, TemplateError
 from localllm.grammar.constraint import MAX_SCHEMA_DEPTH, GrammarConstraint
+from localllm.grammar.gbnf import MAX_GRAMMAR_CHARS
 from localllm.gguf.validate import validate_vocab
 from localllm.tokenizer import Tokenizer
 
@@ -221,6 +222,78 @@ def test_prompt_with_invalid_utf8_on_stdin(tiny, monkeypatch, capsys, command):
     byte_stdin(monkeypatch, b"the \xc3\x28 tale")
     code, _, err = run_cli(monkeypatch, capsys, command, str(tiny), "-")
     assert_one_line_error(code, err, "stdin", "not valid UTF-8")
+
+
+# ---- 5. grammars ------------------------------------------------------------------------------
+GRAMMAR_CASE = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from test_grammar import ByteTokenizer
+from localllm.errors import GrammarError
+from localllm.grammar.constraint import GrammarConstraint
+
+
+class BigVocab(ByteTokenizer):  # 100,000 tokens, as a real vocabulary has
+    def __init__(self):
+        super().__init__()
+        self.pieces += [f"w{i}x".encode() for i in range(100_000 - self.n_vocab)]
+        self.n_vocab = len(self.pieces)
+
+
+text = sys.stdin.read()
+try:
+    g = GrammarConstraint.from_gbnf(text, BigVocab() if "<" in text else ByteTokenizer())
+    print("ok", g.matches(sys.argv[2]))
+except GrammarError as e:
+    print("GrammarError", e)
+"""
+
+
+def grammar_outcome(text: str, sample: str = "") -> str:
+    """Compile ``text`` in a subprocess; its first output line. The timeout is generous:
+    these inputs took from 40 s to minutes before, and take about a second now."""
+    res = subprocess.run([sys.executable, "-c", GRAMMAR_CASE, str(REPO / "tests"), sample],
+                         input=text, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    return res.stdout.strip()
+
+
+def test_grammar_many_token_references():
+    # 2,000 <token-text> references each scanned the vocabulary in Python.
+    text = "root ::= (" + " | ".join(["<|special|> w7x"] * 2000) + ")\n"
+    text = text.replace(" w7x", ' "w7x"')
+    assert grammar_outcome(text) == "ok False"
+
+
+def test_grammar_long_nullable_chain():
+    # A chain of rules that are nullable only through the next one, and a rule of 10,000
+    # alternatives: the fixpoint over all rules took one pass per link (quadratic).
+    n = 9000
+    lines = ['root ::= a0 "x" pad'] + [f"a{i} ::= a{i + 1}" for i in range(n)]
+    lines += [f'a{n} ::= ""', "pad ::= " + " | ".join(f'"p{i}"' for i in range(9000))]
+    assert grammar_outcome("\n".join(lines) + "\n").startswith("GrammarError <grammar>:")
+
+
+def test_grammar_2_mb_is_refused(tok):
+    # Translated in 62 s before llguidance refused it.
+    text = "root ::= (" + " | ".join(f'"w{i}" [a-c]*' for i in range(150_000)) + ")\n"
+    assert len(text) > 2_000_000
+    with pytest.raises(GrammarError, match=f"longer than {MAX_GRAMMAR_CHARS} characters"):
+        GrammarConstraint.from_gbnf(text, tok)
+
+
+def test_grammar_of_many_items_is_refused_before_compiling(tok):
+    text = "root ::= (" + " | ".join(f'"w{i}" [a-c]*' for i in range(15_000)) + ")\n"
+    with pytest.raises(GrammarError, match="^<grammar>:1:1: the grammar has more than"):
+        GrammarConstraint.from_gbnf(text, tok)
+
+
+def test_grammar_large_but_fair_compiles(tok):
+    rules = [f'r{i} ::= ("abc{i}" | [a-z]+ "x" | "q")* "z"' for i in range(1500)]
+    text = "root ::= (" + " | ".join(f"r{i}" for i in range(1500)) + ")\n" + "\n".join(rules)
+    g = GrammarConstraint.from_gbnf(text, tok)
+    assert g.matches("abc7qz") and not g.matches("abc7q")
 
 
 # ---- 4. chat templates -----------------------------------------------------------------------

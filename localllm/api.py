@@ -81,10 +81,14 @@ class LLM:
         """Token ids of ``text`` (BOS first when ``add_bos`` and the vocabulary uses one).
 
         Raises:
-            ParameterError: ``text`` is not a str.
+            ParameterError: ``text`` is not a str, or holds lone surrogates (not UTF-8).
         """
         if not isinstance(text, str):
             raise ParameterError(f"text must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # lone surrogates (bytes decoded with surrogateescape)
+            raise ParameterError(f"text is not valid UTF-8 (character {e.start})") from None
         return self.tokenizer.encode(text, add_bos=add_bos and self.tokenizer.add_bos,
                                      special=special)
 

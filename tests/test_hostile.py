@@ -204,9 +204,11 @@ def test_info_and_tokenize_check_the_vocabulary_as_run_does(tmp_path, monkeypatc
 
 
 def byte_stdin(monkeypatch, data: bytes) -> None:
+    """stdin holding ``data``, decoded as Python does under a C locale (surrogateescape)."""
     import io
 
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8",
+                                                       errors="surrogateescape"))
 
 
 @pytest.mark.parametrize("command", ["run", "tokenize"])
@@ -294,6 +296,21 @@ def test_grammar_large_but_fair_compiles(tok):
     text = "root ::= (" + " | ".join(f"r{i}" for i in range(1500)) + ")\n" + "\n".join(rules)
     g = GrammarConstraint.from_gbnf(text, tok)
     assert g.matches("abc7qz") and not g.matches("abc7q")
+
+
+def test_chat_line_with_invalid_utf8(tiny, monkeypatch, capsys):
+    # A piped chat line with bytes that are not UTF-8 reached sentencepiece (RuntimeError);
+    # now that turn is refused and the chat goes on.
+    byte_stdin(monkeypatch, b"hi \xff there\nthe tale\n")
+    code, out, err = run_cli(monkeypatch, capsys, "chat", str(tiny), "-n", "3", "--temp", "0")
+    assert code == 0 and "Traceback" not in err
+    assert "not valid UTF-8" in out + err
+
+
+def test_chat_with_stdin_closed(tiny):
+    res = cli("chat", str(tiny), "-n", "3", stdin=None, stdout=subprocess.PIPE,
+              stderr=subprocess.PIPE, preexec_fn=lambda: os.close(0))
+    assert res.returncode == 0 and b"Traceback" not in res.stderr, res.stderr
 
 
 # ---- 4. chat templates -----------------------------------------------------------------------
@@ -759,6 +776,8 @@ def test_threads_share_one_llm(tiny_llm):
     (lambda llm: llm.detokenize([2, 10**9]), "outside the vocabulary"),
     (lambda llm: llm.detokenize("abc"), "sequence of ints"),
     (lambda llm: llm.tokenize(123), "text must be a str"),
+    (lambda llm: llm.tokenize("a\udcff"), "not valid UTF-8"),
+    (lambda llm: llm.stream("the \udcff tale"), "not valid UTF-8"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_api_arguments(tiny_llm, call, message):
     with pytest.raises(ParameterError, match=message):

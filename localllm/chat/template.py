@@ -632,6 +632,11 @@ class ChatTemplate:
         """Render and tokenize: special-token texts are parsed, and BOS is added only when
         the vocabulary wants one and the template did not already write it."""
         text = self.render(messages, add_generation_prompt, tools, **kwargs)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8 (stdin, argv)
+            raise TemplateError(f"chat template {self.name}: the prompt holds text that is "
+                                "not valid UTF-8") from None
         add_bos = tokenizer.add_bos and not self.starts_with_bos(text)
         return tokenizer.encode(text, add_bos=add_bos, special=True)
 

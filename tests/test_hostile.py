@@ -423,7 +423,8 @@ def test_stdout_closed_by_the_reader(tiny, args):
 
 
 def test_stdout_closed_from_the_start(tiny):
-    res = cli("tokenize", str(tiny), "the tale", stdout=None, stderr=subprocess.PIPE,
+    # sys.stdout is None then: `run` wrote to it (AttributeError).
+    res = cli("run", str(tiny), "the tale", "-n", "4", stdout=None, stderr=subprocess.PIPE,
               preexec_fn=lambda: os.close(1))
     assert res.returncode == 0 and res.stderr == b"", res.stderr
 

@@ -27,6 +27,12 @@ from .sampling.chain import SamplingParams, build_sampler
 class LLM:
     """A loaded model.
 
+    Concurrency: generations on one ``LLM`` may be interleaved (two :meth:`stream`
+    generators consumed in turns) or run from several threads. Each generation has its own
+    session (KV cache): the shared one when it is free, a fresh one when another generation
+    holds it. Forward passes take the model's lock one step at a time, so threads share the
+    model in turns rather than in parallel.
+
     Args:
         model: a name from models.toml, or a path to a .gguf file (default: the registry's
             default model).
@@ -70,29 +76,56 @@ class LLM:
         self.verbose = verbose
         self.last_timings: Timings | None = None
         self._session: Session | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # one generation (or forward) at a time
         self._lock_owner: int | None = None
         self.chat_template: str | None = None  # override of create_chat_completion's template
         self._templates: dict = {}
 
     # ---- tokens ---------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
-        """Token ids of ``text`` (BOS first when ``add_bos`` and the vocabulary uses one)."""
+        """Token ids of ``text`` (BOS first when ``add_bos`` and the vocabulary uses one).
+
+        Raises:
+            ParameterError: ``text`` is not a str, or holds lone surrogates (not UTF-8).
+        """
+        if not isinstance(text, str):
+            raise ParameterError(f"text must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # lone surrogates (bytes decoded with surrogateescape)
+            raise ParameterError(f"text is not valid UTF-8 (character {e.start})") from None
         return self.tokenizer.encode(text, add_bos=add_bos and self.tokenizer.add_bos,
                                      special=special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids)
+        """Text of token ids.
+
+        Raises:
+            ParameterError: an id that is not an int in ``[0, n_vocab)``.
+        """
+        return self.tokenizer.decode(self.check_ids(ids))
+
+    def check_ids(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` as a list, after checking each is an int in ``[0, n_vocab)``.
+
+        Raises:
+            ParameterError: naming the first bad id and its position.
+        """
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise ParameterError(f"token ids must be a sequence of ints, got {type(ids).__name__}")
+        out = list(ids)
+        n = self.tokenizer.n_vocab
+        for i, t in enumerate(out):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ParameterError(f"token #{i} must be an int, got {type(t).__name__}")
+            if not 0 <= t < n:
+                raise ParameterError(f"token #{i} = {t} is outside the vocabulary (ids 0..{n - 1})")
+        return out
 
     # ---- evaluation -----------------------------------------------------------------------
     def session(self, ctx_size: int | None = None) -> Session:
         """A fresh sequence with its own KV cache."""
         return Session(self.loaded, ctx_size=ctx_size or self.ctx_size, batch_size=self.batch_size)
-
-    def _shared_session(self) -> Session:
-        if self._session is None:
-            self._session = self.session()
-        return self._session
 
     def logits(self, ids: Sequence[int]) -> torch.Tensor:
         """Next-token logits after ``ids``: float32 tensor of shape (n_vocab,), on the CPU.
@@ -100,22 +133,38 @@ class LLM:
         Raises:
             ContextOverflowError: ``ids`` does not fit in the context.
         """
+        ids = self.check_ids(ids)
         if not ids:
             raise LocalLLMError("logits() needs at least one token")
-        session = self.session(ctx_size=max(self.ctx_size, len(ids)))
-        return session.eval(ids).cpu()
+        with self._lock:
+            session = self.session(ctx_size=max(self.ctx_size, len(ids)))
+            return session.eval(ids).cpu()
 
     # ---- generation -----------------------------------------------------------------------
     def sampling_params(self, params: SamplingParams | None = None, **overrides) -> SamplingParams:
         """The model's defaults (models.toml), then ``params``, then keyword ``overrides``."""
         if params is None:
             params = SamplingParams.from_dict(dict(self.entry.sampling) if self.entry else {})
-        params = dataclasses.replace(params, **overrides) if overrides else params
+        elif not isinstance(params, SamplingParams):
+            raise ParameterError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if overrides:
+            names = {f.name for f in dataclasses.fields(SamplingParams)}
+            unknown = sorted(set(overrides) - names)
+            if unknown:
+                raise ParameterError(f"unknown sampling parameter {unknown[0]!r}")
+            params = dataclasses.replace(params, **overrides)
         params.validate()
         return params
 
     def encode_prompt(self, prompt: str | Sequence[int], *, special: bool = False) -> list[int]:
-        ids = self.tokenize(prompt, special=special) if isinstance(prompt, str) else list(prompt)
+        """Token ids of a prompt: text is tokenized (with BOS), ids are checked.
+
+        Raises:
+            ParameterError: a prompt that is neither text nor token ids, or a bad id.
+            LocalLLMError: an empty prompt.
+        """
+        ids = (self.tokenize(prompt, special=special) if isinstance(prompt, str)
+               else self.check_ids(prompt))
         if not ids:
             raise LocalLLMError("the prompt is empty")
         return ids
@@ -154,11 +203,20 @@ class LLM:
                 :meth:`create_completion`).
         Raises:
             ContextOverflowError: the prompt leaves no room to generate in the context.
-            ParameterError: a sampling parameter is out of range.
+            ParameterError: a sampling parameter is out of range or of the wrong type, a
+                token id is out of range.
             GrammarError: the grammar or schema is invalid.
             LocalLLMError: another generation of this LLM is still open in this thread.
         """
         ids = self.encode_prompt(prompt, special=special)
+        if isinstance(n_predict, bool) or not isinstance(n_predict, int):
+            raise ParameterError(f"n_predict must be an int, got {type(n_predict).__name__}")
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+            raise ParameterError("stop must be a list of strings")
+        if session is not None and not isinstance(session, Session):
+            raise ParameterError(f"session must be a Session, got {type(session).__name__}")
         target = session if session is not None else self._shared_session()
         self._check_fits(ids, target)
         params = self.sampling_params(params, **sampling)

@@ -11,9 +11,11 @@ Files read, later ones overriding earlier entries of the same name:
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import sys
 import tomllib
 from dataclasses import dataclass, field
@@ -54,6 +56,43 @@ class ModelEntry:
                                 f"{self.package} but lacks {', '.join(missing)}")
         return WheelSource(self.package, str(self.version), self.file, str(self.sha256).lower(),
                            int(self.size))
+
+    def __post_init__(self) -> None:
+        """Check the entry's schema.
+
+        Raises:
+            LocalLLMError: a field of the wrong type, a malformed assembler, or an assembler
+                outside the declared package's own module.
+        """
+        where = f"[models.{self.name}]"
+        for key in ("package", "assembler", "path", "chat_template"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, str):
+                raise LocalLLMError(f"{where}: {key} must be a string, got {_kind(value)}")
+        if not isinstance(self.notes, str):
+            raise LocalLLMError(f"{where}: notes must be a string, got {_kind(self.notes)}")
+        if not isinstance(self.sampling, dict):
+            raise LocalLLMError(f"{where}: sampling must be a table, got {_kind(self.sampling)}")
+        for key in ("version", "file", "sha256"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, str):
+                raise LocalLLMError(f"{where}: {key} must be a string, got {_kind(value)}")
+        if self.size is not None and (isinstance(self.size, bool) or not isinstance(self.size, int)):
+            raise LocalLLMError(f"{where}: size must be an integer, got {_kind(self.size)}")
+        if self.path is None and self.assembler is None and self.file is None:
+            raise LocalLLMError(f"{where}: needs 'path', or 'package' and 'assembler', or "
+                                "'package', 'version', 'file', 'sha256' and 'size'")
+        if self.assembler is not None:
+            m = _ASSEMBLER.fullmatch(self.assembler)
+            if not m:
+                raise LocalLLMError(f"{where}: assembler must be 'module:function', got "
+                                    f"{self.assembler!r}")
+            if self.package is None:
+                raise LocalLLMError(f"{where}: assembler needs the package that provides it")
+            if m.group(1).split(".")[0] != _module_name(self.package):
+                raise LocalLLMError(
+                    f"{where}: assembler {self.assembler!r} is not in package "
+                    f"{self.package!r}'s own module {_module_name(self.package)!r}")
 
     @property
     def source(self) -> str:
@@ -103,9 +142,16 @@ class ModelEntry:
         if not self.assembler or ":" not in self.assembler:
             raise LocalLLMError(f"models.toml: model {self.name!r} needs 'path' or 'assembler'")
         module_name, func_name = self.assembler.split(":", 1)
-        if importlib.util.find_spec(module_name) is None:
-            raise ModelNotFoundError(
-                f"model {self.name!r} is not installed: pip install {self.package}")
+        missing = ModelNotFoundError(
+            f"model {self.name!r} is not installed: pip install {self.package}")
+        # Import only a module the declared distribution itself installed.
+        try:
+            files = importlib.metadata.files(self.package) or []
+        except importlib.metadata.PackageNotFoundError:
+            raise missing from None
+        top = module_name.split(".")[0]
+        if not any(f.parts and f.parts[0] in (top, f"{top}.py") for f in files):
+            raise missing
         stamp = AssemblyStamp(self)
         path = stamp.lookup()
         if path is not None:  # assembled and checked before, unchanged since
@@ -113,10 +159,20 @@ class ModelEntry:
         try:
             module = importlib.import_module(module_name)
         except ImportError:
-            raise ModelNotFoundError(
-                f"model {self.name!r} is not installed: pip install {self.package}"
-            ) from None
-        path = Path(getattr(module, func_name)())
+            raise missing from None
+        func = getattr(module, func_name, None)
+        if not callable(func):
+            raise LocalLLMError(f"model {self.name!r}: {self.assembler} is not a function")
+        try:
+            result = func()
+        except LocalLLMError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a broken model package
+            raise LocalLLMError(f"model {self.name!r}: {self.assembler} failed: "
+                                f"{type(e).__name__}: {e}") from None
+        if not isinstance(result, (str, os.PathLike)):
+            raise LocalLLMError(f"model {self.name!r}: {self.assembler} returned no path")
+        path = Path(result)
         stamp.record(path)
         return path
 
@@ -170,6 +226,20 @@ def _version(package: str | None) -> str | None:
         return None
 
 
+_ASSEMBLER = re.compile(r"([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*):"
+                        r"([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _module_name(package: str) -> str:
+    """The import name a distribution conventionally installs (``a-b.c`` -> ``a_b_c``)."""
+    return re.sub(r"[-_.]+", "_", package).lower()
+
+
+def _kind(value: object) -> str:
+    return {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
+            "list": "an array", "dict": "a table"}.get(type(value).__name__, type(value).__name__)
+
+
 @dataclass
 class Registry:
     default: str
@@ -216,13 +286,24 @@ def load_registry(files: list[Path] | None = None) -> Registry:
     for f in config_files() if files is None else files:
         try:
             data = tomllib.loads(f.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
             raise LocalLLMError(f"{f}: cannot read model registry: {e}") from None
         default = data.get("default", default)
         chat_default = data.get("chat_default", chat_default)
-        for name, table in data.get("models", {}).items():
+        if not isinstance(default, str):
+            raise LocalLLMError(f"{f}: default must be a model name, got {_kind(default)}")
+        if chat_default is not None and not isinstance(chat_default, str):
+            raise LocalLLMError(f"{f}: chat_default must be a model name, got {_kind(chat_default)}")
+        tables = data.get("models", {})
+        if not isinstance(tables, dict):
+            raise LocalLLMError(f"{f}: models must be a table, got {_kind(tables)}")
+        for name, table in tables.items():
+            if not isinstance(table, dict):
+                raise LocalLLMError(f"{f}: [models.{name}] must be a table, got {_kind(table)}")
             try:
                 models[name] = ModelEntry(name=name, **table)
             except TypeError as e:
                 raise LocalLLMError(f"{f}: [models.{name}]: {e}") from None
+            except LocalLLMError as e:
+                raise LocalLLMError(f"{f}: {e}") from None
     return Registry(default, models, chat_default)

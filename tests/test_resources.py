@@ -32,7 +32,10 @@ def test_tiny_gemma3_estimate_matches_hand_count(tiny_model_path):
     assert est.weights == 2 * matrices + 4 * vectors == 186752
     # both layers slide (window 8 < 100): 8 + 256 cells of K and V, 2 heads x 16 x 4 bytes
     assert est.kv_cache == 2 * (8 + runtime.RING_SLACK) * 2 * 2 * 16 * 4
-    assert est.total == est.weights + est.kv_cache
+    # runtime: the mapped F16 matrices and F32 vectors, 287 tokens, the decode workspace
+    assert est.runtime == matrices * 2 + vectors * 4 + 287 * resources.VOCAB_TOKEN_BYTES + (
+        resources.CPU_WORKSPACE)
+    assert est.total == est.weights + est.kv_cache + est.runtime
     cuda = estimate_memory(gguf, args, 100, torch.device("cuda"))
     assert cuda.weights == sum(t.n_bytes for t in gguf.tensors.values()) + resources.CUDA_WORKSPACE
     torch_cuda = estimate_memory(gguf, args, 100, torch.device("cuda"), quantized=False)
@@ -89,7 +92,8 @@ def test_refusal_names_both_sizes_and_loads_nothing(tiny_model_path, monkeypatch
     msg = str(err.value)
     assert "\n" not in msg and not built
     # ctx 4096 is capped at the model's 256; both layers hold 8 + 256 ring cells
-    assert "model needs 0.3 MiB (weights 0.2 MiB + KV cache 0.1 MiB at --ctx-size 256)" in msg
+    assert ("model needs 64.6 MiB (weights 0.2 MiB + runtime 64.3 MiB + KV cache 0.1 MiB at "
+            "--ctx-size 256)") in msg
     assert "only 0.1 MiB is free on cpu" in msg
 
 

@@ -16,7 +16,13 @@ Jinja's :class:`~jinja2.sandbox.ImmutableSandboxedEnvironment` (no attribute sta
   so a value that doubles itself a few dozen times is refused before ``str()`` or
   ``tojson`` would spend hours in C expanding it;
 * run for ever: a trace function checks a deadline on each line of Python run during the
-  render (template code and pure-Python filters alike), and the call hook checks it too.
+  render (template code and pure-Python filters alike), and the call hook checks it too;
+* cost much to compile: the source is at most :data:`MAX_TEMPLATE_CHARS`, compiling runs
+  under the same deadline (checked on each call), constant folding is off (it would run
+  filters on literals at compile time), and nesting too deep for Jinja's parser or Python's
+  compiler is a :class:`~localllm.errors.TemplateError`. Whatever else the template's code
+  raises (``LookupError`` from ``'x'.encode('rot13')``, ``AssertionError`` from
+  ``truncate(-5)`` ...) is one too.
 
 The globals and filters follow Hugging Face transformers' ``apply_chat_template``
 (``raise_exception``, ``strftime_now``, ``tojson`` without HTML escaping, loop controls,
@@ -53,6 +59,10 @@ MAX_RENDER_SECONDS = 5.0
 MAX_FORMAT_WIDTH = 10_000  # width/precision allowed in %-format, str.format, center, indent
 MAX_INT_BITS = 100_000
 MAX_VALUE_WEIGHT = 4 * MAX_OUTPUT_CHARS  # characters + items of a value, shared parts counted
+# Longest template source. Real templates are under 20 kB; Jinja's compiler needs about 1 s
+# and 10 MB per 30 kB (an 8 MB template took 96 s and 5.4 GB). Compiling also runs under
+# the render time limit.
+MAX_TEMPLATE_CHARS = 128 * 1024
 _TEMPLATE_FILENAME = "<chat template>"
 
 
@@ -164,6 +174,9 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
             autoescape=False,
             keep_trailing_newline=False,
         )
+        # No constant folding at compile time: `'...'|wordwrap(2)` on a literal would run
+        # while compiling, outside the render limits (74 s on a 1.9 MB literal).
+        self.optimized = False
         self.deadline = float("inf")
         # id -> (value, weight) for this render; the value is kept so the id stays unique.
         self.weights: dict[int, tuple[object, int]] = {}
@@ -422,11 +435,35 @@ def _strftime_now(fmt: str) -> str:
 
 def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None,
             sort_keys: bool = False) -> str:
-    """JSON like transformers' ``tojson``: no HTML escaping, non-ASCII kept."""
-    if isinstance(indent, int) and indent > 64:
+    """JSON like transformers' ``tojson``: no HTML escaping, non-ASCII kept.
+
+    With ``indent`` or ``separators`` it is encoded chunk by chunk (``JSONEncoder.iterencode``,
+    pure Python, as ``json.dumps`` with ``indent`` is anyway), so that long separators are
+    refused once the output passes the limit instead of being expanded in C; the plain case
+    stays on the C encoder (its output is a few times the value's checked weight).
+    """
+    if isinstance(indent, int) and not isinstance(indent, bool) and indent > 64:
         raise SecurityError(f"tojson indent {indent} is not allowed")
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
+    if isinstance(indent, str) and len(indent) > 64:
+        raise SecurityError(f"tojson indent of {len(indent)} characters is not allowed")
+    if separators is not None:
+        if (not isinstance(separators, (tuple, list)) or len(separators) != 2
+                or not all(isinstance(x, str) for x in separators)):
+            raise SecurityError("tojson separators must be two strings")
+        if max(map(len, separators)) > 64:
+            raise SecurityError("tojson separators longer than 64 characters are not allowed")
+    if indent is None and separators is None:
+        return json.dumps(value, ensure_ascii=bool(ensure_ascii), sort_keys=bool(sort_keys))
+    encoder = json.JSONEncoder(ensure_ascii=bool(ensure_ascii), indent=indent,
+                               separators=separators, sort_keys=bool(sort_keys))
+    chunks: list[str] = []
+    size = 0
+    for chunk in encoder.iterencode(value):
+        size += len(chunk)
+        if size > MAX_OUTPUT_CHARS:
+            raise _TooLarge(f"tojson output over {MAX_OUTPUT_CHARS} characters")
+        chunks.append(chunk)
+    return "".join(chunks)
 
 
 def _one_line(text: str) -> str:
@@ -460,20 +497,37 @@ class ChatTemplate:
 
     def __post_init__(self) -> None:
         self._env = _BoundedSandbox()
+        where = f"chat template {self.name}"
+        if not isinstance(self.source, str):
+            raise TemplateError(f"{where}: the template is not text")
+        if len(self.source) > MAX_TEMPLATE_CHARS:
+            raise TemplateError(f"{where}: {len(self.source)} characters, more than the limit "
+                                f"of {MAX_TEMPLATE_CHARS}")
         try:
-            ast = self._env.parse(self.source)
-            for ref in ast.find_all(nodes.NSRef):
-                # `{% set ns.__class__ = ... %}` has no runtime hook: refuse it when compiling.
-                if ref.attr.startswith("_"):
-                    raise TemplateError(
-                        f"chat template {self.name}: line {ref.lineno}: assigning to "
-                        f"namespace attribute {ref.attr!r} is unsafe"
-                    )
-            self._template = self._env.from_string(ast)
+            self._template = self._bounded(self._compile, lines=False)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(
-                f"chat template {self.name}: syntax error at line {e.lineno}: {_one_line(e.message)}"
+                f"{where}: syntax error at line {e.lineno}: {_one_line(e.message)}"
             ) from None
+        except _Timeout:
+            raise TemplateError(
+                f"{where}: compiling took longer than {self.time_limit:g} s") from None
+        except (RecursionError, SyntaxError, MemoryError) as e:
+            # Nesting deep enough to exhaust Jinja's parser or Python's compiler
+            # (RecursionError, "too many statically nested blocks", IndentationError).
+            raise TemplateError(
+                f"{where}: nested too deeply to compile ({type(e).__name__})") from None
+
+    def _compile(self) -> jinja2.Template:
+        ast = self._env.parse(self.source)
+        for ref in ast.find_all(nodes.NSRef):
+            # `{% set ns.__class__ = ... %}` has no runtime hook: refuse it when compiling.
+            if ref.attr.startswith("_"):
+                raise TemplateError(
+                    f"chat template {self.name}: line {ref.lineno}: assigning to "
+                    f"namespace attribute {ref.attr!r} is unsafe"
+                )
+        return self._env.from_string(ast)
 
     def render(
         self,
@@ -519,11 +573,32 @@ class ChatTemplate:
             raise TemplateError(f"{where} stopped: recursion too deep") from None
         except jinja2.TemplateError as e:
             raise TemplateError(f"{where}: {type(e).__name__}: {_one_line(e)}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError,
-                ZeroDivisionError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever untrusted template code raised
+            # (TypeError, LookupError from 'x'.encode('rot13'), AssertionError from
+            # truncate(-5) ...): the template's fault, reported as such.
             raise TemplateError(f"{where}: {type(e).__name__}: {_one_line(e)}") from None
 
     def _render_bounded(self, ctx: dict) -> str:
+        def generate() -> str:
+            chunks: list[str] = []
+            size = 0
+            for chunk in self._template.generate(**ctx):
+                size += len(chunk)
+                if size > MAX_OUTPUT_CHARS:
+                    raise _TooLarge(f"more than {MAX_OUTPUT_CHARS} characters")
+                chunks.append(chunk)
+            return "".join(chunks)
+
+        return self._bounded(generate)
+
+    def _bounded(self, work, lines: bool = True):
+        """``work()`` under the time limit: compiling and rendering alike.
+
+        ``lines``: check the deadline on every line run (rendering: loops in template code and
+        in pure-Python filters can run without calling anything), else on every call only
+        (compiling: Jinja's lexer, parser and code generator call functions all the time, and
+        tracing their lines would make a large template compile three times slower).
+        """
         env = self._env
         env.deadline = time.monotonic() + self.time_limit
 
@@ -533,25 +608,20 @@ class ChatTemplate:
             return on_line
 
         def on_call(frame, event, arg):
-            # Every Python frame is traced line by line: loops in template code and in
-            # pure-Python filters (wordwrap, striptags ...) can run without calling any hook.
-            return on_line
+            if lines:
+                return on_line
+            if time.monotonic() > env.deadline:
+                raise _Timeout
+            return None
 
-        chunks: list[str] = []
-        size = 0
         previous = sys.gettrace()
         sys.settrace(on_call)
         try:
-            for chunk in self._template.generate(**ctx):
-                size += len(chunk)
-                if size > MAX_OUTPUT_CHARS:
-                    raise _TooLarge(f"more than {MAX_OUTPUT_CHARS} characters")
-                chunks.append(chunk)
+            return work()
         finally:
             sys.settrace(previous)
             env.deadline = float("inf")
             env.weights.clear()
-        return "".join(chunks)
 
     def starts_with_bos(self, text: str) -> bool:
         """True when ``text`` begins with the BOS token's text (then tokenize without BOS)."""
@@ -562,6 +632,11 @@ class ChatTemplate:
         """Render and tokenize: special-token texts are parsed, and BOS is added only when
         the vocabulary wants one and the template did not already write it."""
         text = self.render(messages, add_generation_prompt, tools, **kwargs)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8 (stdin, argv)
+            raise TemplateError(f"chat template {self.name}: the prompt holds text that is "
+                                "not valid UTF-8") from None
         add_bos = tokenizer.add_bos and not self.starts_with_bos(text)
         return tokenizer.encode(text, add_bos=add_bos, special=True)
 

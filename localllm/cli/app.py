@@ -39,26 +39,56 @@ def _err(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+MAX_PROMPT_BYTES = 64 * 2**20  # a prompt file or stdin (-f /dev/zero would never end)
+
+
 def read_prompt(prompt: str | None, file: Path | None, name: str = "PROMPT") -> str:
     """The prompt from ``-f FILE``, ``-`` (stdin) or the argument (``name`` in messages).
 
+    Files and stdin are read as bytes, at most :data:`MAX_PROMPT_BYTES`, and must be UTF-8;
+    an argument must be too (Python hands invalid bytes in argv over as lone surrogates).
+
     Raises:
-        LocalLLMError: no prompt, an unreadable file, or an empty prompt.
+        LocalLLMError: no prompt, an unreadable, oversized or non-UTF-8 file or stream, or an
+            empty prompt.
     """
     if file is not None:
+        where = f"-f {file}"
         try:
-            text = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise LocalLLMError(f"-f {file}: cannot read prompt file: {e}") from None
+            with open(file, "rb") as f:
+                data = f.read(MAX_PROMPT_BYTES + 1)
+        except OSError as e:
+            raise LocalLLMError(f"{where}: cannot read prompt file: {e.strerror or e}") from None
+        text = _decode_prompt(data, where)
     elif prompt == "-":
-        text = sys.stdin.read()
+        stdin = sys.stdin
+        if stdin is None:
+            raise LocalLLMError("stdin is closed: nothing to read the prompt from")
+        try:
+            data = (stdin.buffer.read(MAX_PROMPT_BYTES + 1) if hasattr(stdin, "buffer")
+                    else stdin.read(MAX_PROMPT_BYTES + 1))
+        except (OSError, ValueError) as e:  # a closed or unreadable descriptor
+            raise LocalLLMError(f"stdin: cannot read the prompt: {e}") from None
+        text = _decode_prompt(data, "stdin")
     elif prompt is None:
         raise LocalLLMError(f"no {name.lower()}: give {name}, -f FILE, or - to read stdin")
     else:
-        text = prompt
+        text = _decode_prompt(prompt, "the prompt")
     if not text:
         raise LocalLLMError("the prompt is empty")
     return text
+
+
+def _decode_prompt(data: bytes | str, where: str) -> str:
+    if len(data) > MAX_PROMPT_BYTES:
+        raise LocalLLMError(f"{where}: longer than {MAX_PROMPT_BYTES >> 20} MiB")
+    try:
+        if isinstance(data, str):
+            data.encode("utf-8")  # lone surrogates: bytes that were not UTF-8
+            return data
+        return data.decode("utf-8")
+    except UnicodeError as e:
+        raise LocalLLMError(f"{where}: not valid UTF-8 (byte {e.start})") from None
 
 
 def print_model_summary(llm) -> None:
@@ -287,11 +317,14 @@ def tokenize(
         model, text = None, model
     text = read_prompt(text, file, "TEXT") if text != "" or file is not None else ""
     from ..gguf.file import open_gguf
+    from ..gguf.validate import validate_vocab
     from ..registry import load_registry
     from ..tokenizer import Tokenizer
 
     path, _ = load_registry().resolve(model)
-    tok = Tokenizer(open_gguf(path).metadata)  # no weights needed
+    metadata = open_gguf(path).metadata
+    validate_vocab(metadata, path.name)  # the checks `run` makes before loading
+    tok = Tokenizer(metadata)  # no weights needed
     ids = tok.encode(text, add_bos=not no_bos and tok.add_bos, special=special)
     if pieces:
         for i in ids:
@@ -414,15 +447,31 @@ def _plain_metavars(command, settings: dict | None = None) -> None:
             p.metavar = "TEXT"
 
 
+# Signals whose default action kills the process at once: turned into SystemExit so that
+# cleanup runs (a half-written output file is removed). Ignored signals (nohup) stay ignored.
+_EXIT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGALRM")
+
+
+def _exit_on_signals() -> None:
+    for name in _EXIT_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
+
+
 def main(args: list[str] | None = None) -> None:
     """Console entry point: maps user errors and signals to one line and an exit code.
 
     Exit status: 0 success (and ``--help``, or a command given no arguments, which prints
     its help); 1 any user error, usage errors included (unknown flag, a bad or missing
     value: one ``error:`` line naming the command and the flag, never a traceback);
-    130 Ctrl-C; 143 SIGTERM.
+    130 Ctrl-C; 128 + the signal's number for SIGTERM (143), SIGHUP, SIGUSR1/2, SIGALRM.
     """
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    import os
+
+    _exit_on_signals()
+    if sys.stdout is None:  # started with stdout closed: output goes nowhere, as to a closed pipe
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives until exit
     click_errors = _click_exceptions()
     def classes(name: str) -> tuple:
         return tuple(getattr(m, name) for m in click_errors if hasattr(m, name))
@@ -464,6 +513,10 @@ def main(args: list[str] | None = None) -> None:
     except aborts:
         _err("interrupted")
         sys.exit(130)
+    except OSError as e:  # stdout on a full disk (ENOSPC), an I/O error writing output
+        _err(f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
+        _silence_stdout()
+        sys.exit(1)
 
 
 if __name__ == "__main__":

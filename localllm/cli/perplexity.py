@@ -99,6 +99,7 @@ def perplexity_command(
         if _vocab_of(llm) != base.vocab:
             raise LocalLLMError(f"{llm.path.name}: its vocabulary differs from the base model's "
                                 f"({base.model}) in {kl_base}")
+        K.check_vocab(base, llm.tokenizer.n_vocab, f"--kl-divergence-base {kl_base}")
         print(f"kl-divergence: {len(base.tokens)} tokens, {len(base.chunks)} chunks of "
               f"{base.n_ctx} (base: {base.model})", file=sys.stderr)
         ev = evaluate(llm, base.tokens.tolist(), base.n_ctx, max_chunks=len(base.chunks),

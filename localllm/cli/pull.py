@@ -60,6 +60,7 @@ def print_models() -> None:
 
     from .. import hub
     from ..registry import load_registry
+    from .info import shown
 
     reg = load_registry()
     table = Table("name", "source", "status", "size", "where", "notes")
@@ -74,6 +75,6 @@ def print_models() -> None:
             p = Path(e.path).expanduser()
             where = str(p)
             size = hub.human_size(p.stat().st_size) if p.is_file() else ""
-        table.add_row(name + (f" ({', '.join(tags)})" if tags else ""), e.source, status, size,
-                      where, e.notes)
+        table.add_row(shown(name + (f" ({', '.join(tags)})" if tags else "")), shown(e.source),
+                      status, size, shown(where), shown(e.notes))
     Console(width=200).print(table)

@@ -352,9 +352,10 @@ class ChatREPL(Conversation):
             input / output: prompt-toolkit Input/Output (tests pass a pipe input).
             history_file: input history (default: :func:`history_path`).
         """
-        if input is None and not sys.stdin.isatty():
-            # Piped input (`echo hi | localllm chat`): plain lines, no prompt or echo.
-            for line in sys.stdin:
+        if input is None and (sys.stdin is None or not sys.stdin.isatty()):
+            # Piped input (`echo hi | localllm chat`): plain lines, no prompt or echo; a
+            # closed stdin is an empty one.
+            for line in sys.stdin or ():
                 if not self.handle_line(line.rstrip("\n")):
                     return
             if self.continuing:

@@ -133,29 +133,119 @@ def save_base(path: str | Path, base: BaseFile) -> None:
         np.savez_compressed(f, **arrays)
 
 
+# What a base file holds: member -> (dtype kinds allowed, number of dimensions).
+_MEMBERS = {
+    "version": ("iu", 0), "n_ctx": ("iu", 0), "vocab": ("U", 0), "model": ("U", 0),
+    "tokens": ("i", 1), "chunk_sizes": ("iu", 1), "nll": ("f", 1), "top_ids": ("i", 2),
+    "top_logp": ("f", 2),
+}
+MAX_BASE_BYTES = 16 * 2**30  # uncompressed arrays, all together
+MAX_COMPRESSION_RATIO = 100  # a member that inflates more than this is a zip bomb
+MAX_STRING_CHARS = 4096  # the vocab fingerprint and the model name
+
+
+def _check_members(path: Path, label: str) -> None:
+    """Check the archive's members before numpy reads any: the expected names, .npy headers
+    with the expected dtypes and dimensions, sizes that agree with the headers, and no
+    member that inflates more than :data:`MAX_COMPRESSION_RATIO` times."""
+    import zipfile
+
+    def bad(what: str) -> LocalLLMError:
+        return LocalLLMError(f"{label}: not a base file ({what})")
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = {i.filename: i for i in z.infolist()}
+            expected = {f"{name}.npy" for name in _MEMBERS}
+            if set(infos) != expected:
+                extra = sorted(set(infos) ^ expected)
+                raise bad(f"members {', '.join(extra[:4])} missing or unexpected")
+            total = 0
+            for name, (kinds, ndim) in _MEMBERS.items():
+                info = infos[f"{name}.npy"]
+                total += info.file_size
+                if total > MAX_BASE_BYTES:
+                    raise bad(f"more than {MAX_BASE_BYTES >> 30} GiB of arrays")
+                if info.file_size > 2**20 and (
+                        info.file_size > MAX_COMPRESSION_RATIO * max(info.compress_size, 1)):
+                    raise bad(f"member {name} inflates {info.file_size} bytes from "
+                              f"{info.compress_size}: refused as a zip bomb")
+                with z.open(info) as f:
+                    version = np.lib.format.read_magic(f)
+                    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                                   else np.lib.format.read_array_header_2_0)
+                    shape, _fortran, dtype = read_header(f, max_header_size=10_000)
+                    header = f.tell()
+                if dtype.kind not in kinds or dtype.hasobject or dtype.fields is not None:
+                    raise bad(f"member {name} has dtype {dtype}")
+                if len(shape) != ndim:
+                    raise bad(f"member {name} has shape {shape}")
+                if kinds == "U" and dtype.itemsize > 4 * MAX_STRING_CHARS:
+                    raise bad(f"member {name} is a string of {dtype.itemsize // 4} characters")
+                if header + math.prod(shape) * dtype.itemsize != info.file_size:
+                    raise bad(f"member {name}: its size does not match its shape {shape}")
+    except LocalLLMError:
+        raise
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise bad(f"{type(e).__name__}: {e}") from None
+
+
 def load_base(path: str | Path) -> BaseFile:
     """Read a base file written by :func:`save_base`.
+
+    The archive is checked before anything is loaded (member names, dtypes, shapes, sizes,
+    compression ratio; see ``_MEMBERS``), then the arrays against each other: chunks of
+    ``n_ctx - n_ctx/2 - 1`` scored positions, as many as the tokens make, and non-negative
+    token ids (:meth:`BaseFile.check_vocab` checks them against a model's vocabulary).
 
     Raises:
         LocalLLMError: missing, unreadable, or not a base file.
     """
     path = Path(path)
+    label = f"--kl-divergence-base {path}"
+    _check_members(path, label)
     try:
         with np.load(path, allow_pickle=False) as z:
             if int(z["version"]) != FORMAT_VERSION:
-                raise LocalLLMError(f"--kl-divergence-base {path}: unsupported version "
-                                    f"{int(z['version'])}")
-            sizes = np.cumsum(z["chunk_sizes"])[:-1]
-            chunks = [ChunkDistributions(a, b, c) for a, b, c in zip(
-                np.split(z["nll"], sizes), np.split(z["top_ids"], sizes),
-                np.split(z["top_logp"], sizes), strict=True)]
-            return BaseFile(z["tokens"], int(z["n_ctx"]), str(z["vocab"]), str(z["model"]),
-                            chunks)
+                raise LocalLLMError(f"{label}: unsupported version {int(z['version'])}")
+            n_ctx, tokens, sizes = int(z["n_ctx"]), z["tokens"], z["chunk_sizes"]
+            nll, top_ids, top_logp = z["nll"], z["top_ids"], z["top_logp"]
+            vocab, model = str(z["vocab"]), str(z["model"])
     except LocalLLMError:
         raise
-    except (OSError, ValueError, KeyError) as e:
-        raise LocalLLMError(f"--kl-divergence-base {path}: not a readable base file "
+    except (OSError, ValueError, KeyError, EOFError) as e:
+        raise LocalLLMError(f"{label}: not a readable base file "
                             f"({type(e).__name__}: {e})") from None
+
+    def bad(what: str) -> LocalLLMError:
+        return LocalLLMError(f"{label}: not a base file ({what})")
+
+    if not 4 <= n_ctx <= 2**24:
+        raise bad(f"n_ctx {n_ctx}")
+    per_chunk = n_ctx - n_ctx // 2 - 1
+    if len(sizes) > len(tokens) // n_ctx or len(sizes) == 0 or (sizes != per_chunk).any():
+        raise bad(f"chunk sizes do not match n_ctx {n_ctx} and {len(tokens)} tokens")
+    n = int(sizes.sum())
+    if len(nll) != n or top_ids.shape[0] != n or top_logp.shape != top_ids.shape:
+        raise bad("the arrays of scored positions differ in length")
+    if top_ids.shape[1] == 0 or (tokens < 0).any() or (top_ids < 0).any():
+        raise bad("negative token ids")
+    if not np.isfinite(nll).all():
+        raise bad("non-finite log-likelihoods")
+    bounds = np.cumsum(sizes)[:-1]
+    chunks = [ChunkDistributions(a, b, c) for a, b, c in zip(
+        np.split(nll.astype(np.float64), bounds), np.split(top_ids.astype(np.int32), bounds),
+        np.split(top_logp.astype(np.float16), bounds), strict=True)]
+    return BaseFile(tokens.astype(np.int32), n_ctx, vocab, model, chunks)
+
+
+def check_vocab(base: BaseFile, n_vocab: int, label: str = "--kl-divergence-base") -> None:
+    """Raise LocalLLMError when a token id of ``base`` is outside a vocabulary of ``n_vocab``."""
+    top = max(int(base.tokens.max(initial=0)),
+              max((int(c.top_ids.max(initial=0)) for c in base.chunks), default=0))
+    if top >= n_vocab:
+        raise LocalLLMError(f"{label}: token id {top} is outside the model's vocabulary "
+                            f"(ids 0..{n_vocab - 1})")
 
 
 # ---- summary ---------------------------------------------------------------------------------

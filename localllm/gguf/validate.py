@@ -494,6 +494,35 @@ def validate_gguf(path: str | Path) -> GGUFHeader:
 
 _SPECIAL_ID_KEY = re.compile(r"^tokenizer\.ggml\.(\w+)_token_id$")
 _MAX_TOKEN_TYPE = 6  # llama_token_type: UNDEFINED=0 ... BYTE=6
+_BYTE = 6
+_BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")
+# Longest token text. Real vocabularies stay under 200 bytes; sentencepiece refuses pieces of
+# 8,000 bytes and more.
+MAX_PIECE_BYTES = 4096
+
+
+def _validate_sentencepiece(metadata: dict, tokens: list[str], pre: str) -> None:
+    """What sentencepiece requires of a ``llama`` vocabulary (``sentencepiece/src/model_interface.cc``),
+    checked here so the error names the token: BYTE tokens spelled ``<0xXX>``, all 256 of them
+    once each if any. (Several unknown tokens, or an unknown token that is also BOS, EOS or
+    padding, are accepted as llama.cpp does: the tokenizer tells sentencepiece only one.)"""
+    types = metadata.get("tokenizer.ggml.token_type")
+    if types is None:
+        return
+    byte_ids = [i for i, kind in enumerate(types) if kind == _BYTE]
+    values: dict[str, int] = {}
+    for i in byte_ids:
+        m = _BYTE_PIECE.fullmatch(tokens[i])
+        if not m:
+            raise GGUFError(f"{pre}tokenizer.ggml.tokens: token #{i} {_short(tokens[i])} has "
+                            "type BYTE but is not spelled <0xXX>")
+        if m.group(1) in values:
+            raise GGUFError(f"{pre}tokenizer.ggml.tokens: byte token {tokens[i]} appears twice "
+                            f"(#{values[m.group(1)]} and #{i})")
+        values[m.group(1)] = i
+    if byte_ids and len(values) != 256:
+        raise GGUFError(f"{pre}tokenizer.ggml.token_type: {len(values)} BYTE tokens; a "
+                        "vocabulary with byte fallback needs all 256")
 
 
 def validate_vocab(metadata: dict, source: str = "") -> None:
@@ -541,15 +570,26 @@ def validate_vocab(metadata: dict, source: str = "") -> None:
                     f"{pre}{key}: token #{values.index(bad)} has type {bad} "
                     f"(valid: 0..{_MAX_TOKEN_TYPE})"
                 )
+    long = next((i for i, t in enumerate(tokens) if len(t) > MAX_PIECE_BYTES // 4
+                 and len(t.encode("utf-8", "surrogatepass")) > MAX_PIECE_BYTES), None)
+    if long is not None:
+        raise GGUFError(f"{pre}tokenizer.ggml.tokens: token #{long} is longer than "
+                        f"{MAX_PIECE_BYTES} bytes")
     merges = metadata.get("tokenizer.ggml.merges")
     if merges is not None:
         if not isinstance(merges, list):
             raise GGUFError(f"{pre}tokenizer.ggml.merges: must be an array of strings")
+        known = set(tokens)
         for i, m in enumerate(merges):
             if not isinstance(m, str) or m.find(" ", 1) in (-1, len(m) - 1):
                 raise GGUFError(
                     f"{pre}tokenizer.ggml.merges: entry #{i} {_short(m)} is not a 'left right' pair"
                 )
+            left, right = m.split(" ", 1)
+            for part in (left, right, left + right):
+                if part not in known:
+                    raise GGUFError(f"{pre}tokenizer.ggml.merges: entry #{i} {_short(m)} names "
+                                    f"{_short(part)}, which is not a token of the vocabulary")
     for key, value in metadata.items():
         m = _SPECIAL_ID_KEY.match(key)
         if not m:
@@ -558,6 +598,8 @@ def validate_vocab(metadata: dict, source: str = "") -> None:
             raise GGUFError(f"{pre}{key}: must be an integer token id, got {_short(value)}")
         if not 0 <= value < n:
             raise GGUFError(f"{pre}{key} = {value} is outside the vocabulary (ids 0..{n - 1})")
+    if metadata.get("tokenizer.ggml.model") == "llama":
+        _validate_sentencepiece(metadata, tokens, pre)
 
 
 def check_tensor_shape(

@@ -46,6 +46,14 @@ _JSON_OPTIONS = {
     "lenient": False,  # unsupported keywords are errors, not silently ignored
 }
 
+# Bounds on a JSON schema, checked before llguidance sees it. llguidance compiles schemas
+# recursively in native code: a chain of 3,000 `$ref`s overflowed its stack (SIGSEGV), and
+# Python's own json module raises RecursionError near 1,000 levels of nesting.
+MAX_SCHEMA_DEPTH = 128  # nesting, counting each followed `$ref` as one more level
+MAX_SCHEMA_NODES = 100_000  # objects, arrays and scalars in the schema
+MAX_SCHEMA_CHARS = 4_000_000  # characters of all keys and strings together
+MAX_SCHEMA_INT = 2**64  # integer literals beyond +-2^64 (llguidance reads i64/u64/f64)
+
 _TOKENIZER_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -75,6 +83,107 @@ def _key_path(schema: Any, key: str, path: str = "") -> str | None:
         if found:
             return found
     return None
+
+
+def _resolve_pointer(root: Any, ref: str) -> Any:
+    """The subschema a local ``$ref`` ("#", "#/$defs/a", with ~0 ~1 escapes) names, or None."""
+    if not ref.startswith("#"):
+        return None
+    from urllib.parse import unquote
+
+    node = root
+    for part in unquote(ref[1:]).split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def check_schema(schema: Any, source: str = "<json-schema>") -> None:
+    """Reject a schema too large or too deep to compile safely, before llguidance sees it.
+
+    Iterative, in time linear in the schema's size: counts nodes (:data:`MAX_SCHEMA_NODES`)
+    and characters (:data:`MAX_SCHEMA_CHARS`), rejects integers beyond ±2^64, non-finite
+    numbers and values that are not JSON, and bounds the nesting depth with each local
+    ``$ref`` followed (:data:`MAX_SCHEMA_DEPTH`; a reference back into its own chain, a
+    recursive schema, adds nothing).
+
+    Raises:
+        GrammarError: ``source: message`` naming the limit.
+    """
+    nodes = chars = 0
+    depth: dict[int, int] = {}  # id(container) -> its depth, once done
+    on_stack: set[int] = set()
+
+    def children(node: Any) -> list[Any]:
+        nonlocal nodes, chars
+        kids = list(node.values()) if isinstance(node, dict) else list(node)
+        nodes += len(kids)
+        if isinstance(node, dict):
+            for key in node:
+                if not isinstance(key, str):
+                    raise GrammarError(f"{source}: a schema key is not a string: {key!r}")
+                chars += len(key)
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                target = _resolve_pointer(schema, ref)
+                if isinstance(target, (dict, list)):
+                    kids.append(target)
+        for kid in kids:
+            if isinstance(kid, str):
+                chars += len(kid)
+            elif isinstance(kid, bool) or kid is None:
+                pass
+            elif isinstance(kid, int):
+                if not -MAX_SCHEMA_INT <= kid <= MAX_SCHEMA_INT:
+                    raise GrammarError(f"{source}: an integer in the schema is beyond ±2^64")
+            elif isinstance(kid, float):
+                if kid != kid or kid in (float("inf"), float("-inf")):
+                    raise GrammarError(f"{source}: a number in the schema is not finite")
+            elif not isinstance(kid, (dict, list)):
+                raise GrammarError(
+                    f"{source}: a schema value is not JSON ({type(kid).__name__})")
+        if nodes > MAX_SCHEMA_NODES:
+            raise GrammarError(f"{source}: the schema has more than {MAX_SCHEMA_NODES} values")
+        if chars > MAX_SCHEMA_CHARS:
+            raise GrammarError(
+                f"{source}: the schema has more than {MAX_SCHEMA_CHARS} characters of text")
+        return [k for k in kids if isinstance(k, (dict, list))]
+
+    if not isinstance(schema, (dict, list)):
+        return
+    stack = [(schema, iter(children(schema)))]
+    on_stack.add(id(schema))
+    best = {id(schema): 1}
+    while stack:
+        node, it = stack[-1]
+        kid = next(it, None)
+        if kid is None:
+            stack.pop()
+            on_stack.discard(id(node))
+            depth[id(node)] = best[id(node)]
+            if stack:
+                parent = id(stack[-1][0])
+                best[parent] = max(best[parent], depth[id(node)] + 1)
+            continue
+        if id(kid) in on_stack:
+            continue
+        if id(kid) in depth:
+            best[id(node)] = max(best[id(node)], depth[id(kid)] + 1)
+            if best[id(node)] + len(stack) - 1 > MAX_SCHEMA_DEPTH:
+                raise GrammarError(f"{source}: the schema is nested deeper than "
+                                   f"{MAX_SCHEMA_DEPTH} levels (counting $ref chains)")
+            continue
+        if len(stack) >= MAX_SCHEMA_DEPTH:
+            raise GrammarError(f"{source}: the schema is nested deeper than "
+                               f"{MAX_SCHEMA_DEPTH} levels (counting $ref chains)")
+        on_stack.add(id(kid))
+        best[id(kid)] = 1
+        stack.append((kid, iter(children(kid))))
 
 
 class _VocabWrapper:
@@ -118,6 +227,23 @@ class _VocabWrapper:
         if b"".join(self.tokens[i] for i in ids) == data:
             return ids
         return [self._byte_tokens[b] for b in data if b in self._byte_tokens]
+
+
+_TOKEN_INDEX_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def token_index(tokenizer: Any) -> dict[str, int | None]:
+    """Token text -> id, for GBNF's ``<token-text>`` references (None: the text belongs to
+    several tokens, so it names none). Built once per tokenizer: one pass over the
+    vocabulary, instead of one per reference (2,000 references took 43 s)."""
+    index = _TOKEN_INDEX_CACHE.get(tokenizer)
+    if index is None:
+        index = {}
+        for i in range(tokenizer.n_vocab):
+            text = tokenizer.token_text(i)
+            index[text] = None if text in index else i
+        _TOKEN_INDEX_CACHE[tokenizer] = index
+    return index
 
 
 def lltokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
@@ -176,11 +302,7 @@ class GrammarConstraint:
             GrammarError: ``source:line:col: message`` (see :mod:`localllm.grammar.gbnf`).
         """
 
-        def token_id(piece: str) -> int | None:
-            ids = [i for i in range(tokenizer.n_vocab) if tokenizer.token_text(i) == piece]
-            return ids[0] if len(ids) == 1 else None
-
-        lark = gbnf_to_lark(text, source, token_id)
+        lark = gbnf_to_lark(text, source, token_index(tokenizer).get)
         return cls(llguidance.LLMatcher.grammar_from_lark(lark), tokenizer, source=source)
 
     @classmethod
@@ -196,19 +318,16 @@ class GrammarConstraint:
                 object, or it uses a keyword llguidance does not implement.
         """
         if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                where = f"{source}:{e.lineno}:{e.colno}"
-                raise GrammarError(f"{where}: not valid JSON: {e.msg}") from None
+            schema = _loads(schema, source)
         if not isinstance(schema, (dict, bool)):
             kind = type(schema).__name__
             raise GrammarError(f"{source}: a JSON schema must be an object, not {kind}")
         if isinstance(schema, bool):
             schema = {} if schema else {"not": {}}
+        check_schema(schema, source)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
-        except ValueError as e:
+        except (ValueError, TypeError, RecursionError) as e:
             raise GrammarError(f"{source}: {_first_line(str(e))}") from None
         try:
             constraint = cls(grammar, tokenizer, source=source)
@@ -369,10 +488,22 @@ def load_json_schema(value: str | Path) -> tuple[Any, str]:
         source = "--json-schema"
     else:
         raise GrammarError(f"--json-schema: '{text}' is neither a file nor inline JSON")
+    return _loads(text, source), source
+
+
+def _loads(text: str, source: str) -> Any:
+    """``json.loads`` with every failure as a GrammarError (``source:line:col`` when known)."""
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise GrammarError(f"{source}: the schema is longer than {MAX_SCHEMA_CHARS} characters")
     try:
-        return json.loads(text), source
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise GrammarError(f"{source}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+    except RecursionError:
+        raise GrammarError(f"{source}: the schema is nested deeper than "
+                           f"{MAX_SCHEMA_DEPTH} levels") from None
+    except ValueError as e:  # an integer literal beyond Python's digit limit
+        raise GrammarError(f"{source}: not valid JSON: {_first_line(str(e))}") from None
 
 
 def constraint_from_cli(

@@ -12,8 +12,12 @@ Everything llama.cpp rejects is rejected here before any matcher is built, with 
 location as ``source:line:col``: syntax errors, undefined rules, a missing ``root``, left
 recursion (llama.cpp's ``llama_grammar_detect_left_recursion`` does the same check), and,
 to bound compile time and memory, nesting deeper than :data:`MAX_NESTING`, repetition
-counts above :data:`MAX_REPEAT`, rules whose expansion would exceed :data:`MAX_EXPANSION` and
-chains of rule references longer than :data:`MAX_RULE_DEPTH`.
+counts above :data:`MAX_REPEAT`, grammars whose expansion would exceed :data:`MAX_EXPANSION`,
+chains of rule references longer than :data:`MAX_RULE_DEPTH`, and more than
+:data:`MAX_GRAMMAR_CHARS` of text or :data:`MAX_ITEMS` items in all. Every check, and the
+translation, takes time linear in the grammar's size (nullable rules are found by
+propagation, not by a fixpoint over all rules), so a hostile grammar is refused in
+milliseconds rather than minutes.
 
 Translation: rules that are not recursive and use no token references are lexical (they
 become Lark terminals, i.e. regular expressions); the rest stay context-free rules for
@@ -34,6 +38,11 @@ MAX_NESTING = 64  # parenthesised groups inside one another
 MAX_REPEAT = 10_000  # largest m or n in {m,n}
 MAX_EXPANSION = 1_000_000  # items a rule would have once repetitions are unrolled
 MAX_RULES = 10_000
+# Total work: the text, the items of all rules, and the items once repetitions are unrolled.
+# llguidance's compile time grows with the number of items (about 10k per second here), so
+# these keep any grammar's translation and compilation to about a second.
+MAX_GRAMMAR_CHARS = 512 * 1024
+MAX_ITEMS = 20_000  # the bundled grammars have at most 234
 # Longest chain of rule references (root -> a -> b ...). llguidance walks such chains
 # recursively and overflows its native stack (a segfault) somewhere near 2,000.
 MAX_RULE_DEPTH = 500
@@ -381,36 +390,89 @@ def _walk(node: Node):
         yield from _walk(node.node)
 
 
-def _nullable(node: Node, nullable_rules: set[str]) -> bool:
-    if isinstance(node, Lit):
-        return node.text == ""
-    if isinstance(node, Ref):
-        return node.name in nullable_rules
+def _children(node: Node) -> list[Node]:
     if isinstance(node, Seq):
-        return all(_nullable(i, nullable_rules) for i in node.items)
+        return node.items
     if isinstance(node, Alt):
-        return any(_nullable(a, nullable_rules) for a in node.alts)
+        return node.alts
     if isinstance(node, Rep):
-        return node.lo == 0 or _nullable(node.node, nullable_rules)
-    return False  # Cls, AnyChar, Tok consume input
-
-
-def _first_refs(node: Node, nullable_rules: set[str]) -> list[Ref]:
-    """Rule references that can be the first thing ``node`` matches."""
-    if isinstance(node, Ref):
-        return [node]
-    if isinstance(node, Seq):
-        out: list[Ref] = []
-        for item in node.items:
-            out += _first_refs(item, nullable_rules)
-            if not _nullable(item, nullable_rules):
-                break
-        return out
-    if isinstance(node, Alt):
-        return [r for a in node.alts for r in _first_refs(a, nullable_rules)]
-    if isinstance(node, Rep):
-        return _first_refs(node.node, nullable_rules)
+        return [node.node]
     return []
+
+
+def _nullable_nodes(rules: dict[str, Rule]) -> set[int]:
+    """ids of the nodes (rule bodies included) that can match the empty string.
+
+    Linear in the grammar's size: each node becomes nullable at most once and then tells its
+    parent (a sequence counts its non-nullable items down) or, for a rule body, every
+    reference to the rule. The fixpoint over whole rules it replaces was quadratic in the
+    length of a chain of nullable rules.
+    """
+    parent: dict[int, Node] = {}
+    refs_to: dict[str, list[Ref]] = {name: [] for name in rules}
+    pending: dict[int, int] = {}  # Seq id -> items not yet known nullable
+    body_of: dict[int, str] = {}
+    todo: list[Node] = []
+    for rule in rules.values():
+        body_of[id(rule.body)] = rule.name
+        stack = [rule.body]
+        while stack:
+            node = stack.pop()
+            kids = _children(node)
+            for kid in kids:
+                parent[id(kid)] = node
+            stack.extend(kids)
+            if isinstance(node, Seq):
+                pending[id(node)] = len(node.items)
+            elif isinstance(node, Ref):
+                refs_to.setdefault(node.name, []).append(node)
+            if (isinstance(node, Lit) and node.text == "") or (
+                    isinstance(node, Rep) and node.lo == 0):
+                todo.append(node)
+    nullable: set[int] = set()
+    done_rules: set[str] = set()
+    while todo:
+        node = todo.pop()
+        if id(node) in nullable:
+            continue
+        nullable.add(id(node))
+        name = body_of.get(id(node))
+        if name is not None and name not in done_rules:
+            done_rules.add(name)
+            todo.extend(refs_to.get(name, ()))
+        up = parent.get(id(node))
+        if up is None:
+            continue
+        if isinstance(up, Seq):
+            pending[id(up)] -= 1
+            if pending[id(up)] == 0:
+                todo.append(up)
+        else:  # Alt: any alternative; Rep: its item
+            todo.append(up)
+    return nullable
+
+
+def _first_refs(node: Node, nullable: set[int]) -> list[Ref]:
+    """Rule references that can be the first thing ``node`` matches (``nullable``: ids of
+    nullable nodes, from :func:`_nullable_nodes`)."""
+    out: list[Ref] = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, Ref):
+            out.append(n)
+        elif isinstance(n, Seq):
+            firsts = []
+            for item in n.items:
+                firsts.append(item)
+                if id(item) not in nullable:
+                    break
+            stack.extend(reversed(firsts))
+        elif isinstance(n, Alt):
+            stack.extend(reversed(n.alts))
+        elif isinstance(n, Rep):
+            stack.append(n.node)
+    return out
 
 
 def _expansion(node: Node) -> int:
@@ -433,26 +495,25 @@ def check(grammar: Grammar) -> None:
         GrammarError: ``source:line:col: message`` for the first problem found.
     """
     rules = grammar.rules
+    items = expanded = 0
     for rule in rules.values():
         for node in _walk(rule.body):
+            items += 1
             if isinstance(node, Ref) and node.name not in rules:
                 raise GrammarError(f"{grammar.where(node.pos)}: undefined rule '{node.name}'")
-        if _expansion(rule.body) > MAX_EXPANSION:
+        if items > MAX_ITEMS:
+            raise GrammarError(f"{grammar.where(rule.pos)}: the grammar has more than "
+                               f"{MAX_ITEMS} items")
+        expanded += _expansion(rule.body)
+        if expanded > MAX_EXPANSION:
             raise GrammarError(
-                f"{grammar.where(rule.pos)}: rule '{rule.name}' is too large once its "
-                f"repetitions are expanded (limit {MAX_EXPANSION} items)"
+                f"{grammar.where(rule.pos)}: rule '{rule.name}' is too large once "
+                f"repetitions are expanded (limit {MAX_EXPANSION} items in the grammar)"
             )
     if "root" not in rules:
         raise GrammarError(f"{grammar.source}: the grammar has no 'root' rule")
 
-    nullable: set[str] = set()
-    changed = True
-    while changed:
-        changed = False
-        for rule in rules.values():
-            if rule.name not in nullable and _nullable(rule.body, nullable):
-                nullable.add(rule.name)
-                changed = True
+    nullable = _nullable_nodes(rules)
 
     # Depth-first search over "A can start with B" edges; a back edge is left recursion.
     # Iterative, so that a chain of thousands of rules cannot exhaust Python's stack.
@@ -533,6 +594,8 @@ def parse_gbnf(text: str, source: str = "<grammar>") -> Grammar:
     Raises:
         GrammarError: syntax or semantic error, as ``source:line:col: message``.
     """
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise GrammarError(f"{source}: the grammar is longer than {MAX_GRAMMAR_CHARS} characters")
     grammar = _Parser(text, source).parse()
     check(grammar)
     _check_depth(grammar)
@@ -567,21 +630,42 @@ class _Emitter:
         self.lexical: set[str] = set()
         self.out: list[str] = []
         self.n_anon = 0
+        self._lexical_nodes: dict[int, bool] = {}
 
     def is_lexical(self, node: Node) -> bool:
-        return all(
-            not isinstance(n, Tok) and (not isinstance(n, Ref) or n.name in self.lexical)
-            for n in _walk(node)
-        )
+        """No token reference, and only lexical rules referenced (memoized per node, once
+        :meth:`classify` has settled the rules: the translation stays linear)."""
+        known = self._lexical_nodes.get(id(node))
+        if known is None:
+            known = self._lexical_nodes[id(node)] = all(
+                not isinstance(n, Tok) and (not isinstance(n, Ref) or n.name in self.lexical)
+                for n in _walk(node)
+            )
+        return known
 
     def classify(self, reachable: list[str]) -> None:
-        changed = True
-        while changed:
-            changed = False
-            for name in reachable:
-                if name not in self.lexical and self.is_lexical(self.g.rules[name].body):
-                    self.lexical.add(name)
-                    changed = True
+        """Lexical rules: no token reference, and every referenced rule lexical (so never
+        recursive). Linear: a rule is settled once its last non-lexical reference is."""
+        users: dict[str, list[str]] = {name: [] for name in reachable}
+        waiting: dict[str, int] = {}
+        ready: list[str] = []
+        for name in reachable:
+            nodes = list(_walk(self.g.rules[name].body))
+            if any(isinstance(n, Tok) for n in nodes):
+                continue
+            targets = {n.name for n in nodes if isinstance(n, Ref)}
+            waiting[name] = len(targets)
+            for t in targets:
+                users[t].append(name)
+            if not targets:
+                ready.append(name)
+        while ready:
+            name = ready.pop()
+            self.lexical.add(name)
+            for user in users[name]:
+                waiting[user] -= 1
+                if waiting[user] == 0:
+                    ready.append(user)
         for i, name in enumerate(reachable):
             base = re.sub(r"[^A-Za-z0-9]", "_", name)
             lexical = name in self.lexical
@@ -658,11 +742,13 @@ class _Emitter:
 
     def emit(self) -> str:
         reachable: list[str] = []
+        seen: set[str] = set()
         todo = ["root"]
         while todo:
             name = todo.pop()
-            if name in reachable:
+            if name in seen:
                 continue
+            seen.add(name)
             reachable.append(name)
             todo += [n.name for n in _walk(self.g.rules[name].body) if isinstance(n, Ref)]
         self.classify(reachable)

@@ -24,7 +24,7 @@ import re
 from collections.abc import Sequence
 from functools import lru_cache
 
-from ..errors import GGUFError, UnsupportedError
+from ..errors import GGUFError, LocalLLMError, UnsupportedError
 from .pretokenizers import pre_tokenizer
 
 # GGUF token types (gguf.TokenType; identical to sentencepiece's piece types).
@@ -156,31 +156,39 @@ class Tokenizer:
         self._user_re = _alternation(user)
         self._text_to_id = text_to_id
         self._bytes_cache: list[bytes | None] = [None] * self.n_vocab
-        if self.model_type == "llama":
-            from .spm import build_sentencepiece
+        try:
+            if self.model_type == "llama":
+                from .spm import build_sentencepiece
 
-            self._sp = build_sentencepiece(self.tokens, self.scores, self.types, ids)
-        elif self.model_type == "bert":
-            from .wpm import WordPiece
+                self._sp = build_sentencepiece(self.tokens, self.scores, self.types, ids)
+            elif self.model_type == "bert":
+                from .wpm import WordPiece
 
-            lower = bool(metadata.get("tokenizer.ggml.normalizer.lowercase", True))
-            strip = bool(metadata.get("tokenizer.ggml.normalizer.strip_accents", lower))
-            self._wpm = WordPiece(self.tokens, self.unk_id, lowercase=lower, strip_accents=strip)
-        elif self.model_type == "t5":
-            from .ugm import Unigram
+                lower = bool(metadata.get("tokenizer.ggml.normalizer.lowercase", True))
+                strip = bool(metadata.get("tokenizer.ggml.normalizer.strip_accents", lower))
+                self._wpm = WordPiece(self.tokens, self.unk_id, lowercase=lower, strip_accents=strip)
+            elif self.model_type == "t5":
+                from .ugm import Unigram
 
-            self._ugm = Unigram(self.tokens, self.scores, self.types, self.unk_id,
-                                metadata.get("tokenizer.ggml.precompiled_charsmap"),
-                                add_space_prefix=self.add_space_prefix,
-                                remove_extra_whitespaces=bool(metadata.get(
-                                    "tokenizer.ggml.remove_extra_whitespaces", False)))
-        else:
-            from .bpe import build_byte_bpe
+                self._ugm = Unigram(self.tokens, self.scores, self.types, self.unk_id,
+                                    metadata.get("tokenizer.ggml.precompiled_charsmap"),
+                                    add_space_prefix=self.add_space_prefix,
+                                    remove_extra_whitespaces=bool(metadata.get(
+                                        "tokenizer.ggml.remove_extra_whitespaces", False)))
+            else:
+                from .bpe import build_byte_bpe
 
-            merges = metadata.get("tokenizer.ggml.merges")
-            if not merges:
-                raise GGUFError("tokenizer.ggml.merges is missing for a gpt2 vocabulary")
-            self._bpe = build_byte_bpe(self.tokens, list(merges), self.pre, pre)
+                merges = metadata.get("tokenizer.ggml.merges")
+                if not merges:
+                    raise GGUFError("tokenizer.ggml.merges is missing for a gpt2 vocabulary")
+                self._bpe = build_byte_bpe(self.tokens, list(merges), self.pre, pre)
+        except (KeyboardInterrupt, SystemExit, LocalLLMError):
+            raise
+        except BaseException as e:  # noqa: BLE001 - sentencepiece's RuntimeError, a Rust
+            # panic in tokenizers (a BaseException): what validate_vocab did not foresee
+            library = "sentencepiece" if self.model_type == "llama" else "tokenizers"
+            message = " ".join(str(e).split())[:200]
+            raise GGUFError(f"the vocabulary is refused by {library}: {message}") from None
 
     def _promote_special_texts(self) -> set[int]:
         """Mark the turn-end and fill-in-the-middle texts CONTROL, as llama.cpp does on load;

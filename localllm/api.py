@@ -127,6 +127,11 @@ class LLM:
         """A fresh sequence with its own KV cache."""
         return Session(self.loaded, ctx_size=ctx_size or self.ctx_size, batch_size=self.batch_size)
 
+    def _shared_session(self) -> Session:
+        if self._session is None:
+            self._session = self.session()
+        return self._session
+
     def logits(self, ids: Sequence[int]) -> torch.Tensor:
         """Next-token logits after ``ids``: float32 tensor of shape (n_vocab,), on the CPU.
 

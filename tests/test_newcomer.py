@@ -271,6 +271,10 @@ def test_assembled_path_is_remembered_until_the_file_changes(monkeypatch, tmp_pa
         f"    with open({str(calls)!r}, 'a') as f:\n"
         "        f.write('x')\n"
         f"    return Path({str(model)!r})\n")
+    dist = tmp_path / "assembler_probe-1.0.dist-info"  # an installed distribution owns it
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: assembler-probe\nVersion: 1.0\n")
+    (dist / "RECORD").write_text("assembler_probe.py,,\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     registry = tmp_path / "models.toml"
@@ -377,7 +381,7 @@ def test_synthetic_refuses_before_writing(tmp_path):
 
     with pytest.raises(LocalLLMError, match="of disk but"):
         check_disk(tmp_path / "x.gguf", 2**60)
-    huge = dataclasses.replace(GEOMETRIES["llama3-8b"], n_layers=3000)  # ~1.4 TB of float16
+    huge = dataclasses.replace(GEOMETRIES["llama3-8b"], n_layers=512)  # ~240 GB of float16
     with pytest.raises(LocalLLMError, match="nothing was written"):
         check_synthetic_memory(huge, planned_tensors(huge, "Q4_K_M"), torch.device("cpu"), 512)
 

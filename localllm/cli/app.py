@@ -326,11 +326,15 @@ def tokenize(
     validate_vocab(metadata, path.name)  # the checks `run` makes before loading
     tok = Tokenizer(metadata)  # no weights needed
     ids = tok.encode(text, add_bos=not no_bos and tok.add_bos, special=special)
-    if pieces:
-        for i in ids:
-            print(f"{i:>8} {tok.token_text(i)!r}")
-    else:
-        print(ids)
+    try:  # flushed here: click would turn a closed pipe into exit status 1
+        if pieces:
+            for i in ids:
+                print(f"{i:>8} {tok.token_text(i)!r}")
+        else:
+            print(ids)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `localllm tokenize ... | head`: the reader has all it wanted
+        _silence_stdout()
 
 
 @app.command()

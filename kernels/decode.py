@@ -239,3 +239,162 @@ def decode_grouped(b, s, e, mask, QTYPE: tl.constexpr):
         tl.static_assert(False, "decode_grouped: unsupported ggml type")
         v = tl.zeros_like(e).to(tl.float32)
     return v
+
+
+# ---- word decoding for the integer-dot GEMV (llama.cpp's mul_mat_vec_q) ----------------------
+#
+# The integer-dot GEMV (``gemv._mmvq_kernel``) works on groups of 16 weights, four 32-bit words
+# of four weights each. For each (row, group) :func:`decode_words` returns the four words
+# holding the quantized weights as bytes (signed or unsigned 8-bit integers, ready for a
+# ``dp4a`` against four int8 activations), the group's scale and min as float32 and an
+# integer offset OFF (constexpr), so that the group's contribution is
+#
+#     sum_j w_j x_j = dx * (scale * (sum_j q_j qx_j - OFF * sum_j qx_j) - min * sum_j qx_j)
+#
+# with x_j ~ dx * qx_j (the activations quantized to 8 bits per 32 values). The block bytes
+# are read as 32-bit words where the block size is a multiple of 4 (Q4_1, Q5_1, Q4_K, Q5_K:
+# the weight bits come in 16-byte loads) and as 16-bit halves otherwise (Q4_0, Q5_0, Q8_0,
+# Q6_K: their blocks are only 2-byte aligned in the GGUF layout).
+
+# Types the integer-dot GEMV handles: code -> (word unit in bytes: 4 or 2, OFF).
+MMVQ_TYPES = {
+    T.Q4_0: (2, 8),
+    T.Q4_1: (4, 0),
+    T.Q5_0: (2, 16),
+    T.Q5_1: (4, 0),
+    T.Q8_0: (2, 0),
+    T.Q4_K: (4, 0),
+    T.Q5_K: (4, 0),
+    T.Q6_K: (2, 32),
+}
+
+
+@device_fn
+def _h2f(h):
+    """The low 16 bits of int32 ``h`` as an fp16 value, widened to float32."""
+    return (h & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@device_fn
+def _w16(p):
+    """The 32-bit word at 16-bit pointer ``p`` (two halves, little-endian), as int32."""
+    lo = tl.load(p).to(tl.int32) & 0xFFFF
+    hi = tl.load(p + 1).to(tl.int32) & 0xFFFF
+    return lo | (hi << 16)
+
+
+@device_fn
+def _spread4(nib):
+    """Bits 0..3 of ``nib`` moved to bit 0 of bytes 0..3 (0x01010101 pattern)."""
+    return ((nib & 15) * 0x00204081) & 0x01010101
+
+
+@device_fn
+def decode_words(wp, blk, gb, t, QTYPE: tl.constexpr):
+    """For the word types (``MMVQ_TYPES[q][0] == 4``): see below."""
+    return _decode_words(wp, blk, gb, t, QTYPE)
+
+
+@device_fn
+def _decode_words(wp, blk, gb, t, QTYPE: tl.constexpr):
+    """(words, scale, min) of weight group ``gb`` (16 weights) of the blocks at ``blk``.
+
+    Args:
+        wp: the weight pointer as int32 (word types) or int16 (half-word types), see
+            ``MMVQ_TYPES``.
+        blk: (R, G, 1) int offset of each block, in units of ``wp``'s element.
+        gb: (1, G, 1) index of the 16-weight group inside its block.
+        t: (1, 1, 4) index of the word inside the group.
+
+    Returns:
+        int32 (R, G, 4) packed weight bytes, float32 (R, G, 1) scale and min.
+    """
+    if QTYPE == 12:  # Q4_K: 36 words; d|dmin, scales[12], qs[128] at word 4
+        s = gb // 2
+        q = tl.load(wp + blk + 4 + (s // 2) * 8 + (gb % 2) * 4 + t)
+        wq = (q >> ((s % 2) * 4)) & 0x0F0F0F0F
+        h0 = tl.load(wp + blk)
+        sh = (s % 4) * 8
+        b1 = (tl.load(wp + blk + 1) >> sh) & 255
+        b2 = (tl.load(wp + blk + 2) >> sh) & 255
+        b3 = (tl.load(wp + blk + 3) >> sh) & 255
+        lo = s < 4
+        sc = tl.where(lo, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4))
+        mn = tl.where(lo, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4))
+        scale = _h2f(h0) * sc.to(tl.float32)
+        vmin = _h2f(h0 >> 16) * mn.to(tl.float32)
+    elif QTYPE == 13:  # Q5_K: 44 words; d|dmin, scales[12], qh[32] at word 4, qs at word 12
+        s = gb // 2
+        q = tl.load(wp + blk + 12 + (s // 2) * 8 + (gb % 2) * 4 + t)
+        qh = tl.load(wp + blk + 4 + (gb % 2) * 4 + t)
+        wq = ((q >> ((s % 2) * 4)) & 0x0F0F0F0F) | (((qh >> s) & 0x01010101) << 4)
+        h0 = tl.load(wp + blk)
+        sh = (s % 4) * 8
+        b1 = (tl.load(wp + blk + 1) >> sh) & 255
+        b2 = (tl.load(wp + blk + 2) >> sh) & 255
+        b3 = (tl.load(wp + blk + 3) >> sh) & 255
+        lo = s < 4
+        sc = tl.where(lo, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4))
+        mn = tl.where(lo, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4))
+        scale = _h2f(h0) * sc.to(tl.float32)
+        vmin = _h2f(h0 >> 16) * mn.to(tl.float32)
+    elif QTYPE == 3:  # Q4_1: 5 words; d|m, qs[16]
+        q = tl.load(wp + blk + 1 + t)
+        wq = (q >> (gb * 4)) & 0x0F0F0F0F
+        h0 = tl.load(wp + blk)
+        scale = _h2f(h0)
+        vmin = -_h2f(h0 >> 16)
+    elif QTYPE == 7:  # Q5_1: 6 words; d|m, qh, qs[16]
+        q = tl.load(wp + blk + 2 + t)
+        qh = tl.load(wp + blk + 1)
+        hb = _spread4(qh >> (gb * 16 + t * 4))
+        wq = ((q >> (gb * 4)) & 0x0F0F0F0F) | (hb << 4)
+        h0 = tl.load(wp + blk)
+        scale = _h2f(h0)
+        vmin = -_h2f(h0 >> 16)
+    else:
+        tl.static_assert(False, "decode_words: unsupported ggml type")
+        wq = t
+        scale = tl.zeros_like(blk).to(tl.float32)
+        vmin = scale
+    return wq, scale, vmin
+
+
+@device_fn
+def scale_min16(hp, blk, gb, QTYPE: tl.constexpr):
+    """Scale and min (float32, shaped like ``blk``) of group ``gb`` of the half-word types."""
+    if QTYPE == 14:  # Q6_K: scales[16] int8 at half 96, d at half 104
+        sc = tl.load(hp + blk + 96 + gb // 2).to(tl.int32) >> ((gb % 2) * 8)
+        sc = ((sc & 255) ^ 128) - 128  # the signed byte
+        scale = _h2f(tl.load(hp + blk + 104).to(tl.int32)) * sc.to(tl.float32)
+    else:  # Q4_0, Q5_0, Q8_0: d first
+        scale = _h2f(tl.load(hp + blk).to(tl.int32))
+    return scale, tl.zeros_like(scale)
+
+
+@device_fn
+def decode_word16(hp, blk, gb, j: tl.constexpr, QTYPE: tl.constexpr):
+    """Word ``j`` (0..3: weights 4j..4j+3) of group ``gb`` of the half-word types (blocks only
+    2-byte aligned: Q4_0, Q5_0, Q8_0, Q6_K), from 16-bit loads; ``blk`` in halves.
+
+    One word at a time rather than a (..., 4) tile: the compiler spreads a tile of 16-bit
+    loads across threads, which then needs shuffles to sum it.
+    """
+    if QTYPE == 8:  # Q8_0: 17 halves; d, qs[32] int8
+        wq = _w16(hp + blk + 1 + gb * 8 + 2 * j)
+    elif QTYPE == 2:  # Q4_0: 9 halves; d, qs[16]; q - 8
+        wq = (_w16(hp + blk + 1 + 2 * j) >> (gb * 4)) & 0x0F0F0F0F
+    elif QTYPE == 6:  # Q5_0: 11 halves; d, qh (32 bits), qs[16]; q - 16
+        q = _w16(hp + blk + 3 + 2 * j)
+        hb = _spread4(_w16(hp + blk + 1) >> (gb * 16 + j * 4))
+        wq = ((q >> (gb * 4)) & 0x0F0F0F0F) | (hb << 4)
+    elif QTYPE == 14:  # Q6_K: 105 halves; ql[128], qh[64], scales[16] int8, d; q - 32
+        h = gb // 8
+        r = gb % 8
+        ql = _w16(hp + blk + h * 32 + (r % 4) * 8 + 2 * j)
+        qh = _w16(hp + blk + 64 + h * 16 + (r % 2) * 8 + 2 * j)
+        wq = ((ql >> ((r // 4) * 4)) & 0x0F0F0F0F) | (((qh >> ((r // 2) * 2)) & 0x03030303) << 4)
+    else:
+        tl.static_assert(False, "decode_word16: unsupported ggml type")
+        wq = blk
+    return wq

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 import triton
 from gguf import GGMLQuantizationType as T
 
-from localllm.gguf.quants import BLOCK_FORMATS
+from localllm.kernels import block_format
 from localllm.kernels import _aot
 from localllm.kernels._aot import Case
 
@@ -98,7 +98,8 @@ MODELS = {
                     "output": (262144, 640)},
 }  # fmt: skip
 
-DECODE_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+DECODE_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                "IQ4_NL", "IQ4_XS", "MXFP4"]
 
 
 # ---- the kernels' specializations -------------------------------------------------------------
@@ -110,7 +111,7 @@ def decode_gemv_case(qtype: T, n: int, k: int, arch: int) -> tuple[Case, dict]:
     from localllm.kernels.decode import GROUP_SIZES, MMVQ_TYPES
     from localllm.kernels.gemv import MMVQ_WARPS, _gemv1_kernel, _mmvq_kernel, mmvq_config
 
-    fmt = BLOCK_FORMATS[qtype]
+    fmt = block_format(qtype)
     if qtype in MMVQ_TYPES:
         cfg = mmvq_config(qtype, n, k)
         unit, off = MMVQ_TYPES[qtype]
@@ -126,6 +127,23 @@ def decode_gemv_case(qtype: T, n: int, k: int, arch: int) -> tuple[Case, dict]:
         launch = {"grid": cfg["grid"], "bytes_per_step": cfg["bytes_per_step"],
                   "marker": ("IDP", 4 * cfg["RPT"]), "stages": cfg["STAGES"],
                   "variant": f"R{cfg['ROWS']}G{cfg['GP']}P{cfg['RPT']}"}  # fmt: skip
+        return case, launch
+    if qtype not in GROUP_SIZES:  # the general kernel, one vector
+        from localllm.kernels.gemv import _gemv_kernel
+
+        block_k = min(256, 1 << (k - 1).bit_length())
+        block_n = max(1, min(16, 4096 // block_k))
+        case = Case(
+            _gemv_kernel,
+            {"w": "*u8", "x": "*fp32", "y": "*fp32", "N": "i32", "K": "i32",
+             "stride_xb": "i32", "stride_yb": "i32"},
+            {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype), "B": 1,
+             "B_PAD": 1, "BLOCK_N": block_n, "BLOCK_K": block_k},
+            arch=arch,
+        )  # fmt: skip
+        launch = {"grid": (triton.cdiv(n, block_n), 1),
+                  "bytes_per_step": block_n * block_k * fmt.type_size // fmt.block_size,
+                  "marker": None, "stages": 1, "variant": f"N{block_n}K{block_k}"}  # fmt: skip
         return case, launch
     g = GROUP_SIZES[qtype]
     groups = max(1, min(256, 1 << (k - 1).bit_length()) // g)
@@ -153,7 +171,7 @@ def other_cases(arch: int) -> dict[str, tuple[Case, dict]]:
 
     out: dict[str, tuple[Case, dict]] = {}
     for q in (T.Q4_K, T.Q6_K, T.Q8_0):
-        fmt = BLOCK_FORMATS[q]
+        fmt = block_format(q)
         from localllm.kernels.decode import GROUP_SIZES
 
         out[f"gemm/{q.name}"] = (Case(
@@ -300,7 +318,7 @@ def profile(types: list[str], archs: list[int], models: list[str], with_others: 
             qtype = T[tname]
             for model in models:
                 for mat, (n, k) in MODELS[model].items():
-                    if k % BLOCK_FORMATS[qtype].block_size:
+                    if k % block_format(qtype).block_size:
                         continue  # that type cannot hold this matrix
                     case, launch = decode_gemv_case(qtype, n, k, arch)
                     kname = f"{case.kernel.fn.__name__.strip('_')}/{tname}"

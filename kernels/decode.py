@@ -71,6 +71,35 @@ def _scale_min_k4(b, s, mask):
     return _f16(b, mask) * sc.to(tl.float32), _f16(b + 2, mask) * mn.to(tl.float32)
 
 
+# kvalues_iq4nl (ggml-common.h), four int8 per int32, little-endian.
+IQ4NL_W0: tl.constexpr = tl.constexpr(-1079142271)  # -127, -104, -83, -65
+IQ4NL_W1: tl.constexpr = tl.constexpr(-152379953)  # -49, -35, -22, -10
+IQ4NL_W2: tl.constexpr = tl.constexpr(639175937)  # 1, 13, 25, 38
+IQ4NL_W3: tl.constexpr = tl.constexpr(1901675829)  # 53, 69, 89, 113
+
+
+@device_fn
+def _iq4nl(n):
+    """``kvalues_iq4nl[n]`` (int32) for int32 ``n`` in 0..15."""
+    w = tl.where(n < 8, tl.where(n < 4, IQ4NL_W0, IQ4NL_W1), tl.where(n < 12, IQ4NL_W2, IQ4NL_W3))
+    return ((w >> ((n % 4) * 8)) << 24) >> 24
+
+
+@device_fn
+def _e2m1x2(n):
+    """Twice the FP4 (E2M1) value of nibble ``n`` (int32): MXFP4's ``kvalues_mxfp4``."""
+    c = n & 7
+    mag = tl.where(c < 4, c, (2 + (c & 1)) << tl.maximum((c >> 1) - 1, 0))
+    return tl.where((n & 8) != 0, -mag, mag)
+
+
+@device_fn
+def _e8m0_half(e):
+    """Half of the E8M0 scale ``2**(e - 127)`` as float32 (ggml_e8m0_to_fp32_half)."""
+    bits = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (e - 1) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
 @device_fn
 def decode(b, j, mask, QTYPE: tl.constexpr):
     """Weight ``j`` of the ``QTYPE`` block starting at byte pointer ``b``, as float32.
@@ -147,6 +176,23 @@ def decode(b, j, mask, QTYPE: tl.constexpr):
         lo = (_u8(b + h * 64 + r % 64, mask) >> ((r // 64) * 4)) & 15
         hi = (_u8(b + 128 + h * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
         v = dl * ((lo | (hi << 4)) - 32).to(tl.float32)
+    elif QTYPE == 20:  # IQ4_NL: d, qs[16]; non-linear 4-bit values
+        d = _f16(b, mask)
+        q = (_u8(b + 2 + j % 16, mask) >> ((j // 16) * 4)) & 15
+        v = d * _iq4nl(q).to(tl.float32)
+    elif QTYPE == 23:  # IQ4_XS: d, scales_h (u16), scales_l[4], qs[128]
+        d = _f16(b, mask)
+        ib = j // 32
+        hi = ((_u8(b + 2 + ib // 4, mask) >> ((ib % 4) * 2)) & 3) << 4
+        ls = ((_u8(b + 4 + ib // 2, mask) >> ((ib % 2) * 4)) & 15) | hi
+        dl = d * (ls - 32).to(tl.float32)
+        r = j % 32
+        q = (_u8(b + 8 + ib * 16 + r % 16, mask) >> ((r // 16) * 4)) & 15
+        v = dl * _iq4nl(q).to(tl.float32)
+    elif QTYPE == 39:  # MXFP4: e (E8M0), qs[16]; FP4 E2M1 values
+        d = _e8m0_half(_u8(b, mask))
+        q = (_u8(b + 1 + j % 16, mask) >> ((j // 16) * 4)) & 15
+        v = d * _e2m1x2(q).to(tl.float32)
     else:
         tl.static_assert(False, "decode: unsupported ggml type")
         v = tl.zeros_like(j).to(tl.float32)
@@ -258,6 +304,8 @@ def decode_grouped(b, s, e, mask, QTYPE: tl.constexpr):
 
 # Types the integer-dot GEMV handles: code -> (word unit in bytes: 4 or 2, OFF).
 MMVQ_TYPES = {
+    T.IQ4_NL: (2, 0),
+    T.IQ4_XS: (4, 0),
     T.Q4_0: (2, 8),
     T.Q4_1: (4, 0),
     T.Q5_0: (2, 16),
@@ -287,6 +335,35 @@ def _w16(p):
 def _spread4(nib):
     """Bits 0..3 of ``nib`` moved to bit 0 of bytes 0..3 (0x01010101 pattern)."""
     return ((nib & 15) * 0x00204081) & 0x01010101
+
+
+@device_fn
+def _prmt(a, b, c):
+    """CUDA ``prmt.b32``: bytes of the 8-byte {b, a} picked by the nibbles of ``c``."""
+    return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                     dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+
+
+@device_fn
+def iq4nl_word(q, ASM: tl.constexpr):
+    """``kvalues_iq4nl`` of the four nibble values (bytes 0..15) of int32 ``q``, as four
+    int8 in an int32 (llama.cpp's ``get_int_from_table_16``: two byte permutes and a
+    blend on CUDA; byte by byte in portable code)."""
+    if ASM:
+        # the four nibbles side by side in the low 16 bits; bits 0-2 pick from each half of
+        # the table, bit 3 picks the half
+        y = q | (q >> 4)
+        s16 = _prmt(y, y, tl.zeros_like(q) + 0x0020)
+        zero = tl.zeros_like(q)
+        lo = _prmt(zero + IQ4NL_W0, zero + IQ4NL_W1, s16 & 0x7777)
+        hi = _prmt(zero + IQ4NL_W2, zero + IQ4NL_W3, s16 & 0x7777)
+        r = _prmt(lo, hi, ((s16 >> 1) & 0x4444) | 0x3210)
+    else:
+        r = _iq4nl(q & 15) & 255
+        r |= (_iq4nl((q >> 8) & 15) & 255) << 8
+        r |= (_iq4nl((q >> 16) & 15) & 255) << 16
+        r |= _iq4nl((q >> 24) & 15) << 24
+    return r
 
 
 @device_fn
@@ -338,6 +415,16 @@ def _decode_words(wp, blk, gb, t, QTYPE: tl.constexpr):
         mn = tl.where(lo, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4))
         scale = _h2f(h0) * sc.to(tl.float32)
         vmin = _h2f(h0 >> 16) * mn.to(tl.float32)
+    elif QTYPE == 23:  # IQ4_XS: 34 words; d|scales_h, scales_l[4], qs[128] at word 2 (raw
+        # nibbles: the caller maps them through kvalues_iq4nl)
+        ib = gb // 2
+        q = tl.load(wp + blk + 2 + ib * 4 + t)
+        wq = (q >> ((gb % 2) * 4)) & 0x0F0F0F0F
+        h0 = tl.load(wp + blk)
+        ls = ((tl.load(wp + blk + 1) >> ((ib // 2) * 8 + (ib % 2) * 4)) & 15)
+        ls = ls | (((h0 >> (16 + ib * 2)) & 3) << 4)
+        scale = _h2f(h0) * (ls - 32).to(tl.float32)
+        vmin = tl.zeros_like(scale)
     elif QTYPE == 3:  # Q4_1: 5 words; d|m, qs[16]
         q = tl.load(wp + blk + 1 + t)
         wq = (q >> (gb * 4)) & 0x0F0F0F0F
@@ -367,7 +454,7 @@ def scale_min16(hp, blk, gb, QTYPE: tl.constexpr):
         sc = tl.load(hp + blk + 96 + gb // 2).to(tl.int32) >> ((gb % 2) * 8)
         sc = ((sc & 255) ^ 128) - 128  # the signed byte
         scale = _h2f(tl.load(hp + blk + 104).to(tl.int32)) * sc.to(tl.float32)
-    else:  # Q4_0, Q5_0, Q8_0: d first
+    else:  # Q4_0, Q5_0, Q8_0, IQ4_NL: d first
         scale = _h2f(tl.load(hp + blk).to(tl.int32))
     return scale, tl.zeros_like(scale)
 
@@ -382,7 +469,7 @@ def decode_word16(hp, blk, gb, j: tl.constexpr, QTYPE: tl.constexpr):
     """
     if QTYPE == 8:  # Q8_0: 17 halves; d, qs[32] int8
         wq = _w16(hp + blk + 1 + gb * 8 + 2 * j)
-    elif QTYPE == 2:  # Q4_0: 9 halves; d, qs[16]; q - 8
+    elif QTYPE == 2 or QTYPE == 20:  # Q4_0 (q - 8), IQ4_NL (raw nibbles): 9 halves; d, qs[16]
         wq = (_w16(hp + blk + 1 + 2 * j) >> (gb * 4)) & 0x0F0F0F0F
     elif QTYPE == 6:  # Q5_0: 11 halves; d, qh (32 bits), qs[16]; q - 16
         q = _w16(hp + blk + 3 + 2 * j)

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from localllm.gguf.quants import block_format
 
+from . import block_format
 from ._jit import device_fn, kernel
 from .decode import (
     GROUP_SIZES,
@@ -25,6 +25,7 @@ from .decode import (
     decode_grouped,
     decode_word16,
     decode_words,
+    iq4nl_word,
     scale_min16,
 )
 
@@ -109,6 +110,8 @@ def _mmvq_kernel(w, xq, xd, xs, y, N, K, blocks_per_split, stride_ys, BS: tl.con
             dot = tl.zeros_like(blk).to(tl.int32)
             for j in tl.static_range(4):
                 wq, scale, vmin = decode_words(wp, blk, gb, j, QTYPE)
+                if QTYPE == 23:
+                    wq = iq4nl_word(wq, DP4A)
                 xv = tl.load(xw + gg[None, :, None] * 4 + j)
                 dot = _dp4a(wq, xv, dot, DP4A)
         else:  # word by word from 16-bit halves
@@ -116,7 +119,10 @@ def _mmvq_kernel(w, xq, xd, xs, y, N, K, blocks_per_split, stride_ys, BS: tl.con
             dot = tl.zeros_like(blk).to(tl.int32)
             for j in tl.static_range(4):
                 xv = tl.load(xw + gg[None, :, None] * 4 + j)
-                dot = _dp4a(decode_word16(wp, blk, gb, j, QTYPE), xv, dot, DP4A)
+                wq = decode_word16(wp, blk, gb, j, QTYPE)
+                if QTYPE == 20:
+                    wq = iq4nl_word(wq, DP4A)
+                dot = _dp4a(wq, xv, dot, DP4A)
         isum = tl.load(xs + gg)[None, :, None]
         dx = tl.load(xd + gg // 2)[None, :, None]
         if OFF != 0:

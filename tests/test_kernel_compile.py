@@ -81,7 +81,7 @@ def _gemv1(qtype: T) -> Case:
 
 def _mmvq(qtype: T, n: int = 4096, k: int = 4096, arch: int = 90) -> Case:
     """gemv() for one vector of a type with the integer-dot kernel, as launched for (n, k)."""
-    fmt, (unit, off) = BLOCK_FORMATS[qtype], MMVQ_TYPES[qtype]
+    fmt, (unit, off) = kernels.block_format(qtype), MMVQ_TYPES[qtype]
     cfg = mmvq_config(qtype, n, k)
     return Case(
         _mmvq_kernel,

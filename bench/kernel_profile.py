@@ -39,7 +39,11 @@ GPU            SMs   clock      DRAM        latency      max threads/SM   regist
 =============  ====  =========  ==========  ===========  ===============  =================
 H100 SXM5      132   1.755 GHz  3350 GB/s   650 ns       2048             65536
 RTX 4090       128   2.52 GHz   1008 GB/s   550 ns       1536             65536
+RTX 3090       82    1.695 GHz  936 GB/s    550 ns       1536             65536
 =============  ====  =========  ==========  ===========  ===============  =================
+
+Code compiled for sm_90 is held against the H100, sm_89 against the RTX 4090, sm_86 against
+the RTX 3090.
 
 All GPU figures printed here are **estimates** from the compiled code, not measurements
 (``bench/gpu_validate.sh`` measures them on a GPU).
@@ -83,7 +87,10 @@ class GPU:
 GPUS = {
     "H100": GPU("H100 SXM5", 132, 1.755, 3350.0, 650.0, 2048),
     "RTX4090": GPU("RTX 4090", 128, 2.52, 1008.0, 550.0, 1536, max_ctas=24),
+    "RTX3090": GPU("RTX 3090", 82, 1.695, 936.0, 550.0, 1536, max_ctas=16),
 }
+# The GPU whose ceiling each compiled architecture is measured against.
+ARCH_GPU = {90: "H100", 89: "RTX4090", 86: "RTX3090"}
 
 # (N, K) of each matrix of a decode step, fused as the models fuse them (Q/K/V, gate/up).
 MODELS = {
@@ -163,7 +170,6 @@ def decode_gemv_case(qtype: T, n: int, k: int, arch: int) -> tuple[Case, dict]:
 def other_cases(arch: int) -> dict[str, tuple[Case, dict]]:
     """Prefill GEMM, dequantize, activation quantization and decode attention (one shape
     each: their code does not depend on the matrix shape)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from localllm.kernels.attention import _combine_kernel, _partial_kernel, default_block_s
     from localllm.kernels.dequant import _dequant_kernel
     from localllm.kernels.gemm import _gemm_kernel
@@ -262,7 +268,7 @@ def resident_ctas(gpu: GPU, regs: int, warps: int, shared: int, smem_per_sm: int
 
 def ceiling(gpu: GPU, fig: dict, ctas: int, stages: int) -> dict:
     """The model of the docstring: GB/s bounds for one matrix."""
-    smem = 228 * 1024 if gpu.sms == 132 else 100 * 1024
+    smem = 228 * 1024 if gpu.sms == 132 else 100 * 1024  # shared memory per SM
     resident = resident_ctas(gpu, fig["registers"], fig["num_warps"], fig["shared_bytes"], smem)
     waves = math.ceil(ctas / gpu.sms)
     eff = ctas / (waves * gpu.sms)
@@ -309,9 +315,9 @@ def profile(types: list[str], archs: list[int], models: list[str], with_others: 
         return cache[key]
 
     print(f"# Triton {triton.__version__}; estimated ceilings, not measurements")
-    hdr = (f"{'kernel':<22}{'shape':>14}{'sm':>4}{'regs':>5}{'spill':>6}{'smem':>7}"
+    hdr = (f"{'kernel':<30}{'shape':>14}{'sm':>4}{'regs':>5}{'spill':>6}{'smem':>7}"
            f"{'loop':>6}{'wi/B':>7}  {'weight loads in loop':<28}{'CTAs':>7}{'/SM':>6}"
-           f"{'H100 GB/s':>11}{'4090 GB/s':>11}")  # fmt: skip
+           f"  {'GPU':<10}{'GB/s':>7}")  # fmt: skip
     print(hdr)
     for arch in archs:
         for tname in types:
@@ -324,22 +330,20 @@ def profile(types: list[str], archs: list[int], models: list[str], with_others: 
                     kname = f"{case.kernel.fn.__name__.strip('_')}/{tname}"
                     fig, cubin = compiled_figures(kname, case, launch)
                     ctas = launch["grid"][0] * launch["grid"][1]
-                    ceil = {g: ceiling(gpu, fig, ctas, launch["stages"])
-                            for g, gpu in GPUS.items()}  # fmt: skip
+                    gpu = GPUS[ARCH_GPU[arch]]
+                    ceil = ceiling(gpu, fig, ctas, launch["stages"])
                     rec = {"kernel": case.kernel.fn.__name__, "qtype": tname, "arch": arch,
                            "model": model, "matrix": mat, "shape": [n, k],
                            "variant": launch["variant"], "grid": list(launch["grid"]),
                            "ctas": ctas, "triton": triton.__version__, "cubin": cubin,
-                           **fig, "estimated": ceil}  # fmt: skip
+                           **fig, "estimated": {"gpu": gpu.name, **ceil}}  # fmt: skip
                     records.append(rec)
-                    print(f"{kname:<22}{f'{n}x{k}':>14}{arch:>4}{fig['registers']:>5}"
+                    print(f"{kname:<30}{f'{n}x{k}':>14}{arch:>4}{fig['registers']:>5}"
                           f"{fig['spill_instructions']:>6}{fig['shared_bytes']:>7}"
                           f"{fig['loop_instructions']:>6}{fig['warp_instructions_per_byte']:>7.3f}"
                           f"  {_fmt_loads(fig['loop_global_loads']):<28}{ctas:>7}"
-                          f"{ctas / GPUS['H100'].sms:>6.1f}"
-                          f"{ceil['H100']['ceiling_gbps']:>9.0f}{ceil['H100']['limit'][0]:>2}"
-                          f"{ceil['RTX4090']['ceiling_gbps']:>9.0f}"
-                          f"{ceil['RTX4090']['limit'][0]:>2}")  # fmt: skip
+                          f"{ctas / gpu.sms:>6.1f}  {ARCH_GPU[arch]:<10}"
+                          f"{ceil['ceiling_gbps']:>7.0f} {ceil['limit']}")  # fmt: skip
         if with_others:
             for kname, (case, launch) in other_cases(arch).items():
                 fig, cubin = compiled_figures(kname, case, launch)
@@ -347,11 +351,11 @@ def profile(types: list[str], archs: list[int], models: list[str], with_others: 
                        "arch": arch, "variant": launch["variant"], "triton": triton.__version__,
                        "cubin": cubin, **fig}  # fmt: skip
                 records.append(rec)
-                print(f"{kname:<22}{'-':>14}{arch:>4}{fig['registers']:>5}"
+                print(f"{kname:<30}{'-':>14}{arch:>4}{fig['registers']:>5}"
                       f"{fig['spill_instructions']:>6}{fig['shared_bytes']:>7}"
                       f"{fig['loop_instructions']:>6}{fig['warp_instructions_per_byte']:>7.3f}"
                       f"  {_fmt_loads(fig['loop_global_loads']):<28}")  # fmt: skip
-    print("# wi/B: warp-instructions per weight byte; ceiling limit: d=DRAM, i=issue, l=latency")
+    print("# wi/B: warp-instructions per weight byte; GB/s: estimated ceiling and what sets it")
     if out_dir and write_json:
         with open(os.path.join(out_dir, "profile.jsonl"), "w") as f:
             for rec in records:
@@ -362,7 +366,8 @@ def profile(types: list[str], archs: list[int], models: list[str], with_others: 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--types", nargs="+", default=DECODE_TYPES, choices=DECODE_TYPES)
-    ap.add_argument("--arch", nargs="+", type=int, default=[90], help="sm_XX: 90, 86, 89")
+    ap.add_argument("--arch", nargs="+", type=int, default=[90], choices=sorted(ARCH_GPU),
+                    help="sm_XX to compile for")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--all", action="store_true",
                     help="also GEMM, dequantize, activation quantization, attention")

@@ -3,14 +3,16 @@
 Weights stay in their ggml blocks on the GPU; the kernels decode them on the fly:
 
 - :mod:`.dequant`: blocks -> float32/float16/bfloat16 tensor (bit-exact in float32);
-- :mod:`.gemv`: fused dequant x vector for decode (<= 8 rows);
+- :mod:`.gemv`: fused dequant x vector for decode (<= 8 rows); one row: integer dot
+  products on 8-bit activations (llama.cpp's ``mul_mat_vec_q``);
 - :mod:`.gemm`: prefill GEMM decoding weight tiles for ``tl.dot``;
 - :mod:`.norm_rope`: RMSNorm and RoPE;
 - :mod:`.fused`: fused element-wise work of a layer (``rms_norm_rope``, ``residual_rms_norm``,
   ``gated_act``): fewer launches per decode step;
 - :mod:`.attention`: decode attention over the KV cache (flash-decoding, split-K).
 
-Every kernel also runs on CPU tensors through Triton's interpreter (slowly: for tests).
+Every kernel also runs on CPU tensors through Triton's interpreter (slowly: for tests);
+:mod:`._aot` compiles them for NVIDIA GPUs without one (``bench/kernel_profile.py``).
 Without Triton, :func:`triton_available` is False and nothing here imports it.
 """
 

@@ -2,11 +2,22 @@
 
 The kernel reads the quantized blocks of ``W`` directly (no float16 copy of the weights ever
 exists), decodes a (BLOCK_N, BLOCK_K) tile in registers (:mod:`.decode`) and accumulates in
-float32 against up to 8 input vectors at once (a small decode batch). A single vector (the
-common decode step) takes a kernel whose tile is (rows, scale groups, group size), so that
-each scale is loaded once per group rather than once per weight. Matrices that share
-the input (Q/K/V, gate/up) are fused by concatenating their rows (``QuantWeight.cat``): one
-launch covers the concatenated row range.
+float32 against up to 8 input vectors at once (a small decode batch).
+
+A single vector (the common decode step) of the types in ``decode.MMVQ_TYPES`` takes the
+integer-dot kernel, llama.cpp's ``mul_mat_vec_q`` design (``ggml/src/ggml-cuda/mmvq.cu``):
+the vector is quantized once to 8 bits per 32 values (:func:`quantize_q8`, as
+``quantize_q8_1``), the weights are read as 32-bit words of four packed values (16-byte
+loads where the blocks are 16-byte aligned), multiplied with ``dp4a`` and scaled per
+16-weight group, each thread keeping float partial sums that are reduced once after the
+loop; rows per program and a split of the key axis are chosen per shape
+(:func:`mmvq_config`). Its result is exact up to float32 rounding for the quantized vector,
+which differs from the float vector by about 0.5% per dot product (llama.cpp's CUDA and CPU
+paths quantize activations the same way). Other types take a kernel whose tile is (rows,
+scale groups, group size), so that each scale is loaded once per group.
+
+Matrices that share the input (Q/K/V, gate/up) are fused by concatenating their rows
+(``QuantWeight.cat``): one launch covers the concatenated row range.
 """
 
 from __future__ import annotations

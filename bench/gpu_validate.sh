@@ -34,3 +34,6 @@ fi
 python3 -m localllm.cli bench --synthetic llama3-8b --quant Q4_K_M --json 2>&1 \
   | tee "$OUT/bench-llama3-8b-q4km.json"
 python3 bench/bench_kernels.py 2>&1 | tee "$OUT/bench-kernels.txt"
+# 3. The static profile of the same Triton build, next to the measured figures.
+python3 bench/kernel_profile.py --arch 90 89 --all --out "$OUT/profile" --json 2>&1 \
+  | tee "$OUT/kernel-profile.txt"

@@ -3,14 +3,16 @@
 Weights stay in their ggml blocks on the GPU; the kernels decode them on the fly:
 
 - :mod:`.dequant`: blocks -> float32/float16/bfloat16 tensor (bit-exact in float32);
-- :mod:`.gemv`: fused dequant x vector for decode (<= 8 rows);
+- :mod:`.gemv`: fused dequant x vector for decode (<= 8 rows); one row: integer dot
+  products on 8-bit activations (llama.cpp's ``mul_mat_vec_q``);
 - :mod:`.gemm`: prefill GEMM decoding weight tiles for ``tl.dot``;
 - :mod:`.norm_rope`: RMSNorm and RoPE;
 - :mod:`.fused`: fused element-wise work of a layer (``rms_norm_rope``, ``residual_rms_norm``,
   ``gated_act``): fewer launches per decode step;
 - :mod:`.attention`: decode attention over the KV cache (flash-decoding, split-K).
 
-Every kernel also runs on CPU tensors through Triton's interpreter (slowly: for tests).
+Every kernel also runs on CPU tensors through Triton's interpreter (slowly: for tests);
+:mod:`._aot` compiles them for NVIDIA GPUs without one (``bench/kernel_profile.py``).
 Without Triton, :func:`triton_available` is False and nothing here imports it.
 """
 
@@ -22,8 +24,31 @@ from functools import cache
 import torch
 from gguf import GGMLQuantizationType as T
 
-from localllm.gguf.quants import block_format
+from localllm.errors import UnsupportedError
+from localllm.gguf.quants import BlockFormat
+from localllm.gguf.quants import block_format as _reference_block_format
 from localllm.gguf.quants import dequantize as reference_dequantize
+
+# Types the kernels decode beyond localllm.gguf.quants' table when that table lacks them
+# (their geometry from gguf-py's GGML_QUANT_SIZES; the layouts are ggml's block_iq4_nl,
+# block_iq4_xs and block_mxfp4, ggml/src/ggml-common.h).
+IQ_TYPES = (T.IQ4_NL, T.IQ4_XS, T.MXFP4)
+
+
+def block_format(qtype: T) -> BlockFormat:
+    """Geometry of ``qtype`` (localllm.gguf.quants' table, then :data:`IQ_TYPES`).
+
+    Raises:
+        UnsupportedError: unknown type.
+    """
+    try:
+        return _reference_block_format(qtype)
+    except UnsupportedError:
+        if qtype not in IQ_TYPES:
+            raise
+        from gguf import GGML_QUANT_SIZES
+
+        return BlockFormat(*GGML_QUANT_SIZES[T(qtype)])
 
 __all__ = [
     "GEMV_MAX_ROWS",
@@ -87,7 +112,7 @@ def supports(qtype: T) -> bool:
         return False
     from .decode import KERNEL_TYPES
 
-    return qtype in KERNEL_TYPES
+    return qtype in KERNEL_TYPES or qtype in IQ_TYPES
 
 
 @dataclass(frozen=True)
@@ -177,8 +202,6 @@ def quant_linear(
         UnsupportedError: Triton is unavailable or has no kernel for the type.
         ValueError: ``x``'s last dimension is not K.
     """
-    from localllm.errors import UnsupportedError
-
     if not triton_available():
         raise UnsupportedError("Triton is not available")
     if not supports(w.qtype):

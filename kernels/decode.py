@@ -71,6 +71,35 @@ def _scale_min_k4(b, s, mask):
     return _f16(b, mask) * sc.to(tl.float32), _f16(b + 2, mask) * mn.to(tl.float32)
 
 
+# kvalues_iq4nl (ggml-common.h), four int8 per int32, little-endian.
+IQ4NL_W0: tl.constexpr = tl.constexpr(-1079142271)  # -127, -104, -83, -65
+IQ4NL_W1: tl.constexpr = tl.constexpr(-152379953)  # -49, -35, -22, -10
+IQ4NL_W2: tl.constexpr = tl.constexpr(639175937)  # 1, 13, 25, 38
+IQ4NL_W3: tl.constexpr = tl.constexpr(1901675829)  # 53, 69, 89, 113
+
+
+@device_fn
+def _iq4nl(n):
+    """``kvalues_iq4nl[n]`` (int32) for int32 ``n`` in 0..15."""
+    w = tl.where(n < 8, tl.where(n < 4, IQ4NL_W0, IQ4NL_W1), tl.where(n < 12, IQ4NL_W2, IQ4NL_W3))
+    return ((w >> ((n % 4) * 8)) << 24) >> 24
+
+
+@device_fn
+def _e2m1x2(n):
+    """Twice the FP4 (E2M1) value of nibble ``n`` (int32): MXFP4's ``kvalues_mxfp4``."""
+    c = n & 7
+    mag = tl.where(c < 4, c, (2 + (c & 1)) << tl.maximum((c >> 1) - 1, 0))
+    return tl.where((n & 8) != 0, -mag, mag)
+
+
+@device_fn
+def _e8m0_half(e):
+    """Half of the E8M0 scale ``2**(e - 127)`` as float32 (ggml_e8m0_to_fp32_half)."""
+    bits = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (e - 1) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
 @device_fn
 def decode(b, j, mask, QTYPE: tl.constexpr):
     """Weight ``j`` of the ``QTYPE`` block starting at byte pointer ``b``, as float32.
@@ -147,6 +176,23 @@ def decode(b, j, mask, QTYPE: tl.constexpr):
         lo = (_u8(b + h * 64 + r % 64, mask) >> ((r // 64) * 4)) & 15
         hi = (_u8(b + 128 + h * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
         v = dl * ((lo | (hi << 4)) - 32).to(tl.float32)
+    elif QTYPE == 20:  # IQ4_NL: d, qs[16]; non-linear 4-bit values
+        d = _f16(b, mask)
+        q = (_u8(b + 2 + j % 16, mask) >> ((j // 16) * 4)) & 15
+        v = d * _iq4nl(q).to(tl.float32)
+    elif QTYPE == 23:  # IQ4_XS: d, scales_h (u16), scales_l[4], qs[128]
+        d = _f16(b, mask)
+        ib = j // 32
+        hi = ((_u8(b + 2 + ib // 4, mask) >> ((ib % 4) * 2)) & 3) << 4
+        ls = ((_u8(b + 4 + ib // 2, mask) >> ((ib % 2) * 4)) & 15) | hi
+        dl = d * (ls - 32).to(tl.float32)
+        r = j % 32
+        q = (_u8(b + 8 + ib * 16 + r % 16, mask) >> ((r // 16) * 4)) & 15
+        v = dl * _iq4nl(q).to(tl.float32)
+    elif QTYPE == 39:  # MXFP4: e (E8M0), qs[16]; FP4 E2M1 values
+        d = _e8m0_half(_u8(b, mask))
+        q = (_u8(b + 1 + j % 16, mask) >> ((j // 16) * 4)) & 15
+        v = d * _e2m1x2(q).to(tl.float32)
     else:
         tl.static_assert(False, "decode: unsupported ggml type")
         v = tl.zeros_like(j).to(tl.float32)
@@ -239,3 +285,203 @@ def decode_grouped(b, s, e, mask, QTYPE: tl.constexpr):
         tl.static_assert(False, "decode_grouped: unsupported ggml type")
         v = tl.zeros_like(e).to(tl.float32)
     return v
+
+
+# ---- word decoding for the integer-dot GEMV (llama.cpp's mul_mat_vec_q) ----------------------
+#
+# The integer-dot GEMV (``gemv._mmvq_kernel``) works on groups of 16 weights, four 32-bit words
+# of four weights each. For each (row, group) :func:`decode_words` returns the four words
+# holding the quantized weights as bytes (signed or unsigned 8-bit integers, ready for a
+# ``dp4a`` against four int8 activations), the group's scale and min as float32 and an
+# integer offset OFF (constexpr), so that the group's contribution is
+#
+#     sum_j w_j x_j = dx * (scale * (sum_j q_j qx_j - OFF * sum_j qx_j) - min * sum_j qx_j)
+#
+# with x_j ~ dx * qx_j (the activations quantized to 8 bits per 32 values). The block bytes
+# are read as 32-bit words where the block size is a multiple of 4 (Q4_1, Q5_1, Q4_K, Q5_K:
+# the weight bits come in 16-byte loads) and as 16-bit halves otherwise (Q4_0, Q5_0, Q8_0,
+# Q6_K: their blocks are only 2-byte aligned in the GGUF layout).
+
+# Types the integer-dot GEMV handles: code -> (word unit in bytes: 4 or 2, OFF).
+MMVQ_TYPES = {
+    T.IQ4_NL: (2, 0),
+    T.IQ4_XS: (4, 0),
+    T.Q4_0: (2, 8),
+    T.Q4_1: (4, 0),
+    T.Q5_0: (2, 16),
+    T.Q5_1: (4, 0),
+    T.Q8_0: (2, 0),
+    T.Q4_K: (4, 0),
+    T.Q5_K: (4, 0),
+    T.Q6_K: (2, 32),
+}
+
+
+@device_fn
+def _h2f(h):
+    """The low 16 bits of int32 ``h`` as an fp16 value, widened to float32."""
+    return (h & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@device_fn
+def _w16(p):
+    """The 32-bit word at 16-bit pointer ``p`` (two halves, little-endian), as int32."""
+    lo = tl.load(p).to(tl.int32) & 0xFFFF
+    hi = tl.load(p + 1).to(tl.int32) & 0xFFFF
+    return lo | (hi << 16)
+
+
+@device_fn
+def _spread4(nib):
+    """Bits 0..3 of ``nib`` moved to bit 0 of bytes 0..3 (0x01010101 pattern)."""
+    return ((nib & 15) * 0x00204081) & 0x01010101
+
+
+@device_fn
+def _prmt(a, b, c):
+    """CUDA ``prmt.b32``: bytes of the 8-byte {b, a} picked by the nibbles of ``c``."""
+    return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                     dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+
+
+@device_fn
+def iq4nl_word(q, ASM: tl.constexpr):
+    """``kvalues_iq4nl`` of the four nibble values (bytes 0..15) of int32 ``q``, as four
+    int8 in an int32 (llama.cpp's ``get_int_from_table_16``: two byte permutes and a
+    blend on CUDA; byte by byte in portable code)."""
+    if ASM:
+        # the four nibbles side by side in the low 16 bits; bits 0-2 pick from each half of
+        # the table, bit 3 picks the half
+        y = q | (q >> 4)
+        s16 = _prmt(y, y, tl.zeros_like(q) + 0x0020)
+        zero = tl.zeros_like(q)
+        lo = _prmt(zero + IQ4NL_W0, zero + IQ4NL_W1, s16 & 0x7777)
+        hi = _prmt(zero + IQ4NL_W2, zero + IQ4NL_W3, s16 & 0x7777)
+        r = _prmt(lo, hi, ((s16 >> 1) & 0x4444) | 0x3210)
+    else:
+        r = _iq4nl(q & 15) & 255
+        r |= (_iq4nl((q >> 8) & 15) & 255) << 8
+        r |= (_iq4nl((q >> 16) & 15) & 255) << 16
+        r |= _iq4nl((q >> 24) & 15) << 24
+    return r
+
+
+@device_fn
+def decode_words(wp, blk, gb, t, QTYPE: tl.constexpr):
+    """For the word types (``MMVQ_TYPES[q][0] == 4``): see below."""
+    return _decode_words(wp, blk, gb, t, QTYPE)
+
+
+@device_fn
+def _decode_words(wp, blk, gb, t, QTYPE: tl.constexpr):
+    """(words, scale, min) of weight group ``gb`` (16 weights) of the blocks at ``blk``.
+
+    Args:
+        wp: the weight pointer as int32 (word types) or int16 (half-word types), see
+            ``MMVQ_TYPES``.
+        blk: (R, G, 1) int offset of each block, in units of ``wp``'s element.
+        gb: (1, G, 1) index of the 16-weight group inside its block.
+        t: (1, 1, 4) index of the word inside the group.
+
+    Returns:
+        int32 (R, G, 4) packed weight bytes, float32 (R, G, 1) scale and min.
+    """
+    if QTYPE == 12:  # Q4_K: 36 words; d|dmin, scales[12], qs[128] at word 4
+        s = gb // 2
+        q = tl.load(wp + blk + 4 + (s // 2) * 8 + (gb % 2) * 4 + t)
+        wq = (q >> ((s % 2) * 4)) & 0x0F0F0F0F
+        h0 = tl.load(wp + blk)
+        sh = (s % 4) * 8
+        b1 = (tl.load(wp + blk + 1) >> sh) & 255
+        b2 = (tl.load(wp + blk + 2) >> sh) & 255
+        b3 = (tl.load(wp + blk + 3) >> sh) & 255
+        lo = s < 4
+        sc = tl.where(lo, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4))
+        mn = tl.where(lo, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4))
+        scale = _h2f(h0) * sc.to(tl.float32)
+        vmin = _h2f(h0 >> 16) * mn.to(tl.float32)
+    elif QTYPE == 13:  # Q5_K: 44 words; d|dmin, scales[12], qh[32] at word 4, qs at word 12
+        s = gb // 2
+        q = tl.load(wp + blk + 12 + (s // 2) * 8 + (gb % 2) * 4 + t)
+        qh = tl.load(wp + blk + 4 + (gb % 2) * 4 + t)
+        wq = ((q >> ((s % 2) * 4)) & 0x0F0F0F0F) | (((qh >> s) & 0x01010101) << 4)
+        h0 = tl.load(wp + blk)
+        sh = (s % 4) * 8
+        b1 = (tl.load(wp + blk + 1) >> sh) & 255
+        b2 = (tl.load(wp + blk + 2) >> sh) & 255
+        b3 = (tl.load(wp + blk + 3) >> sh) & 255
+        lo = s < 4
+        sc = tl.where(lo, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4))
+        mn = tl.where(lo, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4))
+        scale = _h2f(h0) * sc.to(tl.float32)
+        vmin = _h2f(h0 >> 16) * mn.to(tl.float32)
+    elif QTYPE == 23:  # IQ4_XS: 34 words; d|scales_h, scales_l[4], qs[128] at word 2 (raw
+        # nibbles: the caller maps them through kvalues_iq4nl)
+        ib = gb // 2
+        q = tl.load(wp + blk + 2 + ib * 4 + t)
+        wq = (q >> ((gb % 2) * 4)) & 0x0F0F0F0F
+        h0 = tl.load(wp + blk)
+        ls = ((tl.load(wp + blk + 1) >> ((ib // 2) * 8 + (ib % 2) * 4)) & 15)
+        ls = ls | (((h0 >> (16 + ib * 2)) & 3) << 4)
+        scale = _h2f(h0) * (ls - 32).to(tl.float32)
+        vmin = tl.zeros_like(scale)
+    elif QTYPE == 3:  # Q4_1: 5 words; d|m, qs[16]
+        q = tl.load(wp + blk + 1 + t)
+        wq = (q >> (gb * 4)) & 0x0F0F0F0F
+        h0 = tl.load(wp + blk)
+        scale = _h2f(h0)
+        vmin = -_h2f(h0 >> 16)
+    elif QTYPE == 7:  # Q5_1: 6 words; d|m, qh, qs[16]
+        q = tl.load(wp + blk + 2 + t)
+        qh = tl.load(wp + blk + 1)
+        hb = _spread4(qh >> (gb * 16 + t * 4))
+        wq = ((q >> (gb * 4)) & 0x0F0F0F0F) | (hb << 4)
+        h0 = tl.load(wp + blk)
+        scale = _h2f(h0)
+        vmin = -_h2f(h0 >> 16)
+    else:
+        tl.static_assert(False, "decode_words: unsupported ggml type")
+        wq = t
+        scale = tl.zeros_like(blk).to(tl.float32)
+        vmin = scale
+    return wq, scale, vmin
+
+
+@device_fn
+def scale_min16(hp, blk, gb, QTYPE: tl.constexpr):
+    """Scale and min (float32, shaped like ``blk``) of group ``gb`` of the half-word types."""
+    if QTYPE == 14:  # Q6_K: scales[16] int8 at half 96, d at half 104
+        sc = tl.load(hp + blk + 96 + gb // 2).to(tl.int32) >> ((gb % 2) * 8)
+        sc = ((sc & 255) ^ 128) - 128  # the signed byte
+        scale = _h2f(tl.load(hp + blk + 104).to(tl.int32)) * sc.to(tl.float32)
+    else:  # Q4_0, Q5_0, Q8_0, IQ4_NL: d first
+        scale = _h2f(tl.load(hp + blk).to(tl.int32))
+    return scale, tl.zeros_like(scale)
+
+
+@device_fn
+def decode_word16(hp, blk, gb, j: tl.constexpr, QTYPE: tl.constexpr):
+    """Word ``j`` (0..3: weights 4j..4j+3) of group ``gb`` of the half-word types (blocks only
+    2-byte aligned: Q4_0, Q5_0, Q8_0, Q6_K), from 16-bit loads; ``blk`` in halves.
+
+    One word at a time rather than a (..., 4) tile: the compiler spreads a tile of 16-bit
+    loads across threads, which then needs shuffles to sum it.
+    """
+    if QTYPE == 8:  # Q8_0: 17 halves; d, qs[32] int8
+        wq = _w16(hp + blk + 1 + gb * 8 + 2 * j)
+    elif QTYPE == 2 or QTYPE == 20:  # Q4_0 (q - 8), IQ4_NL (raw nibbles): 9 halves; d, qs[16]
+        wq = (_w16(hp + blk + 1 + 2 * j) >> (gb * 4)) & 0x0F0F0F0F
+    elif QTYPE == 6:  # Q5_0: 11 halves; d, qh (32 bits), qs[16]; q - 16
+        q = _w16(hp + blk + 3 + 2 * j)
+        hb = _spread4(_w16(hp + blk + 1) >> (gb * 16 + j * 4))
+        wq = ((q >> (gb * 4)) & 0x0F0F0F0F) | (hb << 4)
+    elif QTYPE == 14:  # Q6_K: 105 halves; ql[128], qh[64], scales[16] int8, d; q - 32
+        h = gb // 8
+        r = gb % 8
+        ql = _w16(hp + blk + h * 32 + (r % 4) * 8 + 2 * j)
+        qh = _w16(hp + blk + 64 + h * 16 + (r % 2) * 8 + 2 * j)
+        wq = ((ql >> ((r // 4) * 4)) & 0x0F0F0F0F) | (((qh >> ((r // 2) * 2)) & 0x03030303) << 4)
+    else:
+        tl.static_assert(False, "decode_word16: unsupported ggml type")
+        wq = blk
+    return wq

@@ -13,8 +13,8 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
 from localllm.errors import UnsupportedError
-from localllm.gguf.quants import block_format
 
+from . import IQ_TYPES, block_format
 from ._jit import kernel
 from .decode import KERNEL_TYPES, decode
 
@@ -41,7 +41,7 @@ def _dequant_kernel(
 
 def supports(qtype: T) -> bool:
     """Whether the kernels handle ``qtype``."""
-    return qtype in KERNEL_TYPES
+    return qtype in KERNEL_TYPES or qtype in IQ_TYPES
 
 
 def dequantize(

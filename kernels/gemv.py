@@ -2,11 +2,22 @@
 
 The kernel reads the quantized blocks of ``W`` directly (no float16 copy of the weights ever
 exists), decodes a (BLOCK_N, BLOCK_K) tile in registers (:mod:`.decode`) and accumulates in
-float32 against up to 8 input vectors at once (a small decode batch). A single vector (the
-common decode step) takes a kernel whose tile is (rows, scale groups, group size), so that
-each scale is loaded once per group rather than once per weight. Matrices that share
-the input (Q/K/V, gate/up) are fused by concatenating their rows (``QuantWeight.cat``): one
-launch covers the concatenated row range.
+float32 against up to 8 input vectors at once (a small decode batch).
+
+A single vector (the common decode step) of the types in ``decode.MMVQ_TYPES`` takes the
+integer-dot kernel, llama.cpp's ``mul_mat_vec_q`` design (``ggml/src/ggml-cuda/mmvq.cu``):
+the vector is quantized once to 8 bits per 32 values (:func:`quantize_q8`, as
+``quantize_q8_1``), the weights are read as 32-bit words of four packed values (16-byte
+loads where the blocks are 16-byte aligned), multiplied with ``dp4a`` and scaled per
+16-weight group, each thread keeping float partial sums that are reduced once after the
+loop; rows per program and a split of the key axis are chosen per shape
+(:func:`mmvq_config`). Its result is exact up to float32 rounding for the quantized vector,
+which differs from the float vector by about 0.5% per dot product (llama.cpp's CUDA and CPU
+paths quantize activations the same way). Other types take a kernel whose tile is (rows,
+scale groups, group size), so that each scale is loaded once per group.
+
+Matrices that share the input (Q/K/V, gate/up) are fused by concatenating their rows
+(``QuantWeight.cat``): one launch covers the concatenated row range.
 """
 
 from __future__ import annotations
@@ -15,12 +26,221 @@ import torch
 import triton
 import triton.language as tl
 
-from localllm.gguf.quants import block_format
 
-from ._jit import kernel
-from .decode import GROUP_SIZES, decode, decode_grouped
+from . import block_format
+from ._jit import device_fn, kernel
+from .decode import (
+    GROUP_SIZES,
+    MMVQ_TYPES,
+    decode,
+    decode_grouped,
+    decode_word16,
+    decode_words,
+    iq4nl_word,
+    scale_min16,
+)
 
 MAX_BATCH = 8
+
+# ---- integer-dot GEMV for one vector (llama.cpp's mul_mat_vec_q) ------------------------------
+
+
+@kernel
+def _quantize_q8_kernel(x, xq, xd, xs, n_chunks, CH: tl.constexpr):
+    # x (K,) -> xq int8 (K,), xd float32 (K/32,) scales, xs int32 (K/16,) sums of 16 values.
+    rc = tl.program_id(0) * CH + tl.arange(0, CH)
+    c_mask = rc < n_chunks
+    offs = rc[:, None, None] * 32 + tl.arange(0, 2)[None, :, None] * 16
+    offs = offs + tl.arange(0, 16)[None, None, :]
+    v = tl.load(x + offs, mask=c_mask[:, None, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(v), axis=2), axis=1)
+    d = amax / 127.0
+    inv = tl.where(amax > 0.0, 127.0 / tl.where(amax > 0.0, amax, 1.0), 0.0)
+    q = tl.floor(v * inv[:, None, None] + 0.5)  # |q| <= 127: amax * inv rounds to 127
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
+    tl.store(xq + offs, q.to(tl.int8), mask=c_mask[:, None, None])
+    tl.store(xd + rc, d, mask=c_mask)
+    rh = rc[:, None] * 2 + tl.arange(0, 2)[None, :]
+    tl.store(xs + rh, tl.sum(q, axis=2), mask=c_mask[:, None])
+
+
+@device_fn
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    """``c`` plus the dot product of the four signed bytes of int32 ``a`` and ``b`` (CUDA
+    ``dp4a``; ``ASM`` False: the same in portable integer code, for the interpreter)."""
+    if ASM:
+        r = tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        r = c + ((a << 24) >> 24) * ((b << 24) >> 24)
+        r += ((a << 16) >> 24) * ((b << 16) >> 24)
+        r += ((a << 8) >> 24) * ((b << 8) >> 24)
+        r += (a >> 24) * (b >> 24)
+    return r
+
+
+@kernel
+def _mmvq_kernel(w, xq, xd, xs, y, N, K, blocks_per_split, stride_ys, BS: tl.constexpr,
+                 TS: tl.constexpr, UNIT: tl.constexpr, QTYPE: tl.constexpr, OFF: tl.constexpr,
+                 ROWS: tl.constexpr, GP: tl.constexpr, STAGES: tl.constexpr,
+                 DP4A: tl.constexpr):  # fmt: skip
+    # Program (rows, split): ROWS rows x the split's blocks, GP 16-weight groups (GP * 16 / BS
+    # whole blocks) a step. Each thread keeps float partial sums for its (row, group) slots:
+    # one reduction after the loop. The group -> (block, group in block) split and everything
+    # derived from it (shifts, scale positions) is loop-invariant; only the block advances.
+    GPB: tl.constexpr = BS // 16  # groups per block
+    BPS: tl.constexpr = GP // GPB  # blocks per step
+    TSU: tl.constexpr = TS // UNIT  # block size in UNIT-byte elements
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = pid * ROWS + tl.arange(0, ROWS)
+    # Rows past N read row N-1 (no masks on the weight loads) and are not stored.
+    rc = tl.minimum(rn, N - 1)
+    if UNIT == 4:
+        wp = w.to(tl.pointer_type(tl.int32))
+    else:
+        wp = w.to(tl.pointer_type(tl.int16))
+    xw = xq.to(tl.pointer_type(tl.int32))
+    g = tl.arange(0, GP)
+    gb = (g % GPB)[None, :, None]
+    t = tl.arange(0, 4)[None, None, :]
+    b_lo = split * blocks_per_split
+    # Offsets of the first step, in UNIT-byte elements; later steps add BPS blocks.
+    blk = (rc.to(tl.int64) * ((K // BS) * TSU) + b_lo * TSU)[:, None, None]
+    blk = blk + ((g // GPB) * TSU)[None, :, None]
+    gg = b_lo * GPB + g  # 16-weight groups along K
+    acc = tl.zeros((ROWS, GP, 1), dtype=tl.float32)
+    for _ in tl.range(0, blocks_per_split, BPS, num_stages=STAGES):
+        if TS % 16 == 0:  # 16-byte aligned blocks: groups as (.., 4) word tiles, 128-bit loads
+            wq, scale, vmin = decode_words(wp, blk, gb, t, QTYPE)
+            xv = tl.load(xw + gg[None, :, None] * 4 + t)
+            dot = tl.sum(_dp4a(wq, xv, tl.zeros_like(wq), DP4A), axis=2, keep_dims=True)
+        elif UNIT == 4:  # word by word (a tile of unaligned words would be spread over threads)
+            dot = tl.zeros_like(blk).to(tl.int32)
+            for j in tl.static_range(4):
+                wq, scale, vmin = decode_words(wp, blk, gb, j, QTYPE)
+                if QTYPE == 23:
+                    wq = iq4nl_word(wq, DP4A)
+                xv = tl.load(xw + gg[None, :, None] * 4 + j)
+                dot = _dp4a(wq, xv, dot, DP4A)
+        else:  # word by word from 16-bit halves
+            scale, vmin = scale_min16(wp, blk, gb, QTYPE)
+            dot = tl.zeros_like(blk).to(tl.int32)
+            for j in tl.static_range(4):
+                xv = tl.load(xw + gg[None, :, None] * 4 + j)
+                wq = decode_word16(wp, blk, gb, j, QTYPE)
+                if QTYPE == 20:
+                    wq = iq4nl_word(wq, DP4A)
+                dot = _dp4a(wq, xv, dot, DP4A)
+        isum = tl.load(xs + gg)[None, :, None]
+        dx = tl.load(xd + gg // 2)[None, :, None]
+        if OFF != 0:
+            dot = dot - OFF * isum
+        acc += dx * (scale * dot.to(tl.float32) - vmin * isum.to(tl.float32))
+        blk += BPS * TSU
+        gg += GP
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(y + split * stride_ys + rn, out.to(y.dtype.element_ty), mask=rn < N)
+
+
+# Streaming multiprocessors the launch shapes aim to fill (an H100 SXM has 132).
+TARGET_SMS = 132
+MMVQ_WARPS = 4
+# Weight bytes the launch shapes aim to have in flight per SM (one loop step per program):
+# an H100 needs about bandwidth x latency = 3.35 TB/s x ~650 ns / 132 SMs ~ 16 KB.
+IN_FLIGHT_PER_SM = 16384
+# Rows each thread keeps: its activation words are loaded once for all of them.
+ROWS_PER_THREAD = 2
+
+
+def mmvq_config(qtype, n: int, k: int, sms: int = TARGET_SMS) -> dict:
+    """Launch shape of the integer-dot GEMV for an (n, k) matrix of ``qtype``.
+
+    Each of the 32 * MMVQ_WARPS threads of a program takes RPT rows of one 16-weight group a
+    step: GP groups (a power of two <= 16 dividing K/16, whole blocks) by
+    ROWS = threads * RPT / GP rows. The key axis is split (SPLIT programs per row range,
+    partial sums added after) until the programs hold IN_FLIGHT_PER_SM bytes per SM in one
+    step, and at least 2 programs per SM; small matrices first drop to one row per thread,
+    then to fewer groups per step, to get to 2 per SM.
+
+    Returns:
+        dict with ROWS, GP, RPT, SPLIT, STAGES, the grid, ``blocks_per_split`` and
+        ``bytes_per_step`` (weight bytes one program reads per loop step).
+    """
+    fmt = block_format(qtype)
+    n_groups = k // 16
+    gpb = fmt.block_size // 16
+    threads = 32 * MMVQ_WARPS
+    best = None
+    for rpt in (ROWS_PER_THREAD, 1):
+        gp = 16
+        while n_groups % gp:
+            gp //= 2
+        while True:
+            rows = threads * rpt // gp
+            ctas = triton.cdiv(n, rows)
+            steps = n_groups // gp
+            split = 1
+            bytes_per_step = rows * gp * 16 * fmt.type_size // fmt.block_size
+            target = max(2 * sms, triton.cdiv(IN_FLIGHT_PER_SM * sms, bytes_per_step))
+            while ctas * split < target:
+                nxt = next((s for s in range(split + 1, steps + 1) if steps % s == 0), None)
+                if nxt is None:
+                    break
+                split = nxt
+            cfg = {"ROWS": rows, "GP": gp, "RPT": rpt, "SPLIT": split, "STAGES": 1,
+                   "grid": (ctas, split), "blocks_per_split": k // fmt.block_size // split,
+                   "bytes_per_step": bytes_per_step}  # fmt: skip
+            if ctas * split >= 2 * sms:
+                return cfg
+            if best is None or ctas * split > best["grid"][0] * best["grid"][1]:
+                best = cfg
+            if gp // 2 < gpb or rows * 2 > 1024:
+                break
+            gp //= 2
+    return best
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Activations quantized to 8 bits per 32 values, as llama.cpp's ``quantize_q8_1``.
+
+    Args:
+        x: (K,) float16/float32/bfloat16, K a multiple of 32, contiguous.
+
+    Returns:
+        ``xq`` int8 (K,), ``xd`` float32 (K/32,) with ``x ~ xd[i // 32] * xq[i]``
+        (``xd = max|x| / 127`` per 32 values, round half up) and ``xs`` int32 (K/16,), the
+        sums of ``xq`` over 16 values.
+    """
+    k = x.shape[0]
+    xq = torch.empty(k, dtype=torch.int8, device=x.device)
+    xd = torch.empty(k // 32, dtype=torch.float32, device=x.device)
+    xs = torch.empty(k // 16, dtype=torch.int32, device=x.device)
+    ch = 8
+    _quantize_q8_kernel[(triton.cdiv(k // 32, ch),)](x, xq, xd, xs, k // 32, CH=ch, num_warps=4)
+    return xq, xd, xs
+
+
+def _mmvq(w_data, qtype, n_out: int, x: torch.Tensor, out_dtype) -> torch.Tensor:
+    k = x.shape[1]
+    fmt = block_format(qtype)
+    unit, off = MMVQ_TYPES[qtype]
+    xq, xd, xs = quantize_q8(x[0])
+    cfg = mmvq_config(qtype, n_out, k)
+    split = cfg["SPLIT"]
+    y = torch.empty((max(split, 1), n_out), dtype=torch.float32 if split > 1 else out_dtype,
+                    device=x.device)  # fmt: skip
+    _mmvq_kernel[cfg["grid"]](
+        w_data, xq, xd, xs, y, n_out, k, cfg["blocks_per_split"], y.stride(0),
+        BS=fmt.block_size, TS=fmt.type_size, UNIT=unit, QTYPE=int(qtype), OFF=off,
+        ROWS=cfg["ROWS"], GP=cfg["GP"], STAGES=cfg["STAGES"], DP4A=x.is_cuda,
+        num_warps=MMVQ_WARPS,
+    )  # fmt: skip
+    if split > 1:
+        return y.sum(0, keepdim=True).to(out_dtype)
+    return y
 
 
 @kernel
@@ -136,6 +356,8 @@ def gemv(
     y = torch.empty((nb, n_out), dtype=out_dtype or x.dtype, device=x.device)
     if nb == 0 or n_out == 0:
         return y
+    if nb == 1 and qtype in MMVQ_TYPES and k % 32 == 0:
+        return _mmvq(w_data, qtype, n_out, x, y.dtype)
     if nb == 1 and qtype in GROUP_SIZES:
         g = GROUP_SIZES[qtype]
         block_n = 16

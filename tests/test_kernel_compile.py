@@ -3,8 +3,8 @@
 tests/test_kernels.py checks the kernels' results in Triton's interpreter, which runs code the
 compiler refuses (Python control flow on tensors, shapes or dtypes ``tl.dot`` does not take,
 too much shared memory). Here each kernel goes through Triton's own compiler
-(``triton.compile`` of an ``ASTSource``) down to PTX and a cubin (``ptxas`` ships in the
-Triton wheel) for the specializations the launchers in ``localllm.kernels`` use: argument
+(``triton.compile`` of an ``ASTSource``, :mod:`localllm.kernels._aot`) down to PTX and a cubin
+(``ptxas`` ships in the Triton wheel) for the specializations the launchers in ``localllm.kernels`` use: argument
 dtypes, constexprs, launch options, and the 16-byte alignment / ``== 1`` specializations
 that the JIT applies at launch.
 
@@ -13,9 +13,6 @@ cache; Triton caches the results under ``~/.triton/cache``). Checked with Triton
 """
 
 from __future__ import annotations
-
-import inspect
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -26,8 +23,10 @@ kernels = pytest.importorskip("localllm.kernels")
 if not kernels.triton_available():
     pytest.skip("Triton is not installed", allow_module_level=True)
 
-from localllm.kernels._jit import DualKernel
-from localllm.kernels.decode import GROUP_SIZES, KERNEL_TYPES
+from localllm.kernels import _aot
+from localllm.kernels._aot import Case
+from localllm.kernels.attention import _combine_kernel, _partial_kernel, default_block_s
+from localllm.kernels.decode import GROUP_SIZES, KERNEL_TYPES, MMVQ_TYPES
 from localllm.kernels.dequant import _dequant_kernel
 from localllm.kernels.fused import (
     _ACTS,
@@ -36,7 +35,13 @@ from localllm.kernels.fused import (
     _rms_norm_rope_kernel,
 )
 from localllm.kernels.gemm import _gemm_kernel
-from localllm.kernels.gemv import _gemv1_kernel, _gemv_kernel
+from localllm.kernels.gemv import (
+    _gemv1_kernel,
+    _gemv_kernel,
+    _mmvq_kernel,
+    _quantize_q8_kernel,
+    mmvq_config,
+)
 from localllm.kernels.norm_rope import _rms_norm_kernel
 
 from localllm.gguf.quants import BLOCK_FORMATS
@@ -45,66 +50,12 @@ from localllm.gguf.quants import BLOCK_FORMATS
 MAX_SHARED = {90: 227 * 1024, 86: 99 * 1024}
 
 
-def _compiler_api():
-    """(ASTSource, GPUTarget, make_backend), or the reason this Triton cannot be driven."""
-    try:
-        from triton.backends import backends
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        from triton.compiler.compiler import make_backend
-    except ImportError as e:
-        return f"Triton {triton.__version__} lacks the compiler API used here ({e})"
-    if "nvidia" not in backends:
-        return f"Triton {triton.__version__} was built without the NVIDIA backend"
-    # Recent Triton (3.6 to 3.9 checked) keys the signature by argument name, constexprs
-    # included as "constexpr"; older ones keyed it by argument index.
-    if "constexprs" not in inspect.signature(ASTSource.__init__).parameters:
-        return f"Triton {triton.__version__}: ASTSource predates name-keyed signatures"
-    return ASTSource, GPUTarget, make_backend
-
-
-@dataclass
-class Case:
-    """One specialization of a kernel: its non-constexpr argument types and its constexprs.
-
-    ``types`` maps argument names to Triton type strings ("*u8", "i32", "fp32", ...); the
-    remaining arguments must be in ``constexprs``. ``aligned`` names the arguments the JIT
-    would specialize as divisible by 16 (by default all of them: torch allocations and model
-    dimensions); an int argument equal to 1 is a constexpr, as the JIT makes it.
-    """
-
-    kernel: DualKernel
-    types: dict[str, str]
-    constexprs: dict[str, object]
-    num_warps: int = 4
-    enable_fp_fusion: bool = True
-    arch: int = 90
-    aligned: tuple[str, ...] | None = None
-
-
 def compile_case(case: Case):
-    """The kernel compiled for ``sm_<arch>`` (a ``CompiledKernel``); no GPU needed."""
-    api = _compiler_api()
-    if isinstance(api, str):
-        pytest.skip(api)
-    ast_source, gpu_target, make_backend = api
-    # The variant for CUDA is a plain JITFunction; building it touches no GPU.
-    fn = case.kernel.variant(torch.device("cuda"))
-    names = list(fn.arg_names)
-    unknown = set(case.types) ^ (set(names) - set(case.constexprs))
-    assert not unknown, (
-        f"{fn.__name__}: arguments not exactly one of typed or constexpr: {sorted(unknown)}"
-    )
-    signature = {n: case.types.get(n, "constexpr") for n in names}
-    target = gpu_target("cuda", case.arch, 32)
-    backend = make_backend(target)
-    attrs = {}
-    if hasattr(backend, "parse_attr"):  # how the JIT turns its "D" (divisible by 16) marks
-        aligned = case.types if case.aligned is None else case.aligned
-        attrs = {(names.index(n),): backend.parse_attr("D") for n in aligned}
-    src = ast_source(fn=fn, signature=signature, constexprs=case.constexprs, attrs=attrs)
-    options = {"num_warps": case.num_warps, "enable_fp_fusion": case.enable_fp_fusion}
-    return triton.compile(src, target=target, options=options)
+    """The kernel compiled for ``sm_<arch>``; skips where this Triton cannot compile."""
+    try:
+        return _aot.compile_case(case)
+    except _aot.CompileUnavailable as e:
+        pytest.skip(str(e))
 
 
 def _dequant(qtype: T, out: str = "*fp32", n: str = "i32") -> Case:
@@ -126,6 +77,48 @@ def _gemv1(qtype: T) -> Case:
         {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype), "G": g,
          "BLOCK_N": 16, "GROUPS": 256 // g},
     )  # fmt: skip
+
+
+def _mmvq(qtype: T, n: int = 4096, k: int = 4096, arch: int = 90) -> Case:
+    """gemv() for one vector of a type with the integer-dot kernel, as launched for (n, k)."""
+    fmt, (unit, off) = kernels.block_format(qtype), MMVQ_TYPES[qtype]
+    cfg = mmvq_config(qtype, n, k)
+    return Case(
+        _mmvq_kernel,
+        {"w": "*u8", "xq": "*i8", "xd": "*fp32", "xs": "*i32", "y": "*fp32", "N": "i32",
+         "K": "i32", "blocks_per_split": "i32", "stride_ys": "i32"},
+        {"BS": fmt.block_size, "TS": fmt.type_size, "UNIT": unit, "QTYPE": int(qtype),
+         "OFF": off, "ROWS": cfg["ROWS"], "GP": cfg["GP"], "STAGES": cfg["STAGES"],
+         "DP4A": True},
+        arch=arch,
+    )  # fmt: skip
+
+
+def _quantize_q8() -> Case:
+    return Case(_quantize_q8_kernel, {"x": "*fp32", "xq": "*i8", "xd": "*fp32", "xs": "*i32",
+                                      "n_chunks": "i32"}, {"CH": 8})  # fmt: skip
+
+
+def _attention(group: int, d: int, ring: bool, kv: str = "*fp16", arch: int = 90) -> Case:
+    """decode_attention()'s partial kernel: ``group`` query heads per KV head, head_dim d."""
+    return Case(
+        _partial_kernel,
+        {"q": "*fp32", "k_cache": kv, "v_cache": kv, "q_pos_ptr": "*i64", "k_pos": "*i64",
+         "ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32", "S": "i32", "window": "i32",
+         "split_len": "i32", "n_splits": "i32", "stride_qh": "i32", "stride_kh": "i32",
+         "stride_ks": "i32", "stride_vh": "i32", "stride_vs": "i32", "qk_scale": "fp32"},
+        {"GROUP": group, "GROUP_PAD": 1 << (group - 1).bit_length(), "D": d,
+         "BLOCK_S": default_block_s(group, d), "RING": ring, "HAS_WINDOW": ring},
+        arch=arch, aligned=("q", "k_cache", "v_cache", "q_pos_ptr", "k_pos", "ws_m", "ws_l",
+                            "ws_acc", "S", "stride_qh", "stride_kh", "stride_ks", "stride_vh",
+                            "stride_vs"),
+    )  # fmt: skip
+
+
+def _combine(d: int, splits_pad: int) -> Case:
+    return Case(_combine_kernel, {"ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32",
+                                  "out": "*fp32", "n_splits": "i32"},
+                {"D": d, "SPLITS_PAD": splits_pad, "CHUNK": max(1, min(splits_pad, 4096 // d))})  # fmt: skip
 
 
 def _gemv(qtype: T, batch: int) -> Case:
@@ -216,6 +209,16 @@ CASES = {
     "dequant-Q6_K-fp16": _dequant(T.Q6_K, "*fp16"),
     "dequant-Q8_0-bf16-i64": _dequant(T.Q8_0, "*bf16", "i64"),  # > 2**31 weights
     **{f"gemv1-{q.name}": _gemv1(q) for q in KERNEL_TYPES if q in GROUP_SIZES},
+    **{f"mmvq-{q.name}": _mmvq(q) for q in MMVQ_TYPES},
+    "mmvq-Q8_0-gemma-qkv": _mmvq(T.Q8_0, 1536, 640),  # 8 groups a step
+    "mmvq-Q4_K-sm86": _mmvq(T.Q4_K, arch=86),
+    "quantize_q8": _quantize_q8(),
+    "attention-llama-g4-d128": _attention(4, 128, ring=False),
+    "attention-gemma-ring-g4-d256": _attention(4, 256, ring=True),
+    "attention-g1-d64-fp32": _attention(1, 64, ring=False, kv="*fp32"),
+    "attention-g7-d128-sm86": _attention(7, 128, ring=True, arch=86),
+    "attention_combine-d128": _combine(128, 64),
+    "attention_combine-d256-1split": _combine(256, 1),
     **{f"gemv-{q.name}-b1": _gemv(q, 1) for q in KERNEL_TYPES if q not in GROUP_SIZES},
     **{f"gemv-{q.name}-b8": _gemv(q, 8) for q in KERNEL_TYPES},
     "gemv-Q4_K-b3": _gemv(T.Q4_K, 3),
@@ -256,11 +259,13 @@ def test_every_kernel_type_is_covered():
         (_dequant_kernel, KERNEL_TYPES),
         (_gemv_kernel, KERNEL_TYPES),
         (_gemv1_kernel, [q for q in KERNEL_TYPES if q in GROUP_SIZES]),
+        (_mmvq_kernel, list(MMVQ_TYPES)),
     ]:
         covered = {c.constexprs["QTYPE"] for c in cases if c.kernel is kernel}
         assert covered == {int(q) for q in eligible}, kernel.fn.__name__
     launched = {_dequant_kernel, _gemv_kernel, _gemv1_kernel, _gemm_kernel, _rms_norm_kernel,
-                _rms_norm_rope_kernel, _residual_rms_norm_kernel, _gated_act_kernel}  # fmt: skip
+                _rms_norm_rope_kernel, _residual_rms_norm_kernel, _gated_act_kernel,
+                _mmvq_kernel, _quantize_q8_kernel, _partial_kernel, _combine_kernel}  # fmt: skip
     assert {c.kernel for c in cases} == launched
 
 

@@ -25,10 +25,10 @@ if not kernels.triton_available():
     pytest.skip("Triton is not installed", allow_module_level=True)
 
 from localllm.kernels import QuantWeight, quant_linear
-from localllm.kernels.decode import KERNEL_TYPES
+from localllm.kernels.decode import KERNEL_TYPES, MMVQ_TYPES
 from localllm.kernels.dequant import dequantize as triton_dequantize
 from localllm.kernels.gemm import gemm
-from localllm.kernels.gemv import gemv
+from localllm.kernels.gemv import gemv, quantize_q8
 
 TYPE_IDS = {"ids": lambda q: q.name}
 
@@ -93,6 +93,12 @@ def test_dequant_half_outputs(qtype, dtype, device):
         assert torch.equal(got.cpu(), expected.to(dtype))
 
 
+def q8_reference(x: torch.Tensor) -> torch.Tensor:
+    """One vector as the integer-dot GEMV sees it: quantized to 8 bits per 32 values."""
+    xq, xd, _ = quantize_q8(x.reshape(-1))
+    return (xq.double().reshape(-1, 32) * xd.double()[:, None].cpu()).reshape(1, -1).cpu()
+
+
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, **TYPE_IDS)
 def test_gemv(qtype, device):
     w, wref = make_weight(qtype, n=7, blocks_per_row=3, seed=int(qtype))
@@ -101,7 +107,11 @@ def test_gemv(qtype, device):
         x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
         y = gemv(w.data, w.qtype, w.shape[0], x.to(device))
         assert y.shape == (rows, 7) and y.dtype == torch.float32
-        assert rel_err(y, x.double() @ wref.double().T) < 1e-5
+        if rows == 1 and qtype in MMVQ_TYPES:  # integer dot on 8-bit activations
+            assert rel_err(y, q8_reference(x.to(device)) @ wref.double().T) < 1e-5
+            assert rel_err(y, x.double() @ wref.double().T) < 3e-2
+        else:
+            assert rel_err(y, x.double() @ wref.double().T) < 1e-5
 
 
 def test_gemv_batch_and_dtypes(device):
@@ -117,9 +127,9 @@ def test_gemv_batch_and_dtypes(device):
     # A strided view of x (every other row) gives the same rows.
     xs = x.to(device)[::2]
     assert torch.allclose(gemv(w.data, w.qtype, 5, xs, out_dtype=torch.float32), y32[::2])
-    # One float16 vector (the grouped single-vector kernel).
+    # One float16 vector (the integer-dot kernel on 8-bit activations).
     y1 = gemv(w.data, w.qtype, 5, x[3:4].to(device), out_dtype=torch.float32)
-    assert rel_err(y1, ref[3:4]) < 1e-5
+    assert rel_err(y1, q8_reference(x[3:4].to(device)) @ wref.double().T) < 1e-5
     with pytest.raises(ValueError, match="at most 8"):
         gemv(w.data, w.qtype, 5, torch.zeros(9, w.shape[1], device=device))
 
@@ -162,9 +172,10 @@ def test_quant_linear_fused(rows, device):
     outs = quant_linear(x.to(device), fused)
     assert len(outs) == 3
     tol = 1e-5 if rows <= kernels.GEMV_MAX_ROWS else 3e-3
+    xr = q8_reference(x.to(device)) if rows == 1 else x.double()  # 1 row: 8-bit activations
     for out, (_, wref) in zip(outs, parts, strict=True):
         assert out.shape == (1, rows, wref.shape[0])
-        assert rel_err(out, x.double() @ wref.double().T) < tol
+        assert rel_err(out, xr @ wref.double().T) < tol
     single = quant_linear(x.to(device), parts[1][0].to(device))
     assert isinstance(single, torch.Tensor) and single.shape == (1, rows, 3)
 

@@ -109,9 +109,10 @@ def test_quantized_triton_path_matches_torch_path(tiny_model_path, arch):
         got_prefill = s.eval(ids[:10], all_logits=True)
         # decode: GEMV, RMSNorm, RoPE and flash-decoding attention kernels
         got_decode = torch.stack([s.eval([t]) for t in ids[10:]])
-        # fp16 tiles in the GEMM, float32 accumulation everywhere
+        # fp16 tiles in the GEMM; the decode GEMV multiplies activations quantized to 8 bits
+        # per 32 values (as llama.cpp's CUDA mul_mat_vec_q); float32 accumulation everywhere
         assert (got_prefill - want[:10]).abs().max() / scale < 2e-2
-        assert (got_decode - want[10:]).abs().max() / scale < 1e-3
+        assert (got_decode - want[10:]).abs().max() / scale < 3e-2
 
 
 # ---- static decode (the step CUDA graphs capture) -----------------------------------------------

@@ -13,7 +13,9 @@ On the CPU there is nothing to capture: the same static step runs eagerly, which
 tests check it against the ordinary forward.
 
 ``LOCALLLM_CUDA_GRAPHS=0`` turns capture off (as ``GGML_CUDA_DISABLE_GRAPHS`` does in
-llama.cpp); a capture that fails falls back to the eager step with a one-line notice.
+llama.cpp); a capture that fails with any exception (torch refusing an op during capture,
+Triton failing to compile or launch a kernel) falls back to the eager step with a one-line
+notice; KeyboardInterrupt and other BaseExceptions still propagate.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ class DecodeGraph:
             with torch.cuda.graph(graph):
                 self.logits = self._forward()
             self.graph = graph
-        except RuntimeError as e:  # capture refused by an op: decode without graphs
+        except Exception as e:  # noqa: BLE001 - any failure (torch's RuntimeError, Triton's
+            # CompilationError / OutOfResources, ...) means: decode without graphs
             self.capture, self.graph, self.logits = False, None, None
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             print(f"notice: CUDA graph capture failed ({first}); decoding without graphs",

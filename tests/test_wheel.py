@@ -68,3 +68,15 @@ def test_wheel_ships_models_toml_and_grammars(tmp_path):
     assert module.is_relative_to(site)  # the installed wheel, not the checkout
     assert grammar.is_relative_to(site) and grammar.read_text().strip()
     assert registry.is_relative_to(site) and "gemma3-270m" in registry.read_text()
+
+
+def test_every_package_is_listed_for_the_wheel():
+    """A subpackage missing from pyproject's list installs from a checkout but not from the
+    wheel (``localllm.tokenizer`` once did): every folder with an ``__init__.py`` is listed."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "localllm").rglob("__init__.py")}
+    found |= {"localllm.kernels"}  # kernels/ is installed as localllm.kernels
+    assert found <= listed, sorted(found - listed)

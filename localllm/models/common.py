@@ -43,11 +43,14 @@ class Weights:
         progress: Callable[[int], None] | None = None,
         *,
         quantized: bool = False,
+        native: bool = False,
     ):
         self.gguf, self.device, self.dtype = gguf, device, dtype
         self.progress = progress or (lambda n: None)
         # Keep matrices in their ggml blocks and multiply with the Triton kernels (CUDA).
         self.quantized = quantized
+        # Keep matrices in their ggml blocks and multiply with the native CPU kernels.
+        self.native = native
         self.fallbacks: list[str] = []  # tensors without a kernel, dequantized instead
 
     def has(self, name: str) -> bool:
@@ -86,9 +89,36 @@ class Weights:
         self.progress(info.n_bytes)
         return QuantWeight.from_bytes(info.data.copy(), info.qtype, shape).to(self.device)
 
+    # --- Native CPU kernels (localllm.cpu, issue #17): the one dispatch point. ---------------
+    # With ``native``, linear/fused/embedding wrap the file's blocks (no copy) in
+    # localllm.cpu's layers; matrices without a native kernel take the dequantized path.
+    def _native(self, name: str, shape: tuple[int, int]):
+        """The matrix as a ``localllm.cpu.PackedWeight`` viewing the file, or None."""
+        from ..cpu import PackedWeight, supports
+
+        info = self.gguf.tensor(name)
+        check_tensor_shape(name, shape, info.shape, self.gguf.path.name)
+        if not supports(info.qtype, shape[1]):
+            self.fallbacks.append(f"{name} ({info.qtype.name})")
+            return None
+        self.progress(info.n_bytes)
+        return PackedWeight.from_bytes(info.data, info.qtype, shape)
+
+    def _native_layer(self, name: str, shape: tuple[int, int], bias, *, embedding=False):
+        """A ``localllm.cpu`` layer for tensor ``name``, or None (see :meth:`_native`)."""
+        from ..cpu import NativeEmbedding, NativeLinear
+
+        packed = self._native(name, shape)
+        if packed is None:
+            return None
+        return NativeEmbedding(packed) if embedding else NativeLinear(packed, bias)
+    # --- end of the native CPU dispatch point. -------------------------------------------
+
     def linear(self, name: str, shape: tuple[int, int], bias: str | None = None):
         """A projection by tensor ``name`` (out, in): quantized when the weights stay so."""
         b = self.get(bias, (shape[0],)) if bias and self.has(bias) else None
+        if self.native and (layer := self._native_layer(name, shape, b)) is not None:
+            return layer
         if self.quantized:
             q = self._quant(name, shape)
             if q is not None:
@@ -98,6 +128,13 @@ class Weights:
     def fused(self, specs: list[tuple[str, tuple[int, int]]], biases: list[str | None] | None = None):
         """Projections of one input (Q/K/V, gate/up) as one product where the types allow."""
         biases = biases or [None] * len(specs)
+        if self.native:
+            from ..cpu import NativeFusedLinear, NativeLinear
+
+            parts = [self.linear(n, s, b) for (n, s), b in zip(specs, biases)]
+            if all(isinstance(p, NativeLinear) for p in parts):
+                return NativeFusedLinear(parts)
+            return SeparateLinears(parts)
         if self.quantized:
             parts = [self.linear(n, s, b) for (n, s), b in zip(specs, biases)]
             if all(isinstance(p, QuantLinear) for p in parts):
@@ -109,6 +146,8 @@ class Weights:
 
     def embedding(self, name: str, shape: tuple[int, int]):
         """The token embedding table (n_vocab, d), also usable as a tied output projection."""
+        if self.native and (layer := self._native_layer(name, shape, None, embedding=True)):
+            return layer
         if self.quantized:
             q = self._quant(name, shape)
             if q is not None:

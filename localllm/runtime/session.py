@@ -53,7 +53,7 @@ class LoadedModel:
     model: object
     device: torch.device
     load_seconds: float
-    backend: str = "torch"  # "triton": matrices stay quantized (Triton kernels)
+    backend: str = "torch"  # "triton" / "native": matrices stay quantized (Triton / CPU kernels)
     fallbacks: list[str] | None = None  # tensors without a kernel, dequantized instead
 
 
@@ -73,8 +73,10 @@ def load_model(
             exact checks).
         backend: "torch" dequantizes every matrix at load; "triton" keeps matrices in their
             ggml blocks and multiplies with the Triton kernels (on the CPU they run in
-            Triton's interpreter: for tests only); "auto" is "triton" on CUDA when Triton
-            is importable, else "torch".
+            Triton's interpreter: for tests only); "native" keeps them in their blocks on the
+            CPU and multiplies with the native kernels (:mod:`localllm.cpu`, compiled on first
+            use; "torch" with a notice when they cannot be built); "auto" is "triton" on CUDA
+            when Triton is importable, "native" on the CPU when the kernels load, else "torch".
         progress: show a progress bar on stderr (default: when stderr is a terminal).
         ctx_size: context size the caller will use; its KV cache counts in the memory check.
     Raises:
@@ -90,20 +92,31 @@ def load_model(
     args = arch.ModelArgs.from_gguf(gguf.metadata, tokenizer.n_vocab)
     dev = resolve_device(device)
     quantized = _use_quantized(backend, dev)
-    check_memory(gguf, args, ctx_size, dev, dtype, quantized=quantized)
+    native = not quantized and _use_native(backend, dev)
+    check_memory(gguf, args, ctx_size, dev, dtype, quantized=quantized or native)
     if progress is None:
         progress = sys.stderr.isatty()
     with _load_progress(gguf, enabled=progress) as advance:
-        weights = Weights(gguf, dev, dtype, advance, quantized=quantized)
+        weights = Weights(gguf, dev, dtype, advance, quantized=quantized, native=native)
         model = arch.Model(args, weights)
+    name = "triton" if quantized else "native" if native else "torch"
     return LoadedModel(gguf, tokenizer, args, model, dev, time.perf_counter() - t0,
-                       "triton" if quantized else "torch", weights.fallbacks)
+                       name, weights.fallbacks)
+
+
+def _use_native(backend: str, device: torch.device) -> bool:
+    """The native CPU kernels (localllm.cpu) for ``auto``/``native`` on the CPU when they load."""
+    if device.type != "cpu" or backend not in ("auto", "native"):
+        return False
+    from ..cpu import available
+
+    return available()
 
 
 def _use_quantized(backend: str, device: torch.device) -> bool:
-    if backend not in ("auto", "torch", "triton"):
-        raise LocalLLMError(f"backend must be auto, torch or triton, got {backend!r}")
-    if backend == "torch":
+    if backend not in ("auto", "torch", "triton", "native"):
+        raise LocalLLMError(f"backend must be auto, torch, triton or native, got {backend!r}")
+    if backend in ("torch", "native"):
         return False
     from ..kernels import triton_available
 

@@ -30,6 +30,8 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu or cuda")]
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", help="context size in tokens")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", help="prefill chunk in tokens")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="timings and details on stderr")]
+ThreadsOpt = Annotated[int | None, typer.Option(
+    "--threads", "-t", help="CPU threads (default: physical cores)")]
 
 
 def _err(text: str) -> None:
@@ -113,10 +115,14 @@ def _run(
     grammar_file: Annotated[str | None, typer.Option("--grammar-file", help="GBNF file or grammars/ name")] = None,
     json_mode: Annotated[bool, typer.Option("--json", help="output one JSON value")] = False,
     json_schema: Annotated[str | None, typer.Option("--json-schema", help="JSON schema FILE or inline")] = None,
+    threads: ThreadsOpt = None,
     verbose: VerboseOpt = False,
     sampling=None,
 ) -> None:
     """Generate a continuation of PROMPT and stream it to stdout."""
+    from ..cpu.threads import set_threads
+
+    set_threads(threads)
     positional = list(args or [])
     if len(positional) > 2:
         raise LocalLLMError(f"too many arguments: {positional[2:]!r} (quote the prompt)")
@@ -279,7 +285,7 @@ def bench(
         "--synthetic", help="random weights shaped as llama3-8b, qwen2-7b or gemma3-270m")] = None,
     quant: Annotated[str, typer.Option(
         "--quant", help="recipe of --synthetic (Q4_K_M, Q8_0 ...)")] = "Q4_K_M",
-    threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads")] = None,
+    threads: ThreadsOpt = None,
     peak_bandwidth: Annotated[float | None, typer.Option(
         "--peak-bandwidth", help="device peak memory bandwidth in GB/s (for MBU)")] = None,
     llama_cpp: Annotated[bool, typer.Option(
@@ -288,7 +294,10 @@ def bench(
         "--json", help="print the figures as one JSON line")] = False,
 ) -> None:
     """Prefill (pp) and decode (tg) speed, time to first token, peak memory and bandwidth."""
+    from ..cpu.threads import set_threads
     from ..eval.bench import run_bench
+
+    threads = set_threads(threads)
 
     run_bench(model, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions, device=device,
               synthetic=synthetic, quant=quant, threads=threads, peak_bandwidth=peak_bandwidth,

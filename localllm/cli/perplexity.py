@@ -51,6 +51,8 @@ def perplexity_command(
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="prefill chunk")] = 2048,
     chunks: Annotated[int, typer.Option("--chunks", help="most chunks to score (-1: all)")] = -1,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda")] = "auto",
+    threads: Annotated[int | None, typer.Option(
+        "--threads", "-t", help="CPU threads (default: physical cores)")] = None,
     kl_base: Annotated[Path | None, typer.Option(
         "--kl-divergence-base", help="file of the base model's distributions (.npz): "
         "written, or read with --kl-divergence")] = None,
@@ -65,6 +67,9 @@ def perplexity_command(
         "perplexity-compare.png"),
 ) -> None:
     """Perplexity of a text with llama-perplexity's method; KL divergence; quant comparison."""
+    from ..cpu.threads import set_threads
+
+    set_threads(threads)
     models = list(models or [])
     if compare:
         from ..eval.compare import run_compare

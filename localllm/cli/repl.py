@@ -618,10 +618,15 @@ def chat_command(
     n_predict: Annotated[int, typer.Option(
         "--n-predict", "-n", help="most tokens per reply (-1: no limit)")] = -1,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda")] = "auto",
+    threads: Annotated[int | None, typer.Option(
+        "--threads", "-t", help="CPU threads (default: physical cores)")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="details on stderr")] = False,
     sampling=None,
 ) -> None:
     """Chat with a model in the terminal (streaming, /help for commands)."""
+    from ..cpu.threads import set_threads
+
+    set_threads(threads)
     from rich.console import Console
 
     from ..api import LLM

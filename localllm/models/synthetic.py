@@ -69,6 +69,10 @@ GEOMETRIES: dict[str, Geometry] = {
     "llama3-8b": Geometry(
         "llama3-8b", "llama", 128256, 32, 4096, 32, 8, 128, 14336, 8192, 500000.0, 1e-5,
         "gpt2", "llama-bpe", specials=_LLAMA3_SPECIALS),
+    # Llama-3.2-1B: tied output (its llama3 RoPE scaling is left out: speed is the same)
+    "llama3.2-1b": Geometry(
+        "llama3.2-1b", "llama", 128256, 16, 2048, 32, 8, 64, 8192, 131072, 500000.0, 1e-5,
+        "gpt2", "llama-bpe", specials=_LLAMA3_SPECIALS, tied_output=True),
     # Qwen2-7B: QKV biases, untied output, 152064-row embedding (vocab padded with [PAD] tokens)
     "qwen2-7b": Geometry(
         "qwen2-7b", "qwen2", 152064, 28, 3584, 28, 4, 128, 18944, 32768, 1000000.0, 1e-6,

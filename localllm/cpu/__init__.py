@@ -73,9 +73,13 @@ class PackedWeight:
         tensor) without copying.
 
         Raises:
-            UnsupportedError: no native kernel for the type or the shape.
+            UnsupportedError: the kernels are unavailable (:func:`available`), or have no
+                kernel for the type or the shape.
             ParameterError: the byte count does not match ``shape``.
         """
+        if not available():
+            raise UnsupportedError("the native CPU kernels are unavailable (no C++ compiler, "
+                                   "or LOCALLLM_NATIVE_CPU=0)")
         qtype = T(qtype)
         rows, cols = shape
         if not supports(qtype, cols):

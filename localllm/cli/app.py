@@ -66,7 +66,7 @@ def print_model_summary(llm) -> None:
     _err(f"model: {llm.path} ({loaded.gguf.architecture}, device {llm.device}, "
          f"backend {loaded.backend})")
     for name in loaded.fallbacks or ():
-        _err(f"no Triton kernel, dequantized: {name}")
+        _err(f"no {loaded.backend} kernel, dequantized: {name}")
     if llm.device.type == "cuda":
         import torch
 

@@ -60,8 +60,11 @@ def _load() -> None:
     directory = cache_dir()
     lib = directory / f"{name}.so"
     if lib.exists():
-        torch.ops.load_library(str(lib))
-        return
+        try:
+            torch.ops.load_library(str(lib))
+            return
+        except OSError:  # being written by another process: build under torch's lock below
+            pass
     from torch.utils.cpp_extension import load
 
     try:  # the ninja wheel's binary, when the venv's bin/ is not on PATH

@@ -106,6 +106,26 @@ def test_prefill_tiles(qtype, monkeypatch):
     assert_close_product(cpu.qmatmul(x, w), x, ref)
 
 
+def test_prefill_tiles_in_bfloat16(monkeypatch):
+    # bfloat16 x, W and products (float32 accumulation): within a few bfloat16 roundings.
+    cols = 256
+    monkeypatch.setattr(cpu, "TILE_ELEMENTS", 48 * cols)
+    w, ref = packed(T.Q4_K, 100, cols, seed=6)
+    x = torch.randn(13, cols, generator=torch.Generator().manual_seed(1))
+    y = cpu.qmatmul(x, w, prefill_dtype=torch.bfloat16)
+    bound = x.double().abs() @ ref.double().abs().T
+    err = (y.double() - x.double() @ ref.double().T).abs()
+    assert y.dtype == torch.float32 and bool((err <= 1e-2 * bound).all())
+    assert not torch.equal(y, cpu.qmatmul(x, w))  # it did take the bfloat16 path
+
+
+def test_bf16_gemm_choice(monkeypatch):
+    monkeypatch.setenv("LOCALLLM_CPU_PREFILL", "fp32")
+    assert not cpu.bf16_gemm()
+    monkeypatch.setenv("LOCALLLM_CPU_PREFILL", "bf16")
+    assert cpu.bf16_gemm()
+
+
 def test_threads_do_not_change_results():
     w, _ = packed(T.Q4_K, 2048, 512, seed=9)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2))
@@ -171,12 +191,13 @@ def test_fallback_notice_without_a_compiler(tmp_path):
 
 @pytest.mark.parametrize("arch,qtype", [("gemma3", T.Q8_0), ("llama", T.Q4_0), ("qwen2", T.F16)])
 def test_model_native_equals_dequantized(tiny_model_path, arch, qtype):
-    """A tiny model on the native path gives the logits of the float32 dequantized path, in
-    decode (GEMV) and in prefill (tiles)."""
+    """A tiny model on the native path (float32: exact products) gives the logits of the
+    float32 dequantized path, in decode (GEMV) and in prefill (tiles)."""
     from localllm.runtime.session import Session, load_model
 
     path = tiny_model_path(arch, qtype=qtype)
-    native = load_model(path, device="cpu", progress=False, backend="native")
+    native = load_model(path, device="cpu", progress=False, backend="native",
+                        dtype=torch.float32)
     exact = load_model(path, device="cpu", progress=False, backend="torch", dtype=torch.float32)
     assert native.backend == "native" and exact.backend == "torch"
     assert native.fallbacks == []
@@ -189,3 +210,18 @@ def test_model_native_equals_dequantized(tiny_model_path, arch, qtype):
         logits.append((prefill, torch.stack([s.eval([t]) for t in ids[12:]])))
     for got, want in zip(*logits):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_model_native_bf16_prefill_is_close(tiny_model_path, monkeypatch):
+    """The default precision with bfloat16 prefill tiles stays close to the exact logits."""
+    from localllm.runtime.session import Session, load_model
+
+    monkeypatch.setenv("LOCALLLM_CPU_PREFILL", "bf16")
+    path = tiny_model_path("gemma3", qtype=T.Q8_0)
+    fast = load_model(path, device="cpu", progress=False, backend="native")
+    exact = load_model(path, device="cpu", progress=False, backend="torch", dtype=torch.float32)
+    assert fast.model.blocks[0].down.prefill_dtype == torch.bfloat16
+    ids = list(range(4, 40))
+    got = Session(fast, ctx_size=64).eval(ids, all_logits=True)
+    want = Session(exact, ctx_size=64).eval(ids, all_logits=True)
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()

@@ -21,6 +21,7 @@ llama.cpp ``ggml/src/ggml-common.h``; dequantization: ``ggml/src/ggml-quants.c``
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ from gguf import GGMLQuantizationType as T
 
 from ..errors import ParameterError, UnsupportedError
 from ..gguf.quants import block_format
-from .build import load_native
+from .build import _cpu_flags, load_native
 
 # Up to this many activation rows a product runs the native GEMV (decode, small batches).
 GEMV_MAX_ROWS = 8
@@ -39,6 +40,16 @@ TILE_ELEMENTS = 1 << 20
 
 SUPPORTED = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
                        T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
+
+
+def bf16_gemm() -> bool:
+    """True when prefill tiles should multiply in bfloat16: the CPU has AVX512_BF16 or AMX
+    (oneDNN's bf16 GEMM is then 2-3x torch's float32 one), unless LOCALLLM_CPU_PREFILL=fp32."""
+    choice = os.environ.get("LOCALLLM_CPU_PREFILL", "auto")
+    if choice in ("fp32", "bf16"):
+        return choice == "bf16"
+    flags = set(_cpu_flags().split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def available() -> bool:
@@ -124,13 +135,16 @@ def _check_x(x: torch.Tensor, cols: int) -> torch.Tensor:
     return x.float().contiguous()
 
 
-def qmatmul(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+def qmatmul(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = None, *,
+            prefill_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x @ W.T``: x (T, cols) float32, W a :class:`PackedWeight` (rows, cols) -> (T, rows)
     float32, written into ``out`` when given (a (T, rows) float32 view with unit column
     stride, e.g. a column slice of a wider output).
 
-    T <= :data:`GEMV_MAX_ROWS`: the native GEMV; else tiles of W are dequantized to float32
-    and multiplied with torch's GEMM (no full-size copy of W).
+    T <= :data:`GEMV_MAX_ROWS`: the native GEMV (float32, exact up to summation order);
+    else tiles of W are dequantized to ``prefill_dtype`` (float32, or bfloat16: x and the
+    products are then rounded to bfloat16, float32 accumulation) and multiplied with torch's
+    GEMM (no full-size copy of W).
 
     Raises:
         ParameterError: x does not have ``cols`` columns.
@@ -146,7 +160,8 @@ def qmatmul(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = No
         torch.ops.localllm_cpu.gemv(x, weight.data, int(weight.qtype), rows, cols, out)
         return out
     tile = max(16, TILE_ELEMENTS // cols)
-    buf = torch.empty(min(tile, rows), cols)
+    buf = torch.empty(min(tile, rows), cols, dtype=prefill_dtype)
+    x = x.to(prefill_dtype)
     for r0 in range(0, rows, tile):
         n = min(tile, rows - r0)
         w = buf[:n]
@@ -158,13 +173,15 @@ def qmatmul(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = No
 class NativeLinear:
     """``y = x @ W.T (+ b)`` reading W (out, in) from its ggml blocks (:func:`qmatmul`)."""
 
-    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None, *,
+                 prefill_dtype: torch.dtype = torch.float32) -> None:
         self.weight = weight
         self.bias = bias  # (out,) float32 or None
+        self.prefill_dtype = prefill_dtype  # of the GEMM over more than GEMV_MAX_ROWS rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, in) float32 -> (T, out) float32."""
-        y = qmatmul(x, self.weight)
+        y = qmatmul(x, self.weight, prefill_dtype=self.prefill_dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -183,7 +200,7 @@ class NativeFusedLinear:
         off = 0
         for p, n in zip(self.parts, self.sizes):
             ys = y[:, off:off + n]
-            qmatmul(x, p.weight, ys)
+            qmatmul(x, p.weight, ys, prefill_dtype=p.prefill_dtype)
             if p.bias is not None:
                 ys += p.bias
             off += n
@@ -194,9 +211,9 @@ class NativeEmbedding:
     """An embedding table (n_vocab, d) kept in ggml blocks: looked-up rows are dequantized;
     ``head`` is the tied output projection."""
 
-    def __init__(self, weight: PackedWeight) -> None:
+    def __init__(self, weight: PackedWeight, *, prefill_dtype: torch.dtype = torch.float32) -> None:
         self.weight = weight
-        self.head = NativeLinear(weight)
+        self.head = NativeLinear(weight, prefill_dtype=prefill_dtype)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: (T,) int64 -> (T, d) float32."""

@@ -105,13 +105,17 @@ class Weights:
         return PackedWeight.from_bytes(info.data, info.qtype, shape)
 
     def _native_layer(self, name: str, shape: tuple[int, int], bias, *, embedding=False):
-        """A ``localllm.cpu`` layer for tensor ``name``, or None (see :meth:`_native`)."""
-        from ..cpu import NativeEmbedding, NativeLinear
+        """A ``localllm.cpu`` layer for tensor ``name``, or None (see :meth:`_native`).
+        Prefill multiplies in bfloat16 where the CPU has it, unless float32 was asked for."""
+        from ..cpu import NativeEmbedding, NativeLinear, bf16_gemm
 
         packed = self._native(name, shape)
         if packed is None:
             return None
-        return NativeEmbedding(packed) if embedding else NativeLinear(packed, bias)
+        fast = self.dtype != torch.float32 and bf16_gemm()
+        dt = torch.bfloat16 if fast else torch.float32
+        return (NativeEmbedding(packed, prefill_dtype=dt) if embedding
+                else NativeLinear(packed, bias, prefill_dtype=dt))
     # --- end of the native CPU dispatch point. -------------------------------------------
 
     def linear(self, name: str, shape: tuple[int, int], bias: str | None = None):

@@ -6,7 +6,9 @@ the sources' hash, the torch version, the compiler and the CPU's instruction-set
 later process loads the shared library directly (no compiler, no ninja). The library
 registers its operators as ``torch.ops.localllm_cpu.*``.
 
-``LOCALLLM_NATIVE_CPU=0`` turns the native kernels off (the torch path is used instead).
+``LOCALLLM_NATIVE_CPU=0`` turns the native kernels off (the torch path is used instead);
+``LOCALLLM_CPU_ARCH`` compiles for another ``-march`` than ``native`` (tests of the AVX2 and
+portable code paths).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).parent / "csrc" / "qmatmul.cpp"]
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+# LOCALLLM_CPU_ARCH picks another -march (haswell: the AVX2 path, x86-64: the portable one).
+CFLAGS = ["-O3", f"-march={os.environ.get('LOCALLLM_CPU_ARCH', 'native')}", "-ffp-contract=off"]
 
 _state: dict[str, object] = {}
 

@@ -28,6 +28,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_cpu_kernels():
+    """Build the native CPU kernels (localllm.cpu) once, before a test or a CLI subprocess
+    with a short timeout would compile them on first use."""
+    import localllm.cpu
+
+    return localllm.cpu.available()
+
+
 @pytest.fixture(scope="session")
 def llm():
     """The default model (gemma3-270m Q4_K_M) on the CPU, loaded once per test session."""

@@ -129,14 +129,15 @@ def test_static_decode_equals_dynamic(tiny_model_path, arch, monkeypatch):
     assert sta.decoder is not None and not sta.decoder.capture  # CPU: eager, no capture
     for s in (dyn, sta):
         s.eval(ids[:5])
+    # Full-buffer vs sliced attention sum in different orders: float32 noise reaches ~2e-5.
     for t in ids[5:50]:
-        torch.testing.assert_close(sta.eval([t]), dyn.eval([t]), rtol=1e-4, atol=5e-5)
+        torch.testing.assert_close(sta.eval([t]), dyn.eval([t]), rtol=1e-4, atol=1e-4)
     assert sta.tokens == dyn.tokens and all(c.n == 50 for c in sta.caches)
     for s in (dyn, sta):
         s.truncate(44)  # inside the ring's slack: positions 44.. are forgotten in place
         assert s.n_past == 44
     for t in alt:
-        torch.testing.assert_close(sta.eval([t]), dyn.eval([t]), rtol=1e-4, atol=5e-5)
+        torch.testing.assert_close(sta.eval([t]), dyn.eval([t]), rtol=1e-4, atol=1e-4)
     fresh = Session(m, ctx_size=64).eval(ids[:44] + alt + ids[50:51])
     torch.testing.assert_close(sta.eval(ids[50:51]), fresh, rtol=1e-4, atol=1e-4)
 

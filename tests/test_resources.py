@@ -62,17 +62,19 @@ def test_estimate_equals_what_a_session_allocates(tiny_model_path, arch, ctx):
 
 
 def _tensor_bytes(obj) -> int:
-    """Bytes of the distinct parameter tensors reachable from a model object."""
+    """Bytes of the distinct parameter tensors reachable from a model object (float, or
+    uint8 ggml blocks on the native CPU backend)."""
     seen: dict[int, int] = {}
 
     def walk(x, depth=0):
         if isinstance(x, torch.Tensor):
-            if x.dtype.is_floating_point:  # RoPE tables are derived, not loaded
+            # RoPE tables are derived, not loaded
+            if x.dtype.is_floating_point or x.dtype == torch.uint8:
                 seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
         elif isinstance(x, (list, tuple)):
             for y in x:
                 walk(y, depth)
-        elif hasattr(x, "__dict__") and depth < 4:
+        elif hasattr(x, "__dict__") and depth < 6:
             for k, y in vars(x).items():
                 if k not in ("args", "inv_freq", "inv_freq_global", "inv_freq_local"):
                     walk(y, depth + 1)

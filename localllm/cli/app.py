@@ -33,6 +33,8 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu or cuda")]
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", help="context size in tokens")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", help="prefill chunk in tokens")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="timings and details on stderr")]
+ThreadsOpt = Annotated[int | None, typer.Option(
+    "--threads", "-t", help="CPU threads (default: physical cores)")]
 
 
 def _err(text: str) -> None:
@@ -97,7 +99,7 @@ def print_model_summary(llm) -> None:
     _err(f"model: {llm.path} ({loaded.gguf.architecture}, device {llm.device}, "
          f"backend {loaded.backend})")
     for name in loaded.fallbacks or ():
-        _err(f"no Triton kernel, dequantized: {name}")
+        _err(f"no {loaded.backend} kernel, dequantized: {name}")
     if llm.device.type == "cuda":
         import torch
 
@@ -150,10 +152,14 @@ def _run(
     prompt_cache: Annotated[Path | None, typer.Option(
         "--prompt-cache",
         help="file to cache the prompt's KV state in (reused when it matches)")] = None,
+    threads: ThreadsOpt = None,
     verbose: VerboseOpt = False,
     sampling=None,
 ) -> None:
     """Generate a continuation of PROMPT and stream it to stdout."""
+    from ..cpu.threads import set_threads
+
+    set_threads(threads)
     positional = list(args or [])
     if len(positional) > 2:
         raise LocalLLMError(f"too many arguments: {positional[2:]!r} (quote the prompt)")
@@ -358,7 +364,7 @@ def bench(
         "granite3-8b ... (localllm.models.synthetic.GEOMETRIES)")] = None,
     quant: Annotated[str, typer.Option(
         "--quant", help="recipe of --synthetic (Q4_K_M, Q8_0 ...)")] = "Q4_K_M",
-    threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads")] = None,
+    threads: ThreadsOpt = None,
     peak_bandwidth: Annotated[float | None, typer.Option(
         "--peak-bandwidth", help="device peak memory bandwidth in GB/s (for MBU)")] = None,
     llama_cpp: Annotated[bool, typer.Option(
@@ -367,7 +373,10 @@ def bench(
         "--json", help="print the figures as one JSON line")] = False,
 ) -> None:
     """Prefill (pp) and decode (tg) speed, time to first token, peak memory and bandwidth."""
+    from ..cpu.threads import set_threads
     from .progress import step_progress
+
+    threads = set_threads(threads)
 
     with step_progress("starting") as report:
         from ..eval.bench import run_bench

@@ -27,6 +27,8 @@ def chat_command(
     n_predict: Annotated[int, typer.Option(
         "--n-predict", "-n", help="most tokens per reply (-1: no limit)")] = -1,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda")] = "auto",
+    threads: Annotated[int | None, typer.Option(
+        "--threads", "-t", help="CPU threads (default: physical cores)")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="details on stderr")] = False,
     sampling=None,
 ) -> None:
@@ -37,9 +39,11 @@ def chat_command(
 
     with step_progress("starting: importing torch"):  # seconds of a blank screen otherwise
         from ..api import LLM
+        from ..cpu.threads import set_threads
         from ..chat.template import template_for
         from .repl import ChatREPL
 
+    set_threads(threads)
     if model is None:  # chat's own default: an instruct model
         from ..registry import load_registry
 

@@ -58,6 +58,8 @@ def perplexity_command(
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="prefill chunk")] = 2048,
     chunks: Annotated[int, typer.Option("--chunks", help="most chunks to score (-1: all)")] = -1,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda")] = "auto",
+    threads: Annotated[int | None, typer.Option(
+        "--threads", "-t", help="CPU threads (default: physical cores)")] = None,
     kl_base: Annotated[Path | None, typer.Option(
         "--kl-divergence-base", help="file of the base model's distributions (.npz): "
         "written, or read with --kl-divergence")] = None,
@@ -77,6 +79,9 @@ def perplexity_command(
     from ..eval import kld as K
     from ..eval.perplexity import chunk_token_ranges, evaluate, load_for_eval
 
+    from ..cpu.threads import set_threads
+
+    set_threads(threads)
     models = list(models or [])
     if plot is not None and not compare:
         raise LocalLLMError("--plot draws the --compare table: use it with --compare")

@@ -164,12 +164,13 @@ def llama_cpp_figures(path: Path, prompt: list[int], n_gen: int, repetitions: in
 # ---- bytes per token ----------------------------------------------------------------------
 def weight_bytes_per_token(loaded) -> int:
     """Bytes of weights a decode step reads from a :class:`~localllm.runtime.session.LoadedModel`:
-    every tensor as the runtime stores it (quantized blocks on the Triton backend, except
-    the tensors it had to dequantize; float16 matrices on the torch backend), without the
-    input embedding table unless it is also the output projection (one row of it is read)."""
+    every tensor as the runtime stores it (quantized blocks on the Triton and native
+    backends, except the tensors they had to dequantize; float16 matrices on the torch
+    backend), without the input embedding table unless it is also the output projection
+    (one row of it is read)."""
     from ..runtime.resources import stored_bytes
 
-    quantized = getattr(loaded, "backend", "torch") == "triton"
+    quantized = getattr(loaded, "backend", "torch") in ("triton", "native")
     dequantized = {f.split(" ")[0] for f in getattr(loaded, "fallbacks", None) or ()}
     tensors = loaded.gguf.tensors
     tied = "output.weight" not in tensors

@@ -317,7 +317,8 @@ class BaseModel:
 
 
 def bind(model: BaseModel, gguf, device, *, dtype: torch.dtype = torch.float16,
-         quantized: bool = False, ops=None, progress=None) -> list[str]:
+         quantized: bool = False, native: bool = False, ops=None,
+         progress=None) -> list[str]:
     """Attach the weights of ``gguf`` to ``model`` on ``device``.
 
     The file's tensors are first checked against ``tensor_specs(model.args)``
@@ -326,6 +327,8 @@ def bind(model: BaseModel, gguf, device, *, dtype: torch.dtype = torch.float16,
     Args:
         dtype: dtype of dequantized matrices (float16; float32 for exact checks).
         quantized: keep matrices in their ggml blocks for the Triton kernels.
+        native: keep matrices in their ggml blocks (a view of the file) for the native CPU
+            kernels (:mod:`localllm.cpu`).
         ops: the op backend (default: :func:`~localllm.models.common.default_ops` of device).
         progress: called with the bytes of each tensor read.
     Returns:
@@ -338,7 +341,8 @@ def bind(model: BaseModel, gguf, device, *, dtype: torch.dtype = torch.float16,
 
     specs = tensor_specs(model.args)
     check_tensors(specs, gguf.tensors, gguf.path.name)
-    loader = Loader(gguf, device, dtype, quantized=quantized, progress=progress)
+    loader = Loader(gguf, device, dtype, quantized=quantized, native=native,
+                    progress=progress)
     model.device = torch.device(device)
     model.ops = ops if ops is not None else default_ops(device)
     present = [s for s in specs if s.name in gguf.tensors]

@@ -109,12 +109,17 @@ class RingKVCache:
         self.v = torch.zeros_like(self.k)
         self.positions = torch.full((self.size,), -1, dtype=torch.long, device=device)
         self.n = 0  # next absolute position expected
+        # Until the ring wraps, slot j holds position j (or nothing): attention then reads
+        # only slots 0 .. pos+T-1, the live cells, instead of the whole ring.
+        self.linear = True
 
     def update(self, pos: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Attend over the ring's valid slots plus the ``T`` new positions, then store them.
 
-        Returns (keys, values, key_positions) with S = size + T entries (S = size when T = 1);
-        empty slots and positions at or after ``pos`` carry position -1 (masked out).
+        Returns (keys, values, key_positions): before the ring first wraps (pos + T <= size),
+        the S = pos + T live slots, slot j holding position j; after, S = size + T entries
+        (S = size when T = 1) where empty slots and positions at or after ``pos`` carry
+        position -1 (masked out).
         """
         t = k.shape[1]
         device = self.k.device
@@ -124,6 +129,15 @@ class RingKVCache:
             self.v.index_copy_(1, slot, v.to(self.v.dtype))
             self.positions.index_copy_(0, slot, pos)
             return self.k, self.v, self.positions
+        if pos + t > self.size:
+            self.linear = False
+        if self.linear:  # before the ring wraps: write in place, attend over the live prefix
+            end = pos + t
+            self.k[:, pos:end] = k
+            self.v[:, pos:end] = v
+            self.positions[pos:end] = torch.arange(pos, end, device=device)
+            self.n = end
+            return self.k[:, :end], self.v[:, :end], self.positions[:end]
         if t == 1:
             # Decode: write first, then the ring itself holds the window (no concatenation).
             slot = pos % self.size
@@ -149,6 +163,8 @@ class RingKVCache:
     def set_length(self, n: int) -> None:
         """Record that the next position expected is ``n`` (after a static-decode write)."""
         self.n = n
+        if n > self.size:
+            self.linear = False
 
     def can_truncate(self, n: int) -> bool:
         """True when positions ``n - window .. n - 1`` are all still in the ring."""
@@ -165,6 +181,7 @@ class RingKVCache:
     def reset(self) -> None:
         self.positions.fill_(-1)
         self.n = 0
+        self.linear = True
 
 
 def make_cache(

@@ -32,12 +32,15 @@ class Loader:
         device: torch device for the weights.
         dtype: dtype of dequantized matrices (float16 on CPU); vectors are float32.
         quantized: keep matrices in their ggml blocks (Triton kernels) where a kernel exists.
+        native: keep matrices in their ggml blocks, viewing the file without a copy, for the
+            native CPU kernels (:mod:`localllm.cpu`) where a kernel exists.
         progress: called with the number of bytes of each tensor loaded.
     """
 
     def __init__(self, gguf: GGUFFile, device, dtype, *, quantized: bool = False,
-                 progress: Callable[[int], None] | None = None) -> None:
+                 native: bool = False, progress: Callable[[int], None] | None = None) -> None:
         self.gguf, self.device, self.dtype, self.quantized = gguf, device, dtype, quantized
+        self.native = native  # CPU: matrices stay in their ggml blocks (localllm.cpu kernels)
         self.progress = progress or (lambda n: None)
         self.fallbacks: list[str] = []  # tensors without a kernel, dequantized instead
 
@@ -61,9 +64,29 @@ class Loader:
         self.progress(info.n_bytes)
         return out.to(self.device)
 
+    def _packed(self, data, qtype, shape):
+        """A ``localllm.cpu.PackedWeight`` over ``data`` (no copy), or None without a native
+        kernel for the type or shape. Prefill multiplies in bfloat16 where the CPU has it,
+        unless float32 matrices were asked for (exact checks)."""
+        from ..cpu import PackedWeight, bf16_gemm, supports
+
+        if not supports(qtype, shape[1]):
+            return None
+        fast = self.dtype != torch.float32 and bf16_gemm()
+        return PackedWeight.from_bytes(data, qtype, shape,
+                                       prefill_dtype=torch.bfloat16 if fast else torch.float32)
+
     def matrix(self, name: str):
         """A 2-D weight (out, in) as stored for :class:`Linear`: a ``QuantWeight`` in its ggml
-        blocks when quantized and a kernel exists for its type, else a dense tensor."""
+        blocks when quantized and a kernel exists for its type, a ``localllm.cpu.PackedWeight``
+        viewing the file when native, else a dense tensor."""
+        if self.native:
+            info = self.gguf.tensor(name)
+            packed = self._packed(info.data, info.qtype, info.shape)
+            if packed is not None:
+                self.progress(info.n_bytes)
+                return packed
+            self.fallbacks.append(f"{name} ({info.qtype.name})")
         if self.quantized:
             from localllm.kernels import QuantWeight, supports
 
@@ -79,6 +102,14 @@ class Loader:
         """A 3-D expert tensor (n_expert, out, in): one matrix per expert."""
         info = self.gguf.tensor(name)
         n_exp, rows, cols = info.shape
+        if self.native:
+            per = info.n_bytes // n_exp
+            packed = [self._packed(info.data[e * per:(e + 1) * per], info.qtype, (rows, cols))
+                      for e in range(n_exp)]
+            if all(p is not None for p in packed):
+                self.progress(info.n_bytes)
+                return Experts(packed)
+            self.fallbacks.append(f"{name} ({info.qtype.name})")
         if self.quantized:
             from localllm.kernels import QuantWeight, supports
 
@@ -96,13 +127,18 @@ def matmul(x: torch.Tensor, w) -> torch.Tensor:
     """x @ w.T for a weight (out, in): the one place a matrix product is dispatched.
 
     ``w`` is a dense tensor (float16 on CPU: GEMV in float16 for few rows, float32 GEMM for
-    many, see the module docstring) or a ``localllm.kernels.QuantWeight`` (Triton dequant
-    GEMV / GEMM). x: (T, in) float32 -> (T, out) float32.
+    many, see the module docstring), a ``localllm.cpu.PackedWeight`` (native CPU kernels:
+    GEMV from the blocks, tiled dequant + GEMM for prefill) or a
+    ``localllm.kernels.QuantWeight`` (Triton dequant GEMV / GEMM). x: (T, in) float32 -> (T, out) float32.
     """
     if isinstance(w, torch.Tensor):
         if x.shape[0] <= GEMV_MAX_ROWS or w.device.type != "cpu":
             return F.linear(x.to(w.dtype), w).float()
         return F.linear(x, w.float())
+    from ..cpu import PackedWeight, qmatmul
+
+    if isinstance(w, PackedWeight):  # the native CPU kernels (localllm.cpu)
+        return qmatmul(x, w, prefill_dtype=w.prefill_dtype)
     from localllm.kernels import GEMV_MAX_ROWS as KERNEL_GEMV_ROWS
     from localllm.kernels import quant_linear
 
@@ -163,6 +199,8 @@ def fuse(parts: list[Linear]) -> Linear | Split:
     bias = cat_biases([p.bias for p in parts], sizes, device)
     if all(isinstance(w, torch.Tensor) for w in ws) and len({w.dtype for w in ws}) == 1:
         return Linear(torch.cat(ws), bias, sizes)
+    if any(type(w).__name__ == "PackedWeight" for w in ws):
+        return Split(parts)  # native: each part read from the file's own blocks, no copy
     if not any(isinstance(w, torch.Tensor) for w in ws) and len({w.qtype for w in ws}) == 1:
         from localllm.kernels import QuantWeight
 
@@ -197,6 +235,8 @@ class Embedding:
         w = self.weight
         if isinstance(w, torch.Tensor):
             return w[tokens].float()
+        if hasattr(w, "rows"):  # localllm.cpu.PackedWeight: rows dequantized natively
+            return w.rows(tokens)
         rows = w.data[tokens]  # (T, row_bytes) uint8
         return dequantize(rows, w.qtype, (tokens.shape[0], w.shape[1]))
 

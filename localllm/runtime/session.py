@@ -56,7 +56,7 @@ class LoadedModel:
     model: object
     device: torch.device
     load_seconds: float
-    backend: str = "torch"  # "triton": matrices stay quantized (Triton kernels)
+    backend: str = "torch"  # "triton" / "native": matrices stay quantized (Triton / CPU kernels)
     fallbacks: list[str] | None = None  # tensors without a kernel, dequantized instead
     _sha256: str | None = None
 
@@ -89,8 +89,10 @@ def load_model(
             exact checks).
         backend: "torch" dequantizes every matrix at load; "triton" keeps matrices in their
             ggml blocks and multiplies with the Triton kernels (on the CPU they run in
-            Triton's interpreter: for tests only); "auto" is "triton" on CUDA when Triton
-            is importable, else "torch".
+            Triton's interpreter: for tests only); "native" keeps them in their blocks on the
+            CPU and multiplies with the native kernels (:mod:`localllm.cpu`, compiled on first
+            use; "torch" with a notice when they cannot be built); "auto" is "triton" on CUDA
+            when Triton is importable, "native" on the CPU when the kernels load, else "torch".
         progress: show a progress bar on stderr (default: when stderr is a terminal).
         ctx_size: context size the caller will use; its KV cache counts in the memory check.
     Raises:
@@ -121,7 +123,8 @@ def load_gguf(gguf: GGUFFile, *, device: str = "auto", progress: bool | None = N
     check_tensors(arch.tensor_specs(args), gguf.tensors, gguf.path.name)
     dev = resolve_device(device)
     quantized = _use_quantized(backend, dev)
-    check_memory(gguf, args, ctx_size, dev, dtype, quantized=quantized)
+    native = not quantized and _use_native(backend, dev)
+    check_memory(gguf, args, ctx_size, dev, dtype, quantized=quantized or native)
     if progress is None:
         progress = sys.stderr.isatty()
     model = arch.Model(args)
@@ -129,16 +132,26 @@ def load_gguf(gguf: GGUFFile, *, device: str = "auto", progress: bool | None = N
     # (on the CPU: Triton's interpreter, for tests).
     ops = KernelOps() if quantized else default_ops(dev)
     with _load_progress(gguf, enabled=progress) as advance:
-        fallbacks = bind(model, gguf, dev, dtype=dtype, quantized=quantized, ops=ops,
-                         progress=advance)
+        fallbacks = bind(model, gguf, dev, dtype=dtype, quantized=quantized, native=native,
+                         ops=ops, progress=advance)
+    name = "triton" if quantized else "native" if native else "torch"
     return LoadedModel(gguf, tokenizer, args, model, dev, time.perf_counter() - t0,
-                       "triton" if quantized else "torch", fallbacks)
+                       name, fallbacks)
+
+
+def _use_native(backend: str, device: torch.device) -> bool:
+    """The native CPU kernels (localllm.cpu) for ``auto``/``native`` on the CPU when they load."""
+    if device.type != "cpu" or backend not in ("auto", "native"):
+        return False
+    from ..cpu import available
+
+    return available()
 
 
 def _use_quantized(backend: str, device: torch.device) -> bool:
-    if backend not in ("auto", "torch", "triton"):
-        raise LocalLLMError(f"backend must be auto, torch or triton, got {backend!r}")
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+    if backend not in ("auto", "torch", "triton", "native"):
+        raise LocalLLMError(f"backend must be auto, torch, triton or native, got {backend!r}")
+    if backend in ("torch", "native") or (backend == "auto" and device.type != "cuda"):
         return False  # without importing Triton (a quarter second of start-up)
     from ..kernels import triton_available
 

@@ -1,0 +1,222 @@
+"""Native CPU kernels: matrix products read directly from a GGUF file's ggml blocks.
+
+The CPU counterpart of ``localllm.kernels`` (Triton, CUDA): weights stay in their blocks (a
+view of the memory-mapped file, no float16 copy), so a model's memory is about its file's
+tensor bytes and loading reads nothing up front.
+
+* :func:`qmatmul` ``y = x @ W.T``: 1-8 rows (decode, small batches) run the native GEMV,
+  which dequantizes each block into L1 and multiplies it with every row (float32
+  activations, no int8 quantization: exact up to float32 summation order); more rows
+  (prefill) dequantize tiles of W into a float32 working buffer, each multiplied by
+  torch's GEMM, so memory stays at the file's bytes plus one tile.
+* :class:`PackedWeight` is the weight type; :class:`NativeLinear`, :class:`NativeFusedLinear`
+  and :class:`NativeEmbedding` are the layers the models use.
+
+The kernels (``csrc/qmatmul.cpp``) are compiled on first use and cached
+(:mod:`localllm.cpu.build`); :func:`available` is False without a compiler (one notice on
+stderr) or with ``LOCALLLM_NATIVE_CPU=0``, and the models then dequantize at load as before.
+Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (layouts:
+llama.cpp ``ggml/src/ggml-common.h``; dequantization: ``ggml/src/ggml-quants.c``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from ..errors import ParameterError, UnsupportedError
+from ..gguf.quants import block_format
+from .build import _cpu_flags, load_native
+
+# Up to this many activation rows a product runs the native GEMV (decode, small batches).
+GEMV_MAX_ROWS = 8
+# Weight elements per dequantized tile in prefill (float32: 4 MiB).
+TILE_ELEMENTS = 1 << 20
+
+SUPPORTED = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
+                       T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
+
+
+def bf16_gemm() -> bool:
+    """True when prefill tiles should multiply in bfloat16: the CPU has AVX512_BF16 or AMX
+    (oneDNN's bf16 GEMM is then 2-3x torch's float32 one), unless LOCALLLM_CPU_PREFILL=fp32."""
+    choice = os.environ.get("LOCALLLM_CPU_PREFILL", "auto")
+    if choice in ("fp32", "bf16"):
+        return choice == "bf16"
+    flags = set(_cpu_flags().split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def available() -> bool:
+    """True when the native kernels are built and loaded (compiles them the first time)."""
+    return load_native()
+
+
+def supports(qtype, cols: int) -> bool:
+    """True when a (rows, ``cols``) matrix of ``qtype`` has a native kernel: a supported type
+    and whole 32-weight groups (float types are read 32 values at a time)."""
+    try:
+        qtype = T(qtype)
+    except ValueError:
+        return False
+    if qtype not in SUPPORTED:
+        return False
+    return cols % max(block_format(qtype).block_size, 32) == 0
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A (rows, cols) matrix in ggml blocks: ``data`` uint8 (rows * row_bytes,), row-major
+    blocks as in the GGUF file; ``qtype`` its ggml type."""
+
+    data: torch.Tensor
+    qtype: T
+    shape: tuple[int, int]
+    prefill_dtype: torch.dtype = torch.float32  # of the tiled GEMM over more than 8 rows
+
+    @classmethod
+    def from_bytes(cls, data, qtype, shape: tuple[int, int], *,
+                   prefill_dtype: torch.dtype = torch.float32) -> PackedWeight:
+        """Wrap ``data`` (numpy uint8 array, possibly a read-only memory map, or a uint8
+        tensor) without copying.
+
+        Raises:
+            UnsupportedError: the kernels are unavailable (:func:`available`), or have no
+                kernel for the type or the shape.
+            ParameterError: the byte count does not match ``shape``.
+        """
+        if not available():
+            raise UnsupportedError("the native CPU kernels are unavailable (no C++ compiler, "
+                                   "or LOCALLLM_NATIVE_CPU=0)")
+        qtype = T(qtype)
+        rows, cols = shape
+        if not supports(qtype, cols):
+            raise UnsupportedError(f"no native CPU kernel for a {qtype.name} matrix of "
+                                   f"{cols} columns")
+        if isinstance(data, np.ndarray):
+            with warnings.catch_warnings():  # a read-only memory map: the kernels only read it
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.from_numpy(np.ascontiguousarray(data).reshape(-1))
+        data = data.reshape(-1)
+        fmt = block_format(qtype)
+        need = rows * (cols // fmt.block_size) * fmt.type_size
+        if data.dtype != torch.uint8 or data.numel() != need:
+            raise ParameterError(f"a ({rows}, {cols}) {qtype.name} matrix takes {need} bytes, "
+                                 f"got {data.numel()}")
+        return cls(data, qtype, (rows, cols), prefill_dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        fmt = block_format(self.qtype)
+        return self.shape[1] // fmt.block_size * fmt.type_size
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` (N,) int64 dequantized -> (N, cols) float32 (bit-exact with
+        :func:`localllm.gguf.quants.dequantize`)."""
+        blocks = self.data.view(self.shape[0], self.row_bytes)[index]
+        out = torch.empty(index.shape[0], self.shape[1])
+        torch.ops.localllm_cpu.dequant_rows(blocks, int(self.qtype), 0, self.shape[1], out)
+        return out
+
+    def dequantize(self, r0: int = 0, r1: int | None = None, dtype=torch.float32) -> torch.Tensor:
+        """Rows ``r0 .. r1-1`` dequantized -> (r1 - r0, cols) float32 or bfloat16."""
+        r1 = self.shape[0] if r1 is None else r1
+        out = torch.empty(r1 - r0, self.shape[1], dtype=dtype)
+        torch.ops.localllm_cpu.dequant_rows(self.data, int(self.qtype), r0, self.shape[1], out)
+        return out
+
+
+def _check_x(x: torch.Tensor, cols: int) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != cols:
+        raise ParameterError(f"qmatmul: x must be (T, {cols}), got {tuple(x.shape)}")
+    return x.float().contiguous()
+
+
+def qmatmul(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = None, *,
+            prefill_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x @ W.T``: x (T, cols) float32, W a :class:`PackedWeight` (rows, cols) -> (T, rows)
+    float32, written into ``out`` when given (a (T, rows) float32 view with unit column
+    stride, e.g. a column slice of a wider output).
+
+    T <= :data:`GEMV_MAX_ROWS`: the native GEMV (float32, exact up to summation order);
+    else tiles of W are dequantized to ``prefill_dtype`` (float32, or bfloat16: x and the
+    products are then rounded to bfloat16, float32 accumulation) and multiplied with torch's
+    GEMM (no full-size copy of W).
+
+    Raises:
+        ParameterError: x does not have ``cols`` columns.
+    """
+    rows, cols = weight.shape
+    x = _check_x(x, cols)
+    t = x.shape[0]
+    if out is None:
+        out = torch.empty(t, rows)
+    if t == 0:
+        return out
+    if t <= GEMV_MAX_ROWS:
+        torch.ops.localllm_cpu.gemv(x, weight.data, int(weight.qtype), rows, cols, out)
+        return out
+    tile = max(16, TILE_ELEMENTS // cols)
+    buf = torch.empty(min(tile, rows), cols, dtype=prefill_dtype)
+    x = x.to(prefill_dtype)
+    for r0 in range(0, rows, tile):
+        n = min(tile, rows - r0)
+        w = buf[:n]
+        torch.ops.localllm_cpu.dequant_rows(weight.data, int(weight.qtype), r0, cols, w)
+        out[:, r0:r0 + n] = torch.mm(x, w.t())
+    return out
+
+
+class NativeLinear:
+    """``y = x @ W.T (+ b)`` reading W (out, in) from its ggml blocks (:func:`qmatmul`)."""
+
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None, *,
+                 prefill_dtype: torch.dtype = torch.float32) -> None:
+        self.weight = weight
+        self.bias = bias  # (out,) float32 or None
+        self.prefill_dtype = prefill_dtype  # of the GEMM over more than GEMV_MAX_ROWS rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, in) float32 -> (T, out) float32."""
+        y = qmatmul(x, self.weight, prefill_dtype=self.prefill_dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class NativeFusedLinear:
+    """Several projections of one input (Q/K/V, gate/up) written into one output, each read
+    from its own blocks (no concatenated copy of the weights); returns one (T, out_i) view
+    per projection."""
+
+    def __init__(self, parts: list[NativeLinear]) -> None:
+        self.parts = parts
+        self.sizes = [p.weight.shape[0] for p in parts]
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x = _check_x(x, self.parts[0].weight.shape[1])
+        y = torch.empty(x.shape[0], sum(self.sizes))
+        off = 0
+        for p, n in zip(self.parts, self.sizes):
+            ys = y[:, off:off + n]
+            qmatmul(x, p.weight, ys, prefill_dtype=p.prefill_dtype)
+            if p.bias is not None:
+                ys += p.bias
+            off += n
+        return y.split(self.sizes, dim=-1)
+
+
+class NativeEmbedding:
+    """An embedding table (n_vocab, d) kept in ggml blocks: looked-up rows are dequantized;
+    ``head`` is the tied output projection."""
+
+    def __init__(self, weight: PackedWeight, *, prefill_dtype: torch.dtype = torch.float32) -> None:
+        self.weight = weight
+        self.head = NativeLinear(weight, prefill_dtype=prefill_dtype)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (T,) int64 -> (T, d) float32."""
+        return self.weight.rows(tokens)

@@ -1,0 +1,548 @@
+// Native CPU kernels of localllm: matrix products read directly from ggml blocks.
+//
+// Registered as torch operators under torch.ops.localllm_cpu (loaded by localllm/cpu/build.py):
+//   gemv(x, w, qtype, rows, cols, out)        out[t, r] = sum_k x[t, k] * W[r, k], T <= 8 rows
+//   dequant_rows(w, qtype, r0, cols, out)     out[i, :] = W[r0 + i, :] as float32
+//
+// W is a (rows, cols) matrix stored as ggml blocks, row after row (llama.cpp
+// ggml/src/ggml-common.h block_q*); the per-block dequantizers follow dequantize_row_q* in
+// ggml/src/ggml-quants.c and are bit-exact with localllm.gguf.quants (the build uses
+// -ffp-contract=off so that `d * q - m` is two roundings, as there). Activations stay
+// float32 (no int8 quantization of x): products are exact up to float32 summation order.
+//
+// Each block is unpacked to int8 values plus one float scale (and minimum) per 16 weights;
+// the products then run on AVX-512 (16 lanes) or AVX2 (2 x 8 lanes) intrinsics, chosen at
+// compile time (-march=native), with a portable fallback; threads split the output rows
+// (at::parallel_for, honouring torch.set_num_threads).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// ggml type ids (ggml.h enum ggml_type).
+enum QType : int64_t {
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
+};
+
+constexpr int QK = 32;
+constexpr int QK_K = 256;
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+inline float bf16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// ---- per-block unpacking ---------------------------------------------------------------
+// A block becomes int8 values q[BLOCK] and, per group of 16 weights, a scale d[g] and a
+// minimum m[g], so that weight = q * d[g] - m[g] (m = 0 for the symmetric formats; Q4_1 and
+// Q5_1 store -m). Each product and difference rounds once in float32, exactly as the
+// reference dequantizers do (llama.cpp dequantize_row_q*, localllm.gguf.quants).
+
+constexpr int G = 16;  // weights per scale group
+
+// The 32 weights of a legacy block: low nibbles (weights 0..15) and high nibbles (16..31),
+// plus a fifth bit per weight from qh (Q5_0/Q5_1), minus `bias`.
+#if defined(__SSE2__)
+inline __m128i high_bits16(uint32_t bits) {  // bit j of `bits` -> 0x10 in byte j (16 bytes)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm_and_si128(_mm_movm_epi8(__mmask16(bits & 0xFFFF)), _mm_set1_epi8(0x10));
+#else
+  // Spread 16 bits over 16 bytes: byte j takes bit (j % 8) of byte (j / 8).
+  const __m128i spread = _mm_set_epi64x(0x0101010101010101LL * ((bits >> 8) & 0xFF),
+                                        0x0101010101010101LL * (bits & 0xFF));
+  const __m128i sel = _mm_set_epi64x(0x8040201008040201LL, 0x8040201008040201LL);
+  const __m128i on = _mm_cmpeq_epi8(_mm_and_si128(spread, sel), sel);
+  return _mm_and_si128(on, _mm_set1_epi8(0x10));
+#endif
+}
+
+inline void nibbles(const uint8_t* qs, uint32_t qh, bool five, int bias, int8_t* q) {
+  const __m128i v = _mm_loadu_si128((const __m128i*)qs);
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m128i lo = _mm_and_si128(v, mask);
+  __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+  if (five) {
+    lo = _mm_or_si128(lo, high_bits16(qh));
+    hi = _mm_or_si128(hi, high_bits16(qh >> 16));
+  }
+  const __m128i b = _mm_set1_epi8(char(bias));
+  _mm_storeu_si128((__m128i*)q, _mm_sub_epi8(lo, b));
+  _mm_storeu_si128((__m128i*)(q + 16), _mm_sub_epi8(hi, b));
+}
+#else
+inline void nibbles(const uint8_t* qs, uint32_t qh, bool five, int bias, int8_t* q) {
+  for (int j = 0; j < 16; ++j) {
+    const int h0 = five ? ((qh >> j) << 4) & 0x10 : 0;
+    const int h1 = five ? (qh >> (j + 12)) & 0x10 : 0;
+    q[j] = int8_t(((qs[j] & 0x0F) | h0) - bias);
+    q[j + 16] = int8_t(((qs[j] >> 4) | h1) - bias);
+  }
+}
+#endif
+
+inline void unpack_q4_0(const uint8_t* b, int8_t* q, float* d, float*) {  // d, qs[16]
+  nibbles(b + 2, 0, false, 8, q);
+  d[0] = d[1] = f16(b);
+}
+
+inline void unpack_q4_1(const uint8_t* b, int8_t* q, float* d, float* m) {  // d, m, qs[16]
+  nibbles(b + 4, 0, false, 0, q);
+  d[0] = d[1] = f16(b);
+  m[0] = m[1] = -f16(b + 2);
+}
+
+inline void unpack_q5_0(const uint8_t* b, int8_t* q, float* d, float*) {  // d, qh[4], qs[16]
+  uint32_t qh;
+  std::memcpy(&qh, b + 2, 4);
+  nibbles(b + 6, qh, true, 16, q);
+  d[0] = d[1] = f16(b);
+}
+
+inline void unpack_q5_1(const uint8_t* b, int8_t* q, float* d, float* m) {  // d, m, qh, qs
+  uint32_t qh;
+  std::memcpy(&qh, b + 4, 4);
+  nibbles(b + 8, qh, true, 0, q);
+  d[0] = d[1] = f16(b);
+  m[0] = m[1] = -f16(b + 2);
+}
+
+inline void unpack_q8_0(const uint8_t* b, int8_t* q, float* d, float*) {  // d, qs[32]
+  d[0] = d[1] = f16(b);
+  std::memcpy(q, b + 2, QK);
+}
+
+inline void unpack_q2_k(const uint8_t* b, int8_t* q, float* d, float* m) {
+  // scales[16], qs[64], d, dmin; groups in storage order
+  const uint8_t* sc = b;
+  const uint8_t* qs = b + 16;
+  const float dd = f16(b + 80), dmin = f16(b + 82);
+  for (int g = 0; g < 16; ++g) {
+    d[g] = dd * float(sc[g] & 0x0F);
+    m[g] = dmin * float(sc[g] >> 4);
+  }
+  for (int n = 0; n < 2; ++n, qs += 32)
+    for (int k = 0; k < 4; ++k)  // shift 2k
+      for (int l = 0; l < 32; ++l) q[128 * n + 32 * k + l] = int8_t((qs[l] >> (2 * k)) & 3);
+}
+
+inline void unpack_q3_k(const uint8_t* b, int8_t* q, float* d, float*) {
+  // hmask[32], qs[64], scales[12], d
+  const uint8_t* hm = b;
+  const uint8_t* qs = b + 32;
+  const float dd = f16(b + 108);
+  uint32_t aux[4];
+  std::memcpy(aux, b + 96, 12);
+  const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f, tmp = aux[2];
+  aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+  aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+  aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
+  aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+  int8_t scales[16];
+  std::memcpy(scales, aux, 16);
+  for (int g = 0; g < 16; ++g) d[g] = dd * float(scales[g] - 32);
+  for (int n = 0; n < 2; ++n, qs += 32)
+    for (int k = 0; k < 4; ++k) {  // shift 2k, high-bit mask bit 4n + k
+      const int bit = 4 * n + k;
+      for (int l = 0; l < 32; ++l)
+        q[128 * n + 32 * k + l] =
+            int8_t(((qs[l] >> (2 * k)) & 3) - (((hm[l] >> bit) & 1) ? 0 : 4));
+    }
+}
+
+inline void scale_min_k4(int j, const uint8_t* q, int* d, int* m) {
+  if (j < 4) {
+    *d = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+inline void k4_scales(const uint8_t* b, float* d, float* m) {  // 8 sub-blocks of 32
+  const float dd = f16(b), dmin = f16(b + 2);
+  for (int s = 0; s < 8; ++s) {
+    int sc, mn;
+    scale_min_k4(s, b + 4, &sc, &mn);
+    d[2 * s] = d[2 * s + 1] = dd * float(sc);
+    m[2 * s] = m[2 * s + 1] = dmin * float(mn);
+  }
+}
+
+inline void unpack_q4_k(const uint8_t* b, int8_t* q, float* d, float* m) {
+  // d, dmin, scales[12], qs[128]
+  k4_scales(b, d, m);
+  const uint8_t* qs = b + 16;
+  for (int j = 0; j < 4; ++j, qs += 32)
+    for (int l = 0; l < 32; ++l) {
+      q[64 * j + l] = int8_t(qs[l] & 0x0F);
+      q[64 * j + 32 + l] = int8_t(qs[l] >> 4);
+    }
+}
+
+inline void unpack_q5_k(const uint8_t* b, int8_t* q, float* d, float* m) {
+  // d, dmin, scales[12], qh[32], qs[128]
+  k4_scales(b, d, m);
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + 48;
+  for (int j = 0; j < 4; ++j, qs += 32)
+    for (int l = 0; l < 32; ++l) {
+      q[64 * j + l] = int8_t((qs[l] & 0x0F) | (((qh[l] >> (2 * j)) & 1) << 4));
+      q[64 * j + 32 + l] = int8_t((qs[l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4));
+    }
+}
+
+inline void unpack_q6_k(const uint8_t* b, int8_t* q, float* d, float*) {
+  // ql[128], qh[64], scales[16] int8, d
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float dd = f16(b + 208);
+  for (int g = 0; g < 16; ++g) d[g] = dd * float(sc[g]);
+  for (int n = 0; n < 2; ++n, ql += 64, qh += 32, q += 128)
+    for (int l = 0; l < 32; ++l) {
+      q[l] = int8_t(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
+      q[l + 32] = int8_t(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+      q[l + 64] = int8_t(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+      q[l + 96] = int8_t(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+    }
+}
+
+using UnpackFn = void (*)(const uint8_t*, int8_t*, float*, float*);
+
+// ---- float formats: 16 values -> float32 lanes -----------------------------------------
+
+enum class Flt { F32, F16, BF16 };
+
+// ---- vector helpers --------------------------------------------------------------------
+#if defined(__AVX512F__)
+using vf = __m512;
+constexpr int VL = 16;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vset1(float v) { return _mm512_set1_ps(v); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
+inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+inline vf vq8(const int8_t* q) {  // 16 int8 -> 16 float
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
+}
+inline vf vflt(const uint8_t* p, Flt f) {
+  switch (f) {
+    case Flt::F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+    case Flt::BF16:
+      return _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+    default: return _mm512_loadu_ps((const float*)p);
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct vf {
+  __m256 lo, hi;
+};
+constexpr int VL = 16;
+inline vf vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline vf vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline vf vset1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+inline vf vfma(vf a, vf b, vf c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline vf vmul(vf a, vf b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline vf vsub(vf a, vf b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline void vstore(float* p, vf a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline float vsum(vf a) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, _mm256_add_ps(a.lo, a.hi));
+  float s = 0.f;
+  for (float v : t) s += v;
+  return s;
+}
+inline vf vq8(const int8_t* q) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)q);
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
+inline vf vflt(const uint8_t* p, Flt f) {
+  switch (f) {
+    case Flt::F16:
+      return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)),
+              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)))};
+    case Flt::BF16: {
+      auto cv = [](const uint8_t* s) {
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)s)), 16));
+      };
+      return {cv(p), cv(p + 16)};
+    }
+    default: return vload((const float*)p);
+  }
+}
+#else  // portable: 16 scalar lanes (the compiler may still vectorize)
+struct vf {
+  float v[16];
+};
+constexpr int VL = 16;
+inline vf vzero() { return vf{}; }
+inline vf vload(const float* p) { vf r; std::memcpy(r.v, p, 64); return r; }
+inline vf vset1(float x) { vf r; for (float& e : r.v) e = x; return r; }
+inline vf vfma(vf a, vf b, vf c) { for (int i = 0; i < 16; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]); return c; }
+inline vf vmul(vf a, vf b) { for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i]; return a; }
+inline vf vsub(vf a, vf b) { for (int i = 0; i < 16; ++i) a.v[i] -= b.v[i]; return a; }
+inline void vstore(float* p, vf a) { std::memcpy(p, a.v, 64); }
+inline float vsum(vf a) { float s = 0.f; for (float e : a.v) s += e; return s; }
+inline vf vq8(const int8_t* q) { vf r; for (int i = 0; i < 16; ++i) r.v[i] = float(q[i]); return r; }
+inline vf vflt(const uint8_t* p, Flt f) {
+  vf r;
+  for (int i = 0; i < 16; ++i)
+    r.v[i] = f == Flt::F16 ? f16(p + 2 * i) : f == Flt::BF16 ? bf16(p + 2 * i) : ((const float*)p)[i];
+  return r;
+}
+#endif
+
+// A format as the kernels see it: `block` weights in `bytes` bytes, unpacked by `unpack`
+// (integer formats) or converted 16 at a time (float formats, read in blocks of 32).
+struct Format {
+  int block;
+  int bytes;
+  UnpackFn unpack;  // nullptr for the float formats
+  bool asym;        // weight = q * d - m with m != 0
+  Flt flt;
+};
+
+Format format_of(int64_t qtype) {
+  switch (qtype) {
+    case F32: return {QK, 4 * QK, nullptr, false, Flt::F32};
+    case F16: return {QK, 2 * QK, nullptr, false, Flt::F16};
+    case BF16: return {QK, 2 * QK, nullptr, false, Flt::BF16};
+    case Q4_0: return {QK, 18, unpack_q4_0, false, Flt::F32};
+    case Q4_1: return {QK, 20, unpack_q4_1, true, Flt::F32};
+    case Q5_0: return {QK, 22, unpack_q5_0, false, Flt::F32};
+    case Q5_1: return {QK, 24, unpack_q5_1, true, Flt::F32};
+    case Q8_0: return {QK, 34, unpack_q8_0, false, Flt::F32};
+    case Q2_K: return {QK_K, 84, unpack_q2_k, true, Flt::F32};
+    case Q3_K: return {QK_K, 110, unpack_q3_k, false, Flt::F32};
+    case Q4_K: return {QK_K, 144, unpack_q4_k, true, Flt::F32};
+    case Q5_K: return {QK_K, 176, unpack_q5_k, true, Flt::F32};
+    case Q6_K: return {QK_K, 210, unpack_q6_k, false, Flt::F32};
+    default: TORCH_CHECK(false, "localllm_cpu: no kernel for ggml type ", qtype);
+  }
+}
+
+// Group g (16 weights) of an unpacked block as float32 lanes (bit-exact dequantization).
+template <bool ASYM>
+inline vf group_weights(const int8_t* q, const float* d, const float* m, int g) {
+  vf w = vmul(vq8(q + G * g), vset1(d[g]));
+  if (ASYM) w = vsub(w, vset1(m[g]));
+  return w;
+}
+
+// Rows [r0, r1) of W times NT activation rows: each block is unpacked once (into L1) and
+// multiplied with every activation row, so each weight byte is read once per call.
+template <int NT, int BLOCK, int BYTES, bool ASYM, UnpackFn UNPACK>
+void gemv_quant(const Format&, const uint8_t* w, int64_t row_bytes, int64_t cols,
+                const float* x, int64_t ldx, float* out, int64_t ldo, int64_t r0, int64_t r1) {
+  alignas(64) int8_t q[BLOCK];
+  float d[BLOCK / G], m[BLOCK / G] = {};
+  const int64_t nb = cols / BLOCK;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    vf acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = vzero();
+    for (int64_t b = 0; b < nb; ++b) {
+      UNPACK(row + b * BYTES, q, d, m);
+      const float* xb = x + b * BLOCK;
+      for (int g = 0; g < BLOCK / G; ++g) {
+        const vf wv = group_weights<ASYM>(q, d, m, g);
+        for (int t = 0; t < NT; ++t) acc[t] = vfma(wv, vload(xb + t * ldx + G * g), acc[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) out[t * ldo + r] = vsum(acc[t]);
+  }
+}
+
+template <int NT>
+void gemv_float(const Format& f, const uint8_t* w, int64_t row_bytes, int64_t cols,
+                const float* x, int64_t ldx, float* out, int64_t ldo, int64_t r0, int64_t r1) {
+  const int es = f.bytes / QK;  // bytes per element
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    vf acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = vzero();
+    for (int64_t k = 0; k < cols; k += VL) {
+      const vf wv = vflt(row + k * es, f.flt);
+      for (int t = 0; t < NT; ++t) acc[t] = vfma(wv, vload(x + t * ldx + k), acc[t]);
+    }
+    for (int t = 0; t < NT; ++t) out[t * ldo + r] = vsum(acc[t]);
+  }
+}
+
+using GemvFn = void (*)(const Format&, const uint8_t*, int64_t, int64_t, const float*, int64_t,
+                        float*, int64_t, int64_t, int64_t);
+
+template <int NT>
+GemvFn gemv_for(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return gemv_quant<NT, QK, 18, false, unpack_q4_0>;
+    case Q4_1: return gemv_quant<NT, QK, 20, true, unpack_q4_1>;
+    case Q5_0: return gemv_quant<NT, QK, 22, false, unpack_q5_0>;
+    case Q5_1: return gemv_quant<NT, QK, 24, true, unpack_q5_1>;
+    case Q8_0: return gemv_quant<NT, QK, 34, false, unpack_q8_0>;
+    case Q2_K: return gemv_quant<NT, QK_K, 84, true, unpack_q2_k>;
+    case Q3_K: return gemv_quant<NT, QK_K, 110, false, unpack_q3_k>;
+    case Q4_K: return gemv_quant<NT, QK_K, 144, true, unpack_q4_k>;
+    case Q5_K: return gemv_quant<NT, QK_K, 176, true, unpack_q5_k>;
+    case Q6_K: return gemv_quant<NT, QK_K, 210, false, unpack_q6_k>;
+    default: return gemv_float<NT>;  // F32, F16, BF16 (format_of rejected the rest)
+  }
+}
+
+GemvFn gemv_of(int64_t qtype, int64_t nt) {
+  switch (nt) {
+    case 1: return gemv_for<1>(qtype);
+    case 2: return gemv_for<2>(qtype);
+    case 3: return gemv_for<3>(qtype);
+    case 4: return gemv_for<4>(qtype);
+    case 5: return gemv_for<5>(qtype);
+    case 6: return gemv_for<6>(qtype);
+    case 7: return gemv_for<7>(qtype);
+    case 8: return gemv_for<8>(qtype);
+    default: TORCH_CHECK(false, "localllm_cpu.gemv: 1 to 8 rows, got ", nt);
+  }
+}
+
+// One row of W dequantized into y (float32, cols values).
+void dequant_row(const Format& f, const uint8_t* row, int64_t cols, float* y) {
+  if (!f.unpack) {
+    const int es = f.bytes / QK;
+    for (int64_t k = 0; k < cols; k += VL) vstore(y + k, vflt(row + k * es, f.flt));
+    return;
+  }
+  alignas(64) int8_t q[QK_K];
+  float d[QK_K / G], m[QK_K / G] = {};
+  for (int64_t b = 0; b < cols / f.block; ++b, y += f.block) {
+    f.unpack(row + b * f.bytes, q, d, m);
+    for (int g = 0; g < f.block / G; ++g)
+      vstore(y + G * g, f.asym ? group_weights<true>(q, d, m, g) : group_weights<false>(q, d, m, g));
+  }
+}
+
+void check_weight(const at::Tensor& w, const Format& f, int64_t rows, int64_t cols) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "localllm_cpu: weight must be a contiguous uint8 CPU tensor");
+  TORCH_CHECK(rows >= 0 && cols > 0 && cols % f.block == 0,
+              "localllm_cpu: cols=", cols, " is not a multiple of the block (", f.block, ")");
+  TORCH_CHECK(w.numel() == rows * (cols / f.block) * f.bytes,
+              "localllm_cpu: weight holds ", w.numel(), " bytes, (", rows, ", ", cols,
+              ") needs ", rows * (cols / f.block) * f.bytes);
+}
+
+// Grain of the row split: about 64 KiB of weight bytes per task, so that small matrices
+// stay on one thread.
+inline int64_t grain_of(int64_t row_bytes) {
+  return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(row_bytes, 1));
+}
+
+// out (T, >= rows) float32 with unit column stride (a column slice of a wider output is fine).
+void gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t rows, int64_t cols,
+          at::Tensor& out) {
+  const Format f = format_of(qtype);
+  check_weight(w, f, rows, cols);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
+                  x.size(1) == cols, "localllm_cpu.gemv: x must be (T, cols) float32");
+  const int64_t nt = x.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
+                  out.size(0) == nt && out.size(1) == rows,
+              "localllm_cpu.gemv: out must be (T, rows) float32");
+  const GemvFn fn = gemv_of(qtype, nt);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = (cols / f.block) * f.bytes;
+  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+  at::parallel_for(0, rows, grain_of(row_bytes), [&](int64_t r0, int64_t r1) {
+    fn(f, wp, row_bytes, cols, xp, ldx, op, ldo, r0, r1);
+  });
+}
+
+// Rows r0 .. r0 + out.size(0) - 1 of W dequantized into out (n, cols), float32 or bfloat16.
+void dequant_rows(const at::Tensor& w, int64_t qtype, int64_t r0, int64_t cols, at::Tensor& out) {
+  const Format f = format_of(qtype);
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "localllm_cpu: weight must be a contiguous uint8 CPU tensor");
+  TORCH_CHECK(cols > 0 && cols % f.block == 0, "localllm_cpu: cols=", cols,
+              " is not a multiple of the block (", f.block, ")");
+  const int64_t row_bytes = (cols / f.block) * f.bytes;
+  const int64_t n = out.size(0);
+  TORCH_CHECK(r0 >= 0 && (r0 + n) * row_bytes <= w.numel(), "localllm_cpu.dequant_rows: rows ",
+              r0, "..", r0 + n, " are outside the weight");
+  TORCH_CHECK(out.dim() == 2 && out.size(1) == cols && out.stride(1) == 1 &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "localllm_cpu.dequant_rows: out must be (n, cols) float32 or bfloat16");
+  const uint8_t* wp = w.data_ptr<uint8_t>() + r0 * row_bytes;
+  const int64_t ldo = out.stride(0);
+  const bool to_bf16 = out.scalar_type() == at::kBFloat16;
+  void* op = out.data_ptr();
+  at::parallel_for(0, n, grain_of(row_bytes), [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(to_bf16 ? cols : 0);
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t* row = wp + i * row_bytes;
+      if (!to_bf16) {
+        dequant_row(f, row, cols, static_cast<float*>(op) + i * ldo);
+        continue;
+      }
+      dequant_row(f, row, cols, buf.data());
+      uint16_t* dst = static_cast<uint16_t*>(op) + i * ldo;
+      for (int64_t j = 0; j < cols; ++j) {  // round to nearest even (finite inputs)
+        uint32_t u;
+        std::memcpy(&u, &buf[j], 4);
+        dst[j] = uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(localllm_cpu, m) {
+  m.def("gemv(Tensor x, Tensor w, int qtype, int rows, int cols, Tensor(a!) out) -> ()");
+  m.def("dequant_rows(Tensor w, int qtype, int r0, int cols, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {
+  m.impl("gemv", gemv);
+  m.impl("dequant_rows", dequant_rows);
+}

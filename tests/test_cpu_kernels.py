@@ -1,0 +1,227 @@
+"""The native CPU kernels (localllm.cpu) against the torch reference dequantizer.
+
+Dequantization is bit-exact with :func:`localllm.gguf.quants.dequantize` (itself bit-exact
+with gguf-py); products are checked against a float64 product of the reference weights,
+within float32 summation error. Shapes are not multiples of the blocking (rows, legacy
+columns) and activations have 1..8 rows (the GEMV) or more (tiled prefill).
+
+The kernels are compiled on first use: where a C++ compiler exists (CI), a failed build is
+a test failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from test_quants import SCALE_OFFSETS
+
+import localllm.cpu as cpu
+from localllm.errors import ParameterError, UnsupportedError
+from localllm.gguf.quants import BLOCK_FORMATS
+from localllm.gguf.quants import dequantize as reference
+
+if not cpu.available():
+    if shutil.which("c++") and os.environ.get("LOCALLLM_NATIVE_CPU", "1") != "0":
+        pytest.fail("a C++ compiler exists but the native CPU kernels did not build",
+                    pytrace=False)
+    pytest.skip("native CPU kernels unavailable (no compiler)", allow_module_level=True)
+
+QUANT_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+ALL_TYPES = QUANT_TYPES + [T.F32, T.F16, T.BF16]
+IDS = {"ids": lambda q: q.name}
+
+
+def weight_bytes(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """(rows * row_bytes,) uint8 of random blocks with finite scales of varied magnitude."""
+    rng = np.random.default_rng(seed)
+    if qtype in (T.F32, T.F16):
+        dt = np.float32 if qtype == T.F32 else np.float16
+        return rng.standard_normal(rows * cols).astype(dt).view(np.uint8)
+    if qtype == T.BF16:
+        f = rng.standard_normal(rows * cols).astype(np.float32)
+        return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    fmt = BLOCK_FORMATS[qtype]
+    n = rows * cols // fmt.block_size
+    b = rng.integers(0, 256, (n, fmt.type_size), dtype=np.uint8)
+    for off in SCALE_OFFSETS[qtype]:
+        scale = rng.standard_normal(n) * 10.0 ** rng.integers(-4, 1, n)
+        b[:, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n, 2)
+    return b.reshape(-1)
+
+
+def cols_for(qtype: T) -> int:
+    """Columns that are whole blocks but not a multiple of 256 where the format allows."""
+    return 3 * 256 if BLOCK_FORMATS[qtype].block_size == 256 else 7 * 32
+
+
+def packed(qtype: T, rows: int, cols: int, seed: int = 0):
+    raw = weight_bytes(qtype, rows, cols, seed)
+    return cpu.PackedWeight.from_bytes(raw, qtype, (rows, cols)), reference(raw, qtype, (rows, cols))
+
+
+def assert_close_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y == x @ w.T within float32 summation error (bounded by |x| @ |w|.T)."""
+    exact = x.double() @ w.double().T
+    bound = x.double().abs() @ w.double().abs().T
+    err = (y.double() - exact).abs()
+    assert y.dtype == torch.float32 and y.shape == exact.shape
+    assert bool((err <= 2e-6 * bound + 1e-30).all()), float((err / (bound + 1e-30)).max())
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, **IDS)
+def test_dequantize_rows_bit_exact(qtype):
+    rows, cols = 5, cols_for(qtype)
+    w, ref = packed(qtype, rows, cols, seed=int(qtype))
+    assert torch.equal(w.dequantize().view(torch.int32), ref.view(torch.int32))
+    # A row range, and looked-up rows (the embedding path).
+    assert torch.equal(w.dequantize(2, 4).view(torch.int32), ref[2:4].view(torch.int32))
+    idx = torch.tensor([4, 0, 4, 2])
+    assert torch.equal(w.rows(idx).view(torch.int32), ref[idx].view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, **IDS)
+def test_gemv_1_to_8_rows(qtype):
+    rows, cols = 37, cols_for(qtype)
+    w, ref = packed(qtype, rows, cols, seed=3)
+    gen = torch.Generator().manual_seed(int(qtype))
+    for t in range(1, cpu.GEMV_MAX_ROWS + 1):
+        x = torch.randn(t, cols, generator=gen)
+        assert_close_product(cpu.qmatmul(x, w), x, ref)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0, T.Q3_K], **IDS)
+def test_prefill_tiles(qtype, monkeypatch):
+    # Tiles of 48 rows over 100 rows: a ragged last tile.
+    cols = cols_for(qtype)
+    monkeypatch.setattr(cpu, "TILE_ELEMENTS", 48 * cols)
+    w, ref = packed(qtype, 100, cols, seed=5)
+    x = torch.randn(13, cols, generator=torch.Generator().manual_seed(1))
+    assert_close_product(cpu.qmatmul(x, w), x, ref)
+
+
+def test_prefill_tiles_in_bfloat16(monkeypatch):
+    # bfloat16 x, W and products (float32 accumulation): within a few bfloat16 roundings.
+    cols = 256
+    monkeypatch.setattr(cpu, "TILE_ELEMENTS", 48 * cols)
+    w, ref = packed(T.Q4_K, 100, cols, seed=6)
+    x = torch.randn(13, cols, generator=torch.Generator().manual_seed(1))
+    y = cpu.qmatmul(x, w, prefill_dtype=torch.bfloat16)
+    bound = x.double().abs() @ ref.double().abs().T
+    err = (y.double() - x.double() @ ref.double().T).abs()
+    assert y.dtype == torch.float32 and bool((err <= 1e-2 * bound).all())
+    assert not torch.equal(y, cpu.qmatmul(x, w))  # it did take the bfloat16 path
+
+
+def test_bf16_gemm_choice(monkeypatch):
+    monkeypatch.setenv("LOCALLLM_CPU_PREFILL", "fp32")
+    assert not cpu.bf16_gemm()
+    monkeypatch.setenv("LOCALLLM_CPU_PREFILL", "bf16")
+    assert cpu.bf16_gemm()
+
+
+def test_threads_do_not_change_results():
+    w, _ = packed(T.Q4_K, 2048, 512, seed=9)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2))
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.qmatmul(x, w)
+        torch.set_num_threads(max(2, n))
+        many = cpu.qmatmul(x, w)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, many)  # rows are independent: the split cannot change a sum
+
+
+def test_fused_linear_writes_column_slices_with_biases():
+    cols = 256
+    (wa, ra), (wb, rb) = packed(T.Q4_K, 40, cols, 1), packed(T.Q6_K, 24, cols, 2)
+    bias = torch.randn(24)
+    fused = cpu.NativeFusedLinear([cpu.NativeLinear(wa), cpu.NativeLinear(wb, bias)])
+    for t in (1, 5, 11):
+        x = torch.randn(t, cols)
+        ya, yb = fused(x)
+        assert ya.shape == (t, 40) and yb.shape == (t, 24)
+        assert_close_product(ya, x, ra)
+        assert_close_product(yb - bias, x, rb)
+
+
+def test_embedding_and_tied_head():
+    w, ref = packed(T.Q8_0, 50, 64, seed=4)
+    emb = cpu.NativeEmbedding(w)
+    tokens = torch.tensor([3, 49, 0])
+    assert torch.equal(emb(tokens), ref[tokens])
+    x = torch.randn(2, 64)
+    assert_close_product(emb.head(x), x, ref)
+
+
+def test_errors():
+    raw = weight_bytes(T.Q4_K, 4, 256)
+    with pytest.raises(ParameterError, match="takes 576 bytes"):
+        cpu.PackedWeight.from_bytes(raw[:-1], T.Q4_K, (4, 256))
+    with pytest.raises(UnsupportedError, match="no native CPU kernel"):
+        cpu.PackedWeight.from_bytes(raw, T.Q4_K, (2, 512 + 256 + 32))
+    with pytest.raises(UnsupportedError, match="no native CPU kernel"):
+        cpu.PackedWeight.from_bytes(raw, T.IQ4_XS, (4, 256))
+    w = cpu.PackedWeight.from_bytes(raw, T.Q4_K, (4, 256))
+    with pytest.raises(ParameterError, match=r"x must be \(T, 256\)"):
+        cpu.qmatmul(torch.zeros(1, 255), w)
+    assert cpu.qmatmul(torch.zeros(0, 256), w).shape == (0, 4)
+
+
+def test_fallback_notice_without_a_compiler(tmp_path):
+    """A failed build prints one notice and leaves the torch path (available() False)."""
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), XDG_CACHE_HOME=str(tmp_path))
+    code = "import localllm.cpu as c; print(c.available())"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+    notices = [ln for ln in r.stderr.splitlines() if ln.startswith("notice: native CPU kernels")]
+    assert len(notices) == 1 and "torch path" in notices[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("arch,qtype", [("gemma3", T.Q8_0), ("llama", T.Q4_0), ("qwen2", T.F16)])
+def test_model_native_equals_dequantized(tiny_model_path, arch, qtype):
+    """A tiny model on the native path (float32: exact products) gives the logits of the
+    float32 dequantized path, in decode (GEMV) and in prefill (tiles)."""
+    from localllm.runtime.session import Session, load_model
+
+    path = tiny_model_path(arch, qtype=qtype)
+    native = load_model(path, device="cpu", progress=False, backend="native",
+                        dtype=torch.float32)
+    exact = load_model(path, device="cpu", progress=False, backend="torch", dtype=torch.float32)
+    assert native.backend == "native" and exact.backend == "torch"
+    assert native.fallbacks == []
+    ids = torch.randint(4, native.tokenizer.n_vocab, (20,),
+                        generator=torch.Generator().manual_seed(0)).tolist()
+    logits = []
+    for m in (native, exact):
+        s = Session(m, ctx_size=64)
+        prefill = s.eval(ids[:12], all_logits=True)
+        logits.append((prefill, torch.stack([s.eval([t]) for t in ids[12:]])))
+    for got, want in zip(*logits):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_model_native_bf16_prefill_is_close(tiny_model_path, monkeypatch):
+    """The default precision with bfloat16 prefill tiles stays close to the exact logits."""
+    from localllm.runtime.session import Session, load_model
+
+    monkeypatch.setenv("LOCALLLM_CPU_PREFILL", "bf16")
+    path = tiny_model_path("gemma3", qtype=T.Q8_0)
+    fast = load_model(path, device="cpu", progress=False, backend="native")
+    exact = load_model(path, device="cpu", progress=False, backend="torch", dtype=torch.float32)
+    assert fast.model.blocks[0].down.prefill_dtype == torch.bfloat16
+    ids = list(range(4, 40))
+    got = Session(fast, ctx_size=64).eval(ids, all_logits=True)
+    want = Session(exact, ctx_size=64).eval(ids, all_logits=True)
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()

@@ -695,7 +695,8 @@ before = status("VmRSS:")
 llm = LLM(sys.argv[1], device="cpu", ctx_size=int(sys.argv[2]))
 steps = list(llm.stream("The capital of France is", n_predict=2, temp=0.0))
 peak = status("VmHWM:") - before
-est = estimate_memory(llm.loaded.gguf, llm.args, int(sys.argv[2]), torch.device("cpu"))
+est = estimate_memory(llm.loaded.gguf, llm.args, int(sys.argv[2]), torch.device("cpu"),
+                      quantized=llm.loaded.backend == "native")
 print(json.dumps({"peak": peak, "estimate": est.total}))
 """
 

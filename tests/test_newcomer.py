@@ -394,10 +394,12 @@ def test_synthetic_refuses_before_writing(tmp_path):
 
 
 def test_cpu_load_imports_no_triton(tiny_model_path):
-    """The torch backend on the CPU does not pay for importing Triton at start-up."""
+    """A CPU load (native kernels, or the torch path without a compiler) does not pay for
+    importing Triton at start-up."""
     code = ("import sys; from localllm import LLM; "
             f"llm = LLM({str(tiny_model_path('llama'))!r}, device='cpu'); "
             "print(llm.loaded.backend, 'triton' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
-    assert out.split() == ["torch", "False"]
+    backend, triton_imported = out.split()
+    assert backend in ("native", "torch") and triton_imported == "False"

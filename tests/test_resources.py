@@ -89,8 +89,8 @@ def test_refusal_names_both_sizes_and_loads_nothing(tiny_model_path, monkeypatch
     monkeypatch.setattr(resources, "free_memory", lambda device: 100 * 1024)
     built = []
     monkeypatch.setattr(runtime, "bind", lambda *a, **k: built.append(a))
-    with pytest.raises(LocalLLMError) as err:
-        load_model(path, device="cpu", ctx_size=4096, progress=False)
+    with pytest.raises(LocalLLMError) as err:  # the torch path: weights as float16 copies
+        load_model(path, device="cpu", ctx_size=4096, progress=False, backend="torch")
     msg = str(err.value)
     assert "\n" not in msg and not built
     # ctx 4096 is capped at the model's 256; both layers hold 8 + 256 ring cells

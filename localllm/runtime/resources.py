@@ -75,11 +75,21 @@ def weight_bytes(gguf, device: torch.device, dtype: torch.dtype = torch.float16,
     """
     if quantized is None:
         quantized = device.type == "cuda"
-    if quantized:
-        from localllm.kernels import supports
+    kept = _kept_in_blocks(device) if quantized else (lambda t: False)
     workspace = CUDA_WORKSPACE if device.type == "cuda" else 0
-    return workspace + sum(stored_bytes(t, quantized and supports(t.qtype), dtype)
-                           for t in gguf.tensors.values())
+    return workspace + sum(stored_bytes(t, kept(t), dtype) for t in gguf.tensors.values())
+
+
+def _kept_in_blocks(device: torch.device):
+    """Whether a tensor stays in its ggml blocks on ``device``: a type with a Triton kernel
+    on CUDA, a type and width with a native kernel on the CPU (:mod:`localllm.cpu`)."""
+    if device.type == "cpu":
+        from ..cpu import supports as native
+
+        return lambda t: native(t.qtype, t.shape[-1])
+    from localllm.kernels import supports
+
+    return lambda t: supports(t.qtype)
 
 
 def stored_bytes(info, quantized: bool, dtype: torch.dtype = torch.float16) -> int:
@@ -131,12 +141,14 @@ def estimate_memory(gguf, args, ctx_size: int | None, device: torch.device,
         ctx_size = args.context_length
     kv = kv_cache_bytes(args, ctx_size, device) if ctx_size else 0
     return MemoryEstimate(weight_bytes(gguf, device, dtype, quantized), kv, ctx_size,
-                          runtime_bytes(gguf, args) if device.type == "cpu" else 0)
+                          runtime_bytes(gguf, args, bool(quantized)) if device.type == "cpu"
+                          else 0)
 
 
-def runtime_bytes(gguf, args=None) -> int:
-    """What a CPU load adds besides weights and KV cache (see the module docstring)."""
-    mapped = sum(t.n_bytes for t in gguf.tensors.values())
+def runtime_bytes(gguf, args=None, quantized: bool = False) -> int:
+    """What a CPU load adds besides weights and KV cache (see the module docstring); with
+    ``quantized`` (the native backend) the mapped pages are the weights, counted once."""
+    mapped = 0 if quantized else sum(t.n_bytes for t in gguf.tensors.values())
     n_vocab = len(gguf.metadata.get("tokenizer.ggml.tokens") or ())
     return mapped + VOCAB_TOKEN_BYTES * n_vocab + CPU_WORKSPACE
 

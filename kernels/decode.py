@@ -367,6 +367,22 @@ def iq4nl_word(q, ASM: tl.constexpr):
 
 
 @device_fn
+def _kquant_scale_min_words(wp, blk, s):
+    """Q4_K / Q5_K: (d * scale, dmin * min) of sub-block ``s`` (0..7), read as words: word 0
+    holds d|dmin (two halves), words 1-3 the 12 packed 6-bit scales and mins (llama.cpp's
+    ``get_scale_min_k4``)."""
+    h0 = tl.load(wp + blk)
+    sh = (s % 4) * 8
+    b1 = (tl.load(wp + blk + 1) >> sh) & 255
+    b2 = (tl.load(wp + blk + 2) >> sh) & 255
+    b3 = (tl.load(wp + blk + 3) >> sh) & 255
+    lo = s < 4
+    sc = tl.where(lo, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4))
+    mn = tl.where(lo, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4))
+    return _h2f(h0) * sc.to(tl.float32), _h2f(h0 >> 16) * mn.to(tl.float32)
+
+
+@device_fn
 def decode_words(wp, blk, gb, t, QTYPE: tl.constexpr):
     """For the word types (``MMVQ_TYPES[q][0] == 4``): see below."""
     return _decode_words(wp, blk, gb, t, QTYPE)
@@ -390,31 +406,13 @@ def _decode_words(wp, blk, gb, t, QTYPE: tl.constexpr):
         s = gb // 2
         q = tl.load(wp + blk + 4 + (s // 2) * 8 + (gb % 2) * 4 + t)
         wq = (q >> ((s % 2) * 4)) & 0x0F0F0F0F
-        h0 = tl.load(wp + blk)
-        sh = (s % 4) * 8
-        b1 = (tl.load(wp + blk + 1) >> sh) & 255
-        b2 = (tl.load(wp + blk + 2) >> sh) & 255
-        b3 = (tl.load(wp + blk + 3) >> sh) & 255
-        lo = s < 4
-        sc = tl.where(lo, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4))
-        mn = tl.where(lo, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4))
-        scale = _h2f(h0) * sc.to(tl.float32)
-        vmin = _h2f(h0 >> 16) * mn.to(tl.float32)
+        scale, vmin = _kquant_scale_min_words(wp, blk, s)
     elif QTYPE == 13:  # Q5_K: 44 words; d|dmin, scales[12], qh[32] at word 4, qs at word 12
         s = gb // 2
         q = tl.load(wp + blk + 12 + (s // 2) * 8 + (gb % 2) * 4 + t)
         qh = tl.load(wp + blk + 4 + (gb % 2) * 4 + t)
         wq = ((q >> ((s % 2) * 4)) & 0x0F0F0F0F) | (((qh >> s) & 0x01010101) << 4)
-        h0 = tl.load(wp + blk)
-        sh = (s % 4) * 8
-        b1 = (tl.load(wp + blk + 1) >> sh) & 255
-        b2 = (tl.load(wp + blk + 2) >> sh) & 255
-        b3 = (tl.load(wp + blk + 3) >> sh) & 255
-        lo = s < 4
-        sc = tl.where(lo, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4))
-        mn = tl.where(lo, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4))
-        scale = _h2f(h0) * sc.to(tl.float32)
-        vmin = _h2f(h0 >> 16) * mn.to(tl.float32)
+        scale, vmin = _kquant_scale_min_words(wp, blk, s)
     elif QTYPE == 23:  # IQ4_XS: 34 words; d|scales_h, scales_l[4], qs[128] at word 2 (raw
         # nibbles: the caller maps them through kvalues_iq4nl)
         ib = gb // 2

@@ -24,7 +24,12 @@ import torch
 
 SOURCES = [Path(__file__).parent / "csrc" / "qmatmul.cpp"]
 # LOCALLLM_CPU_ARCH picks another -march (haswell: the AVX2 path, x86-64: the portable one).
-CFLAGS = ["-O3", f"-march={os.environ.get('LOCALLLM_CPU_ARCH', 'native')}", "-ffp-contract=off"]
+# -fopenmp: at::parallel_for is an OpenMP loop compiled into this library (without the flag it
+# runs on one thread); the library then links libgomp.so.1, which resolves to the copy torch
+# has already loaded, so torch.set_num_threads governs it.
+CFLAGS = ["-O3", f"-march={os.environ.get('LOCALLLM_CPU_ARCH', 'native')}", "-ffp-contract=off",
+          "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 _state: dict[str, object] = {}
 
@@ -45,7 +50,7 @@ def build_key() -> str:
     h = hashlib.sha256()
     for src in SOURCES:
         h.update(src.read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(CFLAGS + LDFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update((shutil.which(os.environ.get("CXX", "c++")) or "").encode())
     h.update(_cpu_flags().encode())
@@ -78,7 +83,8 @@ def _load() -> None:
         pass
     directory.mkdir(parents=True, exist_ok=True)
     print("localllm: compiling the native CPU kernels (once)...", file=sys.stderr, flush=True)
-    load(name, [str(s) for s in SOURCES], extra_cflags=CFLAGS, build_directory=str(directory),
+    load(name, [str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+         build_directory=str(directory),
          is_python_module=False, verbose=False)
 
 

@@ -5,7 +5,9 @@
 The reference is localllm's torch path with float32 weights (dequantized exactly, float32
 products): the "exact float32 evaluation". On the same tokens (the first ``--n`` tokens of
 tests/data/reference/gpl-3.txt) it reports the mean KL(exact || x) per position for
-x = the native kernels (prefill: all positions in one batch; decode: one token per step),
+x = the native kernels (prefill: all positions in one batch; decode: one token per step over
+the first ``--n-decode`` positions; by default with int8 activations where the CPU has
+VNNI, and with ``dtype=float32``: float32 activations),
 the float16 torch path, and llama.cpp (CPU, all logits of one batch). The llama.cpp side
 imports only llama_cpp and numpy.
 """
@@ -38,7 +40,7 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def side_llama(path: str, ids_file: str, exact_file: str, threads: int) -> dict:
+def side_llama(path: str, ids_file: str, exact_file: str, threads: int, n_decode: int) -> dict:
     import llama_cpp
     import numpy as np
 
@@ -49,7 +51,9 @@ def side_llama(path: str, ids_file: str, exact_file: str, threads: int) -> dict:
                           n_threads_batch=threads, logits_all=True, verbose=False)
     llm.eval(ids)
     logits = np.array(llm.scores[: len(ids)], dtype=np.float32)
-    return {"llama.cpp": float(np.mean(_kl(exact, _log_softmax(logits))))}
+    kl = _kl(exact, _log_softmax(logits))
+    return {"llama.cpp": float(np.mean(kl)),
+            f"llama.cpp, first {n_decode}": float(np.mean(kl[:n_decode]))}
 
 
 def main() -> None:
@@ -64,7 +68,7 @@ def main() -> None:
     ap.add_argument("--exact", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.side == "llama":
-        print(json.dumps(side_llama(a.model, a.ids, a.exact, a.threads)))
+        print(json.dumps(side_llama(a.model, a.ids, a.exact, a.threads, a.n_decode)))
         return
 
     import numpy as np
@@ -93,6 +97,11 @@ def main() -> None:
     res["native prefill"] = float(np.mean(_kl(exact, logp(native))))
     res["native decode"] = float(np.mean(_kl(exact_dec, logp(native, decode=True))))
     del native
+    exact_native = load_model(a.model, device="cpu", progress=False, backend="native",
+                              dtype=torch.float32)  # float32 tiles and activations
+    res["native decode, float32 activations"] = float(
+        np.mean(_kl(exact_dec, logp(exact_native, decode=True))))
+    del exact_native
     f16 = load_model(a.model, device="cpu", progress=False, backend="torch")
     res["torch float16 prefill"] = float(np.mean(_kl(exact, logp(f16))))
     res["torch float16 decode"] = float(np.mean(_kl(exact_dec, logp(f16, decode=True))))
@@ -104,7 +113,7 @@ def main() -> None:
             np.save(exact_file, exact.astype(np.float32))
             out = subprocess.run([a.llama_python, __file__, a.model, "--side", "llama",
                                   "--ids", str(ids_file), "--exact", str(exact_file),
-                                  "--threads", str(a.threads)],
+                                  "--threads", str(a.threads), "--n-decode", str(a.n_decode)],
                                  capture_output=True, text=True, check=True).stdout
             res |= json.loads(out.strip().splitlines()[-1])
     for k, v in res.items():

@@ -61,9 +61,20 @@ def cols_for(qtype: T) -> int:
     return 3 * 256 if BLOCK_FORMATS[qtype].block_size == 256 else 7 * 32
 
 
-def packed(qtype: T, rows: int, cols: int, seed: int = 0):
+def packed(qtype: T, rows: int, cols: int, seed: int = 0, q8: bool = False):
     raw = weight_bytes(qtype, rows, cols, seed)
-    return cpu.PackedWeight.from_bytes(raw, qtype, (rows, cols)), reference(raw, qtype, (rows, cols))
+    return (cpu.PackedWeight.from_bytes(raw, qtype, (rows, cols), q8=q8),
+            reference(raw, qtype, (rows, cols)))
+
+
+def q8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x (T, cols) as the int8 GEMV sees it: per 32 values q = round-half-even(x * 127 / amax),
+    times amax / 127 (llama.cpp quantize_row_q8_0's rule, float32 scales)."""
+    t, cols = x.shape
+    xb = x.view(t, cols // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv) * (amax / 127)).view(t, cols)
 
 
 def assert_close_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -90,10 +101,46 @@ def test_dequantize_rows_bit_exact(qtype):
 def test_gemv_1_to_8_rows(qtype):
     rows, cols = 37, cols_for(qtype)
     w, ref = packed(qtype, rows, cols, seed=3)
+    assert not w.q8
     gen = torch.Generator().manual_seed(int(qtype))
     for t in range(1, cpu.GEMV_MAX_ROWS + 1):
         x = torch.randn(t, cols, generator=gen)
         assert_close_product(cpu.qmatmul(x, w), x, ref)
+
+
+needs_q8 = pytest.mark.skipif(not cpu.q8_activations(),
+                              reason="the int8 GEMV needs AVX512-VNNI")
+
+
+@needs_q8
+@pytest.mark.parametrize("qtype", QUANT_TYPES, **IDS)
+def test_gemv_int8_activations(qtype):
+    """The int8 GEMV is the exact product of the weights with the q8-quantized activations
+    (up to float32 summation), and within the quantization error of the float product.
+    Odd block counts (legacy columns 7 x 32) exercise the unpaired last block."""
+    rows, cols = 37, cols_for(qtype)
+    w, ref = packed(qtype, rows, cols, seed=3, q8=True)
+    assert w.q8
+    gen = torch.Generator().manual_seed(int(qtype))
+    for t in range(1, cpu.GEMV_MAX_ROWS + 1):
+        x = torch.randn(t, cols, generator=gen) * torch.rand(t, cols, generator=gen) ** 4 * 10
+        y = cpu.qmatmul(x, w)
+        assert_close_product(y, q8_activations(x), ref)
+        exact = x.double() @ ref.double().T
+        scale = x.double().abs() @ ref.double().abs().T
+        assert float(((y.double() - exact).abs() / scale).max()) < 2e-2
+
+
+@needs_q8
+def test_gemv_int8_activations_zero_and_float_weights():
+    """An all-zero activation block has scale 0 (no division by zero); float weights keep
+    float32 activations."""
+    w, ref = packed(T.Q4_0, 5, 64, q8=True)
+    x = torch.zeros(1, 64)
+    x[0, 40] = 3.0
+    torch.testing.assert_close(cpu.qmatmul(x, w), x @ ref.T, rtol=1e-6, atol=0)
+    f, _ = packed(T.F16, 5, 64, q8=True)
+    assert not f.q8
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0, T.Q3_K], **IDS)

@@ -4,9 +4,15 @@ The CPU counterpart of ``localllm.kernels`` (Triton, CUDA): weights stay in thei
 view of the memory-mapped file, no float16 copy), so a model's memory is about its file's
 tensor bytes and loading reads nothing up front.
 
-* :func:`qmatmul` ``y = x @ W.T``: 1-8 rows (decode, small batches) run the native GEMV,
-  which dequantizes each block into L1 and multiplies it with every row (float32
-  activations, no int8 quantization: exact up to float32 summation order); more rows
+* :func:`qmatmul` ``y = x @ W.T``: 1-8 rows (decode, small batches) run the native GEMV.
+  With AVX512-VNNI (and ``LOCALLLM_CPU_ACTIVATIONS`` unset or ``q8``) the activations are
+  quantized once per call to int8, one float32 scale per 32 values (as llama.cpp quantizes
+  them to ``block_q8_0``/``block_q8_K``, but finer than q8_K's one scale per 256), and each
+  weight block is multiplied with integer dot products (``vpdpbusd``): the result is the
+  exact product of the weights with those quantized activations, up to float32 summation
+  order. Otherwise (``LOCALLLM_CPU_ACTIVATIONS=f32``, float weights, CPUs without VNNI)
+  each block is dequantized into L1 and multiplied in float32 (exact up to summation
+  order). More rows
   (prefill) dequantize tiles of W into a float32 working buffer, each multiplied by
   torch's GEMM, so memory stays at the file's bytes plus one tile.
 * :class:`PackedWeight` is the weight type; :class:`NativeLinear`, :class:`NativeFusedLinear`
@@ -52,6 +58,19 @@ def bf16_gemm() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def q8_activations() -> bool:
+    """True when the GEMV quantizes its activations to int8 (AVX512-VNNI kernels built, and
+    ``LOCALLLM_CPU_ACTIVATIONS`` is not ``f32``)."""
+    if "q8" not in _q8_state:
+        _q8_state["q8"] = (available() and os.environ.get("LOCALLLM_CPU_ACTIVATIONS", "q8") != "f32"
+                           and bool(torch.ops.localllm_cpu.q8_available()))
+    return _q8_state["q8"]
+
+
+_q8_state: dict[str, bool] = {}
+FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
+
+
 def available() -> bool:
     """True when the native kernels are built and loaded (compiles them the first time)."""
     return load_native()
@@ -72,16 +91,19 @@ def supports(qtype, cols: int) -> bool:
 @dataclass(frozen=True)
 class PackedWeight:
     """A (rows, cols) matrix in ggml blocks: ``data`` uint8 (rows * row_bytes,), row-major
-    blocks as in the GGUF file; ``qtype`` its ggml type."""
+    blocks as in the GGUF file; ``qtype`` its ggml type; ``prefill_dtype`` the precision of
+    the tiled GEMM over more than 8 rows; ``q8``: the GEMV quantizes its activations to int8
+    (only where :func:`q8_activations`; else float32 activations, exact)."""
 
     data: torch.Tensor
     qtype: T
     shape: tuple[int, int]
-    prefill_dtype: torch.dtype = torch.float32  # of the tiled GEMM over more than 8 rows
+    prefill_dtype: torch.dtype = torch.float32
+    q8: bool = False
 
     @classmethod
     def from_bytes(cls, data, qtype, shape: tuple[int, int], *,
-                   prefill_dtype: torch.dtype = torch.float32) -> PackedWeight:
+                   prefill_dtype: torch.dtype = torch.float32, q8: bool = False) -> PackedWeight:
         """Wrap ``data`` (numpy uint8 array, possibly a read-only memory map, or a uint8
         tensor) without copying.
 
@@ -108,7 +130,8 @@ class PackedWeight:
         if data.dtype != torch.uint8 or data.numel() != need:
             raise ParameterError(f"a ({rows}, {cols}) {qtype.name} matrix takes {need} bytes, "
                                  f"got {data.numel()}")
-        return cls(data, qtype, (rows, cols), prefill_dtype)
+        return cls(data, qtype, (rows, cols), prefill_dtype,
+                   q8 and qtype not in FLOAT_TYPES and q8_activations())
 
     @property
     def row_bytes(self) -> int:
@@ -143,8 +166,8 @@ def qmatmul(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = No
     float32, written into ``out`` when given (a (T, rows) float32 view with unit column
     stride, e.g. a column slice of a wider output).
 
-    T <= :data:`GEMV_MAX_ROWS`: the native GEMV (float32, exact up to summation order);
-    else tiles of W are dequantized to ``prefill_dtype`` (float32, or bfloat16: x and the
+    T <= :data:`GEMV_MAX_ROWS`: the native GEMV (int8 activations, one scale per 32 values,
+    where ``weight.q8``; else float32, exact up to summation order); else tiles of W are dequantized to ``prefill_dtype`` (float32, or bfloat16: x and the
     products are then rounded to bfloat16, float32 accumulation) and multiplied with torch's
     GEMM (no full-size copy of W).
 
@@ -159,7 +182,8 @@ def qmatmul(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = No
     if t == 0:
         return out
     if t <= GEMV_MAX_ROWS:
-        torch.ops.localllm_cpu.gemv(x, weight.data, int(weight.qtype), rows, cols, out)
+        gemv = torch.ops.localllm_cpu.gemv_q8 if weight.q8 else torch.ops.localllm_cpu.gemv
+        gemv(x, weight.data, int(weight.qtype), rows, cols, out)
         return out
     tile = max(16, TILE_ELEMENTS // cols)
     buf = torch.empty(min(tile, rows), cols, dtype=prefill_dtype)

@@ -66,15 +66,17 @@ class Loader:
 
     def _packed(self, data, qtype, shape):
         """A ``localllm.cpu.PackedWeight`` over ``data`` (no copy), or None without a native
-        kernel for the type or shape. Prefill multiplies in bfloat16 where the CPU has it,
-        unless float32 matrices were asked for (exact checks)."""
+        kernel for the type or shape. Prefill multiplies in bfloat16 where the CPU has it and
+        decode quantizes activations to int8 where the CPU has VNNI, unless float32 matrices
+        were asked for (exact checks)."""
         from ..cpu import PackedWeight, bf16_gemm, supports
 
         if not supports(qtype, shape[1]):
             return None
-        fast = self.dtype != torch.float32 and bf16_gemm()
-        return PackedWeight.from_bytes(data, qtype, shape,
-                                       prefill_dtype=torch.bfloat16 if fast else torch.float32)
+        exact = self.dtype == torch.float32
+        return PackedWeight.from_bytes(
+            data, qtype, shape, q8=not exact,
+            prefill_dtype=torch.bfloat16 if not exact and bf16_gemm() else torch.float32)
 
     def matrix(self, name: str):
         """A 2-D weight (out, in) as stored for :class:`Linear`: a ``QuantWeight`` in its ggml

@@ -2,6 +2,8 @@
 //
 // Registered as torch operators under torch.ops.localllm_cpu (loaded by localllm/cpu/build.py):
 //   gemv(x, w, qtype, rows, cols, out)        out[t, r] = sum_k x[t, k] * W[r, k], T <= 8 rows
+//   gemv_q8(x, w, qtype, rows, cols, out)     the same with x quantized to int8 per 32 values
+//                                             (AVX512-VNNI builds; q8_available() says so)
 //   dequant_rows(w, qtype, r0, cols, out)     out[i, :] = W[r0 + i, :] as float32
 //
 // W is a (rows, cols) matrix stored as ggml blocks, row after row (llama.cpp
@@ -498,6 +500,382 @@ void gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t rows,
   });
 }
 
+// ---- int8 activations: the llama.cpp-style GEMV ------------------------------------------
+// x is quantized once per call, per 32 values, to int8 with a float32 scale (llama.cpp
+// quantizes to block_q8_0 / block_q8_K, ggml/src/ggml-quants.c quantize_row_q8_*; one scale
+// per 32 values is finer than q8_K's one per 256). Every weight block is then read as
+// unsigned 8-bit lanes u with, per group of 16 weights, w = a_g * u - b_g (Q8_0's signed
+// values are offset by 128, Q4_0's by 8, ...), so a row's product is
+//     sum_g a_g * dx_g * (u . xq)_g  -  sum_g b_g * xsum_g
+// with (u . xq) an integer dot product (AVX512-VNNI vpdpbusd, 64 weights per instruction)
+// and xsum_g = dx_g * sum(xq over g) the group's sum of the quantized activations.
+// Needs AVX512F/BW/VL + AVX512_VNNI at compile time; elsewhere gemv_q8 is not offered
+// (q8_available() is false) and the float32 GEMV above is used.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define LOCALLLM_Q8 1
+
+// The activations of one call: per row t, xq int8 (cols + 256 zero padding), and per group
+// of 16 (32) values the scale dx16 (dx32) and the sum xsum16 (xsum32), zero padded. For a
+// weight type stored with a constant offset o (w = a * (u - o)), corr holds -o * (the sum
+// of each 4 consecutive xq), one int32 lane per 4 values: a dot product started from it
+// yields sum (u - o) * xq directly.
+struct Q8Act {
+  int64_t cols, stride_q, stride_g, stride_c;
+  std::vector<int8_t> q;
+  std::vector<float> dx16, xsum16, dx32, xsum32;
+  std::vector<int32_t> corr;
+  Q8Act(const float* x, int64_t ldx, int64_t nt, int64_t cols_, int offset)
+      : cols(cols_), stride_q(cols_ + 256), stride_g(cols_ / 16 + 16), stride_c(stride_q / 4),
+        q(nt * stride_q, 0), dx16(nt * stride_g, 0.f), xsum16(nt * stride_g, 0.f),
+        dx32(nt * stride_g, 0.f), xsum32(nt * stride_g, 0.f), corr(offset ? nt * stride_c : 0) {
+    for (int64_t t = 0; t < nt; ++t) {
+      const float* xr = x + t * ldx;
+      int8_t* qr = q.data() + t * stride_q;
+      float* dr = dx16.data() + t * stride_g;
+      float* sr = xsum16.data() + t * stride_g;
+      for (int64_t b = 0; b < cols / 32; ++b) {
+        const __m512 v0 = _mm512_loadu_ps(xr + 32 * b), v1 = _mm512_loadu_ps(xr + 32 * b + 16);
+        const __m512 am = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
+        const float amax = _mm512_reduce_max_ps(am);
+        const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        const __m512 vid = _mm512_set1_ps(id);
+        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));  // nearest even
+        const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+        _mm_storeu_si128((__m128i*)(qr + 32 * b), _mm512_cvtsepi32_epi8(i0));
+        _mm_storeu_si128((__m128i*)(qr + 32 * b + 16), _mm512_cvtsepi32_epi8(i1));
+        dr[2 * b] = dr[2 * b + 1] = d;
+        const int s0 = _mm512_reduce_add_epi32(i0), s1 = _mm512_reduce_add_epi32(i1);
+        sr[2 * b] = d * float(s0);
+        sr[2 * b + 1] = d * float(s1);
+        dx32[t * stride_g + b] = d;
+        xsum32[t * stride_g + b] = d * float(s0 + s1);
+      }
+      if (offset)
+        for (int64_t c = 0; c < stride_q / 64; ++c)
+          _mm512_storeu_si512((void*)(corr.data() + t * stride_c + 16 * c), _mm512_sub_epi32(
+              _mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                  _mm512_set1_epi8(char(offset)), _mm512_loadu_si512((const void*)(qr + 64 * c)))));
+    }
+  }
+};
+
+// The constant offset o of a type stored as w = a * (u - o), else 0.
+constexpr int q8_offset(int64_t qtype) {
+  return qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : qtype == Q8_0 ? 128 : qtype == Q6_K ? 32
+       : qtype == Q3_K ? 4 : 0;
+}
+
+// A K-quant block (256 weights) decoded: 64 u8 lanes per chunk and, per group of G weights
+// (16, or 32 for Q4_K/Q5_K, whose 8 lanes then fill the low half), the scale a and the
+// offset b: w = a * u - b.
+struct U8Block {
+  __m512i u[4];
+  __m512 a, b;
+};
+
+inline __m512i join(__m256i lo, __m256i hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+
+// Two 32-weight blocks (p0, p1) -> 64 u8 lanes, block p0's weights first, and each block's
+// (a, b). BYTES: block size; ASYM: a stored minimum (b = -m) instead of an offset.
+// Q4_0 (d, qs[16]): offset 8; Q4_1 (d, m, qs[16]); Q5_0 (d, qh[4], qs[16]): offset 16;
+// Q5_1 (d, m, qh[4], qs[16]); Q8_0 (d, qs[32] int8): offset 128 (sign bit flipped).
+template <int BYTES>
+inline __m512i lanes2(const uint8_t* p0, const uint8_t* p1) {
+  if constexpr (BYTES == 34) {  // Q8_0
+    return _mm512_xor_si512(join(_mm256_loadu_si256((const __m256i*)(p0 + 2)),
+                                 _mm256_loadu_si256((const __m256i*)(p1 + 2))),
+                            _mm512_set1_epi8(char(0x80)));
+  } else {
+    constexpr int QS = BYTES - 16;  // the nibbles are the last 16 bytes of every block
+    const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)(p1 + QS)),
+                                       _mm_loadu_si128((const __m128i*)(p0 + QS)));
+    const __m512i m = _mm512_set1_epi8(0x0F);
+    // 128-bit lanes [lo0, lo1, hi0, hi1] -> [lo0, hi0, lo1, hi1]
+    __m512i u = _mm512_and_si512(join(v, _mm256_srli_epi16(v, 4)), m);
+    u = _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0));
+    if constexpr (BYTES == 22 || BYTES == 24) {  // Q5_0, Q5_1: the fifth bits
+      uint32_t h0, h1;
+      std::memcpy(&h0, p0 + QS - 4, 4);
+      std::memcpy(&h1, p1 + QS - 4, 4);
+      u = _mm512_or_si512(u, _mm512_maskz_set1_epi8(__mmask64(h0 | uint64_t(h1) << 32), 0x10));
+    }
+    return u;
+  }
+}
+
+template <int BYTES>
+inline void scales2(const uint8_t* p, float& a, float& b) {
+  a = f16(p);
+  if constexpr (BYTES == 20 || BYTES == 24) b = -f16(p + 2);               // Q4_1, Q5_1
+  else b = a * (BYTES == 18 ? 8.f : BYTES == 22 ? 16.f : 128.f);          // Q4_0, Q5_0, Q8_0
+}
+
+// Q4_K/Q5_K: the 8 six-bit scales and mins of 12 bytes (llama.cpp get_scale_min_k4) as
+// a = d * sc, b = dmin * m, one lane per 32 weights (the low 8 lanes).
+inline void k4_ab(const uint8_t* p, __m512& a, __m512& b) {
+  uint32_t u[3];
+  std::memcpy(u, p + 4, 12);
+  const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+  const uint32_t sc_lo = u[0] & m6, sc_hi = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
+  const uint32_t mn_lo = u[1] & m6, mn_hi = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(sc_hi), int(sc_lo))));
+  const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(mn_hi), int(mn_lo))));
+  a = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(f16(p)), sc));
+  b = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(f16(p + 2)), mn));
+}
+
+inline void decode_q4_k(const uint8_t* p, U8Block& o) {
+  k4_ab(p, o.a, o.b);
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 16 + 32 * j));
+    o.u[j] = join(_mm256_and_si256(v, m), _mm256_and_si256(_mm256_srli_epi16(v, 4), m));
+  }
+}
+
+inline void decode_q5_k(const uint8_t* p, U8Block& o) {
+  k4_ab(p, o.a, o.b);
+  const __m256i m = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  const __m256i qh = _mm256_loadu_si256((const __m256i*)(p + 16));
+  for (int j = 0; j < 4; ++j) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 48 + 32 * j));
+    const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4);
+    const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4);
+    o.u[j] = join(_mm256_or_si256(_mm256_and_si256(v, m), h0),
+                  _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m), h1));
+  }
+}
+
+inline void decode_q6_k(const uint8_t* p, U8Block& o) {
+  // ql[128], qh[64], scales[16] int8, d; weight = d * sc_g * (u - 32)
+  const float dd = f16(p + 208);
+  const __m128i sc8 = _mm_loadu_si128((const __m128i*)(p + 192));
+  o.a = _mm512_mul_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)));
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
+  for (int n = 0; n < 2; ++n) {
+    const __m512i ql = _mm512_loadu_si512((const void*)(p + 64 * n));
+    const __m256i h = _mm256_loadu_si256((const __m256i*)(p + 128 + 32 * n));
+    const __m512i hh = join(h, _mm256_srli_epi16(h, 2));  // bits 0-1 | bits 2-3
+    const __m512i hi0 = _mm512_slli_epi16(_mm512_and_si512(hh, m2), 4);
+    const __m512i hi1 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hh, 4), m2), 4);
+    o.u[2 * n] = _mm512_or_si512(_mm512_and_si512(ql, m4), hi0);
+    o.u[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), hi1);
+  }
+}
+
+inline void decode_q2_k(const uint8_t* p, U8Block& o) {
+  // scales[16], qs[64], d, dmin; weight = d * (sc & 15) * u - dmin * (sc >> 4)
+  const float dd = f16(p + 80), dmin = f16(p + 82);
+  const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  o.a = _mm512_mul_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_and_si512(sc, _mm512_set1_epi32(15))));
+  o.b = _mm512_mul_ps(_mm512_set1_ps(dmin), _mm512_cvtepi32_ps(_mm512_srli_epi32(sc, 4)));
+  const __m256i m2 = _mm256_set1_epi8(0x03);
+  for (int n = 0; n < 2; ++n) {
+    const __m256i q = _mm256_loadu_si256((const __m256i*)(p + 16 + 32 * n));
+    for (int k = 0; k < 4; k += 2)
+      o.u[2 * n + k / 2] = join(_mm256_and_si256(_mm256_srli_epi16(q, 2 * k), m2),
+                                _mm256_and_si256(_mm256_srli_epi16(q, 2 * k + 2), m2));
+  }
+}
+
+inline void decode_q3_k(const uint8_t* p, U8Block& o) {
+  // hmask[32], qs[64], scales[12], d; weight = d * (sc - 32) * (u - 4), u = q2 | hbit << 2
+  const float dd = f16(p + 108);
+  uint32_t aux[4];
+  std::memcpy(aux, p + 96, 12);
+  const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f, tmp = aux[2];
+  aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+  aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+  aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
+  aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+  const __m512i sc = _mm512_cvtepu8_epi32(
+      _mm_set_epi32(int(aux[3]), int(aux[2]), int(aux[1]), int(aux[0])));
+  o.a = _mm512_mul_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_sub_epi32(sc, _mm512_set1_epi32(32))));
+  const __m256i m2 = _mm256_set1_epi8(0x03), one = _mm256_set1_epi8(1);
+  const __m256i hm = _mm256_loadu_si256((const __m256i*)p);
+  for (int n = 0; n < 2; ++n) {
+    const __m256i q = _mm256_loadu_si256((const __m256i*)(p + 32 + 32 * n));
+    for (int k = 0; k < 4; k += 2) {
+      const int bit = 4 * n + k;
+      const __m256i u0 = _mm256_or_si256(
+          _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), m2),
+          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, bit), one), 2));
+      const __m256i u1 = _mm256_or_si256(
+          _mm256_and_si256(_mm256_srli_epi16(q, 2 * k + 2), m2),
+          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, bit + 1), one), 2));
+      o.u[2 * n + k / 2] = join(u0, u1);
+    }
+  }
+}
+
+using DecodeFn = void (*)(const uint8_t*, U8Block&);
+
+// Rows [r0, r1) of a K-quant W times NT quantized activation rows; G: weights per scale.
+template <int NT, int BYTES, int G, DecodeFn DECODE, int OFF>
+void gemv_q8_kquant(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float* out,
+                    int64_t ldo, int64_t r0, int64_t r1) {
+  // lane j of chunk c's dot product covers weights 64c + 4j .. 64c + 4j + 3
+  const __m512i perm16[4] = {
+      _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+      _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4),
+      _mm512_set_epi32(11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8),
+      _mm512_set_epi32(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12)};
+  const __m512i perm32[4] = {
+      _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+      _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),
+      _mm512_set_epi32(5, 5, 5, 5, 5, 5, 5, 5, 4, 4, 4, 4, 4, 4, 4, 4),
+      _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 6, 6, 6, 6, 6, 6, 6, 6)};
+  const __m512i* perm = G == 16 ? perm16 : perm32;
+  const int64_t nblocks = xa.cols / QK_K;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    __m512 acc[NT];
+    __m256 bacc[NT];  // sum_g b_g * xsum_g (G = 32)
+    for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps(), bacc[t] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nblocks; ++s) {
+      U8Block blk;
+      DECODE(row + s * BYTES, blk);
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* xq = xa.q.data() + t * xa.stride_q + QK_K * s;
+        const int64_t g0 = t * xa.stride_g + (QK_K / G) * s;
+        const int32_t* corr = OFF ? xa.corr.data() + t * xa.stride_c + 64 * s : nullptr;
+        __m512 av, a = acc[t];
+        if constexpr (G == 16) {
+          av = _mm512_mul_ps(blk.a, _mm512_loadu_ps(xa.dx16.data() + g0));
+          if constexpr (!OFF) a = _mm512_fnmadd_ps(blk.b, _mm512_loadu_ps(xa.xsum16.data() + g0), a);
+        } else {
+          av = _mm512_castps256_ps512(
+              _mm256_mul_ps(_mm512_castps512_ps256(blk.a), _mm256_loadu_ps(xa.dx32.data() + g0)));
+          bacc[t] = _mm256_fmadd_ps(_mm512_castps512_ps256(blk.b),
+                                    _mm256_loadu_ps(xa.xsum32.data() + g0), bacc[t]);
+        }
+        for (int c = 0; c < 4; ++c) {
+          const __m512i p0 = OFF ? _mm512_loadu_si512((const void*)(corr + 16 * c)) : _mm512_setzero_si512();
+          const __m512i p = _mm512_dpbusd_epi32(p0, blk.u[c], _mm512_loadu_si512((const void*)(xq + 64 * c)));
+          a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(perm[c], av), a);
+        }
+        acc[t] = a;
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m256 b = bacc[t];
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      out[t * ldo + r] = _mm512_reduce_add_ps(acc[t]) - _mm_cvtss_f32(h);
+    }
+  }
+}
+
+// Legacy formats (blocks of 32): two blocks per 64-lane dot product; lanes 0-7 take the
+// first block's scale, lanes 8-15 the second's.
+template <int NT, int BYTES, int OFF>
+void gemv_q8_legacy(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float* out,
+                    int64_t ldo, int64_t r0, int64_t r1) {
+  const int64_t nblocks = xa.cols / QK;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    __m512 acc[NT];
+    float bsum[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps(), bsum[t] = 0.f;
+    for (int64_t i = 0; i < nblocks; i += 2) {
+      // an odd last block pairs with itself, its copy weighted 0 (its activations are the
+      // zero padding past cols)
+      const bool two = i + 1 < nblocks;
+      const uint8_t* q0 = row + i * BYTES;
+      const uint8_t* q1 = two ? q0 + BYTES : q0;
+      float a0, b0, a1, b1;
+      scales2<BYTES>(q0, a0, b0);
+      scales2<BYTES>(q1, a1, b1);
+      if (!two) a1 = b1 = 0.f;
+      const __m512i u = lanes2<BYTES>(q0, q1);
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* xq = xa.q.data() + t * xa.stride_q + QK * i;
+        const float* dx = xa.dx32.data() + t * xa.stride_g + i;
+        const float* xs = xa.xsum32.data() + t * xa.stride_g + i;
+        const __m512i init = OFF ? _mm512_loadu_si512((const void*)(xa.corr.data() + t * xa.stride_c + 8 * i))
+                                 : _mm512_setzero_si512();
+        const __m512i p = _mm512_dpbusd_epi32(init, u, _mm512_loadu_si512((const void*)xq));
+        const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a0 * dx[0]), _mm512_set1_ps(a1 * dx[1]));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[t]);
+        if constexpr (!OFF) bsum[t] += b0 * xs[0] + b1 * xs[1];
+      }
+    }
+    for (int t = 0; t < NT; ++t) out[t * ldo + r] = _mm512_reduce_add_ps(acc[t]) - bsum[t];
+  }
+}
+
+using GemvQ8Fn = void (*)(const uint8_t*, int64_t, const Q8Act&, float*, int64_t, int64_t, int64_t);
+
+template <int NT>
+GemvQ8Fn gemv_q8_for(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return gemv_q8_legacy<NT, 18, 8>;
+    case Q4_1: return gemv_q8_legacy<NT, 20, 0>;
+    case Q5_0: return gemv_q8_legacy<NT, 22, 16>;
+    case Q5_1: return gemv_q8_legacy<NT, 24, 0>;
+    case Q8_0: return gemv_q8_legacy<NT, 34, 128>;
+    case Q2_K: return gemv_q8_kquant<NT, 84, 16, decode_q2_k, 0>;
+    case Q3_K: return gemv_q8_kquant<NT, 110, 16, decode_q3_k, 4>;
+    case Q4_K: return gemv_q8_kquant<NT, 144, 32, decode_q4_k, 0>;
+    case Q5_K: return gemv_q8_kquant<NT, 176, 32, decode_q5_k, 0>;
+    case Q6_K: return gemv_q8_kquant<NT, 210, 16, decode_q6_k, 32>;
+    default: TORCH_CHECK(false, "localllm_cpu.gemv_q8: no int8 kernel for ggml type ", qtype);
+  }
+}
+
+GemvQ8Fn gemv_q8_of(int64_t qtype, int64_t nt) {
+  switch (nt) {
+    case 1: return gemv_q8_for<1>(qtype);
+    case 2: return gemv_q8_for<2>(qtype);
+    case 3: return gemv_q8_for<3>(qtype);
+    case 4: return gemv_q8_for<4>(qtype);
+    case 5: return gemv_q8_for<5>(qtype);
+    case 6: return gemv_q8_for<6>(qtype);
+    case 7: return gemv_q8_for<7>(qtype);
+    case 8: return gemv_q8_for<8>(qtype);
+    default: TORCH_CHECK(false, "localllm_cpu.gemv_q8: 1 to 8 rows, got ", nt);
+  }
+}
+#endif  // AVX512 VNNI
+
+// out (T, rows) float32 as gemv, from int8-quantized activations (see above).
+void gemv_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t rows, int64_t cols,
+             at::Tensor& out) {
+#if defined(LOCALLLM_Q8)
+  const Format f = format_of(qtype);
+  TORCH_CHECK(f.unpack != nullptr, "localllm_cpu.gemv_q8: float weights take gemv");
+  check_weight(w, f, rows, cols);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
+                  x.size(1) == cols, "localllm_cpu.gemv_q8: x must be (T, cols) float32");
+  const int64_t nt = x.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
+                  out.size(0) == nt && out.size(1) == rows,
+              "localllm_cpu.gemv_q8: out must be (T, rows) float32");
+  const GemvQ8Fn fn = gemv_q8_of(qtype, nt);
+  const Q8Act xa(x.data_ptr<float>(), x.stride(0), nt, cols, q8_offset(qtype));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = (cols / f.block) * f.bytes, ldo = out.stride(0);
+  at::parallel_for(0, rows, grain_of(row_bytes), [&](int64_t r0, int64_t r1) {
+    fn(wp, row_bytes, xa, op, ldo, r0, r1);
+  });
+#else
+  TORCH_CHECK(false, "localllm_cpu.gemv_q8: built without AVX512-VNNI");
+#endif
+}
+
+bool q8_available() {
+#if defined(LOCALLLM_Q8)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Rows r0 .. r0 + out.size(0) - 1 of W dequantized into out (n, cols), float32 or bfloat16.
 void dequant_rows(const at::Tensor& w, int64_t qtype, int64_t r0, int64_t cols, at::Tensor& out) {
   const Format f = format_of(qtype);
@@ -540,9 +918,12 @@ void dequant_rows(const at::Tensor& w, int64_t qtype, int64_t r0, int64_t cols, 
 TORCH_LIBRARY(localllm_cpu, m) {
   m.def("gemv(Tensor x, Tensor w, int qtype, int rows, int cols, Tensor(a!) out) -> ()");
   m.def("dequant_rows(Tensor w, int qtype, int r0, int cols, Tensor(a!) out) -> ()");
+  m.def("gemv_q8(Tensor x, Tensor w, int qtype, int rows, int cols, Tensor(a!) out) -> ()");
+  m.def("q8_available() -> bool", q8_available);
 }
 
 TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {
   m.impl("gemv", gemv);
   m.impl("dequant_rows", dequant_rows);
+  m.impl("gemv_q8", gemv_q8);
 }

@@ -524,10 +524,16 @@ struct Q8Act {
   std::vector<int8_t> q;
   std::vector<float> dx16, xsum16, dx32, xsum32;
   std::vector<int32_t> corr;
-  Q8Act(const float* x, int64_t ldx, int64_t nt, int64_t cols_, int offset)
+  // k4 layout (Q4_K, Q5_K): in every 128 values the middle two 32s swapped, so that a
+  // 64-byte load of the block's nibbles pairs with xq directly (see gemv_q8_k4), and per
+  // block of 256 one vector (dx32 of its 8 sub-blocks, then their xsum32).
+  int64_t stride_s = 0;
+  std::vector<float> dxs;
+  Q8Act(const float* x, int64_t ldx, int64_t nt, int64_t cols_, int offset, bool k4 = false)
       : cols(cols_), stride_q(cols_ + 256), stride_g(cols_ / 16 + 16), stride_c(stride_q / 4),
         q(nt * stride_q, 0), dx16(nt * stride_g, 0.f), xsum16(nt * stride_g, 0.f),
-        dx32(nt * stride_g, 0.f), xsum32(nt * stride_g, 0.f), corr(offset ? nt * stride_c : 0) {
+        dx32(nt * stride_g, 0.f), xsum32(nt * stride_g, 0.f), corr(offset ? nt * stride_c : 0),
+        stride_s(k4 ? 16 * (cols_ / 256) : 0), dxs(nt * stride_s) {
     for (int64_t t = 0; t < nt; ++t) {
       const float* xr = x + t * ldx;
       int8_t* qr = q.data() + t * stride_q;
@@ -550,6 +556,18 @@ struct Q8Act {
         dx32[t * stride_g + b] = d;
         xsum32[t * stride_g + b] = d * float(s0 + s1);
       }
+      if (k4) {
+        for (int64_t b = 0; b < cols / 128; ++b) {
+          int8_t tmp[32];
+          std::memcpy(tmp, qr + 128 * b + 32, 32);
+          std::memcpy(qr + 128 * b + 32, qr + 128 * b + 64, 32);
+          std::memcpy(qr + 128 * b + 64, tmp, 32);
+        }
+        for (int64_t sb = 0; sb < cols / 256; ++sb) {
+          std::memcpy(&dxs[t * stride_s + 16 * sb], &dx32[t * stride_g + 8 * sb], 32);
+          std::memcpy(&dxs[t * stride_s + 16 * sb + 8], &xsum32[t * stride_g + 8 * sb], 32);
+        }
+      }
       if (offset)
         for (int64_t c = 0; c < stride_q / 64; ++c)
           _mm512_storeu_si512((void*)(corr.data() + t * stride_c + 16 * c), _mm512_sub_epi32(
@@ -565,9 +583,8 @@ constexpr int q8_offset(int64_t qtype) {
        : qtype == Q3_K ? 4 : 0;
 }
 
-// A K-quant block (256 weights) decoded: 64 u8 lanes per chunk and, per group of G weights
-// (16, or 32 for Q4_K/Q5_K, whose 8 lanes then fill the low half), the scale a and the
-// offset b: w = a * u - b.
+// A K-quant block (256 weights) decoded: 64 u8 lanes per chunk and, per group of 16
+// weights, the scale a and the offset b: w = a * u - b (b unused for a constant offset).
 struct U8Block {
   __m512i u[4];
   __m512 a, b;
@@ -613,39 +630,49 @@ inline void scales2(const uint8_t* p, float& a, float& b) {
   else b = a * (BYTES == 18 ? 8.f : BYTES == 22 ? 16.f : 128.f);          // Q4_0, Q5_0, Q8_0
 }
 
-// Q4_K/Q5_K: the 8 six-bit scales and mins of 12 bytes (llama.cpp get_scale_min_k4) as
-// a = d * sc, b = dmin * m, one lane per 32 weights (the low 8 lanes).
-inline void k4_ab(const uint8_t* p, __m512& a, __m512& b) {
-  uint32_t u[3];
-  std::memcpy(u, p + 4, 12);
-  const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-  const uint32_t sc_lo = u[0] & m6, sc_hi = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
-  const uint32_t mn_lo = u[1] & m6, mn_hi = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
-  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(sc_hi), int(sc_lo))));
-  const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, int(mn_hi), int(mn_lo))));
-  a = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(f16(p)), sc));
-  b = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(f16(p + 2)), mn));
+// Q4_K/Q5_K: d, dmin and the 8 six-bit scales and mins of 12 bytes (llama.cpp
+// get_scale_min_k4) as one vector [d * sc_0..7, dmin * m_0..7].
+inline __m512 k4_scales(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128((const __m128i*)(p + 4));  // 12 bytes + 4 of qs
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(63));
+  const __m128i top = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(v, 6), _mm_set1_epi8(3)), 4);
+  const __m128i nlo = _mm_and_si128(v, m4), nhi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+  const __m128i s01 = _mm_shuffle_epi8(lo, _mm_setr_epi8(0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1));
+  const __m128i s2 = _mm_shuffle_epi8(nlo, _mm_setr_epi8(-1, -1, -1, -1, 8, 9, 10, 11, -1, -1, -1, -1, -1, -1, -1, -1));
+  const __m128i s3 = _mm_shuffle_epi8(nhi, _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 8, 9, 10, 11));
+  const __m128i s4 = _mm_shuffle_epi8(top, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i sm = _mm_or_si128(_mm_or_si128(s01, s2), _mm_or_si128(s3, s4));
+  uint32_t dd;
+  std::memcpy(&dd, p, 4);
+  const __m512 ddv = _mm512_permutexvar_ps(
+      _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+      _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(int(dd)))));
+  return _mm512_mul_ps(ddv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm)));
 }
 
-inline void decode_q4_k(const uint8_t* p, U8Block& o) {
-  k4_ab(p, o.a, o.b);
-  const __m256i m = _mm256_set1_epi8(0x0F);
-  for (int j = 0; j < 4; ++j) {
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 16 + 32 * j));
-    o.u[j] = join(_mm256_and_si256(v, m), _mm256_and_si256(_mm256_srli_epi16(v, 4), m));
+// The 256 nibbles (plus Q5_K's fifth bits) of a Q4_K/Q5_K block in k4 order: chunk 2h is
+// the low nibbles of qs[64h .. 64h + 63], chunk 2h + 1 their high nibbles, so chunk 2h holds
+// sub-blocks 4h and 4h + 2, chunk 2h + 1 sub-blocks 4h + 1 and 4h + 3.
+template <bool FIVE>
+inline void k4_lanes(const uint8_t* p, __m512i* u) {
+  const uint8_t* qs = p + (FIVE ? 48 : 16);
+  const __m512i m = _mm512_set1_epi8(0x0F);
+  __m512i hb = _mm512_setzero_si512();
+  if constexpr (FIVE) {  // qh[32]: bit 2j of qh[l] is weight 64j + l's, bit 2j + 1 is 64j + 32 + l's
+    const __m256i qh = _mm256_loadu_si256((const __m256i*)(p + 16));
+    hb = join(qh, _mm256_srli_epi16(qh, 2));
   }
-}
-
-inline void decode_q5_k(const uint8_t* p, U8Block& o) {
-  k4_ab(p, o.a, o.b);
-  const __m256i m = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-  const __m256i qh = _mm256_loadu_si256((const __m256i*)(p + 16));
-  for (int j = 0; j < 4; ++j) {
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 48 + 32 * j));
-    const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4);
-    const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4);
-    o.u[j] = join(_mm256_or_si256(_mm256_and_si256(v, m), h0),
-                  _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m), h1));
+  for (int h = 0; h < 2; ++h) {
+    const __m512i v = _mm512_loadu_si512((const void*)(qs + 64 * h));
+    __m512i lo = _mm512_and_si512(v, m), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+    if constexpr (FIVE) {
+      const __m512i one = _mm512_set1_epi8(1);
+      lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4 * h), one), 4));
+      hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4 * h + 1), one), 4));
+    }
+    u[2 * h] = lo;
+    u[2 * h + 1] = hi;
   }
 }
 
@@ -713,60 +740,90 @@ inline void decode_q3_k(const uint8_t* p, U8Block& o) {
 
 using DecodeFn = void (*)(const uint8_t*, U8Block&);
 
-// Rows [r0, r1) of a K-quant W times NT quantized activation rows; G: weights per scale.
-template <int NT, int BYTES, int G, DecodeFn DECODE, int OFF>
+template <int N>
+inline __m512 sum_acc(const __m512* a) {
+  if constexpr (N == 4) return _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+  else if constexpr (N == 2) return _mm512_add_ps(a[0], a[1]);
+  else return a[0];
+}
+
+// Rows [r0, r1) of a K-quant W with a scale per 16 weights (Q2_K, Q3_K, Q6_K) times NT
+// quantized activation rows.
+template <int NT, int BYTES, DecodeFn DECODE, int OFF>
 void gemv_q8_kquant(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float* out,
                     int64_t ldo, int64_t r0, int64_t r1) {
-  // lane j of chunk c's dot product covers weights 64c + 4j .. 64c + 4j + 3
-  const __m512i perm16[4] = {
+  constexpr int NACC = NT == 1 ? 4 : NT <= 3 ? 2 : 1;
+  // lane j of chunk c's dot product covers weights 64c + 4j .. 64c + 4j + 3: group 4c + j / 4
+  const __m512i perm[4] = {
       _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
       _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4),
       _mm512_set_epi32(11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8),
       _mm512_set_epi32(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12)};
-  const __m512i perm32[4] = {
-      _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-      _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),
-      _mm512_set_epi32(5, 5, 5, 5, 5, 5, 5, 5, 4, 4, 4, 4, 4, 4, 4, 4),
-      _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 6, 6, 6, 6, 6, 6, 6, 6)};
-  const __m512i* perm = G == 16 ? perm16 : perm32;
   const int64_t nblocks = xa.cols / QK_K;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * row_bytes;
-    __m512 acc[NT];
-    __m256 bacc[NT];  // sum_g b_g * xsum_g (G = 32)
-    for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps(), bacc[t] = _mm256_setzero_ps();
+    __m512 acc[NT][NACC];  // NACC independent sums: the fma chain is not the bound
+    for (int t = 0; t < NT; ++t)
+      for (int k = 0; k < NACC; ++k) acc[t][k] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nblocks; ++s) {
       U8Block blk;
       DECODE(row + s * BYTES, blk);
       for (int t = 0; t < NT; ++t) {
         const int8_t* xq = xa.q.data() + t * xa.stride_q + QK_K * s;
-        const int64_t g0 = t * xa.stride_g + (QK_K / G) * s;
+        const int64_t g0 = t * xa.stride_g + 16 * s;
         const int32_t* corr = OFF ? xa.corr.data() + t * xa.stride_c + 64 * s : nullptr;
-        __m512 av, a = acc[t];
-        if constexpr (G == 16) {
-          av = _mm512_mul_ps(blk.a, _mm512_loadu_ps(xa.dx16.data() + g0));
-          if constexpr (!OFF) a = _mm512_fnmadd_ps(blk.b, _mm512_loadu_ps(xa.xsum16.data() + g0), a);
-        } else {
-          av = _mm512_castps256_ps512(
-              _mm256_mul_ps(_mm512_castps512_ps256(blk.a), _mm256_loadu_ps(xa.dx32.data() + g0)));
-          bacc[t] = _mm256_fmadd_ps(_mm512_castps512_ps256(blk.b),
-                                    _mm256_loadu_ps(xa.xsum32.data() + g0), bacc[t]);
-        }
+        const __m512 av = _mm512_mul_ps(blk.a, _mm512_loadu_ps(xa.dx16.data() + g0));
+        if constexpr (!OFF)
+          acc[t][0] = _mm512_fnmadd_ps(blk.b, _mm512_loadu_ps(xa.xsum16.data() + g0), acc[t][0]);
         for (int c = 0; c < 4; ++c) {
           const __m512i p0 = OFF ? _mm512_loadu_si512((const void*)(corr + 16 * c)) : _mm512_setzero_si512();
           const __m512i p = _mm512_dpbusd_epi32(p0, blk.u[c], _mm512_loadu_si512((const void*)(xq + 64 * c)));
-          a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(perm[c], av), a);
+          acc[t][c % NACC] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(perm[c], av),
+                                             acc[t][c % NACC]);
         }
-        acc[t] = a;
       }
     }
+    for (int t = 0; t < NT; ++t) out[t * ldo + r] = _mm512_reduce_add_ps(sum_acc<NACC>(acc[t]));
+  }
+}
+
+// Q4_K / Q5_K (a scale and a minimum per 32 weights) against k4-ordered activations.
+template <int NT, int BYTES>
+void gemv_q8_k4(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float* out,
+                int64_t ldo, int64_t r0, int64_t r1) {
+  constexpr int NACC = NT == 1 ? 4 : NT <= 3 ? 2 : 1;
+  const __m512i perm[4] = {  // sub-blocks of the chunks in k4 order
+      _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),
+      _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1),
+      _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4),
+      _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 5, 5, 5, 5, 5, 5, 5, 5)};
+  const int64_t nblocks = xa.cols / QK_K;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    __m512 acc[NT][NACC], bacc[NT];  // bacc: lanes 8-15 sum dmin * m * xsum
     for (int t = 0; t < NT; ++t) {
-      const __m256 b = bacc[t];
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      out[t * ldo + r] = _mm512_reduce_add_ps(acc[t]) - _mm_cvtss_f32(h);
+      bacc[t] = _mm512_setzero_ps();
+      for (int k = 0; k < NACC; ++k) acc[t][k] = _mm512_setzero_ps();
     }
+    for (int64_t s = 0; s < nblocks; ++s) {
+      const uint8_t* p = row + s * BYTES;
+      const __m512 ab = k4_scales(p);
+      __m512i u[4];
+      k4_lanes<BYTES == 176>(p, u);
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* xq = xa.q.data() + t * xa.stride_q + QK_K * s;
+        const __m512 sc = _mm512_mul_ps(ab, _mm512_loadu_ps(xa.dxs.data() + t * xa.stride_s + 16 * s));
+        bacc[t] = _mm512_mask_add_ps(bacc[t], 0xFF00, bacc[t], sc);
+        for (int c = 0; c < 4; ++c) {
+          const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[c],
+                                                _mm512_loadu_si512((const void*)(xq + 64 * c)));
+          acc[t][c % NACC] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(perm[c], sc),
+                                             acc[t][c % NACC]);
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t)
+      out[t * ldo + r] = _mm512_reduce_add_ps(_mm512_sub_ps(sum_acc<NACC>(acc[t]), bacc[t]));
   }
 }
 
@@ -818,11 +875,11 @@ GemvQ8Fn gemv_q8_for(int64_t qtype) {
     case Q5_0: return gemv_q8_legacy<NT, 22, 16>;
     case Q5_1: return gemv_q8_legacy<NT, 24, 0>;
     case Q8_0: return gemv_q8_legacy<NT, 34, 128>;
-    case Q2_K: return gemv_q8_kquant<NT, 84, 16, decode_q2_k, 0>;
-    case Q3_K: return gemv_q8_kquant<NT, 110, 16, decode_q3_k, 4>;
-    case Q4_K: return gemv_q8_kquant<NT, 144, 32, decode_q4_k, 0>;
-    case Q5_K: return gemv_q8_kquant<NT, 176, 32, decode_q5_k, 0>;
-    case Q6_K: return gemv_q8_kquant<NT, 210, 16, decode_q6_k, 32>;
+    case Q2_K: return gemv_q8_kquant<NT, 84, decode_q2_k, 0>;
+    case Q3_K: return gemv_q8_kquant<NT, 110, decode_q3_k, 4>;
+    case Q4_K: return gemv_q8_k4<NT, 144>;
+    case Q5_K: return gemv_q8_k4<NT, 176>;
+    case Q6_K: return gemv_q8_kquant<NT, 210, decode_q6_k, 32>;
     default: TORCH_CHECK(false, "localllm_cpu.gemv_q8: no int8 kernel for ggml type ", qtype);
   }
 }
@@ -856,7 +913,8 @@ void gemv_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t ro
                   out.size(0) == nt && out.size(1) == rows,
               "localllm_cpu.gemv_q8: out must be (T, rows) float32");
   const GemvQ8Fn fn = gemv_q8_of(qtype, nt);
-  const Q8Act xa(x.data_ptr<float>(), x.stride(0), nt, cols, q8_offset(qtype));
+  const Q8Act xa(x.data_ptr<float>(), x.stride(0), nt, cols, q8_offset(qtype),
+                 qtype == Q4_K || qtype == Q5_K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = (cols / f.block) * f.bytes, ldo = out.stride(0);

@@ -10,7 +10,10 @@ cache directory, as ``localllm bench --synthetic`` does. Then, per round and per
 localllm process and one llama.cpp process run ``bench/bench_cpu.py``'s protocol (one
 warm-up pass, pp = one batch of ``--n-prompt`` tokens, tg = ``--n-gen`` greedy one-token
 steps), alternately, so that a load change on the machine hits both sides alike. Medians over
-the rounds are reported.
+the rounds are reported. On a shared machine each run first waits (``--max-wait``) until
+other processes leave ``--threads`` cores idle, and the cores they kept busy during the run
+are reported ("other load"): llama.cpp's threads spin at each barrier, so a busy core slows
+it far more than localllm, and such a row's ratios say little.
 
 "per weight byte": tok/s x the weight bytes a token reads (every matrix of the file at its
 stored size, without the input embedding unless it is also the output projection, and for
@@ -73,19 +76,56 @@ def weight_bytes(path: Path) -> dict:
             "total_mb": total / 1e6}
 
 
+def _cpu_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot (/proc/stat), or (0, 0)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields) - idle) / hz, sum(fields) / hz
+
+
+def wait_quiet(threads: int, max_wait: float) -> float:
+    """Wait (up to ``max_wait`` s) until other processes leave ``threads`` cores idle, as a
+    one-second sample of /proc/stat shows; returns the busy cores of the last sample."""
+    n_cpu = os.cpu_count() or 1
+    deadline = time.monotonic() + max_wait
+    while True:
+        b0, t0 = _cpu_busy()
+        time.sleep(1.0)
+        b1, t1 = _cpu_busy()
+        busy = (b1 - b0) / (t1 - t0) * n_cpu if t1 > t0 else 0.0
+        if busy <= n_cpu - threads + 0.2 or time.monotonic() > deadline:
+            return busy
+
+
 def run_side(python: str, path: Path, side: str, threads: int, n_prompt: int, n_gen: int,
              timeout: float) -> dict:
-    """One process of bench_cpu.py's protocol; its JSON line, or {"error": ...}."""
+    """One process of bench_cpu.py's protocol; its JSON line plus ``other_cores``: the cores
+    other processes kept busy meanwhile, on average (machine busy time minus this process's
+    CPU time, over its wall time); or {"error": ...}."""
+    import resource
+
     cmd = [python, str(BENCH_CPU), str(path), "--side", side, "--threads", str(threads),
            "--n-prompt", str(n_prompt), "--n-gen", str(n_gen), "--backend", "native"]
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    b0, _ = _cpu_busy()
+    w0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
+    wall = time.perf_counter() - w0
+    b1, _ = _cpu_busy()
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
     if p.returncode != 0:
         tail = (p.stderr.strip().splitlines() or ["?"])[-1]
         return {"error": f"exit {p.returncode}: {tail[:200]}"}
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    return res | {"other_cores": max(0.0, (b1 - b0 - own) / wall) if b1 > 0 else None}
 
 
 def _median(runs: list[dict], field: str) -> float | None:
@@ -100,7 +140,7 @@ def summarize(results: dict, sizes: dict) -> dict:
     for fam, sides in results.items():
         row = {"geometry": FAMILIES[fam], **sizes[fam]}
         for side, runs in sides.items():
-            for f in ("pp", "tg", "rss_mb", "load_s"):
+            for f in ("pp", "tg", "rss_mb", "load_s", "other_cores"):
                 row[f"{side}_{f}"] = _median(runs, f)
             errors = [r["error"] for r in runs if "error" in r]
             if errors:
@@ -145,8 +185,9 @@ def markdown(rows: dict, meta: dict) -> str:
            f"| family | geometry | file MB | weights MB/token | pp{n_p} localllm | "
            f"pp{n_p} llama.cpp | ratio | tg{n_g} localllm | tg{n_g} llama.cpp | ratio | "
            "pp per weight byte vs llama (localllm / llama.cpp) | "
-           "tg per weight byte vs llama (localllm / llama.cpp) |",
-           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "tg per weight byte vs llama (localllm / llama.cpp) | other load (cores) |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+           "| ---: |"]
     for fam, r in rows.items():
         out.append(
             f"| {fam} | {r['geometry']} | {r['file_mb']:.0f} | {r['active_mb']:.0f} | "
@@ -154,7 +195,8 @@ def markdown(rows: dict, meta: dict) -> str:
             f"{_f(r.get('ratio_pp'), '.2f')} | {_f(r.get('ours_tg'), '.2f')} | "
             f"{_f(r.get('llama_tg'), '.2f')} | {_f(r.get('ratio_tg'), '.2f')} | "
             f"{_f(r.get('rel_ours_pp'), '.2f')} / {_f(r.get('rel_llama_pp'), '.2f')} | "
-            f"{_f(r.get('rel_ours_tg'), '.2f')} / {_f(r.get('rel_llama_tg'), '.2f')} |")
+            f"{_f(r.get('rel_ours_tg'), '.2f')} / {_f(r.get('rel_llama_tg'), '.2f')} | "
+            f"{_f(r.get('ours_other_cores'), '.1f')} / {_f(r.get('llama_other_cores'), '.1f')} |")
     out += ["", *checks(rows)]
     errors = [f"- {fam} {side}: {r[side + '_error']}" for fam, r in rows.items()
               for side in ("ours", "llama") if r.get(side + "_error")]
@@ -193,6 +235,9 @@ def main() -> None:
     ap.add_argument("--quant", default="Q4_K_M")
     ap.add_argument("--llama-python", help="python with llama_cpp (omit: localllm only)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per process")
+    ap.add_argument("--max-wait", type=float, default=120.0,
+                    help="seconds to wait before each run for other processes to leave "
+                         "--threads cores idle")
     ap.add_argument("--markdown", help="write the table to this file")
     ap.add_argument("--json", help="write all runs and the summary to this file")
     a = ap.parse_args()
@@ -214,6 +259,10 @@ def main() -> None:
     for r in range(a.rounds):
         for fam in families:
             for side, py in (sides if r % 2 == 0 else sides[::-1]):
+                busy = wait_quiet(a.threads, a.max_wait)
+                if busy > (os.cpu_count() or 1) - a.threads + 0.2:
+                    print(f"(other processes keep {busy:.1f} cores busy; running anyway)",
+                          flush=True)
                 res = run_side(py, paths[fam], side, a.threads, a.n_prompt, a.n_gen, a.timeout)
                 results[fam][side].append(res)
                 name = "localllm" if side == "ours" else "llama.cpp"
@@ -222,7 +271,8 @@ def main() -> None:
                 else:
                     print(f"round {r} {fam:9} {name:9}: pp{a.n_prompt} {res['pp']:7.1f} tok/s"
                           f"  tg{a.n_gen} {res['tg']:6.2f} tok/s  load {res['load_s']:.1f} s"
-                          f"  RSS {res['rss_mb']:.0f} MB", flush=True)
+                          f"  RSS {res['rss_mb']:.0f} MB  other load "
+                          f"{_f(res.get('other_cores'), '.1f')} cores", flush=True)
     rows = summarize(results, sizes)
     versions = [x.get("version") for s in results.values() for x in s.get("llama", [])]
     meta = {"machine": machine(), "threads": a.threads, "rounds": a.rounds,

@@ -10,7 +10,7 @@ cache directory, as ``localllm bench --synthetic`` does. Then, per round and per
 localllm process and one llama.cpp process run ``bench/bench_cpu.py``'s protocol (one
 warm-up pass, pp = one batch of ``--n-prompt`` tokens, tg = ``--n-gen`` greedy one-token
 steps), alternately, so that a load change on the machine hits both sides alike. Medians over
-the rounds are reported. On a shared machine each run first waits (``--max-wait``) until
+the rounds are reported (``--stat max``: the best run of each side). On a shared machine each run first waits (``--max-wait``) until
 other processes leave ``--threads`` cores idle, and the cores they kept busy during the run
 are reported ("other load"): llama.cpp's threads spin at each barrier, so a busy core slows
 it far more than localllm, and such a row's ratios say little.
@@ -128,20 +128,23 @@ def run_side(python: str, path: Path, side: str, threads: int, n_prompt: int, n_
     return res | {"other_cores": max(0.0, (b1 - b0 - own) / wall) if b1 > 0 else None}
 
 
-def _median(runs: list[dict], field: str) -> float | None:
-    xs = [r[field] for r in runs if field in r]
-    return statistics.median(xs) if xs else None
+def _stat(runs: list[dict], field: str, stat: str) -> float | None:
+    xs = [r[field] for r in runs if r.get(field) is not None]
+    if not xs:
+        return None
+    return max(xs) if stat == "max" and field in ("pp", "tg") else statistics.median(xs)
 
 
-def summarize(results: dict, sizes: dict) -> dict:
-    """Per family: medians of each side, ratios ours/llama.cpp, per-weight-byte figures
-    relative to the llama family (None where a figure is missing)."""
+def summarize(results: dict, sizes: dict, stat: str = "median") -> dict:
+    """Per family: the median (or, ``stat="max"``, the best) tok/s of each side, ratios
+    ours/llama.cpp, per-weight-byte figures relative to the llama family (None where a
+    figure is missing)."""
     rows = {}
     for fam, sides in results.items():
         row = {"geometry": FAMILIES[fam], **sizes[fam]}
         for side, runs in sides.items():
             for f in ("pp", "tg", "rss_mb", "load_s", "other_cores"):
-                row[f"{side}_{f}"] = _median(runs, f)
+                row[f"{side}_{f}"] = _stat(runs, f, stat)
             errors = [r["error"] for r in runs if "error" in r]
             if errors:
                 row[f"{side}_error"] = errors[-1]
@@ -180,7 +183,7 @@ def machine() -> str:
 def markdown(rows: dict, meta: dict) -> str:
     n_p, n_g = meta["n_prompt"], meta["n_gen"]
     out = [f"Machine: {meta['machine']}; {meta['threads']} threads; {meta['rounds']} round(s), "
-           f"medians; localllm backend native, llama.cpp {meta.get('llama_version', '—')}; "
+           f"{'best' if meta['stat'] == 'max' else 'median'} of the rounds; localllm backend native, llama.cpp {meta.get('llama_version', '—')}; "
            f"{meta['quant']}; {meta['date']}.", "",
            f"| family | geometry | file MB | weights MB/token | pp{n_p} localllm | "
            f"pp{n_p} llama.cpp | ratio | tg{n_g} localllm | tg{n_g} llama.cpp | ratio | "
@@ -238,6 +241,9 @@ def main() -> None:
     ap.add_argument("--max-wait", type=float, default=120.0,
                     help="seconds to wait before each run for other processes to leave "
                          "--threads cores idle")
+    ap.add_argument("--stat", choices=["median", "max"], default="median",
+                    help="per side, the median or the best tok/s of the rounds (max: the "
+                         "least disturbed run, on a machine shared with other jobs)")
     ap.add_argument("--markdown", help="write the table to this file")
     ap.add_argument("--json", help="write all runs and the summary to this file")
     a = ap.parse_args()
@@ -273,10 +279,10 @@ def main() -> None:
                           f"  tg{a.n_gen} {res['tg']:6.2f} tok/s  load {res['load_s']:.1f} s"
                           f"  RSS {res['rss_mb']:.0f} MB  other load "
                           f"{_f(res.get('other_cores'), '.1f')} cores", flush=True)
-    rows = summarize(results, sizes)
+    rows = summarize(results, sizes, a.stat)
     versions = [x.get("version") for s in results.values() for x in s.get("llama", [])]
     meta = {"machine": machine(), "threads": a.threads, "rounds": a.rounds,
-            "n_prompt": a.n_prompt, "n_gen": a.n_gen, "quant": a.quant,
+            "n_prompt": a.n_prompt, "n_gen": a.n_gen, "quant": a.quant, "stat": a.stat,
             "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "llama_version": next((v for v in versions if v), None)}
     table = markdown(rows, meta)

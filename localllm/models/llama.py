@@ -192,12 +192,19 @@ def cache_layout(a: ModelArgs) -> list[LayerCache]:
 def moe_ffn(layer, x: torch.Tensor, n_used: int, norm: bool, ops) -> torch.Tensor:
     """Mixture of experts on x (T, d) float32 -> (T, d) float32 (llama.cpp's
     ``build_moe_ffn`` with softmax gating and SwiGLU experts). Tokens are grouped by expert:
-    each selected expert multiplies the rows routed to it, and no other expert is read."""
+    each selected expert multiplies the rows routed to it, and no other expert is read. One
+    token (decode) runs its k experts directly, without the grouping's gathers and scatters
+    (a third of a decode step's MoE time on the CPU)."""
     probs = torch.softmax(layer.ffn_gate_inp(x), dim=-1)  # (T, E)
     weights, chosen = probs.topk(n_used, dim=-1)  # (T, k)
     if norm:
         weights = weights / weights.sum(-1, keepdim=True)
     out = torch.zeros_like(x)
+    if x.shape[0] == 1:
+        for w, e in zip(weights[0].tolist(), chosen[0].tolist()):
+            h = ops.gated(layer.ffn_gate_exps(x, e), layer.ffn_up_exps(x, e), "silu")
+            out += layer.ffn_down_exps(h, e) * w
+        return out
     for e in chosen.unique().tolist():
         rows, slot = (chosen == e).nonzero(as_tuple=True)
         xe = x[rows]

@@ -10,10 +10,10 @@ cache directory, as ``localllm bench --synthetic`` does. Then, per round and per
 localllm process and one llama.cpp process run ``bench/bench_cpu.py``'s protocol (one
 warm-up pass, pp = one batch of ``--n-prompt`` tokens, tg = ``--n-gen`` greedy one-token
 steps), alternately, so that a load change on the machine hits both sides alike. Medians over
-the rounds are reported (``--stat max``: the best run of each side). On a shared machine each run first waits (``--max-wait``) until
-other processes leave ``--threads`` cores idle, and the cores they kept busy during the run
-are reported ("other load"): llama.cpp's threads spin at each barrier, so a busy core slows
-it far more than localllm, and such a row's ratios say little.
+the rounds are reported (``--stat max``: the best run of each side). On a shared machine each
+run first waits (``--max-wait``) until other processes leave ``--threads`` cores idle, and
+the cores they kept busy during the run are reported ("other load"): a row run beside other
+jobs says little.
 
 "per weight byte": tok/s x the weight bytes a token reads (every matrix of the file at its
 stored size, without the input embedding unless it is also the output projection, and for
@@ -182,9 +182,10 @@ def machine() -> str:
 
 def markdown(rows: dict, meta: dict) -> str:
     n_p, n_g = meta["n_prompt"], meta["n_gen"]
+    stat = "best" if meta.get("stat") == "max" else "median"
     out = [f"Machine: {meta['machine']}; {meta['threads']} threads; {meta['rounds']} round(s), "
-           f"{'best' if meta['stat'] == 'max' else 'median'} of the rounds; localllm backend native, llama.cpp {meta.get('llama_version', '—')}; "
-           f"{meta['quant']}; {meta['date']}.", "",
+           f"{stat} of the rounds; localllm backend native, llama.cpp "
+           f"{meta.get('llama_version', '—')}; {meta['quant']}; {meta['date']}.", "",
            f"| family | geometry | file MB | weights MB/token | pp{n_p} localllm | "
            f"pp{n_p} llama.cpp | ratio | tg{n_g} localllm | tg{n_g} llama.cpp | ratio | "
            "pp per weight byte vs llama (localllm / llama.cpp) | "

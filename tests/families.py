@@ -51,6 +51,17 @@ FAMILIES: dict[str, tuple] = {
              "Q5_K_M"),
     "olmo2": (dataclasses.replace(GEOMETRIES["olmo2-7b"], **{**SMALL, "n_kv_heads": 4}),
               "Q4_K_M"),
+    # RoPE scaling: YaRN (Qwen 2.5/3 long-context files; an original context of 32 puts the
+    # ramp between extrapolated and interpolated frequencies inside the head) and linear
+    # (Gemma 3 4B+: global layers only)
+    "qwen2-yarn": (dataclasses.replace(
+        GEOMETRIES["qwen2.5-7b"], **SMALL, **BPE, rope_base=10000.0,
+        extra={"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
+               "qwen2.rope.scaling.original_context_length": 32}), "Q8_0"),
+    "gemma3-linear": (dataclasses.replace(
+        GEOMETRIES["gemma3-270m"], **{**SMALL, "n_layers": 6}, sliding_window=8,
+        extra={"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0}),
+        "Q4_K_M"),
     "granite": (dataclasses.replace(
         GEOMETRIES["granite3-8b"], **SMALL, extra={
             "granite.embedding_scale": 12.0, "granite.residual_scale": 0.22,
@@ -60,7 +71,7 @@ FAMILIES: dict[str, tuple] = {
 
 # Gemma 2/3 scale the (tied) embedding by sqrt(d_model) and post-norm each sublayer: with
 # WEIGHT_STD the input token's own logit would dominate every distribution.
-STD = {"gemma2": 0.05, "gemma3": 0.05}
+STD = {"gemma2": 0.05, "gemma3": 0.05, "gemma3-linear": 0.05}
 
 
 def write_family(family: str, directory: str | Path) -> Path:

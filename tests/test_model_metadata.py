@@ -85,7 +85,7 @@ def test_bad_hyperparameter_is_one_error_naming_it(tiny_model_path, no_weights, 
     assert "\n" not in msg and named in msg
 
 
-@pytest.mark.parametrize("kind", ["yarn", "llama4", 5])
+@pytest.mark.parametrize("kind", ["longrope", "llama4", 5])
 def test_unsupported_rope_scaling_names_the_key(tiny_model_path, no_weights, kind):
     with pytest.raises(LocalLLMError, match=r"llama\.rope\.scaling\.type"):
         _load(tiny_model_path("llama"), **{"llama.rope.scaling.type": kind,
@@ -146,13 +146,13 @@ def test_memory_estimate_is_bounded_by_validated_values(tiny_model_path, no_weig
 def test_cli_names_the_key_in_one_line(monkeypatch, capsys, workdir):
     from tiny_model import write_tiny_gguf
 
-    f = write_tiny_gguf(workdir / "yarn.gguf", "llama",
-                        extra={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0})
+    f = write_tiny_gguf(workdir / "longrope.gguf", "llama",
+                        extra={"rope.scaling.type": "longrope", "rope.scaling.factor": 4.0})
     for cmd in ("run", "info"):
         args = [cmd, str(f)] + (["hello"] if cmd == "run" else [])
         code, _, err = run_cli(monkeypatch, capsys, *args)
         assert code == 1
-        assert_one_line_error(code, err, "llama.rope.scaling.type", "yarn")
+        assert_one_line_error(code, err, "llama.rope.scaling.type", "longrope")
 
 
 def test_valid_values_still_load(tiny_model_path):

@@ -19,7 +19,9 @@ Granite multiplies the embedding by ``embedding_scale``, each sublayer output by
 RoPE: adjacent pairs for ``llama``/``mistral``/``granite`` (the converter permutes Q/K for
 that), halves (NEOX) for the Qwen families; linear scaling (``rope.scaling.type = linear``,
 positions x 1/factor) and Llama 3.x's per-frequency factors from the ``rope_freqs.weight``
-tensor (the ``llama3`` scaling, precomputed by the converter); YaRN is refused.
+tensor (the ``llama3`` scaling, precomputed by the converter); YaRN (``yarn``: per-frequency
+factors and attention scale of :func:`~localllm.models.common.yarn_rope`, as Qwen 2.5/3
+long-context files use it). LongRoPE is refused.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UnsupportedError
 from .base import (
     MAX_CONTEXT,
     MAX_EXPERTS,
@@ -39,7 +42,7 @@ from .base import (
     TensorSpec,
     common_hparams,
 )
-from .common import positions_of, rope_inv_freq
+from .common import positions_of, rope_inv_freq, yarn_rope
 
 NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3", "qwen3moe"})
 QKV_BIAS = frozenset({"qwen2"})  # required Q/K/V biases (llama: optional biases)
@@ -62,6 +65,7 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_base: float = 10_000.0
     rope_scale: float = 1.0  # linear scaling: 1 / rope.scaling.factor
+    rope_yarn: dict | None = None  # YaRN: common.yarn_rope's arguments
     sliding_window: int | None = None  # mistral-style SWA on every layer, when given
     n_expert: int = 0  # expert_count
     n_expert_used: int = 0  # expert_used_count
@@ -78,7 +82,8 @@ class ModelArgs:
 
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
-            UnsupportedError: YaRN / LongRoPE scaling (``rope.scaling.type``).
+            UnsupportedError: LongRoPE scaling (``rope.scaling.type``), YaRN's
+                ``rope.scaling.yarn_log_multiplier``.
         """
         hp = HParams(md, source)
         c = common_hparams(hp, n_vocab)
@@ -93,12 +98,21 @@ class ModelArgs:
             kw["n_expert_used"] = hp.int("expert_used_count", REQUIRED, hi=n_expert)
             kw["expert_ffn_dim"] = hp.int("expert_feed_forward_length", ffn or REQUIRED)
             kw["expert_weights_norm"] = hp.bool("expert_weights_norm", True)
-        _, factor = hp.rope_scaling(("linear",))
+        kind, factor = hp.rope_scaling(("linear", "yarn"))
+        if kind == "yarn":
+            kw["rope_yarn"] = yarn_hparams(hp, factor, c["context_length"])
+            factor = 1.0  # folded into the frequencies (Model.prepare)
         if hp.arch == "granite":
             kw["embedding_scale"] = hp.float("embedding_scale", 1.0)
             kw["residual_scale"] = hp.float("residual_scale", 1.0)
             kw["logit_scale"] = hp.float("logit_scale", 1.0)
         scale = hp.float("attention.scale", 1.0 / math.sqrt(c["head_dim"]))
+        # llama.cpp multiplies cos and sin (so Q and K) by rope.scaling.attn_factor, and by
+        # YaRN's mscale: the scores by the square of both.
+        mscale = hp.float("rope.scaling.attn_factor", 1.0)
+        if kind == "yarn":
+            mscale *= yarn_rope(c["head_dim"], c["rope_base"], **kw["rope_yarn"])[1]
+        scale *= mscale ** 2
         return cls(**c, ffn_dim=ffn, rope_scale=1.0 / factor, attention_scale=scale,
                    sliding_window=hp.int("attention.sliding_window", None, hi=MAX_CONTEXT),
                    **kw)
@@ -106,6 +120,30 @@ class ModelArgs:
     @property
     def neox(self) -> bool:
         return self.arch in NEOX_ARCHITECTURES
+
+
+def yarn_hparams(hp: HParams, factor: float, context_length: int) -> dict:
+    """The keyword arguments of :func:`~localllm.models.common.yarn_rope` from the
+    ``rope.scaling.*`` keys, with llama.cpp's defaults (``llama_context``: beta_fast 32,
+    beta_slow 1, ext_factor 1, original context = the training context).
+
+    Raises:
+        GGUFError: ``rope.freq_base`` <= 1 (no correction dimensions), a key out of range.
+        UnsupportedError: ``rope.scaling.yarn_log_multiplier`` (DeepSeek's mscale variant).
+    """
+    hp.require(hp.float("rope.freq_base", 10_000.0) > 1.0, "rope.freq_base",
+               "must be > 1 for YaRN scaling (its correction dimensions divide by log(base))")
+    log_mul = hp.float("rope.scaling.yarn_log_multiplier", 0.0, lo=0.0, lo_open=False)
+    if log_mul != 0.0:
+        raise UnsupportedError(
+            f"{hp.pre}metadata {hp.key('rope.scaling.yarn_log_multiplier')} = {log_mul:g}: "
+            "YaRN with a log multiplier is not supported")
+    return dict(factor=factor,
+                orig_context=hp.int("rope.scaling.original_context_length", context_length,
+                                    hi=MAX_CONTEXT),
+                beta_fast=hp.float("rope.scaling.yarn_beta_fast", 32.0),
+                beta_slow=hp.float("rope.scaling.yarn_beta_slow", 1.0),
+                ext_factor=hp.float("rope.scaling.yarn_ext_factor", 1.0, lo=0.0, lo_open=False))
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
@@ -154,12 +192,19 @@ def cache_layout(a: ModelArgs) -> list[LayerCache]:
 def moe_ffn(layer, x: torch.Tensor, n_used: int, norm: bool, ops) -> torch.Tensor:
     """Mixture of experts on x (T, d) float32 -> (T, d) float32 (llama.cpp's
     ``build_moe_ffn`` with softmax gating and SwiGLU experts). Tokens are grouped by expert:
-    each selected expert multiplies the rows routed to it, and no other expert is read."""
+    each selected expert multiplies the rows routed to it, and no other expert is read. One
+    token (decode) runs its k experts directly, without the grouping's gathers and scatters
+    (a third of a decode step's MoE time on the CPU)."""
     probs = torch.softmax(layer.ffn_gate_inp(x), dim=-1)  # (T, E)
     weights, chosen = probs.topk(n_used, dim=-1)  # (T, k)
     if norm:
         weights = weights / weights.sum(-1, keepdim=True)
     out = torch.zeros_like(x)
+    if x.shape[0] == 1:
+        for w, e in zip(weights[0].tolist(), chosen[0].tolist()):
+            h = ops.gated(layer.ffn_gate_exps(x, e), layer.ffn_up_exps(x, e), "silu")
+            out += layer.ffn_down_exps(h, e) * w
+        return out
     for e in chosen.unique().tolist():
         rows, slot = (chosen == e).nonzero(as_tuple=True)
         xe = x[rows]
@@ -174,6 +219,9 @@ class Model(BaseModel):
     def prepare(self) -> None:
         a = self.args
         self.inv_freq = rope_inv_freq(a.head_dim, a.rope_base, self.rope_freqs, device=self.device)
+        if a.rope_yarn is not None:
+            divisors, _ = yarn_rope(a.head_dim, a.rope_base, **a.rope_yarn)
+            self.inv_freq = self.inv_freq / divisors.to(self.inv_freq.device)
 
     def forward(
         self,

@@ -145,6 +145,47 @@ GEOMETRIES: dict[str, Geometry] = {
         "gpt2", "llama-bpe", specials=("<|endoftext|>", "<fim_prefix>"), tied_output=True,
         extra={"granite.embedding_scale": 12.0, "granite.residual_scale": 0.22,
                "granite.attention.scale": 0.0078125, "granite.logit_scale": 16.0}),
+    # ---- 0.5-1B geometries of every family (bench/bench_families.py) ----------------------
+    # Gemma-3-1B: 5 of 6 layers sliding (512), MQA, head size 256
+    "gemma3-1b": Geometry(
+        "gemma3-1b", "gemma3", 262144, 26, 1152, 4, 1, 256, 6912, 32768, 1000000.0, 1e-6,
+        "llama", "default", specials=("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>",
+                                      "<end_of_turn>"),
+        tied_output=True, sliding_window=512),
+    # Gemma-2-2B's layers and vocabulary, 8 of its 26 layers (Gemma 2 has no model this small)
+    "gemma2-1b": Geometry(
+        "gemma2-1b", "gemma2", 256000, 8, 2304, 8, 4, 256, 9216, 8192, 10000.0, 1e-6,
+        "llama", "default", specials=("<pad>", "<eos>", "<bos>", "<unk>"), tied_output=True,
+        sliding_window=4096, extra={"gemma2.attn_logit_softcapping": 50.0,
+                                    "gemma2.final_logit_softcapping": 30.0}),
+    # Gemma-2B (Gemma 1)'s layers and vocabulary, 6 of its 18 layers
+    "gemma-1b": Geometry(
+        "gemma-1b", "gemma", 256000, 6, 2048, 8, 1, 256, 16384, 8192, 10000.0, 1e-6,
+        "llama", "default", specials=("<pad>", "<eos>", "<bos>", "<unk>"), tied_output=True),
+    # Mistral-7B-v0.3's vocabulary, head size and GQA ratio at 1B (GGUF architecture "llama")
+    "mistral-1b": Geometry(
+        "mistral-1b", "llama", 32768, 16, 2048, 16, 4, 128, 7168, 32768, 1000000.0, 1e-5,
+        "llama", "default", specials=("<unk>", "<s>", "</s>")),
+    # Phi-3-mini's vocabulary, fused QKV / gate-up and MHA at 1B
+    "phi3-1b": Geometry(
+        "phi3-1b", "phi3", 32064, 16, 2048, 32, 32, 64, 8192, 4096, 10000.0, 1e-5,
+        "llama", "default", specials=("<unk>", "<s>", "</s>", "<|endoftext|>", "<|end|>")),
+    # OLMo-2-0425-1B
+    "olmo2-1b": Geometry(
+        "olmo2-1b", "olmo2", 100352, 16, 2048, 16, 16, 128, 8192, 4096, 500000.0, 1e-6,
+        "gpt2", "llama-bpe", specials=("<|endoftext|>", "<|pad|>")),
+    # Granite-3.0-2B's layers and vocabulary, 16 of its 40 layers
+    "granite3-1b": Geometry(
+        "granite3-1b", "granite", 49155, 16, 2048, 32, 8, 64, 8192, 4096, 10000.0, 1e-5,
+        "gpt2", "llama-bpe", specials=("<|endoftext|>", "<fim_prefix>"), tied_output=True,
+        extra={"granite.embedding_scale": 12.0, "granite.residual_scale": 0.22,
+               "granite.attention.scale": 0.015625, "granite.logit_scale": 8.0}),
+    # Qwen3-30B-A3B's proportions at 1B: 64 experts, 8 used (0.3B active), expert FFN 256
+    "qwen3moe-1b": Geometry(
+        "qwen3moe-1b", "qwen3moe", 151936, 16, 1024, 16, 4, 128, 3072, 40960, 1000000.0,
+        1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        n_pad_tokens=290, extra={"qwen3moe.expert_count": 64, "qwen3moe.expert_used_count": 8,
+                                 "qwen3moe.expert_feed_forward_length": 256}),
 }
 
 

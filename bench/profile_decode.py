@@ -1,13 +1,16 @@
-"""Where a CPU decode step goes: torch.profiler over one-token steps of a ``Session``.
+"""Where a CPU decode step goes: the native GEMVs versus everything else.
 
-    .venv/bin/python bench/profile_decode.py [MODEL] --threads 1 --steps 32
+    .venv/bin/python bench/profile_decode.py [MODEL] --threads 1 --rounds 5 [--ops torch]
 
-Loads the model (default: the registry's ``gemma3-270m``), prefills ``--n-prompt`` tokens,
-runs ``--warmup`` one-token steps, then profiles ``--steps`` more and prints ms/token:
-the wall time per step, the native GEMV's share (``localllm_cpu::gemv``), and the rest
-(norms, RoPE, attention, residual adds, activations, KV writes and the Python between them),
-followed by the top operators by self CPU time. Numbers on a shared machine are noisy:
-take the median of several runs.
+Loads the model (default: the registry's ``gemma3-270m``) on the CPU, prefills
+``--n-prompt`` tokens, then, in each of ``--rounds`` rounds, times ``--steps`` one-token
+steps (``Session.eval([tok])``) and replays the step's matrix products alone (the
+``localllm.cpu.qmatmul`` calls of one step recorded once, same inputs, same weights).
+Printed in ms/token, medians over the rounds (interleaved, so a shared machine's load hits
+both alike): the step, its GEMVs, and the rest (norms, RoPE, attention, residual adds,
+activations, the KV write, the logits' argmax and the Python between them). ``--ops torch``
+runs the torch compositions (``TorchOps``) around the same GEMVs instead of the fused native
+ops (``NativeOps``). ``--profile`` adds torch.profiler's operator table over one round.
 """
 
 from __future__ import annotations
@@ -21,17 +24,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=None)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--n-prompt", type=int, default=64)
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--rows", type=int, default=15, help="operators listed")
+    ap.add_argument("--ops", choices=["auto", "torch"], default="auto",
+                    help="torch: the torch compositions (TorchOps) around the same native GEMV")
+    ap.add_argument("--profile", action="store_true", help="print torch.profiler's table")
     a = ap.parse_args()
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     torch.set_num_threads(a.threads)
+    import localllm.cpu as cpu
     from localllm.runtime.session import Session, load_model
 
     path = a.model
@@ -39,31 +43,58 @@ def main() -> None:
         from localllm.registry import load_registry
 
         path = str(load_registry().resolve("gemma3-270m")[0])
-    m = load_model(path, device="cpu", progress=False, backend=a.backend)
-    s = Session(m, ctx_size=a.n_prompt + a.warmup + 2 * a.steps + 8, batch_size=a.n_prompt)
+    m = load_model(path, device="cpu", progress=False)
+    if a.ops == "torch":
+        from localllm.models.common import TorchOps
+
+        m.model.ops = TorchOps()
+    n_ctx = a.n_prompt + (a.rounds + 2) * a.steps + 8
+    s = Session(m, ctx_size=n_ctx, batch_size=a.n_prompt)
     prompt = [(1000 + 7 * i) % m.tokenizer.n_vocab for i in range(a.n_prompt)]
     tok = int(s.eval(prompt).argmax())
-    for _ in range(a.warmup):
+    for _ in range(4):  # warm-up
         tok = int(s.eval([tok]).argmax())
-    walls = []
-    for _ in range(a.steps):  # unprofiled wall time
+
+    calls = []  # one step's products, recorded through localllm.cpu.qmatmul
+    real = cpu.qmatmul
+
+    def record(x, w, out=None, **kw):
+        calls.append((x.clone(), w, kw))
+        return real(x, w, out, **kw)
+
+    cpu.qmatmul = record
+    tok = int(s.eval([tok]).argmax())
+    cpu.qmatmul = real
+
+    def replay():
+        for x, w, kw in calls:
+            real(x, w, **kw)
+
+    steps, gemvs = [], []
+    for _ in range(a.rounds):
         t0 = time.perf_counter()
-        tok = int(s.eval([tok]).argmax())
-        walls.append(time.perf_counter() - t0)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(a.steps):
             tok = int(s.eval([tok]).argmax())
-    events = prof.key_averages()
-    gemv = sum(e.self_cpu_time_total for e in events if e.key == "localllm_cpu::gemv")
-    wall = statistics.median(walls) * 1e3
-    gemv_ms = gemv / 1e3 / a.steps
-    n_ops = sum(e.count for e in events if e.key.startswith(("aten::", "localllm_cpu::")))
-    print(f"backend {m.backend}, {a.threads} thread(s), {a.steps} steps")
-    print(f"decode step (median wall, unprofiled): {wall:.2f} ms/token")
-    print(f"native GEMV (profiled, self time):     {gemv_ms:.2f} ms/token")
-    print(f"the rest (wall - GEMV):                {wall - gemv_ms:.2f} ms/token")
-    print(f"operator calls per token:              {n_ops / a.steps:.0f}")
-    print(events.table(sort_by="self_cpu_time_total", row_limit=a.rows))
+        steps.append((time.perf_counter() - t0) / a.steps * 1e3)
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            replay()
+        gemvs.append((time.perf_counter() - t0) / a.steps * 1e3)
+    step, gemv = statistics.median(steps), statistics.median(gemvs)
+    rest = statistics.median(x - y for x, y in zip(steps, gemvs))
+    print(f"backend {m.backend}, ops {type(m.model.ops).__name__}, {a.threads} thread(s), "
+          f"{len(calls)} products per step, medians of {a.rounds} rounds of {a.steps} steps")
+    print(f"  decode step {step:6.2f} ms/token   GEMVs {gemv:6.2f}   rest {rest:6.2f}")
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(a.steps):
+                tok = int(s.eval([tok]).argmax())
+        events = prof.key_averages()
+        n_ops = sum(e.count for e in events if e.key.startswith(("aten::", "localllm_cpu::")))
+        print(f"  operator calls per token: {n_ops / a.steps:.0f}")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 if __name__ == "__main__":

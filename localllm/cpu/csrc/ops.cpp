@@ -422,49 +422,67 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   at::Tensor out = at::empty({1, nh * d}, q.options());
   float* op = out.data_ptr<float>();
   const float ninf = -std::numeric_limits<float>::infinity();
+  auto visible = [&](int64_t j) {
+    const int64_t p = kpos ? kpos[j] : j;
+    return p >= 0 && p <= pos && (window <= 0 || pos - p < window);
+  };
+  // Threads take ranges of query heads; the heads of a range that share a KV head go
+  // together, so each key and value row is read once for all of them (GQA).
   const int64_t grain = std::max<int64_t>(1, GRAIN / std::max<int64_t>(live * d, 1));
   at::parallel_for(0, nh, grain, [&](int64_t h0, int64_t h1) {
-    std::vector<float> s(live);
-    for (int64_t h = h0; h < h1; ++h) {
-      const int64_t g = h / group;
-      const float* qh = qr.data() + h * d;
+    std::vector<float> s((h1 - h0) * live), mx(h1 - h0), total(h1 - h0);
+    for (int64_t ha = h0; ha < h1;) {
+      const int64_t g = ha / group, hb = std::min(h1, (g + 1) * group), n = hb - ha;
       const float* kg = kc + g * size * d;
       const float* vg = vc + g * size * d;
-      float mx = ninf;
+      float* sa = s.data() + (ha - h0) * live;  // scores of head ha + i at sa[i * live + j]
+      std::fill(mx.begin(), mx.begin() + n, ninf);
       for (int64_t j = 0; j < live; ++j) {
-        const int64_t p = kpos ? kpos[j] : j;
-        if (p < 0 || p > pos || (window > 0 && pos - p >= window)) {
-          s[j] = ninf;
+        if (!visible(j)) {
+          for (int64_t i = 0; i < n; ++i) sa[i * live + j] = ninf;
           continue;
         }
-        float x = dot(qh, kg + j * d, d) * sc;
-        if (cap > 0.0f) x = std::tanh(x / cap) * cap;
-        s[j] = x;
-        mx = std::max(mx, x);
+        const float* kj = kg + j * d;
+        for (int64_t i = 0; i < n; ++i) {
+          float x = dot(qr.data() + (ha + i) * d, kj, d) * sc;
+          if (cap > 0.0f) x = std::tanh(x / cap) * cap;
+          sa[i * live + j] = x;
+          mx[i] = std::max(mx[i], x);
+        }
       }
-      int64_t j = 0;
-      float total = 0.0f;
+      for (int64_t i = 0; i < n; ++i) {  // weights exp(s - max), and their total
+        float* si = sa + i * live;
+        int64_t j = 0;
+        float t = 0.0f;
 #ifdef LOCALLLM_VEC
-      const vf vm = vset(mx);
-      vf acc = vset(0.0f);
-      for (; j + VW <= live; j += VW) {
-        const vf ej = vexp(vsub(vload(s.data() + j), vm));  // masked: -inf -> exp(-87)
-        vstore(s.data() + j, ej);
-        acc = vadd(acc, ej);
-      }
-      total = vsum(acc);
+        const vf vm = vset(mx[i]);
+        vf acc = vset(0.0f);
+        for (; j + VW <= live; j += VW) {
+          const vf ej = vexp(vsub(vload(si + j), vm));  // masked: -inf -> exp(-87)
+          vstore(si + j, ej);
+          acc = vadd(acc, ej);
+        }
+        t = vsum(acc);
 #endif
-      for (; j < live; ++j) {
-        s[j] = std::exp(s[j] - mx);
-        total += s[j];
+        for (; j < live; ++j) {
+          si[j] = std::exp(si[j] - mx[i]);
+          t += si[j];
+        }
+        total[i] = t;
+        std::memset(op + (ha + i) * d, 0, d * sizeof(float));
       }
       // Cells of weight below 1e-30 (the masked ones: exp(-87) or 0) add nothing a float
       // can hold against the total (>= 1, the maximum's own weight): skipped.
-      float* oh = op + h * d;
-      std::memset(oh, 0, d * sizeof(float));
-      for (int64_t j2 = 0; j2 < live; ++j2)
-        if (s[j2] > 1e-30f) axpy(s[j2], vg + j2 * d, oh, d);
-      scale_rows(oh, 1.0f / total, nullptr, oh, d);
+      for (int64_t j = 0; j < live; ++j) {
+        const float* vj = vg + j * d;
+        for (int64_t i = 0; i < n; ++i)
+          if (sa[i * live + j] > 1e-30f) axpy(sa[i * live + j], vj, op + (ha + i) * d, d);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        float* oh = op + (ha + i) * d;
+        scale_rows(oh, 1.0f / total[i], nullptr, oh, d);
+      }
+      ha = hb;
     }
   });
   return out;

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from families import FAMILIES, sha256, write_family
 
 import localllm.cpu as cpu
 from localllm.models.cache import KVCache, RingKVCache
 from localllm.models.common import NativeOps, TorchOps, rope_inv_freq
+from localllm.runtime.session import Session, load_model
 
 if not cpu.available():
     if shutil.which("c++") and os.environ.get("LOCALLLM_NATIVE_CPU", "1") != "0":
@@ -158,3 +162,61 @@ def test_decode_attention_after_truncate_before_wrap():
         close(NATIVE.self_attention(q, k, v, None, None, 1e-6, cs, c_nat, pos, p, **kw),
               TORCH.self_attention(q, k, v, None, None, 1e-6, cs, c_ref, pos, p, **kw),
               rtol=1e-5, atol=1e-5)
+
+
+# ---- whole models: one-token steps (the fused attention step) against llama.cpp ----------
+
+FAMILY_DATA = Path(__file__).parent / "data" / "families"
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("families-decode")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_decoded_token_by_token_matches_llama_cpp(family, family_dir):
+    """Each family's small model fed one token per step (NativeOps' one-token attention,
+    sliding windows and soft-capping included) gives llama.cpp's recorded next-token
+    distributions (the bound of tests/test_families.py, which evaluates whole prompts)."""
+    ref = np.load(FAMILY_DATA / f"{family}.npz")
+    path = write_family(family, family_dir)
+    assert sha256(path) == str(ref["sha256"]), "the file differs from the one llama.cpp ran"
+    loaded = load_model(path, device="cpu", progress=False)
+    assert isinstance(loaded.model.ops, NativeOps)
+    theirs = ref["logits"]  # (prompts, positions, n_vocab) float16
+    n_last = theirs.shape[1]
+    kls = []
+    for i in range(theirs.shape[0]):
+        ids = ref[f"prompt{i}"].tolist()
+        s = Session(loaded, ctx_size=64)
+        steps = [s.eval([tok]).float().numpy() for tok in ids]
+        ours = np.stack(steps[len(ids) - n_last:])
+        lt, lo = _log_softmax(theirs[i]), _log_softmax(ours)
+        kls.append((np.exp(lt) * (lt - lo)).sum(-1))
+        assert int(ours[-1].argmax()) == int(theirs[i][-1].argmax()), f"prompt {i}: top-1"
+    assert float(np.mean(kls)) <= 0.01
+
+
+@pytest.mark.slow
+def test_default_model_teacher_forced_one_token_steps(llm, reference):
+    """The real default model stepped one token at a time through llama.cpp's greedy
+    continuations picks llama.cpp's token wherever llama.cpp is decisive."""
+    assert isinstance(llm.loaded.model.ops, NativeOps)
+    for p in reference["prompts"][:2]:
+        ids = p["prompt_ids"] + p["greedy_48_ids"]
+        session = llm.session()
+        first = session.eval(ids[:len(p["prompt_ids"])])  # the prompt: one prefill
+        logits = [first] + [session.eval([tok]) for tok in ids[len(p["prompt_ids"]):-1]]
+        checked = 0
+        for j, (tok, lp1, _, lp2) in enumerate(p["teacher_forced_top2"]):
+            if lp1 - lp2 >= 0.25:
+                assert int(logits[j].argmax()) == tok, (p["prompt"], j)
+                checked += 1
+        assert checked >= 30

@@ -147,16 +147,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// y[0 .. n-1] += a * x
-inline void axpy(float a, const float* x, float* y, int64_t n) {
-  int64_t i = 0;
-#ifdef LOCALLLM_VEC
-  const vf va = vset(a);
-  for (; i + VW <= n; i += VW) vstore(y + i, vfma(va, vload(x + i), vload(y + i)));
-#endif
-  for (; i < n; ++i) y[i] += a * x[i];
-}
-
 // 1 / rms(x) as torch's x.pow(2).mean(-1) + eps, then rsqrt (= 1 / sqrt).
 inline float inv_rms(const float* x, int64_t n, float eps) {
   return 1.0f / std::sqrt(sum_squares(x, n) / float(n) + eps);
@@ -223,6 +213,76 @@ inline void norm_rope_head(const float* x, const float* w, float eps, const floa
   }
   rope_head(x, cs, sn, neox, y, d);
 }
+
+// ---- one-token attention: several query heads of one KV head at a time ------------------
+
+// Weights below this are skipped in the value sum: the masked cells' exp(-87) or 0, which
+// add nothing a float can hold against the total (>= 1, the maximum's own weight).
+constexpr float TINY = 1e-30f;
+
+// out[i] = q[i] . k (d values) for NB query heads: each key vector is loaded once for all.
+template <int NB>
+inline void head_dots(const float* const* q, const float* k, int64_t d, float* out) {
+  int64_t c = 0;
+  for (int i = 0; i < NB; ++i) out[i] = 0.0f;
+#ifdef LOCALLLM_VEC
+  vf acc[NB];
+  for (int i = 0; i < NB; ++i) acc[i] = vset(0.0f);
+  for (; c + VW <= d; c += VW) {
+    const vf kv = vload(k + c);
+    for (int i = 0; i < NB; ++i) acc[i] = vfma(vload(q[i] + c), kv, acc[i]);
+  }
+  for (int i = 0; i < NB; ++i) out[i] = vsum(acc[i]);
+#endif
+  for (; c < d; ++c)
+    for (int i = 0; i < NB; ++i) out[i] += q[i][c] * k[c];
+}
+
+#ifdef LOCALLLM_VEC
+// o[i][c0 .. c0 + B*VW) = sum_j w[i * live + j] * v[j * d + c0 ..] for NB heads, the
+// NB * B sums held in registers over all cells j (each value vector loaded once).
+template <int NB, int B>
+inline void weighted_block(const float* w, int64_t live, const float* v, int64_t d, int64_t c0,
+                           float* const* o) {
+  vf acc[NB][B];
+  for (int i = 0; i < NB; ++i)
+    for (int b = 0; b < B; ++b) acc[i][b] = vset(0.0f);
+  for (int64_t j = 0; j < live; ++j) {
+    const float* vj = v + j * d + c0;
+    for (int i = 0; i < NB; ++i) {
+      const float wij = w[i * live + j];
+      if (wij <= TINY) continue;
+      const vf p = vset(wij);
+      for (int b = 0; b < B; ++b) acc[i][b] = vfma(p, vload(vj + b * VW), acc[i][b]);
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int b = 0; b < B; ++b) vstore(o[i] + c0 + b * VW, acc[i][b]);
+}
+#endif
+
+// o[i][0 .. d) = sum_j w[i * live + j] * v[j * d ..] for NB heads.
+template <int NB>
+inline void weighted_values(const float* w, int64_t live, const float* v, int64_t d,
+                            float* const* o) {
+  int64_t c0 = 0;
+#ifdef LOCALLLM_VEC
+  constexpr int ACC = VW == 16 ? 16 : 8;  // accumulator registers (of 32 zmm / 16 ymm)
+  constexpr int B = ACC / NB;
+  for (; c0 + B * VW <= d; c0 += B * VW) weighted_block<NB, B>(w, live, v, d, c0, o);
+  for (; c0 + VW <= d; c0 += VW) weighted_block<NB, 1>(w, live, v, d, c0, o);
+#endif
+  for (int i = 0; i < NB; ++i)
+    for (int64_t c = c0; c < d; ++c) o[i][c] = 0.0f;
+  if (c0 < d)
+    for (int64_t j = 0; j < live; ++j)
+      for (int i = 0; i < NB; ++i) {
+        const float wij = w[i * live + j];
+        if (wij > TINY)
+          for (int64_t c = c0; c < d; ++c) o[i][c] += wij * v[j * d + c];
+      }
+}
+
 
 // ---- argument checks ---------------------------------------------------------------------
 
@@ -437,17 +497,29 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       const float* vg = vc + g * size * d;
       float* sa = s.data() + (ha - h0) * live;  // scores of head ha + i at sa[i * live + j]
       std::fill(mx.begin(), mx.begin() + n, ninf);
-      for (int64_t j = 0; j < live; ++j) {
-        if (!visible(j)) {
-          for (int64_t i = 0; i < n; ++i) sa[i * live + j] = ninf;
-          continue;
-        }
-        const float* kj = kg + j * d;
-        for (int64_t i = 0; i < n; ++i) {
-          float x = dot(qr.data() + (ha + i) * d, kj, d) * sc;
-          if (cap > 0.0f) x = std::tanh(x / cap) * cap;
-          sa[i * live + j] = x;
-          mx[i] = std::max(mx[i], x);
+      for (int64_t i0 = 0; i0 < n; i0 += 4) {  // scores, four query heads at a time
+        const int nb = int(std::min<int64_t>(4, n - i0));
+        const float* qs[4];
+        for (int i = 0; i < nb; ++i) qs[i] = qr.data() + (ha + i0 + i) * d;
+        float x[4];
+        for (int64_t j = 0; j < live; ++j) {
+          if (!visible(j)) {
+            for (int i = 0; i < nb; ++i) sa[(i0 + i) * live + j] = ninf;
+            continue;
+          }
+          const float* kj = kg + j * d;
+          switch (nb) {
+            case 4: head_dots<4>(qs, kj, d, x); break;
+            case 3: head_dots<3>(qs, kj, d, x); break;
+            case 2: head_dots<2>(qs, kj, d, x); break;
+            default: x[0] = dot(qs[0], kj, d);
+          }
+          for (int i = 0; i < nb; ++i) {
+            float xi = x[i] * sc;
+            if (cap > 0.0f) xi = std::tanh(xi / cap) * cap;
+            sa[(i0 + i) * live + j] = xi;
+            mx[i0 + i] = std::max(mx[i0 + i], xi);
+          }
         }
       }
       for (int64_t i = 0; i < n; ++i) {  // weights exp(s - max), and their total
@@ -469,14 +541,18 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
           t += si[j];
         }
         total[i] = t;
-        std::memset(op + (ha + i) * d, 0, d * sizeof(float));
       }
-      // Cells of weight below 1e-30 (the masked ones: exp(-87) or 0) add nothing a float
-      // can hold against the total (>= 1, the maximum's own weight): skipped.
-      for (int64_t j = 0; j < live; ++j) {
-        const float* vj = vg + j * d;
-        for (int64_t i = 0; i < n; ++i)
-          if (sa[i * live + j] > 1e-30f) axpy(sa[i * live + j], vj, op + (ha + i) * d, d);
+      for (int64_t i0 = 0; i0 < n; i0 += 4) {  // the weighted values, four heads at a time
+        const int nb = int(std::min<int64_t>(4, n - i0));
+        float* os[4];
+        for (int i = 0; i < nb; ++i) os[i] = op + (ha + i0 + i) * d;
+        const float* w = sa + i0 * live;
+        switch (nb) {
+          case 4: weighted_values<4>(w, live, vg, d, os); break;
+          case 3: weighted_values<3>(w, live, vg, d, os); break;
+          case 2: weighted_values<2>(w, live, vg, d, os); break;
+          default: weighted_values<1>(w, live, vg, d, os);
+        }
       }
       for (int64_t i = 0; i < n; ++i) {
         float* oh = op + (ha + i) * d;

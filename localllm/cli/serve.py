@@ -28,7 +28,8 @@ def serve_command(
         "--max-queue", help="requests that may wait (more get 503)")] = 64,
     max_body: Annotated[int, typer.Option(
         "--max-body", help="largest request body in bytes (more get 413)")] = 8 << 20,
-    threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads")] = None,
+    threads: Annotated[int | None, typer.Option(
+        "--threads", "-t", help="CPU threads (default: physical cores)")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log requests")] = False,
 ) -> None:
     """Serve MODEL over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions,
@@ -42,12 +43,12 @@ def serve_command(
     if api_key == "":
         raise ParameterError("--api-key must not be empty")
 
-    if threads is not None:
-        if threads < 1:
-            raise ParameterError(f"--threads must be >= 1, got {threads}")
-        import torch
+    import torch
 
-        torch.set_num_threads(threads)
+    from ..cpu.threads import set_threads
+
+    set_threads(threads)
+    n_threads = torch.get_num_threads()  # as in effect (OMP_NUM_THREADS without -t)
     from ..api import LLM
     from ..server import serve
 
@@ -60,7 +61,8 @@ def serve_command(
 
     def ready(bound: int) -> None:
         print(f"localllm: serving {llm.model_name} on http://{host}:{bound}/v1 "
-              f"(Ctrl-C stops)", file=sys.stderr, flush=True)
+              f"({n_threads} CPU thread{'s' if n_threads > 1 else ''}; Ctrl-C stops)",
+              file=sys.stderr, flush=True)
 
     serve(llm, host=host, port=port, api_key=api_key, max_queue=max_queue, max_body=max_body,
           log_level="info" if verbose else "warning", on_ready=ready)

@@ -344,7 +344,7 @@ def bind(model: BaseModel, gguf, device, *, dtype: torch.dtype = torch.float16,
     loader = Loader(gguf, device, dtype, quantized=quantized, native=native,
                     progress=progress)
     model.device = torch.device(device)
-    model.ops = ops if ops is not None else default_ops(device)
+    model.ops = ops if ops is not None else default_ops(device, native=native)
     present = [s for s in specs if s.name in gguf.tensors]
     for s in sorted(present, key=lambda s: s.name.endswith(".bias")):  # weights first
         i, stem, suffix = layer_of(s.name)

@@ -73,6 +73,17 @@ class KVCache:
         self.n = end
         return self.k[:, :end], self.v[:, :end], None
 
+    def decode_slot(self, pos: int) -> tuple[int, int, torch.Tensor | None]:
+        """The bookkeeping of a one-token :meth:`update` at ``pos`` whose write the caller
+        does itself (the native CPU decode step, :class:`~localllm.models.common.NativeOps`).
+
+        Returns (slot, live, positions): the cell to write, the number of leading cells to
+        attend over (the new one included), and the per-cell positions tensor to update at
+        ``slot`` (None here: cell j holds position j).
+        """
+        self.n = pos + 1
+        return pos, pos + 1, None
+
     def set_length(self, n: int) -> None:
         """Record that positions ``0 .. n-1`` are valid (after a static-decode write)."""
         self.n = n
@@ -159,6 +170,22 @@ class RingKVCache:
         self.positions[slots] = new_pos[t - keep :]
         self.n = pos + t
         return keys, values, positions
+
+    def decode_slot(self, pos: int) -> tuple[int, int, torch.Tensor]:
+        """The bookkeeping of a one-token :meth:`update` at ``pos`` whose write the caller
+        does itself (the native CPU decode step, :class:`~localllm.models.common.NativeOps`).
+
+        Returns (slot, live, positions): the cell to write, the number of leading cells to
+        attend over (the live prefix before the ring wraps, the whole ring after), and
+        :attr:`positions`, where the caller stores ``pos`` at ``slot``; cells whose position
+        is -1, after ``pos`` or outside the window must be masked.
+        """
+        if pos + 1 > self.size:
+            self.linear = False
+        self.n = pos + 1
+        if self.linear:
+            return pos, pos + 1, self.positions
+        return pos % self.size, self.size, self.positions
 
     def set_length(self, n: int) -> None:
         """Record that the next position expected is ``n`` (after a static-decode write)."""

@@ -375,10 +375,10 @@ class TorchOps:
     every device.
 
     A model calls ``ops.rope_angles`` once per forward (the result is opaque to the model),
-    then per layer ``ops.norm_rope`` for queries and keys, ``ops.attention``,
-    ``ops.residual_norm`` after each sublayer and ``ops.gated`` in the FFN.
-    :class:`KernelOps` computes the same with the Triton kernels, fusing each of these into
-    one launch.
+    then per layer ``ops.self_attention`` (QK-norm and RoPE of the projected queries and
+    keys, the KV-cache write and attention), ``ops.residual_norm`` after each sublayer and
+    ``ops.gated`` in the FFN. :class:`KernelOps` computes the same with the Triton kernels,
+    fusing each of these into one launch; :class:`NativeOps` with the native CPU kernels.
     """
 
     rms_norm = staticmethod(rms_norm)
@@ -403,6 +403,39 @@ class TorchOps:
     def gated(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
         """act(gate) * up (T, F), ``act`` a key of :data:`ACTIVATIONS`."""
         return ACTIVATIONS[act](gate) * up
+
+    def self_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        angles,
+        cache,
+        pos: int | torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        head_dim: int,
+        neox: bool,
+        scale: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """The attention of a layer from its projections: per-head RMSNorm of q and k by
+        ``q_norm`` / ``k_norm`` when given (QK-norm), RoPE by ``angles`` (from
+        :meth:`rope_angles`; ``neox``: halves, else adjacent pairs), then :meth:`attention`.
+
+        q: (T, n_heads * head_dim), k/v: (T, n_kv_heads * head_dim) float32 (views with unit
+        column stride) -> (T, n_heads * head_dim) float32.
+        """
+        t = q.shape[0]
+        q = q.reshape(t, -1, head_dim).transpose(0, 1)  # (nh, T, hd)
+        k = k.reshape(t, -1, head_dim).transpose(0, 1)  # (nkv, T, hd)
+        v = v.reshape(t, -1, head_dim).transpose(0, 1)
+        q = self.norm_rope(q, q_norm, eps, angles, neox=neox)
+        k = self.norm_rope(k, k_norm, eps, angles, neox=neox)
+        return self.attention(q, k, v, cache, pos, positions, scale=scale, softcap=softcap)
 
     def attention(
         self,
@@ -480,9 +513,67 @@ class KernelOps(TorchOps):
                                 window=cache.window, scale=scale)
 
 
-def default_ops(device) -> TorchOps:
-    """The ops for ``device``: the Triton kernels on CUDA when Triton is importable, else
-    torch."""
+class NativeOps(TorchOps):
+    """The native CPU kernels (backend ``native``; ``localllm/cpu/csrc/ops.cpp``), float32:
+    RMSNorm, the residual add with the next pre-norm (and Gemma's post-norm), QK-norm with
+    RoPE, and the gated activation (SiLU, GELU-tanh) in one native call each, for any number
+    of rows; a one-token step's whole attention (QK-norm and RoPE of q and k, the KV-cache
+    write, grouped-query attention over the live cells with the window and soft-capping
+    masks) in one call. Several-token attention (prefill) stays :func:`attend`.
+
+    Each agrees with the torch composition it replaces to float32 rounding (summation order;
+    exp and tanh from the kernels' own polynomials): ``tests/test_cpu_ops.py``.
+    """
+
+    ACT = {"silu": 0, "gelu_tanh": 1}  # the kernel's activation codes
+
+    def __init__(self) -> None:
+        from ..cpu import available
+
+        if not available():
+            raise UnsupportedError("the native CPU kernels are unavailable (no C++ compiler, "
+                                   "or LOCALLLM_NATIVE_CPU=0)")
+        ops = torch.ops.localllm_cpu
+        self._rms_norm, self._residual_norm = ops.rms_norm.default, ops.residual_norm.default
+        self._gated, self._norm_rope = ops.gated.default, ops.norm_rope.default
+        self._attn_decode = ops.attn_decode.default
+        self._no_positions = torch.empty(0, dtype=torch.long)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2:
+            return self._rms_norm(x.contiguous() if x.stride(-1) != 1 else x, weight, eps)
+        return self._rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+    def norm_rope(self, x, weight, eps, angles, *, neox):
+        cos, sin = angles
+        return self._norm_rope(x if x.stride(-1) == 1 else x.contiguous(), weight, eps, cos,
+                               sin, neox)
+
+    def residual_norm(self, x, f, post_weight, weight, eps):
+        return self._residual_norm(x, f, post_weight, weight, eps)
+
+    def gated(self, gate, up, act):
+        return self._gated(gate, up, self.ACT[act])
+
+    def self_attention(self, q, k, v, q_norm, k_norm, eps, angles, cache, pos, positions, *,
+                       head_dim, neox, scale, softcap=None):
+        if q.shape[0] != 1 or isinstance(pos, torch.Tensor) or cache.k.dtype != torch.float32:
+            return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
+                                          positions, head_dim=head_dim, neox=neox,
+                                          scale=scale, softcap=softcap)
+        slot, live, k_pos = cache.decode_slot(pos)
+        cos, sin = angles
+        return self._attn_decode(q.contiguous(), k.contiguous(), v.contiguous(), q_norm,
+                                 k_norm, eps, cos, sin, neox, cache.k, cache.v,
+                                 self._no_positions if k_pos is None else k_pos, slot, live,
+                                 pos, cache.window or 0, scale, softcap or 0.0)
+
+
+def default_ops(device, *, native: bool = False) -> TorchOps:
+    """The ops for ``device``: the native CPU kernels when ``native`` (matrices bound for
+    them), the Triton kernels on CUDA when Triton is importable, else torch."""
+    if native:
+        return NativeOps()
     if torch.device(device).type == "cuda":
         from localllm.kernels import triton_available
 

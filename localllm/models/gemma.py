@@ -188,16 +188,13 @@ class Model(BaseModel):
                pos, positions: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (T, d) residual stream, n = attn_norm(x) -> (x', next_norm(x'))."""
         a, ops = self.args, self.ops
-        t, hd, eps = x.shape[0], a.head_dim, a.norm_eps
+        eps = a.norm_eps
         q, k, v = b.attn_qkv(n)
-        q = q.reshape(t, a.n_heads, hd).transpose(0, 1)  # (nh, T, hd)
-        k = k.reshape(t, a.n_kv_heads, hd).transpose(0, 1)  # (nkv, T, hd)
-        v = v.reshape(t, a.n_kv_heads, hd).transpose(0, 1)
-        q = ops.norm_rope(q, b.attn_q_norm, eps, rope, neox=True)  # QK-norm: gemma3
-        k = ops.norm_rope(k, b.attn_k_norm, eps, rope, neox=True)
-        # A sliding layer whose window covers the whole context has a full cache (no window).
-        attn = ops.attention(q, k, v, cache, pos, positions, scale=a.attention_scale,
-                             softcap=a.attn_softcap)
+        # QK-norm: gemma3. A sliding layer whose window covers the whole context has a full
+        # cache (no window).
+        attn = ops.self_attention(q, k, v, b.attn_q_norm, b.attn_k_norm, eps, rope, cache, pos,
+                                  positions, head_dim=a.head_dim, neox=True,
+                                  scale=a.attention_scale, softcap=a.attn_softcap)
         h, n = ops.residual_norm(x, b.attn_output(attn), b.post_attention_norm, b.ffn_norm, eps)
         gate, up = b.ffn_gate_up(n)
         f = b.ffn_down(ops.gated(gate, up, "gelu_tanh"))

@@ -97,12 +97,11 @@ class Model(BaseModel):
         eps = a.norm_eps
         for b, cache in zip(self.layers, caches):
             q, k, v = b.attn_qkv(x)
-            q = ops.rms_norm(q, b.attn_q_norm, eps).reshape(t, a.n_heads, a.head_dim)
-            k = ops.rms_norm(k, b.attn_k_norm, eps).reshape(t, a.n_kv_heads, a.head_dim)
-            v = v.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)
-            q = ops.norm_rope(q.transpose(0, 1).contiguous(), None, eps, rope, neox=True)
-            k = ops.norm_rope(k.transpose(0, 1).contiguous(), None, eps, rope, neox=True)
-            attn = ops.attention(q, k, v, cache, pos, positions, scale=a.head_dim ** -0.5)
+            # The QK-norm spans all heads: applied here, before the per-head RoPE.
+            q = ops.rms_norm(q, b.attn_q_norm, eps)
+            k = ops.rms_norm(k, b.attn_k_norm, eps)
+            attn = ops.self_attention(q, k, v, None, None, eps, rope, cache, pos, positions,
+                                      head_dim=a.head_dim, neox=True, scale=a.head_dim ** -0.5)
             h = x + ops.rms_norm(b.attn_output(attn), b.post_attention_norm, eps)
             gate, up = b.ffn_gate_up(h)
             x = h + ops.rms_norm(b.ffn_down(ops.gated(gate, up, "silu")), b.post_ffw_norm, eps)

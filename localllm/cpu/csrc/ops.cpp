@@ -1,0 +1,586 @@
+// Native CPU kernels of localllm: the fused element-wise work of a decoder layer.
+//
+// Registered beside csrc/qmatmul.cpp's products, as torch.ops.localllm_cpu.* (float32):
+//   rms_norm(x, w, eps) -> n                       n = x / rms(x) * w, rows of x (N, D)
+//   residual_norm(x, f, post_w, w, eps) -> (h, n)  h = x + [rms_norm(f, post_w)], n = rms_norm(h, w)
+//   gated(gate, up, act) -> y                      y = act(gate) * up; act 0: SiLU, 1: GELU (tanh)
+//   norm_rope(x, w, eps, cos, sin, neox) -> y      RoPE of [rms_norm](x), x (H, T, D)
+//   attn_decode(q, k, v, q_norm, k_norm, eps, cos, sin, neox,
+//               k_cache, v_cache, k_pos, slot, live, pos, window, scale, softcap) -> o
+//       one token's attention step: QK-norm + RoPE of q and k, k and v written into the
+//       cache cell `slot` (and `pos` into k_pos), then grouped-query attention of q over the
+//       first `live` cells (masked by their positions: empty, future, or outside the window).
+//
+// They replace the torch compositions of localllm.models.common.TorchOps (rms_norm,
+// residual_norm, gated, norm_rope, attention) operation for operation: element-wise
+// products round as torch's do (-ffp-contract=off), sums run in another order, and
+// exp/tanh are computed here (a Cephes-style polynomial, within 2 ulp), so results agree
+// with torch to float32 rounding. RMSNorm: Zhang & Sennrich 2019; RoPE: Su et al. 2021 (normal
+// = adjacent pairs, neox = halves, llama.cpp's LLAMA_ROPE_TYPE_NORM / _NEOX); GELU (tanh):
+// Hendrycks & Gimpel 2016, computed as x * sigmoid(2u) = 0.5 x (1 + tanh(u)); soft-capping:
+// Gemma 2 (llama.cpp's attn_soft_cap). Gemma's (1 + w) norm weights arrive with the 1 added
+// (llama.cpp's converter does it), so every norm here is x / rms(x) * w.
+//
+// Vectorized for AVX-512 (16 lanes) or AVX2+FMA (8 lanes), chosen at compile time
+// (-march=native), with a portable fallback. Rows (and attention heads) are split over
+// threads with at::parallel_for only when there is enough work (prefill); a one-token step
+// runs on the calling thread.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// Elements per parallel task: below this a loop stays on the calling thread.
+constexpr int64_t GRAIN = 1 << 15;
+
+// ---- vector helpers ----------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+using vf = __m512;
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vset(float a) { return _mm512_set1_ps(a); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+inline vf vexp2i(vf y, vf n) { return _mm512_scalef_ps(y, n); }  // y * 2^n
+inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+#define LOCALLLM_VEC 1
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int VW = 8;
+using vf = __m256;
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vset(float a) { return _mm256_set1_ps(a); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline float vsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vf vexp2i(vf y, vf n) {  // n integral in [-126, 127]
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+#define LOCALLLM_VEC 1
+#endif
+
+#ifdef LOCALLLM_VEC
+// exp(x), Cephes expf's reduction and polynomial (relative error within 2 ulp), inputs
+// clamped to [-87, 88] (exp(-87) ~ 1.6e-38: the callers only add or divide by it).
+inline vf vexp(vf x) {
+  x = vmin(vmax(x, vset(-87.0f)), vset(88.0f));
+  const vf n = vround(vmul(x, vset(1.44269504088896341f)));
+  vf r = vfma(n, vset(-0.693359375f), x);
+  r = vfma(n, vset(2.12194440e-4f), r);
+  vf p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  const vf y = vadd(vfma(vmul(p, r), r, r), vset(1.0f));
+  return vexp2i(y, n);
+}
+#endif
+
+// Sum of squares of x[0 .. n-1].
+inline float sum_squares(const float* x, int64_t n) {
+  int64_t i = 0;
+  float s = 0.0f;
+#ifdef LOCALLLM_VEC
+  vf acc = vset(0.0f);
+  for (; i + VW <= n; i += VW) {
+    const vf v = vload(x + i);
+    acc = vfma(v, v, acc);
+  }
+  s = vsum(acc);
+#endif
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.0f;
+#ifdef LOCALLLM_VEC
+  vf acc0 = vset(0.0f), acc1 = vset(0.0f);
+  for (; i + 2 * VW <= n; i += 2 * VW) {
+    acc0 = vfma(vload(a + i), vload(b + i), acc0);
+    acc1 = vfma(vload(a + i + VW), vload(b + i + VW), acc1);
+  }
+  for (; i + VW <= n; i += VW) acc0 = vfma(vload(a + i), vload(b + i), acc0);
+  s = vsum(vadd(acc0, acc1));
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// 1 / rms(x) as torch's x.pow(2).mean(-1) + eps, then rsqrt (= 1 / sqrt).
+inline float inv_rms(const float* x, int64_t n, float eps) {
+  return 1.0f / std::sqrt(sum_squares(x, n) / float(n) + eps);
+}
+
+// y = (x * r) * w (w may be null: y = x * r), two roundings per element as torch's.
+inline void scale_rows(const float* x, float r, const float* w, float* y, int64_t n) {
+  int64_t i = 0;
+#ifdef LOCALLLM_VEC
+  const vf vr = vset(r);
+  if (w)
+    for (; i + VW <= n; i += VW) vstore(y + i, vmul(vmul(vload(x + i), vr), vload(w + i)));
+  else
+    for (; i + VW <= n; i += VW) vstore(y + i, vmul(vload(x + i), vr));
+#endif
+  for (; i < n; ++i) y[i] = w ? (x[i] * r) * w[i] : x[i] * r;
+}
+
+// y = x + f
+inline void add_rows(const float* x, const float* f, float* y, int64_t n) {
+  int64_t i = 0;
+#ifdef LOCALLLM_VEC
+  for (; i + VW <= n; i += VW) vstore(y + i, vadd(vload(x + i), vload(f + i)));
+#endif
+  for (; i < n; ++i) y[i] = x[i] + f[i];
+}
+
+// RoPE of one head x (D) into y (D, may alias x): pairs (i, i + D/2) with neox, else
+// (2i, 2i + 1); a' = a cos - b sin, b' = b cos + a sin (each product rounded, as torch's).
+inline void rope_head(const float* x, const float* cs, const float* sn, bool neox, float* y,
+                      int64_t d) {
+  const int64_t half = d / 2;
+  if (neox) {
+    int64_t i = 0;
+#ifdef LOCALLLM_VEC
+    for (; i + VW <= half; i += VW) {
+      const vf a = vload(x + i), b = vload(x + half + i), c = vload(cs + i), s = vload(sn + i);
+      const vf ya = vsub(vmul(a, c), vmul(b, s));
+      const vf yb = vadd(vmul(b, c), vmul(a, s));
+      vstore(y + i, ya);
+      vstore(y + half + i, yb);
+    }
+#endif
+    for (; i < half; ++i) {
+      const float a = x[i], b = x[half + i];
+      y[i] = a * cs[i] - b * sn[i];
+      y[half + i] = b * cs[i] + a * sn[i];
+    }
+    return;
+  }
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[2 * i], b = x[2 * i + 1];
+    y[2 * i] = a * cs[i] - b * sn[i];
+    y[2 * i + 1] = b * cs[i] + a * sn[i];
+  }
+}
+
+// [RMSNorm with w, then] RoPE of one head x (D) into y (D); tmp: D floats of scratch.
+inline void norm_rope_head(const float* x, const float* w, float eps, const float* cs,
+                           const float* sn, bool neox, float* y, float* tmp, int64_t d) {
+  if (w) {
+    scale_rows(x, inv_rms(x, d, eps), w, tmp, d);
+    x = tmp;
+  }
+  rope_head(x, cs, sn, neox, y, d);
+}
+
+// ---- one-token attention: several query heads of one KV head at a time ------------------
+
+// Weights below this are skipped in the value sum: the masked cells' exp(-87) or 0, which
+// add nothing a float can hold against the total (>= 1, the maximum's own weight).
+constexpr float TINY = 1e-30f;
+
+// out[i] = q[i] . k (d values) for NB query heads: each key vector is loaded once for all.
+template <int NB>
+inline void head_dots(const float* const* q, const float* k, int64_t d, float* out) {
+  int64_t c = 0;
+  for (int i = 0; i < NB; ++i) out[i] = 0.0f;
+#ifdef LOCALLLM_VEC
+  vf acc[NB];
+  for (int i = 0; i < NB; ++i) acc[i] = vset(0.0f);
+  for (; c + VW <= d; c += VW) {
+    const vf kv = vload(k + c);
+    for (int i = 0; i < NB; ++i) acc[i] = vfma(vload(q[i] + c), kv, acc[i]);
+  }
+  for (int i = 0; i < NB; ++i) out[i] = vsum(acc[i]);
+#endif
+  for (; c < d; ++c)
+    for (int i = 0; i < NB; ++i) out[i] += q[i][c] * k[c];
+}
+
+#ifdef LOCALLLM_VEC
+// o[i][c0 .. c0 + B*VW) = sum_j w[i * live + j] * v[j * d + c0 ..] for NB heads, the
+// NB * B sums held in registers over all cells j (each value vector loaded once).
+template <int NB, int B>
+inline void weighted_block(const float* w, int64_t live, const float* v, int64_t d, int64_t c0,
+                           float* const* o) {
+  vf acc[NB][B];
+  for (int i = 0; i < NB; ++i)
+    for (int b = 0; b < B; ++b) acc[i][b] = vset(0.0f);
+  for (int64_t j = 0; j < live; ++j) {
+    const float* vj = v + j * d + c0;
+    for (int i = 0; i < NB; ++i) {
+      const float wij = w[i * live + j];
+      if (wij <= TINY) continue;
+      const vf p = vset(wij);
+      for (int b = 0; b < B; ++b) acc[i][b] = vfma(p, vload(vj + b * VW), acc[i][b]);
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int b = 0; b < B; ++b) vstore(o[i] + c0 + b * VW, acc[i][b]);
+}
+#endif
+
+// o[i][0 .. d) = sum_j w[i * live + j] * v[j * d ..] for NB heads.
+template <int NB>
+inline void weighted_values(const float* w, int64_t live, const float* v, int64_t d,
+                            float* const* o) {
+  int64_t c0 = 0;
+#ifdef LOCALLLM_VEC
+  constexpr int ACC = VW == 16 ? 16 : 8;  // accumulator registers (of 32 zmm / 16 ymm)
+  constexpr int B = ACC / NB;
+  for (; c0 + B * VW <= d; c0 += B * VW) weighted_block<NB, B>(w, live, v, d, c0, o);
+  for (; c0 + VW <= d; c0 += VW) weighted_block<NB, 1>(w, live, v, d, c0, o);
+#endif
+  for (int i = 0; i < NB; ++i)
+    for (int64_t c = c0; c < d; ++c) o[i][c] = 0.0f;
+  if (c0 < d)
+    for (int64_t j = 0; j < live; ++j)
+      for (int i = 0; i < NB; ++i) {
+        const float wij = w[i * live + j];
+        if (wij > TINY)
+          for (int64_t c = c0; c < d; ++c) o[i][c] += wij * v[j * d + c];
+      }
+}
+
+
+// ---- argument checks ---------------------------------------------------------------------
+
+void check_rows(const at::Tensor& x, const char* op, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.stride(1) == 1, "localllm_cpu.", op, ": ", name,
+              " must be a (N, D) float32 CPU tensor with unit column stride");
+}
+
+const float* vec_or_null(const std::optional<at::Tensor>& w, int64_t n, const char* op) {
+  if (!w.has_value() || !w->defined()) return nullptr;
+  TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->numel() == n,
+              "localllm_cpu.", op, ": a norm weight must be ", n, " contiguous float32 values");
+  return w->data_ptr<float>();
+}
+
+int64_t grain_rows(int64_t d) { return std::max<int64_t>(1, GRAIN / std::max<int64_t>(d, 1)); }
+
+// ---- operators ---------------------------------------------------------------------------
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, "rms_norm", "x");
+  const int64_t n = x.size(0), d = x.size(1), ldx = x.stride(0);
+  const float* wp = vec_or_null(w, d, "rms_norm");
+  at::Tensor y = at::empty({n, d}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float e = float(eps);
+  at::parallel_for(0, n, grain_rows(d), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * ldx;
+      scale_rows(xr, inv_rms(xr, d, e), wp, yp + r * d, d);
+    }
+  });
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> residual_norm(const at::Tensor& x, const at::Tensor& f,
+                                                 const std::optional<at::Tensor>& post_w,
+                                                 const at::Tensor& w, double eps) {
+  check_rows(x, "residual_norm", "x");
+  check_rows(f, "residual_norm", "f");
+  const int64_t n = x.size(0), d = x.size(1), ldx = x.stride(0), ldf = f.stride(0);
+  TORCH_CHECK(f.size(0) == n && f.size(1) == d, "localllm_cpu.residual_norm: f must match x");
+  const float* pw = vec_or_null(post_w, d, "residual_norm");
+  const float* wp = vec_or_null(w, d, "residual_norm");
+  at::Tensor h = at::empty({n, d}, x.options());
+  at::Tensor y = at::empty({n, d}, x.options());
+  const float *xp = x.data_ptr<float>(), *fp = f.data_ptr<float>();
+  float *hp = h.data_ptr<float>(), *yp = y.data_ptr<float>();
+  const float e = float(eps);
+  at::parallel_for(0, n, grain_rows(d), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* fr = fp + r * ldf;
+      float* hr = hp + r * d;
+      if (pw) {  // the post-norm of f, written into h, then the residual add in place
+        scale_rows(fr, inv_rms(fr, d, e), pw, hr, d);
+        fr = hr;
+      }
+      add_rows(xp + r * ldx, fr, hr, d);
+      scale_rows(hr, inv_rms(hr, d, e), wp, yp + r * d, d);
+    }
+  });
+  return {h, y};
+}
+
+enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
+
+// act(g) * u for n values; SiLU: g / (1 + exp(-g)); GELU (tanh): g / (1 + exp(-2u)),
+// u = sqrt(2/pi) (g + 0.044715 g^3).
+inline void gated_row(const float* g, const float* u, float* y, int64_t n, int64_t act) {
+  constexpr float K0 = 0.7978845608028654f, K1 = 0.044715f;
+  int64_t i = 0;
+#ifdef LOCALLLM_VEC
+  const vf one = vset(1.0f);
+  if (act == SILU) {
+    for (; i + VW <= n; i += VW) {
+      const vf x = vload(g + i);
+      const vf e = vexp(vsub(vset(0.0f), x));
+      vstore(y + i, vmul(vdiv(x, vadd(one, e)), vload(u + i)));
+    }
+  } else {
+    const vf k0 = vset(-2.0f * K0), k1 = vset(K1);
+    for (; i + VW <= n; i += VW) {
+      const vf x = vload(g + i);
+      const vf inner = vadd(x, vmul(k1, vmul(x, vmul(x, x))));
+      const vf e = vexp(vmul(k0, inner));
+      vstore(y + i, vmul(vdiv(x, vadd(one, e)), vload(u + i)));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const float x = g[i];
+    const float e = act == SILU ? std::exp(-x) : std::exp(-2.0f * K0 * (x + K1 * (x * x * x)));
+    y[i] = (x / (1.0f + e)) * u[i];
+  }
+}
+
+at::Tensor gated(const at::Tensor& gate, const at::Tensor& up, int64_t act) {
+  check_rows(gate, "gated", "gate");
+  check_rows(up, "gated", "up");
+  TORCH_CHECK(act == SILU || act == GELU_TANH, "localllm_cpu.gated: act 0 (SiLU) or 1 (GELU)");
+  const int64_t n = gate.size(0), d = gate.size(1);
+  TORCH_CHECK(up.size(0) == n && up.size(1) == d, "localllm_cpu.gated: up must match gate");
+  at::Tensor y = at::empty({n, d}, gate.options());
+  const float *gp = gate.data_ptr<float>(), *up_ = up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldg = gate.stride(0), ldu = up.stride(0);
+  at::parallel_for(0, n, grain_rows(d), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) gated_row(gp + r * ldg, up_ + r * ldu, yp + r * d, d, act);
+  });
+  return y;
+}
+
+void check_angles(const at::Tensor& cs, const at::Tensor& sn, int64_t t, int64_t d, const char* op) {
+  TORCH_CHECK(cs.scalar_type() == at::kFloat && sn.scalar_type() == at::kFloat &&
+                  cs.is_contiguous() && sn.is_contiguous() && cs.numel() == t * (d / 2) &&
+                  sn.numel() == t * (d / 2) && d % 2 == 0,
+              "localllm_cpu.", op, ": cos and sin must be (T, D/2) contiguous float32");
+}
+
+// x (H, T, D), any strides with unit stride in D -> y (H, T, D) contiguous.
+at::Tensor norm_rope(const at::Tensor& x, const std::optional<at::Tensor>& w, double eps,
+                     const at::Tensor& cs, const at::Tensor& sn, bool neox) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1,
+              "localllm_cpu.norm_rope: x must be (H, T, D) float32 with unit stride in D");
+  const int64_t nh = x.size(0), t = x.size(1), d = x.size(2);
+  check_angles(cs, sn, t, d, "norm_rope");
+  const float* wp = vec_or_null(w, d, "norm_rope");
+  at::Tensor y = at::empty({nh, t, d}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), half = d / 2;
+  const float e = float(eps);
+  at::parallel_for(0, nh * t, grain_rows(d), [&](int64_t r0, int64_t r1) {
+    std::vector<float> tmp(d);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t h = r / t, i = r % t;
+      norm_rope_head(xp + h * s0 + i * s1, wp, e, cp + i * half, sp + i * half, neox,
+                     yp + r * d, tmp.data(), d);
+    }
+  });
+  return y;
+}
+
+at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const std::optional<at::Tensor>& q_norm,
+                       const std::optional<at::Tensor>& k_norm, double eps,
+                       const at::Tensor& cs, const at::Tensor& sn, bool neox,
+                       at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& k_pos,
+                       int64_t slot, int64_t live, int64_t pos, int64_t window, double scale,
+                       double softcap) {
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.dim() == 3 &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "localllm_cpu.attn_decode: the caches must be (n_kv, size, D) contiguous float32");
+  const int64_t nkv = k_cache.size(0), size = k_cache.size(1), d = k_cache.size(2);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.numel() % d == 0 &&
+                  q.numel() / d % nkv == 0,
+              "localllm_cpu.attn_decode: q must be n_heads * D contiguous float32 values");
+  const int64_t nh = q.numel() / d, group = nh / nkv;
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                  k.is_contiguous() && v.is_contiguous() && k.numel() == nkv * d &&
+                  v.numel() == nkv * d,
+              "localllm_cpu.attn_decode: k and v must be n_kv * D contiguous float32 values");
+  check_angles(cs, sn, 1, d, "attn_decode");
+  const bool has_pos = k_pos.numel() > 0;
+  TORCH_CHECK(!has_pos || (k_pos.scalar_type() == at::kLong && k_pos.is_contiguous() &&
+                           k_pos.numel() == size),
+              "localllm_cpu.attn_decode: k_pos must be empty or (size,) int64");
+  TORCH_CHECK(slot >= 0 && slot < size && live > slot && live <= size && pos >= 0,
+              "localllm_cpu.attn_decode: slot ", slot, " / live ", live, " outside the cache of ",
+              size, " cells");
+  const float* qw = vec_or_null(q_norm, d, "attn_decode");
+  const float* kw = vec_or_null(k_norm, d, "attn_decode");
+  const float e = float(eps), sc = float(scale), cap = float(softcap);
+  const float *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+
+  // The new key and value into their cell, the rotated queries into qr.
+  std::vector<float> tmp(d), qr(nh * d);
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *qp = q.data_ptr<float>();
+  for (int64_t g = 0; g < nkv; ++g) {
+    norm_rope_head(kp + g * d, kw, e, cp, sp, neox, kc + (g * size + slot) * d, tmp.data(), d);
+    std::memcpy(vc + (g * size + slot) * d, vp + g * d, d * sizeof(float));
+  }
+  for (int64_t h = 0; h < nh; ++h)
+    norm_rope_head(qp + h * d, qw, e, cp, sp, neox, qr.data() + h * d, tmp.data(), d);
+  const int64_t* kpos = nullptr;
+  if (has_pos) {
+    int64_t* kpw = k_pos.data_ptr<int64_t>();
+    kpw[slot] = pos;
+    kpos = kpw;
+  }
+
+  at::Tensor out = at::empty({1, nh * d}, q.options());
+  float* op = out.data_ptr<float>();
+  const float ninf = -std::numeric_limits<float>::infinity();
+  auto visible = [&](int64_t j) {
+    const int64_t p = kpos ? kpos[j] : j;
+    return p >= 0 && p <= pos && (window <= 0 || pos - p < window);
+  };
+  // Threads take ranges of query heads; the heads of a range that share a KV head go
+  // together, so each key and value row is read once for all of them (GQA).
+  const int64_t grain = std::max<int64_t>(1, GRAIN / std::max<int64_t>(live * d, 1));
+  at::parallel_for(0, nh, grain, [&](int64_t h0, int64_t h1) {
+    std::vector<float> s((h1 - h0) * live), mx(h1 - h0), total(h1 - h0);
+    for (int64_t ha = h0; ha < h1;) {
+      const int64_t g = ha / group, hb = std::min(h1, (g + 1) * group), n = hb - ha;
+      const float* kg = kc + g * size * d;
+      const float* vg = vc + g * size * d;
+      float* sa = s.data() + (ha - h0) * live;  // scores of head ha + i at sa[i * live + j]
+      std::fill(mx.begin(), mx.begin() + n, ninf);
+      for (int64_t i0 = 0; i0 < n; i0 += 4) {  // scores, four query heads at a time
+        const int nb = int(std::min<int64_t>(4, n - i0));
+        const float* qs[4];
+        for (int i = 0; i < nb; ++i) qs[i] = qr.data() + (ha + i0 + i) * d;
+        float x[4];
+        for (int64_t j = 0; j < live; ++j) {
+          if (!visible(j)) {
+            for (int i = 0; i < nb; ++i) sa[(i0 + i) * live + j] = ninf;
+            continue;
+          }
+          const float* kj = kg + j * d;
+          switch (nb) {
+            case 4: head_dots<4>(qs, kj, d, x); break;
+            case 3: head_dots<3>(qs, kj, d, x); break;
+            case 2: head_dots<2>(qs, kj, d, x); break;
+            default: x[0] = dot(qs[0], kj, d);
+          }
+          for (int i = 0; i < nb; ++i) {
+            float xi = x[i] * sc;
+            if (cap > 0.0f) xi = std::tanh(xi / cap) * cap;
+            sa[(i0 + i) * live + j] = xi;
+            mx[i0 + i] = std::max(mx[i0 + i], xi);
+          }
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) {  // weights exp(s - max), and their total
+        float* si = sa + i * live;
+        int64_t j = 0;
+        float t = 0.0f;
+#ifdef LOCALLLM_VEC
+        const vf vm = vset(mx[i]);
+        vf acc = vset(0.0f);
+        for (; j + VW <= live; j += VW) {
+          const vf ej = vexp(vsub(vload(si + j), vm));  // masked: -inf -> exp(-87)
+          vstore(si + j, ej);
+          acc = vadd(acc, ej);
+        }
+        t = vsum(acc);
+#endif
+        for (; j < live; ++j) {
+          si[j] = std::exp(si[j] - mx[i]);
+          t += si[j];
+        }
+        total[i] = t;
+      }
+      for (int64_t i0 = 0; i0 < n; i0 += 4) {  // the weighted values, four heads at a time
+        const int nb = int(std::min<int64_t>(4, n - i0));
+        float* os[4];
+        for (int i = 0; i < nb; ++i) os[i] = op + (ha + i0 + i) * d;
+        const float* w = sa + i0 * live;
+        switch (nb) {
+          case 4: weighted_values<4>(w, live, vg, d, os); break;
+          case 3: weighted_values<3>(w, live, vg, d, os); break;
+          case 2: weighted_values<2>(w, live, vg, d, os); break;
+          default: weighted_values<1>(w, live, vg, d, os);
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        float* oh = op + (ha + i) * d;
+        scale_rows(oh, 1.0f / total[i], nullptr, oh, d);
+      }
+      ha = hb;
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(localllm_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("residual_norm(Tensor x, Tensor f, Tensor? post_w, Tensor w, float eps) -> (Tensor, Tensor)");
+  m.def("gated(Tensor gate, Tensor up, int act) -> Tensor");
+  m.def("norm_rope(Tensor x, Tensor? w, float eps, Tensor cos, Tensor sin, bool neox) -> Tensor");
+  m.def("attn_decode(Tensor q, Tensor k, Tensor v, Tensor? q_norm, Tensor? k_norm, float eps, "
+        "Tensor cos, Tensor sin, bool neox, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor(c!) k_pos, int slot, int live, int pos, int window, float scale, "
+        "float softcap) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("residual_norm", residual_norm);
+  m.impl("gated", gated);
+  m.impl("norm_rope", norm_rope);
+  m.impl("attn_decode", attn_decode);
+}

@@ -1,0 +1,222 @@
+"""The native fused CPU ops (localllm/cpu/csrc/ops.cpp, ``NativeOps``) against the torch
+compositions they replace (``TorchOps``), float32.
+
+Element-wise products round as torch's do; sums run in another order and exp/tanh come from
+the kernels' own polynomial, so results agree to float32 rounding: each check allows a few
+ulps of the values' magnitude. Shapes include tails that are not a multiple of the vector
+width, strided views (column slices, transposed heads) and several-token batches.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from families import FAMILIES, sha256, write_family
+
+import localllm.cpu as cpu
+from localllm.models.cache import KVCache, RingKVCache
+from localllm.models.common import NativeOps, TorchOps, rope_inv_freq
+from localllm.runtime.session import Session, load_model
+
+if not cpu.available():
+    if shutil.which("c++") and os.environ.get("LOCALLLM_NATIVE_CPU", "1") != "0":
+        pytest.fail("a C++ compiler exists but the native CPU kernels did not build",
+                    pytrace=False)
+    pytest.skip("native CPU kernels unavailable (no compiler)", allow_module_level=True)
+
+NATIVE, TORCH = NativeOps(), TorchOps()
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rtol: float = 2e-6, atol: float = 2e-6) -> None:
+    """a == b to float32 rounding: within a few ulps of the largest magnitude."""
+    assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
+    scale = b.abs().max().item() or 1.0
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol * scale)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("t,d", [(1, 640), (3, 67), (300, 128), (2, 5)])
+def test_rms_norm(t, d):
+    g = gen(t * d)
+    x = torch.randn(t, d + 3, generator=g)[:, 1:d + 1] * 30  # a strided column slice
+    w = torch.randn(d, generator=g) + 1
+    close(NATIVE.rms_norm(x, w, 1e-6), TORCH.rms_norm(x, w, 1e-6))
+    x3 = torch.randn(4, t, d, generator=g)  # any leading shape
+    close(NATIVE.rms_norm(x3, w, 1e-5), TORCH.rms_norm(x3, w, 1e-5))
+
+
+@pytest.mark.parametrize("post", [False, True], ids=["pre-norm", "gemma-post-norm"])
+@pytest.mark.parametrize("t,d", [(1, 640), (7, 129)])
+def test_residual_norm(t, d, post):
+    g = gen(d + post)
+    x = torch.randn(t, d, generator=g) * 100
+    f = torch.randn(t, 2 * d, generator=g)[:, d:] * 5  # a view, as a split GEMV output
+    pw = torch.randn(d, generator=g) + 1 if post else None
+    w = torch.rand(d, generator=g) * 3
+    h, n = NATIVE.residual_norm(x, f, pw, w, 1e-6)
+    h_ref, n_ref = TORCH.residual_norm(x, f, pw, w, 1e-6)
+    close(h, h_ref)
+    close(n, n_ref)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("t,f", [(1, 2048), (5, 37)])
+def test_gated(act, t, f):
+    g = gen(f)
+    gu = torch.randn(t, 2 * f, generator=g) * 6  # gate and up: halves of one output (phi3)
+    gu[0, :8] = torch.tensor([-100.0, -30.0, -9.0, -1e-3, 0.0, 1e-3, 30.0, 100.0])
+    gate, up = gu.chunk(2, dim=-1)
+    close(NATIVE.gated(gate, up, act), TORCH.gated(gate, up, act), rtol=5e-6)
+
+
+def angles(positions: torch.Tensor, hd: int, base: float = 10_000.0, factors=None):
+    return TORCH.rope_angles(positions, rope_inv_freq(hd, base, factors), 1.0)
+
+
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "normal"])
+@pytest.mark.parametrize("norm", [True, False], ids=["qk-norm", "no-norm"])
+@pytest.mark.parametrize("hd", [256, 64, 6])
+def test_norm_rope(neox, norm, hd):
+    g = gen(hd + 2 * neox + norm)
+    t, nh = 5, 3
+    x = (torch.randn(t, nh * hd, generator=g) * 4).reshape(t, nh, hd).transpose(0, 1)
+    w = torch.randn(hd, generator=g) + 1 if norm else None
+    factors = torch.rand(hd // 2, generator=g) * 4 + 0.5  # llama3 / phi3 per-frequency factors
+    cs = angles(torch.arange(1000, 1000 + t), hd, 500_000.0, factors)
+    close(NATIVE.norm_rope(x, w, 1e-6, cs, neox=neox), TORCH.norm_rope(x, w, 1e-6, cs, neox=neox))
+
+
+def caches(kind: str, nkv: int, hd: int):
+    """Two identical caches (native, torch) of ``kind``."""
+    def make():
+        if kind == "full":
+            return KVCache(64, nkv, hd, dtype=torch.float32, device="cpu")
+        return RingKVCache(8, nkv, hd, slack=4, dtype=torch.float32, device="cpu")  # 12 cells
+    return make(), make()
+
+
+@pytest.mark.parametrize("kind", ["full", "ring"])
+@pytest.mark.parametrize("nh,nkv,hd,neox,qk_norm,softcap", [
+    (4, 1, 256, True, True, None),       # gemma3 270M geometry
+    (8, 2, 64, False, False, None),      # llama GQA, adjacent-pair RoPE
+    (6, 6, 32, True, False, 50.0),       # gemma2 soft-capping, no GQA
+    (4, 2, 20, True, True, None),        # head_dim not a multiple of the vector width
+])
+def test_decode_attention_steps(kind, nh, nkv, hd, neox, qk_norm, softcap):
+    """A prefill then one-token steps past the ring's size (it wraps): outputs, cache
+    contents and cell positions match the torch path at every step."""
+    g = gen(nh * hd + nkv)
+    c_nat, c_ref = caches(kind, nkv, hd)
+    qn = torch.randn(hd, generator=g) + 1 if qk_norm else None
+    kn = torch.randn(hd, generator=g) + 1 if qk_norm else None
+    inv = rope_inv_freq(hd, 10_000.0)
+    kw = dict(head_dim=hd, neox=neox, scale=hd ** -0.5, softcap=softcap)
+
+    def step(pos: int, t: int):
+        qkv = torch.randn(t, (nh + 2 * nkv) * hd, generator=g) * 3
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        positions = torch.arange(pos, pos + t)
+        cs = TORCH.rope_angles(positions, inv)
+        out = NATIVE.self_attention(q, k, v, qn, kn, 1e-6, cs, c_nat, pos, positions, **kw)
+        ref = TORCH.self_attention(q, k, v, qn, kn, 1e-6, cs, c_ref, pos, positions, **kw)
+        close(out, ref, rtol=1e-5, atol=1e-5)
+        assert c_nat.n == c_ref.n
+        close(c_nat.k, c_ref.k)
+        assert torch.equal(c_nat.v, c_ref.v)
+        if kind == "ring":
+            assert torch.equal(c_nat.positions, c_ref.positions)
+            assert c_nat.linear == c_ref.linear
+
+    step(0, 3)  # prefill: the torch attention on both sides
+    for pos in range(3, 30):
+        step(pos, 1)
+    if kind == "ring":
+        assert not c_nat.linear  # the ring wrapped: steps masked by the cells' positions
+        c_nat.truncate(27)  # a rollback: cells past 26 emptied (-1), then written again
+        c_ref.truncate(27)
+        for pos in range(27, 31):
+            step(pos, 1)
+
+
+def test_decode_attention_after_truncate_before_wrap():
+    """A ring rolled back before it wraps still attends over its live prefix only."""
+    c_nat, c_ref = caches("ring", 1, 16)
+    inv = rope_inv_freq(16, 10_000.0)
+    g = gen(5)
+    for pos in [0, 1, 2, 3, 4, 2, 3, 4, 5]:  # back to 2 after 4
+        if pos == 2 and c_nat.n == 5:
+            c_nat.truncate(2)
+            c_ref.truncate(2)
+        q, k, v = (torch.randn(1, 16, generator=g) for _ in range(3))
+        p = torch.tensor([pos])
+        cs = TORCH.rope_angles(p, inv)
+        kw = dict(head_dim=16, neox=True, scale=0.25)
+        close(NATIVE.self_attention(q, k, v, None, None, 1e-6, cs, c_nat, pos, p, **kw),
+              TORCH.self_attention(q, k, v, None, None, 1e-6, cs, c_ref, pos, p, **kw),
+              rtol=1e-5, atol=1e-5)
+
+
+# ---- whole models: one-token steps (the fused attention step) against llama.cpp ----------
+
+FAMILY_DATA = Path(__file__).parent / "data" / "families"
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("families-decode")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_decoded_token_by_token_matches_llama_cpp(family, family_dir):
+    """Each family's small model fed one token per step (NativeOps' one-token attention,
+    sliding windows and soft-capping included) gives llama.cpp's recorded next-token
+    distributions (the bound of tests/test_families.py, which evaluates whole prompts)."""
+    ref = np.load(FAMILY_DATA / f"{family}.npz")
+    path = write_family(family, family_dir)
+    assert sha256(path) == str(ref["sha256"]), "the file differs from the one llama.cpp ran"
+    loaded = load_model(path, device="cpu", progress=False)
+    assert isinstance(loaded.model.ops, NativeOps)
+    theirs = ref["logits"]  # (prompts, positions, n_vocab) float16
+    n_last = theirs.shape[1]
+    kls = []
+    for i in range(theirs.shape[0]):
+        ids = ref[f"prompt{i}"].tolist()
+        s = Session(loaded, ctx_size=64)
+        steps = [s.eval([tok]).float().numpy() for tok in ids]
+        ours = np.stack(steps[len(ids) - n_last:])
+        lt, lo = _log_softmax(theirs[i]), _log_softmax(ours)
+        kls.append((np.exp(lt) * (lt - lo)).sum(-1))
+        assert int(ours[-1].argmax()) == int(theirs[i][-1].argmax()), f"prompt {i}: top-1"
+    assert float(np.mean(kls)) <= 0.01
+
+
+@pytest.mark.slow
+def test_default_model_teacher_forced_one_token_steps(llm, reference):
+    """The real default model stepped one token at a time through llama.cpp's greedy
+    continuations picks llama.cpp's token wherever llama.cpp is decisive."""
+    assert isinstance(llm.loaded.model.ops, NativeOps)
+    for p in reference["prompts"][:2]:
+        ids = p["prompt_ids"] + p["greedy_48_ids"]
+        session = llm.session()
+        first = session.eval(ids[:len(p["prompt_ids"])])  # the prompt: one prefill
+        logits = [first] + [session.eval([tok]) for tok in ids[len(p["prompt_ids"]):-1]]
+        checked = 0
+        for j, (tok, lp1, _, lp2) in enumerate(p["teacher_forced_top2"]):
+            if lp1 - lp2 >= 0.25:
+                assert int(logits[j].argmax()) == tok, (p["prompt"], j)
+                checked += 1
+        assert checked >= 30

@@ -328,9 +328,11 @@ def quant_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.shape[0] <= GEMV_MAX_ROWS:
-        from .gemv import gemv
+        from .gemv import attached_q8, gemv
 
-        y = gemv(w.data, w.qtype, n, x2, out_dtype=out_dtype, layout=w.layout)
+        # a one-row x from a fused kernel carries its 8-bit copy: no quantizing launch
+        q8 = attached_q8(x) if x2.shape[0] == 1 else None
+        y = gemv(w.data, w.qtype, n, x2, out_dtype=out_dtype, layout=w.layout, x_q8=q8)
     else:
         from .gemm import gemm
 

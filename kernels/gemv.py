@@ -49,6 +49,20 @@ MAX_BATCH = 8
 # ---- integer-dot GEMV for one vector (llama.cpp's mul_mat_vec_q) ------------------------------
 
 
+@device_fn
+def q8_chunks(v):
+    """(q int32, d float32) of values ``v`` (C, 2, 16) float32, chunks of 32 on the first
+    axis: ``d = max|v| / 127`` and ``q = round-half-up(v * 127 / max|v|)`` per chunk, as
+    llama.cpp's ``quantize_q8_1`` (shared by :func:`quantize_q8` and the fused kernels that
+    write the quantized copy of their output)."""
+    amax = tl.max(tl.max(tl.abs(v), axis=2), axis=1)
+    d = amax / 127.0
+    inv = tl.where(amax > 0.0, 127.0 / tl.where(amax > 0.0, amax, 1.0), 0.0)
+    q = tl.floor(v * inv[:, None, None] + 0.5)  # |q| <= 127: amax * inv rounds to 127
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
+    return q, d
+
+
 @kernel
 def _quantize_q8_kernel(x, xq, xd, xs, n_chunks, CH: tl.constexpr):
     # x (K,) -> xq int8 (K,), xd float32 (K/32,) scales, xs int32 (K/16,) sums of 16 values.
@@ -57,11 +71,7 @@ def _quantize_q8_kernel(x, xq, xd, xs, n_chunks, CH: tl.constexpr):
     offs = rc[:, None, None] * 32 + tl.arange(0, 2)[None, :, None] * 16
     offs = offs + tl.arange(0, 16)[None, None, :]
     v = tl.load(x + offs, mask=c_mask[:, None, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(v), axis=2), axis=1)
-    d = amax / 127.0
-    inv = tl.where(amax > 0.0, 127.0 / tl.where(amax > 0.0, amax, 1.0), 0.0)
-    q = tl.floor(v * inv[:, None, None] + 0.5)  # |q| <= 127: amax * inv rounds to 127
-    q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
+    q, d = q8_chunks(v)
     tl.store(xq + offs, q.to(tl.int8), mask=c_mask[:, None, None])
     tl.store(xd + rc, d, mask=c_mask)
     rh = rc[:, None] * 2 + tl.arange(0, 2)[None, :]
@@ -275,11 +285,28 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return xq, xd, xs
 
 
-def _mmvq(w_data, qtype, n_out: int, x: torch.Tensor, out_dtype, layout: str) -> torch.Tensor:
+# Attribute under which a kernel that produced a one-row activation tensor attaches its 8-bit
+# copy (xq, xd, xs as quantize_q8 returns them), so that the GEMV reading it needs no launch
+# of its own to quantize it (see fused.residual_rms_norm and fused.gated_act).
+Q8_ATTR = "_localllm_q8"
+
+
+def attach_q8(x: torch.Tensor, q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """Record ``q8``, equal to ``quantize_q8(x.reshape(-1))``, on the new tensor ``x``."""
+    setattr(x, Q8_ATTR, q8)
+
+
+def attached_q8(x: torch.Tensor):
+    """The 8-bit copy a kernel attached to ``x`` (:func:`attach_q8`), or None."""
+    return getattr(x, Q8_ATTR, None)
+
+
+def _mmvq(w_data, qtype, n_out: int, x: torch.Tensor, out_dtype, layout: str,
+          x_q8=None) -> torch.Tensor:  # fmt: skip
     k = x.shape[1]
     fmt = block_format(qtype)
     unit, off = MMVQ_TYPES[qtype]
-    xq, xd, xs = quantize_q8(x[0])
+    xq, xd, xs = quantize_q8(x[0]) if x_q8 is None else x_q8
     cfg = mmvq_config(qtype, n_out, k, layout=layout)
     split = cfg["SPLIT"]
     y = torch.empty((max(split, 1), n_out), dtype=torch.float32 if split > 1 else out_dtype,
@@ -406,6 +433,7 @@ def gemv(
     *,
     out_dtype: torch.dtype | None = None,
     layout: str = "blocks",
+    x_q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x @ W.T`` for a few rows, reading ``W`` quantized.
 
@@ -417,6 +445,9 @@ def gemv(
         x: (B, K) float16/float32/bfloat16, B <= 8, same device as ``w_data``; rows contiguous.
         out_dtype: dtype of the result (default ``x.dtype``).
         layout: "blocks" (the GGUF layout) or "planes" (``localllm.kernels.PLANES``).
+        x_q8: for one vector, ``quantize_q8(x[0])`` when already computed (by the kernel
+            that produced ``x``): the integer-dot kernel then reads it instead of
+            quantizing ``x`` in a launch of its own.
 
     Returns:
         (B, N) ``out_dtype``; accumulated in float32.
@@ -433,7 +464,7 @@ def gemv(
         return y
     planes = layout == "planes"
     if nb == 1 and qtype in MMVQ_TYPES and k % 32 == 0:
-        return _mmvq(w_data, qtype, n_out, x, y.dtype, layout)
+        return _mmvq(w_data, qtype, n_out, x, y.dtype, layout, x_q8)
     if nb == 1 and qtype in GROUP_SIZES and not planes:
         g = GROUP_SIZES[qtype]
         block_n = 16

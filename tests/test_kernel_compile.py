@@ -198,24 +198,32 @@ def _rms_norm_rope(neox: bool, decode: bool, weight: bool = True, d: int = 256,
                 aligned=("x", "w", "pos", "inv_freq", "y", "stride_xh", "stride_xt"))  # fmt: skip
 
 
-def _residual_rms_norm(d: int, post: bool) -> Case:
+def _q8_types(q8: bool) -> dict[str, str]:
+    """The 8-bit copy's outputs of the fused kernels (unused pointers without ``q8``)."""
+    return {"xq": "*i8", "xd": "*fp32", "xs": "*i32"} if q8 else dict.fromkeys(
+        ("xq", "xd", "xs"), "*fp32")
+
+
+def _residual_rms_norm(d: int, post: bool, q8: bool = False) -> Case:
     return Case(
         _residual_rms_norm_kernel,
         {"x": "*fp32", "f": "*fp32", "pw": "*fp32", "w": "*fp32", "h_out": "*fp32",
-         "n_out": "*fp32", "D": "i32", "stride_x": "i32", "stride_f": "i32", "eps": "fp32"},
-        {"HAS_POST": post, "BLOCK_D": triton.next_power_of_2(d)},
+         "n_out": "*fp32", "D": "i32", "stride_x": "i32", "stride_f": "i32", "eps": "fp32",
+         **_q8_types(q8)},
+        {"HAS_POST": post, "BLOCK_D": triton.next_power_of_2(d), "Q8": q8},
         num_warps=4 if d <= 4096 else 8,
-        aligned=("x", "f", "pw", "w", "h_out", "n_out", "D", "stride_x", "stride_f"),
+        aligned=("x", "f", "pw", "w", "h_out", "n_out", "D", "stride_x", "stride_f", "xq",
+                 "xd", "xs"),
     )  # fmt: skip
 
 
-def _gated_act(act: str, f: int) -> Case:
+def _gated_act(act: str, f: int, q8: bool = False) -> Case:
     return Case(
         _gated_act_kernel,
         {"gate": "*fp32", "up": "*fp32", "y": "*fp32", "F": "i32", "stride_g": "i32",
-         "stride_u": "i32"},
-        {"ACT": _ACTS[act], "BLOCK": min(1024, triton.next_power_of_2(f))},
-        aligned=("gate", "up", "y", "F", "stride_g", "stride_u"),
+         "stride_u": "i32", **_q8_types(q8)},
+        {"ACT": _ACTS[act], "BLOCK": min(1024, triton.next_power_of_2(f)), "Q8": q8},
+        aligned=("gate", "up", "y", "F", "stride_g", "stride_u", "xq", "xd", "xs"),
     )  # fmt: skip
 
 
@@ -260,6 +268,11 @@ CASES = {
     "rms_norm_rope-neox-nonorm-prefill-d64": _rms_norm_rope(True, decode=False, weight=False, d=64),
     "residual_rms_norm-post-640": _residual_rms_norm(640, post=True),
     "residual_rms_norm-8192": _residual_rms_norm(8192, post=False),
+    # one row (decode): the 8-bit copy for the next GEMV written by the same launch
+    "residual_rms_norm-post-640-q8": _residual_rms_norm(640, post=True, q8=True),
+    "residual_rms_norm-4096-q8": _residual_rms_norm(4096, post=False, q8=True),
+    "gated_act-silu-14336-q8": _gated_act("silu", 14336, q8=True),
+    "gated_act-gelu_tanh-2048-q8": _gated_act("gelu_tanh", 2048, q8=True),
     "gated_act-gelu_tanh-2048": _gated_act("gelu_tanh", 2048),
     "gated_act-silu-14336": _gated_act("silu", 14336),
 }

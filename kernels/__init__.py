@@ -52,6 +52,7 @@ def block_format(qtype: T) -> BlockFormat:
 
 __all__ = [
     "GEMV_MAX_ROWS",
+    "PLANES",
     "QuantWeight",
     "decode_attention",
     "dequantize",
@@ -115,34 +116,101 @@ def supports(qtype: T) -> bool:
     return qtype in KERNEL_TYPES or qtype in IQ_TYPES
 
 
+# ---- aligned weight planes ----------------------------------------------------------------------
+#
+# Blocks whose size is not a multiple of 16 bytes (Q4_0: 18, IQ4_NL: 18, Q5_0: 22, Q8_0: 34,
+# Q6_K: 210, IQ4_XS: 136) leave their fields only 2- (or 8-) byte aligned in the GGUF layout,
+# so a kernel cannot read them with 128-bit loads. The "planes" layout stores the same bytes
+# field by field: plane i holds field i of every block of the matrix, blocks in file order,
+# and starts on a 16-byte boundary. Bit-exact: only the byte order changes.
+
+# type -> the fields of a block as (byte offset, size), in plane order (the weight bits first).
+PLANES: dict[T, tuple[tuple[int, int], ...]] = {
+    T.Q4_0: ((2, 16), (0, 2)),  # qs[16] | d
+    T.IQ4_NL: ((2, 16), (0, 2)),  # qs[16] | d
+    T.Q5_0: ((6, 16), (2, 4), (0, 2)),  # qs[16] | qh[4] | d
+    T.Q8_0: ((2, 16), (18, 16), (0, 2)),  # qs[0:16] | qs[16:32] | d
+    T.Q6_K: ((0, 128), (128, 64), (192, 16), (208, 2)),  # ql | qh | scales | d
+    T.IQ4_XS: ((8, 128), (0, 8)),  # qs[128] | d, scales_h, scales_l[4]
+}
+LAYOUTS = ("blocks", "planes")
+
+
+def _align16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def plane_offsets(qtype: T, n_blocks: int) -> tuple[list[int], int]:
+    """Byte offset of each plane of ``n_blocks`` blocks of ``qtype`` and the total byte count
+    (at most 15 padding bytes per plane beyond the blocks' own bytes)."""
+    offs, end = [], 0
+    for _, size in PLANES[qtype]:
+        offs.append(_align16(end))
+        end = offs[-1] + n_blocks * size
+    return offs, end
+
+
+def to_planes(blocks: torch.Tensor, qtype: T) -> torch.Tensor:
+    """uint8 (n_blocks, type_size) ggml blocks -> flat uint8 planes (see :data:`PLANES`),
+    with torch operations on the blocks' device."""
+    n_blocks = blocks.shape[0]
+    offs, total = plane_offsets(qtype, n_blocks)
+    out = torch.zeros(total, dtype=torch.uint8, device=blocks.device)
+    for (src, size), dst in zip(PLANES[qtype], offs):
+        out[dst : dst + n_blocks * size].view(n_blocks, size).copy_(blocks[:, src : src + size])
+    return out
+
+
+def from_planes(planes: torch.Tensor, qtype: T, n_blocks: int) -> torch.Tensor:
+    """The inverse of :func:`to_planes`: uint8 (n_blocks, type_size) ggml blocks."""
+    offs, _ = plane_offsets(qtype, n_blocks)
+    out = torch.empty((n_blocks, block_format(qtype).type_size), dtype=torch.uint8,
+                      device=planes.device)  # fmt: skip
+    for (src, size), dst in zip(PLANES[qtype], offs):
+        out[:, src : src + size] = planes[dst : dst + n_blocks * size].view(n_blocks, size)
+    return out
+
+
 @dataclass(frozen=True)
 class QuantWeight:
     """A weight matrix kept in its ggml blocks.
 
     Attributes:
-        data: uint8 (N, row_bytes): the blocks of each row, as stored in the GGUF file.
+        data: uint8, the blocks of each row: (N, row_bytes) as stored in the GGUF file
+            (``layout`` "blocks"), or flat (``layout`` "planes": the same bytes field by
+            field, each field 16-byte aligned, see :data:`PLANES` and :meth:`aligned`).
         qtype: the ggml type.
         shape: logical (N, K) in torch order (out_features, in_features).
         splits: row counts of the matrices fused into this one (see :meth:`cat`).
+        layout: "blocks" or "planes".
     """
 
     data: torch.Tensor
     qtype: T
     shape: tuple[int, int]
     splits: tuple[int, ...] = ()
+    layout: str = "blocks"
 
     def __post_init__(self) -> None:
         fmt = block_format(self.qtype)
         n, k = self.shape
         if k % fmt.block_size:
             raise ValueError(f"QuantWeight: K={k} is not a multiple of {fmt.block_size}")
+        if self.layout not in LAYOUTS or (self.layout == "planes" and self.qtype not in PLANES):
+            raise ValueError(f"QuantWeight: no layout {self.layout!r} for {T(self.qtype).name}")
         row_bytes = k // fmt.block_size * fmt.type_size
-        if self.data.dtype != torch.uint8 or self.data.numel() != n * row_bytes:
+        want = n * row_bytes
+        if self.layout == "planes":
+            want = plane_offsets(self.qtype, n * (k // fmt.block_size))[1]
+        if self.data.dtype != torch.uint8 or self.data.numel() != want:
             raise ValueError(
                 f"QuantWeight: {self.data.numel()} {self.data.dtype} values do not hold "
                 f"{T(self.qtype).name} {list(self.shape)}"
             )
-        object.__setattr__(self, "data", self.data.reshape(n, row_bytes).contiguous())
+        if self.layout == "blocks":
+            object.__setattr__(self, "data", self.data.reshape(n, row_bytes).contiguous())
+        else:
+            object.__setattr__(self, "data", self.data.reshape(-1).contiguous())
         if not self.splits:
             object.__setattr__(self, "splits", (n,))
 
@@ -153,9 +221,30 @@ class QuantWeight:
             data = torch.from_numpy(data)
         return cls(data.reshape(-1), T(qtype), (int(shape[0]), int(shape[1])))
 
+    @property
+    def n_blocks(self) -> int:
+        return self.shape[0] * (self.shape[1] // block_format(self.qtype).block_size)
+
+    def aligned(self) -> QuantWeight:
+        """The weight in the layout the kernels read fastest: "planes" for the types of
+        :data:`PLANES` (repacked once, on the data's device, bit-exact), else itself. The
+        result replaces this weight: keep no reference to the old one, so that memory stays
+        about the file's tensor bytes (+ at most 15 bytes per plane)."""
+        if self.layout == "planes" or self.qtype not in PLANES:
+            return self
+        planes = to_planes(self.data.reshape(self.n_blocks, -1), self.qtype)
+        return QuantWeight(planes, self.qtype, self.shape, self.splits, "planes")
+
+    def blocks(self) -> torch.Tensor:
+        """The weight's bytes in the GGUF layout: uint8 (N, row_bytes)."""
+        if self.layout == "blocks":
+            return self.data
+        return from_planes(self.data, self.qtype, self.n_blocks).reshape(self.shape[0], -1)
+
     @classmethod
     def cat(cls, weights: list[QuantWeight]) -> QuantWeight:
-        """Fuse matrices that share their input (Q/K/V, gate/up) into one of stacked rows.
+        """Fuse matrices that share their input (Q/K/V, gate/up) into one of stacked rows,
+        in the layout of the first.
 
         Raises:
             ValueError: the types or input sizes differ.
@@ -164,24 +253,51 @@ class QuantWeight:
         for w in weights[1:]:
             if w.qtype != first.qtype or w.shape[1] != first.shape[1]:
                 raise ValueError("QuantWeight.cat: weights differ in type or input size")
-        data = torch.cat([w.data for w in weights], dim=0)
         splits = tuple(s for w in weights for s in w.splits)
-        return cls(data, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]), splits)
+        shape = (sum(w.shape[0] for w in weights), first.shape[1])
+        if first.layout == "planes":  # plane by plane: one copy, no GGUF-layout detour
+            ws = [w.aligned() for w in weights]
+            n_blocks = sum(w.n_blocks for w in ws)
+            offs, total = plane_offsets(first.qtype, n_blocks)
+            data = torch.zeros(total, dtype=torch.uint8, device=first.data.device)
+            for i, (_, size) in enumerate(PLANES[first.qtype]):
+                parts = [w.data[plane_offsets(w.qtype, w.n_blocks)[0][i]:][: w.n_blocks * size]
+                         for w in ws]  # fmt: skip
+                torch.cat(parts, out=data[offs[i] : offs[i] + n_blocks * size])
+            return cls(data, first.qtype, shape, splits, "planes")
+        data = torch.cat([w.blocks() for w in weights], dim=0)
+        return cls(data, first.qtype, shape, splits)
 
     def to(self, device) -> QuantWeight:
-        return QuantWeight(self.data.to(device), self.qtype, self.shape, self.splits)
+        return QuantWeight(self.data.to(device), self.qtype, self.shape, self.splits, self.layout)
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` (T,) int64 dequantized -> (T, K) float32 (embedding lookups);
+        bit-exact with the torch reference."""
+        if self.layout == "blocks":
+            blocks = self.data[index]
+        else:
+            nb = self.shape[1] // block_format(self.qtype).block_size
+            blk = (index[:, None] * nb + torch.arange(nb, device=index.device)).reshape(-1)
+            offs, _ = plane_offsets(self.qtype, self.n_blocks)
+            fields = [self.data[o : o + self.n_blocks * size].view(self.n_blocks, size)[blk]
+                      for o, (_, size) in zip(offs, PLANES[self.qtype])]  # fmt: skip
+            order = sorted(range(len(fields)), key=lambda i: PLANES[self.qtype][i][0])
+            blocks = torch.cat([fields[i] for i in order], dim=1)
+        return reference_dequantize(blocks, self.qtype, (index.shape[0], self.shape[1]),
+                                    dtype=torch.float32)  # fmt: skip
 
     def dequantize(self, dtype: torch.dtype = torch.float16) -> torch.Tensor:
         """The weight as a (N, K) ``dtype`` tensor (Triton on CUDA, else the torch reference)."""
         if self.data.is_cuda and supports(self.qtype):
             from .dequant import dequantize
 
-            return dequantize(self.data, self.qtype, self.shape, dtype)
-        return reference_dequantize(self.data, self.qtype, self.shape, dtype=dtype)
+            return dequantize(self.data, self.qtype, self.shape, dtype, layout=self.layout)
+        return reference_dequantize(self.blocks(), self.qtype, self.shape, dtype=dtype)
 
 
 def quant_linear(
@@ -212,13 +328,15 @@ def quant_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.shape[0] <= GEMV_MAX_ROWS:
-        from .gemv import gemv
+        from .gemv import attached_q8, gemv
 
-        y = gemv(w.data, w.qtype, n, x2, out_dtype=out_dtype)
+        # a one-row x from a fused kernel carries its 8-bit copy: no quantizing launch
+        q8 = attached_q8(x) if x2.shape[0] == 1 else None
+        y = gemv(w.data, w.qtype, n, x2, out_dtype=out_dtype, layout=w.layout, x_q8=q8)
     else:
         from .gemm import gemm
 
-        y = gemm(w.data, w.qtype, n, x2, out_dtype=out_dtype, bf16=bf16)
+        y = gemm(w.data, w.qtype, n, x2, out_dtype=out_dtype, bf16=bf16, layout=w.layout)
     y = y.reshape(*lead, n)
     if len(w.splits) > 1:
         return tuple(torch.split(y, list(w.splits), dim=-1))

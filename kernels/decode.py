@@ -483,3 +483,184 @@ def decode_word16(hp, blk, gb, j: tl.constexpr, QTYPE: tl.constexpr):
         tl.static_assert(False, "decode_word16: unsupported ggml type")
         wq = blk
     return wq
+
+
+# ---- the "planes" layout (``localllm.kernels.PLANES``): each field of the blocks in its own
+# 16-byte aligned plane, blocks in file order -----------------------------------------------------
+
+
+@device_fn
+def plane(nblk, I: tl.constexpr, QTYPE: tl.constexpr):
+    """Byte offset (int64) of plane ``I`` of a ``QTYPE`` matrix of ``nblk`` blocks, as
+    ``localllm.kernels.plane_offsets`` computes it (a multiple of 16)."""
+    n = nblk.to(tl.int64)
+    if I == 0:
+        off = n * 0
+    elif QTYPE == 6 and I == 2:  # Q5_0: d after qs[16] and qh[4]
+        off = (n * 20 + 15) // 16 * 16
+    elif QTYPE == 14:  # Q6_K: ql[128] | qh[64] | scales[16] | d
+        if I == 1:
+            off = n * 128
+        elif I == 2:
+            off = n * 192
+        else:
+            off = n * 208
+    elif QTYPE == 8:  # Q8_0: qs[0:16] | qs[16:32] | d
+        off = n * (16 * I)
+    elif QTYPE == 23:  # IQ4_XS: qs[128] | d, scales_h, scales_l
+        off = n * 128
+    else:  # Q4_0, IQ4_NL: qs[16] | d; Q5_0: qs[16] | qh[4] | d
+        off = n * 16
+    return off
+
+
+@device_fn
+def decode_planes(w, nblk, blk, j, mask, QTYPE: tl.constexpr):
+    """Weight ``j`` of block ``blk`` (int64 index) of a ``QTYPE`` matrix of ``nblk`` blocks
+    stored as planes at byte pointer ``w``, as float32: the same values (and float operations)
+    as :func:`decode`. ``blk``, ``j`` and ``mask`` broadcast together."""
+    if QTYPE == 2 or QTYPE == 20:  # Q4_0, IQ4_NL: qs[16] | d
+        d = _f16(w + plane(nblk, 1, QTYPE) + blk * 2, mask)
+        q = (_u8(w + blk * 16 + j % 16, mask) >> ((j // 16) * 4)) & 15
+        if QTYPE == 2:
+            v = d * (q - 8).to(tl.float32)
+        else:
+            v = d * _iq4nl(q).to(tl.float32)
+    elif QTYPE == 6:  # Q5_0: qs[16] | qh[4] | d
+        d = _f16(w + plane(nblk, 2, QTYPE) + blk * 2, mask)
+        h = (_u8(w + plane(nblk, 1, QTYPE) + blk * 4 + j // 8, mask) >> (j % 8)) & 1
+        q = ((_u8(w + blk * 16 + j % 16, mask) >> ((j // 16) * 4)) & 15) | (h << 4)
+        v = d * (q - 16).to(tl.float32)
+    elif QTYPE == 8:  # Q8_0: qs[0:16] | qs[16:32] | d
+        d = _f16(w + plane(nblk, 2, QTYPE) + blk * 2, mask)
+        v = _i8(w + (j // 16) * (nblk.to(tl.int64) * 16) + blk * 16 + j % 16, mask)
+        v = v.to(tl.float32) * d
+    elif QTYPE == 14:  # Q6_K: ql[128] | qh[64] | scales[16] | d
+        d = _f16(w + plane(nblk, 3, QTYPE) + blk * 2, mask)
+        dl = d * _i8(w + plane(nblk, 2, QTYPE) + blk * 16 + j // 16, mask).to(tl.float32)
+        h = j // 128
+        r = j % 128
+        lo = (_u8(w + blk * 128 + h * 64 + r % 64, mask) >> ((r // 64) * 4)) & 15
+        qh = w + plane(nblk, 1, QTYPE) + blk * 64 + h * 32 + r % 32
+        hi = (_u8(qh, mask) >> ((r // 32) * 2)) & 3
+        v = dl * ((lo | (hi << 4)) - 32).to(tl.float32)
+    elif QTYPE == 23:  # IQ4_XS: qs[128] | d, scales_h (u16), scales_l[4]
+        hd = w + plane(nblk, 1, QTYPE) + blk * 8
+        d = _f16(hd, mask)
+        ib = j // 32
+        hi = ((_u8(hd + 2 + ib // 4, mask) >> ((ib % 4) * 2)) & 3) << 4
+        ls = ((_u8(hd + 4 + ib // 2, mask) >> ((ib % 2) * 4)) & 15) | hi
+        dl = d * (ls - 32).to(tl.float32)
+        r = j % 32
+        q = (_u8(w + blk * 128 + ib * 16 + r % 16, mask) >> ((r // 16) * 4)) & 15
+        v = dl * _iq4nl(q).to(tl.float32)
+    else:
+        tl.static_assert(False, "decode_planes: no planes layout for this ggml type")
+        v = tl.zeros_like(j).to(tl.float32)
+    return v
+
+
+@device_fn
+def prmt(a, b, c, ASM: tl.constexpr):
+    """CUDA ``prmt.b32`` (default mode): byte ``i`` of the result is byte ``c[i] & 7`` of the
+    8-byte value {b, a} (``c[i]``: nibble ``i`` of ``c``), sign-replicated where ``c[i] & 8``.
+    ``ASM`` False: the same in portable integer code (the interpreter runs what the GPU runs)."""
+    if ASM:
+        r = _prmt(a, b, c)
+    else:
+        r = tl.zeros_like(a)
+        for i in tl.static_range(4):
+            s = (c >> (4 * i)) & 15
+            k = s & 7
+            src = tl.where(k < 4, a, b)
+            byte = (src >> ((k & 3) * 8)) & 255
+            byte = tl.where((s & 8) != 0, tl.where((byte & 128) != 0, 255, 0), byte)
+            r = r | (byte << (8 * i))
+    return r
+
+
+@device_fn
+def iq4nl_pair(q, ASM: tl.constexpr):
+    """``kvalues_iq4nl`` of the eight nibbles of int32 ``q`` (four bytes of an IQ4 block's
+    ``qs``), as two words of four int8: the low nibbles (weights i..i+3 of a 32-weight
+    sub-block) and the high nibbles (weights 16+i..19+i). llama.cpp's
+    ``get_int_from_table_16`` (``ggml-cuda/vecdotq.cuh``): eight byte permutes for 8 weights."""
+    zero = tl.zeros_like(q)
+    qa = q & 0x77777777  # table index within a half (bit 3 of a prmt nibble: sign mode)
+    sel = ((q >> 1) & 0x44444444) | 0x32103210  # per nibble: take the upper half's byte
+    v3 = prmt(prmt(zero + IQ4NL_W0, zero + IQ4NL_W1, qa, ASM),
+              prmt(zero + IQ4NL_W2, zero + IQ4NL_W3, qa, ASM), sel, ASM)  # fmt: skip
+    qb = qa >> 16
+    v4 = prmt(prmt(zero + IQ4NL_W0, zero + IQ4NL_W1, qb, ASM),
+              prmt(zero + IQ4NL_W2, zero + IQ4NL_W3, qb, ASM), (sel >> 16) & 0xFFFF, ASM)  # fmt: skip
+    return prmt(v3, v4, zero + 0x6420, ASM), prmt(v3, v4, zero + 0x7531, ASM)
+
+
+# Types the sub-block GEMV (``gemv._mmvq32_kernel``) reads from planes, 32 weights (one
+# scale) per group: code -> OFF (the weights' integer offset, see above).
+MMVQ32_TYPES = {T.Q4_0: 8, T.Q5_0: 16, T.Q8_0: 0, T.IQ4_NL: 0, T.IQ4_XS: 0}
+
+
+@device_fn
+def decode_unit32(wp, nblk, u, t, QTYPE: tl.constexpr, ASM: tl.constexpr):
+    """(low words, high words, scale) of 32-weight sub-block ``u`` (int64 (R, G, 1): global
+    index, row-major over the matrix) of a planes matrix at int32 pointer ``wp``.
+
+    Returns int32 (R, G, 4): word ``t`` of weights 4t..4t+3 and of weights 16+4t..19+4t as
+    int8 (before the OFF offset), float32 (R, G, 1) scale.
+    """
+    hp = wp.to(tl.pointer_type(tl.int16))
+    if QTYPE == 8:  # Q8_0: int8 weights 0-15 and 16-31 of a sub-block (= block) in two planes
+        lo = tl.load(wp + u * 4 + t)
+        hi = tl.load(wp + plane(nblk, 1, QTYPE) // 4 + u * 4 + t)
+        scale = _h2f(tl.load(hp + plane(nblk, 2, QTYPE) // 2 + u).to(tl.int32))
+    else:  # nibble types: 16 bytes of qs a sub-block
+        q = tl.load(wp + u * 4 + t)
+        if QTYPE == 2:  # Q4_0
+            lo = q & 0x0F0F0F0F
+            hi = (q >> 4) & 0x0F0F0F0F
+            scale = _h2f(tl.load(hp + plane(nblk, 1, QTYPE) // 2 + u).to(tl.int32))
+        elif QTYPE == 6:  # Q5_0: fifth bits of weight j at bit j of qh
+            qh = tl.load(wp + plane(nblk, 1, QTYPE) // 4 + u)
+            lo = (q & 0x0F0F0F0F) | (_spread4(qh >> (t * 4)) << 4)
+            hi = ((q >> 4) & 0x0F0F0F0F) | (_spread4(qh >> (16 + t * 4)) << 4)
+            scale = _h2f(tl.load(hp + plane(nblk, 2, QTYPE) // 2 + u).to(tl.int32))
+        elif QTYPE == 20:  # IQ4_NL
+            lo, hi = iq4nl_pair(q, ASM)
+            scale = _h2f(tl.load(hp + plane(nblk, 1, QTYPE) // 2 + u).to(tl.int32))
+        elif QTYPE == 23:  # IQ4_XS: 8 sub-blocks a block; d|scales_h, scales_l words
+            lo, hi = iq4nl_pair(q, ASM)
+            ib = (u % 8).to(tl.int32)
+            hd = plane(nblk, 1, QTYPE) // 4 + (u // 8) * 2
+            h0 = tl.load(wp + hd)
+            ls = (tl.load(wp + hd + 1) >> (ib * 4)) & 15
+            ls = ls | (((h0 >> (16 + ib * 2)) & 3) << 4)
+            scale = _h2f(h0) * (ls - 32).to(tl.float32)
+        else:
+            tl.static_assert(False, "decode_unit32: unsupported ggml type")
+            lo = q
+            hi = q
+            scale = tl.zeros_like(u).to(tl.float32)
+    return lo, hi, scale
+
+
+@device_fn
+def decode_words_planes(wp, nblk, blk, gb, t, QTYPE: tl.constexpr):
+    """Q6_K from planes: (words, scale, min) of 16-weight group ``gb`` of blocks ``blk``
+    (int64 (R, G, 1) block indices), as :func:`decode_words` for the 16-byte types."""
+    if QTYPE == 14:  # ql (32 words a block) | qh (16) | scales (4) | d (halves)
+        h = gb // 8
+        r = gb % 8
+        ql = tl.load(wp + blk * 32 + h * 16 + (r % 4) * 4 + t)
+        qh = tl.load(wp + plane(nblk, 1, QTYPE) // 4 + blk * 16 + h * 8 + (r % 2) * 4 + t)
+        wq = ((ql >> ((r // 4) * 4)) & 0x0F0F0F0F) | (((qh >> ((r // 2) * 2)) & 0x03030303) << 4)
+        sc = tl.load(wp + plane(nblk, 2, QTYPE) // 4 + blk * 4 + gb // 4)
+        sc = (sc << (24 - (gb % 4) * 8)) >> 24  # the signed byte gb
+        hp = wp.to(tl.pointer_type(tl.int16))
+        d = _h2f(tl.load(hp + plane(nblk, 3, QTYPE) // 2 + blk).to(tl.int32))
+        scale = d * sc.to(tl.float32)
+    else:
+        tl.static_assert(False, "decode_words_planes: unsupported ggml type")
+        wq = t
+        scale = tl.zeros_like(blk).to(tl.float32)
+    return wq, scale, tl.zeros_like(scale)

@@ -14,9 +14,9 @@ from gguf import GGMLQuantizationType as T
 
 from localllm.errors import UnsupportedError
 
-from . import IQ_TYPES, block_format
+from . import IQ_TYPES, PLANES, block_format, plane_offsets
 from ._jit import kernel
-from .decode import KERNEL_TYPES, decode
+from .decode import KERNEL_TYPES, decode, decode_planes
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -30,12 +30,16 @@ def _dequant_kernel(
     TS: tl.constexpr,
     QTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PLANES: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     j = (offs % BS).to(tl.int32)
-    v = decode(data + (offs // BS) * TS, j, mask, QTYPE)
+    if PLANES:
+        v = decode_planes(data, n_elements // BS, offs // BS, j, mask, QTYPE)
+    else:
+        v = decode(data + (offs // BS) * TS, j, mask, QTYPE)
     tl.store(out + offs, v.to(out.dtype.element_ty), mask=mask)
 
 
@@ -45,8 +49,9 @@ def supports(qtype: T) -> bool:
 
 
 def dequantize(
-    data: torch.Tensor, qtype: T, shape: tuple[int, ...], dtype: torch.dtype = torch.float16
-) -> torch.Tensor:
+    data: torch.Tensor, qtype: T, shape: tuple[int, ...], dtype: torch.dtype = torch.float16,
+    *, layout: str = "blocks",
+) -> torch.Tensor:  # fmt: skip
     """Dequantize the bytes of one tensor with Triton.
 
     Args:
@@ -55,13 +60,14 @@ def dequantize(
         qtype: ggml type, one of :data:`.decode.KERNEL_TYPES`.
         shape: logical torch-order shape (rows x cols).
         dtype: float32, float16 or bfloat16; values are rounded once from float32.
+        layout: "blocks" (file order) or "planes" (``localllm.kernels.PLANES``).
 
     Returns:
         ``dtype`` tensor of ``shape`` on ``data``'s device.
 
     Raises:
         UnsupportedError: no kernel for ``qtype``.
-        ValueError: byte count or dtype mismatch.
+        ValueError: byte count, dtype or layout mismatch.
     """
     fmt = block_format(qtype)
     if not supports(qtype):
@@ -74,7 +80,12 @@ def dequantize(
     n = 1
     for s in shape:
         n *= int(s)
-    if n % fmt.block_size or data.numel() != n // fmt.block_size * fmt.type_size:
+    if layout not in ("blocks", "planes") or (layout == "planes" and qtype not in PLANES):
+        raise ValueError(f"dequantize: no layout {layout!r} for {T(qtype).name}")
+    want = n // fmt.block_size * fmt.type_size
+    if layout == "planes" and n % fmt.block_size == 0:
+        want = plane_offsets(qtype, n // fmt.block_size)[1]
+    if n % fmt.block_size or data.numel() != want:
         raise ValueError(f"{T(qtype).name}: {data.numel()} bytes do not hold shape {list(shape)}")
     out = torch.empty(tuple(shape), dtype=dtype, device=data.device)
     if n == 0:
@@ -89,6 +100,7 @@ def dequantize(
         TS=fmt.type_size,
         QTYPE=int(qtype),
         BLOCK=block,
+        PLANES=layout == "planes",
         num_warps=4,
         enable_fp_fusion=False,
     )

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import kernel
+from ._jit import device_fn, kernel
+from .gemv import attach_q8, q8_chunks
 
 # Activation codes of _gated_act_kernel's ACT constexpr.
 _ACTS = {"gelu_tanh": 0, "silu": 1}
@@ -153,9 +154,31 @@ def launch_norm_rope(
     return y
 
 
+@device_fn
+def _store_q8(v, c0, n, xq, xd, xs, NC: tl.constexpr):
+    """The 8-bit copy of ``v`` (NC * 32,) float32, chunks ``c0 ..`` of 32 of a vector of ``n``
+    values: as ``gemv.quantize_q8`` writes it (values, per-32 scales, per-16 sums)."""
+    q, d = q8_chunks(tl.reshape(v, (NC, 2, 16)))
+    c = c0 + tl.arange(0, NC)
+    cm = c * 32 < n
+    offs = c[:, None, None] * 32 + tl.arange(0, 2)[None, :, None] * 16
+    offs = offs + tl.arange(0, 16)[None, None, :]
+    tl.store(xq + offs, q.to(tl.int8), mask=cm[:, None, None])
+    tl.store(xd + c, d, mask=cm)
+    tl.store(xs + c[:, None] * 2 + tl.arange(0, 2)[None, :], tl.sum(q, axis=2), mask=cm[:, None])
+
+
+def _q8_buffers(t: torch.Tensor, n: int):
+    """Outputs for :func:`_store_q8` of a vector of ``n`` values on ``t``'s device."""
+    return (torch.empty(n, dtype=torch.int8, device=t.device),
+            torch.empty(n // 32, dtype=torch.float32, device=t.device),
+            torch.empty(n // 16, dtype=torch.int32, device=t.device))  # fmt: skip
+
+
 @kernel
-def _residual_rms_norm_kernel(x, f, pw, w, h_out, n_out, D, stride_x, stride_f, eps,
-                              HAS_POST: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+def _residual_rms_norm_kernel(x, f, pw, w, h_out, n_out, D, stride_x, stride_f, eps, xq, xd, xs,
+                              HAS_POST: tl.constexpr, BLOCK_D: tl.constexpr,
+                              Q8: tl.constexpr = False):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -167,7 +190,10 @@ def _residual_rms_norm_kernel(x, f, pw, w, h_out, n_out, D, stride_x, stride_f, 
     hv = xv + fv  # masked columns stay 0 and add nothing to the sum below
     tl.store(h_out + row * D + cols, hv, mask=mask)
     rh = 1.0 / tl.sqrt(tl.sum(hv * hv, axis=0) / D + eps)
-    tl.store(n_out + row * D + cols, hv * rh * tl.load(w + cols, mask=mask, other=0.0), mask=mask)
+    nv = hv * rh * tl.load(w + cols, mask=mask, other=0.0)
+    tl.store(n_out + row * D + cols, nv, mask=mask)
+    if Q8:  # one row (decode): also the 8-bit copy the next GEMV reads
+        _store_q8(nv, 0, D, xq, xd, xs, BLOCK_D // 32)
 
 
 def residual_rms_norm(
@@ -193,7 +219,10 @@ def residual_rms_norm(
 
     Returns:
         ``(h, n)``: new contiguous (..., D) float32 tensors, the updated residual stream and
-        its normalization.
+        its normalization. For one row with D a multiple of 32 the same launch also writes
+        ``n`` quantized to 8 bits per 32 values (``gemv.quantize_q8``'s result, attached to
+        ``n``, see ``gemv.attach_q8``): the integer-dot GEMV that multiplies ``n`` next
+        reads it instead of quantizing ``n`` in a launch of its own.
 
     Raises:
         ValueError: shapes, dtypes or devices disagree.
@@ -218,17 +247,21 @@ def residual_rms_norm(
         f2 = f2 if f2.stride(-1) == 1 else f2.contiguous()
         w = weight.contiguous()
         pw = post_weight.contiguous() if post_weight is not None else w  # unread without it
+        q8 = _q8_buffers(n, d) if rows == 1 and d % 32 == 0 else None
         _residual_rms_norm_kernel[(rows,)](
             x2, f2, pw, w, h, n, d, x2.stride(0), f2.stride(0), float(eps),
-            HAS_POST=post_weight is not None, BLOCK_D=triton.next_power_of_2(d),
+            *(q8 if q8 is not None else (n, n, n)), HAS_POST=post_weight is not None,
+            BLOCK_D=triton.next_power_of_2(d), Q8=q8 is not None,
             num_warps=4 if d <= 4096 else 8,
         )  # fmt: skip
+        if q8 is not None:
+            attach_q8(n, q8)
     return h, n
 
 
 @kernel
-def _gated_act_kernel(gate, up, y, F, stride_g, stride_u, ACT: tl.constexpr,
-                      BLOCK: tl.constexpr):  # fmt: skip
+def _gated_act_kernel(gate, up, y, F, stride_g, stride_u, xq, xd, xs, ACT: tl.constexpr,
+                      BLOCK: tl.constexpr, Q8: tl.constexpr = False):  # fmt: skip
     # Rows on grid axis 0 (up to 2**31 - 1 programs); column blocks on axis 1 (<= 65535).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -244,6 +277,8 @@ def _gated_act_kernel(gate, up, y, F, stride_g, stride_u, ACT: tl.constexpr,
     else:
         a = g / (1.0 + tl.exp(-g))
     tl.store(y + row * F + cols, a * u, mask=mask)
+    if Q8:  # one row (decode): also the 8-bit copy of this block for the down GEMV
+        _store_q8(a * u, tl.program_id(1) * (BLOCK // 32), F, xq, xd, xs, BLOCK // 32)
 
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor, *, act: str) -> torch.Tensor:
@@ -260,7 +295,8 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, *, act: str) -> torch.Tensor
         act: ``"gelu_tanh"`` or ``"silu"``.
 
     Returns:
-        A new contiguous (T, F) float32 tensor.
+        A new contiguous (T, F) float32 tensor; for one row with F a multiple of 32 it
+        carries its 8-bit copy, written by the same launch (see :func:`residual_rms_norm`).
 
     Raises:
         ValueError: unknown ``act``; shapes, dtypes or devices disagree.
@@ -280,8 +316,11 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, *, act: str) -> torch.Tensor
         gate = gate if gate.stride(-1) == 1 else gate.contiguous()
         up = up if up.stride(-1) == 1 else up.contiguous()
         block = min(1024, triton.next_power_of_2(n))
+        q8 = _q8_buffers(y, n) if t == 1 and n % 32 == 0 else None
         _gated_act_kernel[(t, triton.cdiv(n, block))](
-            gate, up, y, n, gate.stride(0), up.stride(0), ACT=_ACTS[act], BLOCK=block,
-            num_warps=4,
+            gate, up, y, n, gate.stride(0), up.stride(0), *(q8 if q8 is not None else (y, y, y)),
+            ACT=_ACTS[act], BLOCK=block, Q8=q8 is not None, num_warps=4,
         )  # fmt: skip
+        if q8 is not None:
+            attach_q8(y, q8)
     return y

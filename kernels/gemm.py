@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ._jit import kernel
-from .decode import GROUP_SIZES, decode, decode_grouped
+from .decode import GROUP_SIZES, decode, decode_grouped, decode_planes
 from .gemv import check_operands
 
 
@@ -36,6 +36,7 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PLANES: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -58,11 +59,21 @@ def _gemm_kernel(
             gmask = (g < K // G)[:, None, None] & n_mask[None, None, :]
             blk = row[None, None, :] + ((g // (BS // G)) * TS)[:, None, None]
             e = tl.arange(0, G)[None, :, None]
-            wt3 = decode_grouped(blk, (g % (BS // G))[:, None, None], e, gmask, QTYPE)
+            if PLANES:  # block indices; scales per group, weight bits per weight
+                bi = rn.to(tl.int64)[None, None, :] * (K // BS) + (g // (BS // G))[:, None, None]
+                j = (g % (BS // G))[:, None, None] * G + e
+                wt3 = decode_planes(w, N * (K // BS), bi, j, gmask, QTYPE)
+            else:
+                wt3 = decode_grouped(blk, (g % (BS // G))[:, None, None], e, gmask, QTYPE)
             wt = tl.reshape(wt3, (BLOCK_K, BLOCK_N))
         else:
             wmask = k_mask[:, None] & n_mask[None, :]
-            wt = decode(row[None, :] + ((rk // BS) * TS)[:, None], (rk % BS)[:, None], wmask, QTYPE)
+            if PLANES:
+                bi = rn.to(tl.int64)[None, :] * (K // BS) + (rk // BS)[:, None]
+                wt = decode_planes(w, N * (K // BS), bi, (rk % BS)[:, None], wmask, QTYPE)
+            else:
+                wt = decode(row[None, :] + ((rk // BS) * TS)[:, None], (rk % BS)[:, None], wmask,
+                            QTYPE)  # fmt: skip
         if BF16:
             acc += tl.dot(xt.to(tl.bfloat16), wt.to(tl.bfloat16))
         else:
@@ -84,6 +95,7 @@ def gemm(
     block_n: int = 64,
     block_k: int = 64,
     grouped: bool = True,
+    layout: str = "blocks",
 ) -> torch.Tensor:
     """``x @ W.T`` with ``W`` dequantized tile by tile.
 
@@ -97,6 +109,7 @@ def gemm(
         block_m, block_n, block_k: tile sizes (powers of two, >= 16).
         grouped: decode weight tiles group by group (scales loaded once per group; needs
             ``block_k`` >= the type's group size) rather than weight by weight.
+        layout: "blocks" (file order) or "planes" (``localllm.kernels.PLANES``).
 
     Returns:
         (M, N) ``out_dtype``: float16 (or bfloat16) products, float32 accumulation.
@@ -104,7 +117,7 @@ def gemm(
     Raises:
         ValueError: shapes do not agree.
     """
-    fmt, x = check_operands("gemm", w_data, qtype, n_out, x, rows="M")
+    fmt, x = check_operands("gemm", w_data, qtype, n_out, x, rows="M", layout=layout)
     m, k = x.shape
     y = torch.empty((m, n_out), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n_out == 0:
@@ -130,6 +143,7 @@ def gemm(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        PLANES=layout == "planes",
         num_warps=4,
         enable_fp_fusion=True,
     )

@@ -27,15 +27,19 @@ import triton
 import triton.language as tl
 
 
-from . import block_format
+from . import PLANES, block_format, plane_offsets
 from ._jit import device_fn, kernel
 from .decode import (
     GROUP_SIZES,
+    MMVQ32_TYPES,
     MMVQ_TYPES,
     decode,
     decode_grouped,
+    decode_planes,
+    decode_unit32,
     decode_word16,
     decode_words,
+    decode_words_planes,
     iq4nl_word,
     scale_min16,
 )
@@ -43,6 +47,20 @@ from .decode import (
 MAX_BATCH = 8
 
 # ---- integer-dot GEMV for one vector (llama.cpp's mul_mat_vec_q) ------------------------------
+
+
+@device_fn
+def q8_chunks(v):
+    """(q int32, d float32) of values ``v`` (C, 2, 16) float32, chunks of 32 on the first
+    axis: ``d = max|v| / 127`` and ``q = round-half-up(v * 127 / max|v|)`` per chunk, as
+    llama.cpp's ``quantize_q8_1`` (shared by :func:`quantize_q8` and the fused kernels that
+    write the quantized copy of their output)."""
+    amax = tl.max(tl.max(tl.abs(v), axis=2), axis=1)
+    d = amax / 127.0
+    inv = tl.where(amax > 0.0, 127.0 / tl.where(amax > 0.0, amax, 1.0), 0.0)
+    q = tl.floor(v * inv[:, None, None] + 0.5)  # |q| <= 127: amax * inv rounds to 127
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
+    return q, d
 
 
 @kernel
@@ -53,11 +71,7 @@ def _quantize_q8_kernel(x, xq, xd, xs, n_chunks, CH: tl.constexpr):
     offs = rc[:, None, None] * 32 + tl.arange(0, 2)[None, :, None] * 16
     offs = offs + tl.arange(0, 16)[None, None, :]
     v = tl.load(x + offs, mask=c_mask[:, None, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(v), axis=2), axis=1)
-    d = amax / 127.0
-    inv = tl.where(amax > 0.0, 127.0 / tl.where(amax > 0.0, amax, 1.0), 0.0)
-    q = tl.floor(v * inv[:, None, None] + 0.5)  # |q| <= 127: amax * inv rounds to 127
-    q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
+    q, d = q8_chunks(v)
     tl.store(xq + offs, q.to(tl.int8), mask=c_mask[:, None, None])
     tl.store(xd + rc, d, mask=c_mask)
     rh = rc[:, None] * 2 + tl.arange(0, 2)[None, :]
@@ -85,14 +99,15 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
 def _mmvq_kernel(w, xq, xd, xs, y, N, K, blocks_per_split, stride_ys, BS: tl.constexpr,
                  TS: tl.constexpr, UNIT: tl.constexpr, QTYPE: tl.constexpr, OFF: tl.constexpr,
                  ROWS: tl.constexpr, GP: tl.constexpr, STAGES: tl.constexpr,
-                 DP4A: tl.constexpr):  # fmt: skip
+                 DP4A: tl.constexpr, PLANES: tl.constexpr = False):  # fmt: skip
     # Program (rows, split): ROWS rows x the split's blocks, GP 16-weight groups (GP * 16 / BS
     # whole blocks) a step. Each thread keeps float partial sums for its (row, group) slots:
     # one reduction after the loop. The group -> (block, group in block) split and everything
     # derived from it (shifts, scale positions) is loop-invariant; only the block advances.
+    # PLANES (Q6_K from aligned planes): offsets are block indices, the decoder finds planes.
     GPB: tl.constexpr = BS // 16  # groups per block
     BPS: tl.constexpr = GP // GPB  # blocks per step
-    TSU: tl.constexpr = TS // UNIT  # block size in UNIT-byte elements
+    TSU: tl.constexpr = 1 if PLANES else TS // UNIT  # block size in UNIT-byte elements
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rn = pid * ROWS + tl.arange(0, ROWS)
@@ -113,7 +128,11 @@ def _mmvq_kernel(w, xq, xd, xs, y, N, K, blocks_per_split, stride_ys, BS: tl.con
     gg = b_lo * GPB + g  # 16-weight groups along K
     acc = tl.zeros((ROWS, GP, 1), dtype=tl.float32)
     for _ in tl.range(0, blocks_per_split, BPS, num_stages=STAGES):
-        if TS % 16 == 0:  # 16-byte aligned blocks: groups as (.., 4) word tiles, 128-bit loads
+        if PLANES:  # 16-byte aligned planes: (.., 4) word tiles, 128-bit loads
+            wq, scale, vmin = decode_words_planes(wp, N * (K // BS), blk, gb, t, QTYPE)
+            xv = tl.load(xw + gg[None, :, None] * 4 + t)
+            dot = tl.sum(_dp4a(wq, xv, tl.zeros_like(wq), DP4A), axis=2, keep_dims=True)
+        elif TS % 16 == 0:  # 16-byte aligned blocks: groups as (.., 4) word tiles, 128-bit loads
             wq, scale, vmin = decode_words(wp, blk, gb, t, QTYPE)
             xv = tl.load(xw + gg[None, :, None] * 4 + t)
             dot = tl.sum(_dp4a(wq, xv, tl.zeros_like(wq), DP4A), axis=2, keep_dims=True)
@@ -145,6 +164,44 @@ def _mmvq_kernel(w, xq, xd, xs, y, N, K, blocks_per_split, stride_ys, BS: tl.con
     tl.store(y + split * stride_ys + rn, out.to(y.dtype.element_ty), mask=rn < N)
 
 
+@kernel
+def _mmvq32_kernel(w, xq, xd, xs, y, N, K, units_per_split, stride_ys, QTYPE: tl.constexpr,
+                   BS: tl.constexpr, OFF: tl.constexpr, ROWS: tl.constexpr, GP: tl.constexpr,
+                   STAGES: tl.constexpr, DP4A: tl.constexpr):  # fmt: skip
+    # The types of MMVQ32_TYPES from their planes: a slot is a (row, 32-weight sub-block)
+    # with one scale; its weight bits are one (Q8_0: two) 16-byte loads, decoded into the
+    # words of weights 0-15 and 16-31 for two dp4a against the activations' words. Program
+    # (rows, split): ROWS rows x the split's sub-blocks, GP sub-blocks a step; float partial
+    # sums per slot, one reduction after the loop.
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = pid * ROWS + tl.arange(0, ROWS)
+    rc = tl.minimum(rn, N - 1)  # rows past N read row N-1 and are not stored
+    nu = K // 32  # sub-blocks per row
+    nblk = N * (K // BS)
+    wp = w.to(tl.pointer_type(tl.int32))
+    xw = xq.to(tl.pointer_type(tl.int32))
+    t = tl.arange(0, 4)[None, None, :]
+    uk = split * units_per_split + tl.arange(0, GP)  # sub-blocks along K
+    u = (rc.to(tl.int64) * nu)[:, None, None] + uk[None, :, None]  # in the whole matrix
+    acc = tl.zeros((ROWS, GP, 1), dtype=tl.float32)
+    for _ in tl.range(0, units_per_split, GP, num_stages=STAGES):
+        lo, hi, scale = decode_unit32(wp, nblk, u, t, QTYPE, DP4A)
+        xlo = tl.load(xw + uk[None, :, None] * 8 + t)
+        xhi = tl.load(xw + uk[None, :, None] * 8 + 4 + t)
+        dot = _dp4a(hi, xhi, _dp4a(lo, xlo, tl.zeros_like(lo), DP4A), DP4A)
+        dot = tl.sum(dot, axis=2, keep_dims=True)
+        if OFF != 0:
+            isum = tl.load(xs + uk * 2) + tl.load(xs + uk * 2 + 1)
+            dot = dot - OFF * isum[None, :, None]
+        dx = tl.load(xd + uk)[None, :, None]
+        acc += dx * (scale * dot.to(tl.float32))
+        u += GP
+        uk += GP
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(y + split * stride_ys + rn, out.to(y.dtype.element_ty), mask=rn < N)
+
+
 # Streaming multiprocessors the launch shapes aim to fill (an H100 SXM has 132).
 TARGET_SMS = 132
 MMVQ_WARPS = 4
@@ -155,51 +212,56 @@ IN_FLIGHT_PER_SM = 16384
 ROWS_PER_THREAD = 2
 
 
-def mmvq_config(qtype, n: int, k: int, sms: int = TARGET_SMS) -> dict:
-    """Launch shape of the integer-dot GEMV for an (n, k) matrix of ``qtype``.
+def mmvq_config(qtype, n: int, k: int, sms: int = TARGET_SMS, layout: str = "blocks") -> dict:
+    """Launch shape of the integer-dot GEMV for an (n, k) matrix of ``qtype`` in ``layout``.
 
-    Each of the 32 * MMVQ_WARPS threads of a program takes RPT rows of one 16-weight group a
-    step: GP groups (a power of two <= 16 dividing K/16, whole blocks) by
+    Each of the 32 * WARPS threads of a program (WARPS = MMVQ_WARPS, or half where that
+    cannot make 2 programs per SM) takes RPT rows of one group a step
+    (UNIT weights: 32 for the sub-block kernel, ``planes`` of :data:`.decode.MMVQ32_TYPES`,
+    else 16): GP groups (a power of two <= 16 dividing K/UNIT, whole blocks) by
     ROWS = threads * RPT / GP rows. The key axis is split (SPLIT programs per row range,
     partial sums added after) until the programs hold IN_FLIGHT_PER_SM bytes per SM in one
     step, and at least 2 programs per SM; small matrices first drop to one row per thread,
     then to fewer groups per step, to get to 2 per SM.
 
     Returns:
-        dict with ROWS, GP, RPT, SPLIT, STAGES, the grid, ``blocks_per_split`` and
+        dict with UNIT, ROWS, GP, RPT, SPLIT, STAGES, the grid, ``blocks_per_split`` and
         ``bytes_per_step`` (weight bytes one program reads per loop step).
     """
     fmt = block_format(qtype)
-    n_groups = k // 16
-    gpb = fmt.block_size // 16
-    threads = 32 * MMVQ_WARPS
+    unit = 32 if layout == "planes" and qtype in MMVQ32_TYPES else 16
+    n_groups = k // unit
+    gpb = max(1, fmt.block_size // unit)
     best = None
-    for rpt in (ROWS_PER_THREAD, 1):
-        gp = 16
-        while n_groups % gp:
-            gp //= 2
-        while True:
-            rows = threads * rpt // gp
-            ctas = triton.cdiv(n, rows)
-            steps = n_groups // gp
-            split = 1
-            bytes_per_step = rows * gp * 16 * fmt.type_size // fmt.block_size
-            target = max(2 * sms, triton.cdiv(IN_FLIGHT_PER_SM * sms, bytes_per_step))
-            while ctas * split < target:
-                nxt = next((s for s in range(split + 1, steps + 1) if steps % s == 0), None)
-                if nxt is None:
+    for warps in (MMVQ_WARPS, MMVQ_WARPS // 2):  # smaller programs only where 4 warps can't
+        threads = 32 * warps
+        for rpt in (ROWS_PER_THREAD, 1):
+            gp = 16
+            while n_groups % gp:
+                gp //= 2
+            while True:
+                rows = threads * rpt // gp
+                ctas = triton.cdiv(n, rows)
+                steps = n_groups // gp
+                split = 1
+                bytes_per_step = rows * gp * unit * fmt.type_size // fmt.block_size
+                target = max(2 * sms, triton.cdiv(IN_FLIGHT_PER_SM * sms, bytes_per_step))
+                while ctas * split < target:
+                    nxt = next((s for s in range(split + 1, steps + 1) if steps % s == 0), None)
+                    if nxt is None:
+                        break
+                    split = nxt
+                cfg = {"UNIT": unit, "WARPS": warps, "ROWS": rows, "GP": gp, "RPT": rpt,
+                       "SPLIT": split, "STAGES": 1, "grid": (ctas, split),
+                       "blocks_per_split": k // fmt.block_size // split,
+                       "bytes_per_step": bytes_per_step}  # fmt: skip
+                if ctas * split >= 2 * sms:
+                    return cfg
+                if best is None or ctas * split > best["grid"][0] * best["grid"][1]:
+                    best = cfg
+                if gp // 2 < gpb or rows * 2 > 1024:
                     break
-                split = nxt
-            cfg = {"ROWS": rows, "GP": gp, "RPT": rpt, "SPLIT": split, "STAGES": 1,
-                   "grid": (ctas, split), "blocks_per_split": k // fmt.block_size // split,
-                   "bytes_per_step": bytes_per_step}  # fmt: skip
-            if ctas * split >= 2 * sms:
-                return cfg
-            if best is None or ctas * split > best["grid"][0] * best["grid"][1]:
-                best = cfg
-            if gp // 2 < gpb or rows * 2 > 1024:
-                break
-            gp //= 2
+                gp //= 2
     return best
 
 
@@ -223,21 +285,45 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return xq, xd, xs
 
 
-def _mmvq(w_data, qtype, n_out: int, x: torch.Tensor, out_dtype) -> torch.Tensor:
+# Attribute under which a kernel that produced a one-row activation tensor attaches its 8-bit
+# copy (xq, xd, xs as quantize_q8 returns them), so that the GEMV reading it needs no launch
+# of its own to quantize it (see fused.residual_rms_norm and fused.gated_act).
+Q8_ATTR = "_localllm_q8"
+
+
+def attach_q8(x: torch.Tensor, q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """Record ``q8``, equal to ``quantize_q8(x.reshape(-1))``, on the new tensor ``x``."""
+    setattr(x, Q8_ATTR, q8)
+
+
+def attached_q8(x: torch.Tensor):
+    """The 8-bit copy a kernel attached to ``x`` (:func:`attach_q8`), or None."""
+    return getattr(x, Q8_ATTR, None)
+
+
+def _mmvq(w_data, qtype, n_out: int, x: torch.Tensor, out_dtype, layout: str,
+          x_q8=None) -> torch.Tensor:  # fmt: skip
     k = x.shape[1]
     fmt = block_format(qtype)
     unit, off = MMVQ_TYPES[qtype]
-    xq, xd, xs = quantize_q8(x[0])
-    cfg = mmvq_config(qtype, n_out, k)
+    xq, xd, xs = quantize_q8(x[0]) if x_q8 is None else x_q8
+    cfg = mmvq_config(qtype, n_out, k, layout=layout)
     split = cfg["SPLIT"]
     y = torch.empty((max(split, 1), n_out), dtype=torch.float32 if split > 1 else out_dtype,
                     device=x.device)  # fmt: skip
-    _mmvq_kernel[cfg["grid"]](
-        w_data, xq, xd, xs, y, n_out, k, cfg["blocks_per_split"], y.stride(0),
-        BS=fmt.block_size, TS=fmt.type_size, UNIT=unit, QTYPE=int(qtype), OFF=off,
-        ROWS=cfg["ROWS"], GP=cfg["GP"], STAGES=cfg["STAGES"], DP4A=x.is_cuda,
-        num_warps=MMVQ_WARPS,
-    )  # fmt: skip
+    if cfg["UNIT"] == 32:
+        _mmvq32_kernel[cfg["grid"]](
+            w_data, xq, xd, xs, y, n_out, k, k // 32 // split, y.stride(0), QTYPE=int(qtype),
+            BS=fmt.block_size, OFF=MMVQ32_TYPES[qtype], ROWS=cfg["ROWS"], GP=cfg["GP"],
+            STAGES=cfg["STAGES"], DP4A=x.is_cuda, num_warps=cfg["WARPS"],
+        )  # fmt: skip
+    else:
+        _mmvq_kernel[cfg["grid"]](
+            w_data, xq, xd, xs, y, n_out, k, cfg["blocks_per_split"], y.stride(0),
+            BS=fmt.block_size, TS=fmt.type_size, UNIT=4 if layout == "planes" else unit,
+            QTYPE=int(qtype), OFF=off, ROWS=cfg["ROWS"], GP=cfg["GP"], STAGES=cfg["STAGES"],
+            DP4A=x.is_cuda, PLANES=layout == "planes", num_warps=cfg["WARPS"],
+        )  # fmt: skip
     if split > 1:
         return y.sum(0, keepdim=True).to(out_dtype)
     return y
@@ -281,6 +367,7 @@ def _gemv_kernel(
     B_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PLANES: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -293,7 +380,12 @@ def _gemv_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         k_mask = rk < K
         wmask = n_mask[:, None] & k_mask[None, :]
-        wv = decode(row[:, None] + ((rk // BS) * TS)[None, :], (rk % BS)[None, :], wmask, QTYPE)
+        if PLANES:
+            blk = rn.to(tl.int64)[:, None] * (K // BS) + (rk // BS)[None, :]
+            wv = decode_planes(w, N * (K // BS), blk, (rk % BS)[None, :], wmask, QTYPE)
+        else:
+            wv = decode(row[:, None] + ((rk // BS) * TS)[None, :], (rk % BS)[None, :], wmask,
+                        QTYPE)  # fmt: skip
         xv = tl.load(
             x + rb[:, None] * stride_xb + rk[None, :],
             mask=b_mask[:, None] & k_mask[None, :],
@@ -309,19 +401,26 @@ def _pow2_at_least(n: int) -> int:
 
 
 def check_operands(
-    name: str, w_data: torch.Tensor, qtype, n_out: int, x: torch.Tensor, rows: str = "B"
-):
+    name: str, w_data: torch.Tensor, qtype, n_out: int, x: torch.Tensor, rows: str = "B",
+    layout: str = "blocks",
+):  # fmt: skip
     """The block format of ``qtype`` and ``x`` with contiguous rows, for ``x @ W.T`` with
-    ``W`` (n_out, K) in ``w_data``'s blocks (shared by the GEMV and GEMM launchers).
+    ``W`` (n_out, K) in ``w_data``'s blocks, laid out as ``layout`` (see
+    ``localllm.kernels.QuantWeight``; shared by the GEMV and GEMM launchers).
 
     Raises:
-        ValueError: ``x`` is not 2-D, or K and the weight bytes disagree.
+        ValueError: ``x`` is not 2-D, K and the weight bytes disagree, or no such layout.
     """
     fmt = block_format(qtype)
     if x.ndim != 2:
         raise ValueError(f"{name}: x must be ({rows}, K), got {tuple(x.shape)}")
     k = x.shape[1]
-    if k % fmt.block_size or w_data.numel() != n_out * (k // fmt.block_size) * fmt.type_size:
+    if layout not in ("blocks", "planes") or (layout == "planes" and qtype not in PLANES):
+        raise ValueError(f"{name}: no layout {layout!r} for this type")
+    want = n_out * (k // fmt.block_size) * fmt.type_size
+    if layout == "planes" and k % fmt.block_size == 0:
+        want = plane_offsets(qtype, n_out * (k // fmt.block_size))[1]
+    if k % fmt.block_size or w_data.numel() != want:
         raise ValueError(f"{name}: {w_data.numel()} weight bytes do not hold ({n_out}, {k})")
     return fmt, x if x.stride(1) == 1 else x.contiguous()
 
@@ -333,32 +432,40 @@ def gemv(
     x: torch.Tensor,
     *,
     out_dtype: torch.dtype | None = None,
+    layout: str = "blocks",
+    x_q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x @ W.T`` for a few rows, reading ``W`` quantized.
 
     Args:
-        w_data: uint8 (n_out, row_bytes) or flat; the blocks of ``W`` (n_out, K) row by row.
+        w_data: uint8 (n_out, row_bytes) or flat; the blocks of ``W`` (n_out, K) row by row
+            (or their planes, see ``layout``).
         qtype: ggml type of ``W`` (see :data:`.decode.KERNEL_TYPES`).
         n_out: N, the number of rows of ``W``.
         x: (B, K) float16/float32/bfloat16, B <= 8, same device as ``w_data``; rows contiguous.
         out_dtype: dtype of the result (default ``x.dtype``).
+        layout: "blocks" (the GGUF layout) or "planes" (``localllm.kernels.PLANES``).
+        x_q8: for one vector, ``quantize_q8(x[0])`` when already computed (by the kernel
+            that produced ``x``): the integer-dot kernel then reads it instead of
+            quantizing ``x`` in a launch of its own.
 
     Returns:
         (B, N) ``out_dtype``; accumulated in float32.
 
     Raises:
-        ValueError: shapes do not agree or B > 8.
+        ValueError: shapes do not agree, B > 8 or no such layout for the type.
     """
-    fmt, x = check_operands("gemv", w_data, qtype, n_out, x)
+    fmt, x = check_operands("gemv", w_data, qtype, n_out, x, layout=layout)
     nb, k = x.shape
     if nb > MAX_BATCH:
         raise ValueError(f"gemv: at most {MAX_BATCH} vectors, got {nb}")
     y = torch.empty((nb, n_out), dtype=out_dtype or x.dtype, device=x.device)
     if nb == 0 or n_out == 0:
         return y
+    planes = layout == "planes"
     if nb == 1 and qtype in MMVQ_TYPES and k % 32 == 0:
-        return _mmvq(w_data, qtype, n_out, x, y.dtype)
-    if nb == 1 and qtype in GROUP_SIZES:
+        return _mmvq(w_data, qtype, n_out, x, y.dtype, layout, x_q8)
+    if nb == 1 and qtype in GROUP_SIZES and not planes:
         g = GROUP_SIZES[qtype]
         block_n = 16
         groups = max(1, min(256, _pow2_at_least(k)) // g)  # up to 256 weights per row per step
@@ -387,6 +494,7 @@ def gemv(
         B_PAD=b_pad,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        PLANES=planes,
         num_warps=4,
         enable_fp_fusion=True,
     )

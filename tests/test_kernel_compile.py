@@ -26,7 +26,8 @@ if not kernels.triton_available():
 from localllm.kernels import _aot
 from localllm.kernels._aot import Case
 from localllm.kernels.attention import _combine_kernel, _partial_kernel, default_block_s
-from localllm.kernels.decode import GROUP_SIZES, KERNEL_TYPES, MMVQ_TYPES
+from localllm.kernels import PLANES
+from localllm.kernels.decode import GROUP_SIZES, KERNEL_TYPES, MMVQ32_TYPES, MMVQ_TYPES
 from localllm.kernels.dequant import _dequant_kernel
 from localllm.kernels.fused import (
     _ACTS,
@@ -38,6 +39,7 @@ from localllm.kernels.gemm import _gemm_kernel
 from localllm.kernels.gemv import (
     _gemv1_kernel,
     _gemv_kernel,
+    _mmvq32_kernel,
     _mmvq_kernel,
     _quantize_q8_kernel,
     mmvq_config,
@@ -58,12 +60,13 @@ def compile_case(case: Case):
         pytest.skip(str(e))
 
 
-def _dequant(qtype: T, out: str = "*fp32", n: str = "i32") -> Case:
-    fmt = BLOCK_FORMATS[qtype]
+def _dequant(qtype: T, out: str = "*fp32", n: str = "i32", planes: bool = False) -> Case:
+    fmt = kernels.block_format(qtype)
     return Case(
         _dequant_kernel,
         {"data": "*u8", "out": out, "n_elements": n},
-        {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype), "BLOCK": 1024},
+        {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype), "BLOCK": 1024,
+         "PLANES": planes},
         enable_fp_fusion=False,  # as dequantize() launches it: bit-exact float32
     )
 
@@ -79,18 +82,28 @@ def _gemv1(qtype: T) -> Case:
     )  # fmt: skip
 
 
-def _mmvq(qtype: T, n: int = 4096, k: int = 4096, arch: int = 90) -> Case:
-    """gemv() for one vector of a type with the integer-dot kernel, as launched for (n, k)."""
+def _mmvq(qtype: T, n: int = 4096, k: int = 4096, arch: int = 90, planes: bool = False) -> Case:
+    """gemv() for one vector of a type with the integer-dot kernel, as launched for (n, k),
+    from the GGUF blocks or (``planes``) from aligned planes."""
     fmt, (unit, off) = kernels.block_format(qtype), MMVQ_TYPES[qtype]
-    cfg = mmvq_config(qtype, n, k)
+    cfg = mmvq_config(qtype, n, k, layout="planes" if planes else "blocks")
+    if cfg["UNIT"] == 32:
+        return Case(
+            _mmvq32_kernel,
+            {"w": "*u8", "xq": "*i8", "xd": "*fp32", "xs": "*i32", "y": "*fp32", "N": "i32",
+             "K": "i32", "units_per_split": "i32", "stride_ys": "i32"},
+            {"QTYPE": int(qtype), "BS": fmt.block_size, "OFF": MMVQ32_TYPES[qtype],
+             "ROWS": cfg["ROWS"], "GP": cfg["GP"], "STAGES": cfg["STAGES"], "DP4A": True},
+            num_warps=cfg["WARPS"], arch=arch,
+        )  # fmt: skip
     return Case(
         _mmvq_kernel,
         {"w": "*u8", "xq": "*i8", "xd": "*fp32", "xs": "*i32", "y": "*fp32", "N": "i32",
          "K": "i32", "blocks_per_split": "i32", "stride_ys": "i32"},
-        {"BS": fmt.block_size, "TS": fmt.type_size, "UNIT": unit, "QTYPE": int(qtype),
-         "OFF": off, "ROWS": cfg["ROWS"], "GP": cfg["GP"], "STAGES": cfg["STAGES"],
-         "DP4A": True},
-        arch=arch,
+        {"BS": fmt.block_size, "TS": fmt.type_size, "UNIT": 4 if planes else unit,
+         "QTYPE": int(qtype), "OFF": off, "ROWS": cfg["ROWS"], "GP": cfg["GP"],
+         "STAGES": cfg["STAGES"], "DP4A": True, "PLANES": planes},
+        num_warps=cfg["WARPS"], arch=arch,
     )  # fmt: skip
 
 
@@ -121,14 +134,15 @@ def _combine(d: int, splits_pad: int) -> Case:
                 {"D": d, "SPLITS_PAD": splits_pad, "CHUNK": max(1, min(splits_pad, 4096 // d))})  # fmt: skip
 
 
-def _gemv(qtype: T, batch: int) -> Case:
+def _gemv(qtype: T, batch: int, planes: bool = False) -> Case:
     """gemv() for ``batch`` vectors (1 only for the unquantized types), K >= 256."""
-    fmt = BLOCK_FORMATS[qtype]
+    fmt = kernels.block_format(qtype)
     b_pad = 1 << (batch - 1).bit_length()
     types = {"w": "*u8", "x": "*fp32", "y": "*fp32", "N": "i32", "K": "i32",
              "stride_xb": "i32", "stride_yb": "i32"}  # fmt: skip
     constexprs = {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype), "B_PAD": b_pad,
-                  "BLOCK_N": max(1, min(16, 4096 // (b_pad * 256))), "BLOCK_K": 256}  # fmt: skip
+                  "BLOCK_N": max(1, min(16, 4096 // (b_pad * 256))), "BLOCK_K": 256,
+                  "PLANES": planes}  # fmt: skip
     if batch == 1:
         constexprs["B"] = 1
     else:
@@ -136,16 +150,17 @@ def _gemv(qtype: T, batch: int) -> Case:
     return Case(_gemv_kernel, types, constexprs, aligned=tuple(n for n in types if n != "B"))
 
 
-def _gemm(qtype: T, *, bf16: bool = False, grouped: bool = True, arch: int = 90) -> Case:
+def _gemm(qtype: T, *, bf16: bool = False, grouped: bool = True, arch: int = 90,
+          planes: bool = False) -> Case:  # fmt: skip
     """gemm() with its default 64x64x64 tiles: X float16 (float32 with ``bf16``), Y float32."""
-    fmt = BLOCK_FORMATS[qtype]
+    fmt = kernels.block_format(qtype)
     return Case(
         _gemm_kernel,
         {"x": "*fp32" if bf16 else "*fp16", "w": "*u8", "y": "*fp32", "M": "i32", "N": "i32",
          "K": "i32", "stride_xm": "i32", "stride_ym": "i32"},
         {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype),
          "G": GROUP_SIZES.get(qtype, 0) if grouped else 0, "BF16": bf16,
-         "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64},
+         "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "PLANES": planes},
         arch=arch,
         aligned=("x", "w", "y", "N", "K", "stride_xm", "stride_ym"),  # M: any prompt length
     )  # fmt: skip
@@ -183,24 +198,32 @@ def _rms_norm_rope(neox: bool, decode: bool, weight: bool = True, d: int = 256,
                 aligned=("x", "w", "pos", "inv_freq", "y", "stride_xh", "stride_xt"))  # fmt: skip
 
 
-def _residual_rms_norm(d: int, post: bool) -> Case:
+def _q8_types(q8: bool) -> dict[str, str]:
+    """The 8-bit copy's outputs of the fused kernels (unused pointers without ``q8``)."""
+    return {"xq": "*i8", "xd": "*fp32", "xs": "*i32"} if q8 else dict.fromkeys(
+        ("xq", "xd", "xs"), "*fp32")
+
+
+def _residual_rms_norm(d: int, post: bool, q8: bool = False) -> Case:
     return Case(
         _residual_rms_norm_kernel,
         {"x": "*fp32", "f": "*fp32", "pw": "*fp32", "w": "*fp32", "h_out": "*fp32",
-         "n_out": "*fp32", "D": "i32", "stride_x": "i32", "stride_f": "i32", "eps": "fp32"},
-        {"HAS_POST": post, "BLOCK_D": triton.next_power_of_2(d)},
+         "n_out": "*fp32", "D": "i32", "stride_x": "i32", "stride_f": "i32", "eps": "fp32",
+         **_q8_types(q8)},
+        {"HAS_POST": post, "BLOCK_D": triton.next_power_of_2(d), "Q8": q8},
         num_warps=4 if d <= 4096 else 8,
-        aligned=("x", "f", "pw", "w", "h_out", "n_out", "D", "stride_x", "stride_f"),
+        aligned=("x", "f", "pw", "w", "h_out", "n_out", "D", "stride_x", "stride_f", "xq",
+                 "xd", "xs"),
     )  # fmt: skip
 
 
-def _gated_act(act: str, f: int) -> Case:
+def _gated_act(act: str, f: int, q8: bool = False) -> Case:
     return Case(
         _gated_act_kernel,
         {"gate": "*fp32", "up": "*fp32", "y": "*fp32", "F": "i32", "stride_g": "i32",
-         "stride_u": "i32"},
-        {"ACT": _ACTS[act], "BLOCK": min(1024, triton.next_power_of_2(f))},
-        aligned=("gate", "up", "y", "F", "stride_g", "stride_u"),
+         "stride_u": "i32", **_q8_types(q8)},
+        {"ACT": _ACTS[act], "BLOCK": min(1024, triton.next_power_of_2(f)), "Q8": q8},
+        aligned=("gate", "up", "y", "F", "stride_g", "stride_u", "xq", "xd", "xs"),
     )  # fmt: skip
 
 
@@ -212,6 +235,13 @@ CASES = {
     **{f"mmvq-{q.name}": _mmvq(q) for q in MMVQ_TYPES},
     "mmvq-Q8_0-gemma-qkv": _mmvq(T.Q8_0, 1536, 640),  # 8 groups a step
     "mmvq-Q4_K-sm86": _mmvq(T.Q4_K, arch=86),
+    # aligned planes (QuantWeight.aligned): what a loaded model launches for these types
+    **{f"dequant-{q.name}-planes": _dequant(q, "*fp16", planes=True) for q in PLANES},
+    **{f"mmvq-{q.name}-planes": _mmvq(q, planes=True) for q in PLANES},
+    "mmvq-Q8_0-planes-gemma-qkv": _mmvq(T.Q8_0, 1536, 640, planes=True),
+    "mmvq-IQ4_XS-planes-sm86": _mmvq(T.IQ4_XS, arch=86, planes=True),
+    **{f"gemv-{q.name}-b4-planes": _gemv(q, 4, planes=True) for q in PLANES},
+    **{f"gemm-{q.name}-planes": _gemm(q, planes=True) for q in PLANES},
     "quantize_q8": _quantize_q8(),
     "attention-llama-g4-d128": _attention(4, 128, ring=False),
     "attention-gemma-ring-g4-d256": _attention(4, 256, ring=True),
@@ -238,6 +268,11 @@ CASES = {
     "rms_norm_rope-neox-nonorm-prefill-d64": _rms_norm_rope(True, decode=False, weight=False, d=64),
     "residual_rms_norm-post-640": _residual_rms_norm(640, post=True),
     "residual_rms_norm-8192": _residual_rms_norm(8192, post=False),
+    # one row (decode): the 8-bit copy for the next GEMV written by the same launch
+    "residual_rms_norm-post-640-q8": _residual_rms_norm(640, post=True, q8=True),
+    "residual_rms_norm-4096-q8": _residual_rms_norm(4096, post=False, q8=True),
+    "gated_act-silu-14336-q8": _gated_act("silu", 14336, q8=True),
+    "gated_act-gelu_tanh-2048-q8": _gated_act("gelu_tanh", 2048, q8=True),
     "gated_act-gelu_tanh-2048": _gated_act("gelu_tanh", 2048),
     "gated_act-silu-14336": _gated_act("silu", 14336),
 }
@@ -260,12 +295,19 @@ def test_every_kernel_type_is_covered():
         (_gemv_kernel, KERNEL_TYPES),
         (_gemv1_kernel, [q for q in KERNEL_TYPES if q in GROUP_SIZES]),
         (_mmvq_kernel, list(MMVQ_TYPES)),
+        (_mmvq32_kernel, list(MMVQ32_TYPES)),
     ]:
-        covered = {c.constexprs["QTYPE"] for c in cases if c.kernel is kernel}
+        covered = {c.constexprs["QTYPE"] for c in cases
+                   if c.kernel is kernel and not c.constexprs.get("PLANES")}  # fmt: skip
         assert covered == {int(q) for q in eligible}, kernel.fn.__name__
+    for kernel in (_dequant_kernel, _gemv_kernel, _gemm_kernel):  # every planes type
+        covered = {c.constexprs["QTYPE"] for c in cases
+                   if c.kernel is kernel and c.constexprs.get("PLANES")}  # fmt: skip
+        assert covered == {int(q) for q in PLANES}, kernel.fn.__name__
     launched = {_dequant_kernel, _gemv_kernel, _gemv1_kernel, _gemm_kernel, _rms_norm_kernel,
                 _rms_norm_rope_kernel, _residual_rms_norm_kernel, _gated_act_kernel,
-                _mmvq_kernel, _quantize_q8_kernel, _partial_kernel, _combine_kernel}  # fmt: skip
+                _mmvq_kernel, _mmvq32_kernel, _quantize_q8_kernel, _partial_kernel,
+                _combine_kernel}  # fmt: skip
     assert {c.kernel for c in cases} == launched
 
 

@@ -22,8 +22,10 @@ kernels = pytest.importorskip("localllm.kernels")
 if not kernels.triton_available():
     pytest.skip("Triton is not installed", allow_module_level=True)
 
+import triton  # noqa: E402
+
 from localllm.kernels import block_format
-from localllm.kernels import QuantWeight, _aot, quant_linear
+from localllm.kernels import PLANES, QuantWeight, _aot, quant_linear
 from localllm.kernels.dequant import dequantize as triton_dequantize
 from localllm.kernels.decode import MMVQ_TYPES
 from localllm.kernels.gemv import TARGET_SMS, gemv, mmvq_config, quantize_q8
@@ -145,6 +147,11 @@ def test_launch_shapes_fill_the_gpu(model):
             assert cfg["grid"][0] * cfg["ROWS"] >= n
             assert cfg["blocks_per_split"] * cfg["SPLIT"] * bs == k
             assert (cfg["blocks_per_split"] * bs // 16) % cfg["GP"] == 0
+            if qtype in PLANES:  # as a loaded model keeps them
+                cfg = mmvq_config(qtype, n, k, layout="planes")
+                assert cfg["grid"][0] * cfg["grid"][1] >= 2 * TARGET_SMS, (qtype.name, n, k)
+                assert cfg["grid"][0] * cfg["ROWS"] >= n
+                assert (k // cfg["UNIT"] // cfg["SPLIT"]) % cfg["GP"] == 0
 
 
 def _compiled(qtype: T, n: int = 4096, k: int = 4096):
@@ -156,24 +163,33 @@ def _compiled(qtype: T, n: int = 4096, k: int = 4096):
     return compiled, kernel_profile.static_figures(compiled, case, launch)
 
 
-# Warp-instructions per weight byte on sm_90: issue 19's target is 0.25. The IQ4 types map
-# each nibble through a 16-entry table (three byte permutes per word): not there yet.
-IPB_BOUND = {T.IQ4_NL: 0.40, T.IQ4_XS: 0.40}  # 0.30 / 0.35 with Triton 3.9, 0.34 / 0.36 with 3.6
-
-
 @pytest.mark.parametrize("qtype", list(MMVQ_TYPES), ids=lambda q: q.name)
 def test_static_targets(qtype):
-    """Issue 19's targets on sm_90: <= 0.25 warp-instructions per weight byte, no spills,
-    dp4a in the loop and no shuffles there; 128-bit weight loads for 16-byte blocks."""
+    """Issue 19's targets on sm_90, for the layout a loaded model keeps (aligned planes for
+    the types of ``PLANES``): <= 0.25 warp-instructions per weight byte, no spills, dp4a in
+    the loop and no shuffles there; the weight bits in 128-bit loads: per loop step at least
+    one LDG.128 per (row, group) slot a thread holds plus the activations', no byte loads,
+    16-bit loads only for the fp16 scales (one a slot)."""
     compiled, fig = _compiled(qtype)
-    assert fig["warp_instructions_per_byte"] <= IPB_BOUND.get(qtype, 0.25), fig
+    assert fig["warp_instructions_per_byte"] <= 0.25, fig
     assert fig["spill_instructions"] == 0 and fig["local_bytes"] == 0
     mix = fig["instruction_mix"]
-    assert "SHFL" not in mix and "BAR" not in mix, mix
+    assert "SHFL" not in mix, mix
+    if qtype == T.Q8_0 and triton.__version__.startswith("3.6."):
+        # Triton 3.6 (not 3.9) exchanges Q8_0's two dot sums of a step through shared
+        # memory (2 BAR, 2 STS, 2 LDS a step): 0.037 warp-instructions per byte all the same
+        assert mix.get("BAR", 0) <= 2 * fig["loop_steps_per_body"], mix
+    else:
+        assert "BAR" not in mix, mix
     body = _aot.main_loop(_aot.parse_sass(_aot.sass(compiled.asm["cubin"])))
     assert sum(1 for i in body if i.op.startswith("IDP.4A")) >= 4
-    if block_format(qtype).type_size % 16 == 0:
-        assert any(op.endswith(".128") for op in fig["loop_global_loads"]), fig
+    if block_format(qtype).type_size % 16 == 0 or qtype in PLANES:
+        rpt = mmvq_config(qtype, 4096, 4096, layout="planes" if qtype in PLANES else
+                          "blocks")["RPT"]  # fmt: skip
+        steps = fig["loop_steps_per_body"]
+        bits = [_aot.load_bits(i) for i in _aot.global_loads(body)]
+        assert bits.count(128) >= steps * (rpt + 1), fig
+        assert bits.count(16) <= steps * rpt and bits.count(8) == 0, fig
 
 
 def test_profile_writes_cubins_and_json(tmp_path, capsys):

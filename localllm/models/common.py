@@ -95,8 +95,10 @@ class Loader:
             info = self.gguf.tensor(name)
             if supports(info.qtype):
                 self.progress(info.n_bytes)
+                # aligned(): repacked on the device into 16-byte aligned planes where the
+                # blocks are not (bit-exact; replaces the copy, no second one is kept)
                 return QuantWeight.from_bytes(info.data.copy(), info.qtype,
-                                              info.shape).to(self.device)
+                                              info.shape).to(self.device).aligned()
             self.fallbacks.append(f"{name} ({info.qtype.name})")
         return self.dense(name)
 
@@ -120,7 +122,7 @@ class Loader:
                 self.progress(info.n_bytes)
                 return Experts([QuantWeight.from_bytes(info.data[e * per:(e + 1) * per].copy(),
                                                        info.qtype, (rows, cols)).to(self.device)
-                                for e in range(n_exp)])
+                                .aligned() for e in range(n_exp)])
             self.fallbacks.append(f"{name} ({info.qtype.name})")
         return Experts(list(self.dense(name).unbind(0)))
 
@@ -208,7 +210,8 @@ def fuse(parts: list[Linear]) -> Linear | Split:
 
         fused = QuantWeight.cat(ws)
         # One output tensor (no per-part splits in the kernel call); split after the bias.
-        return Linear(QuantWeight(fused.data, fused.qtype, fused.shape), bias, sizes)
+        return Linear(QuantWeight(fused.data, fused.qtype, fused.shape, layout=fused.layout),
+                      bias, sizes)
     return Split(parts)
 
 
@@ -237,7 +240,7 @@ class Embedding:
         w = self.weight
         if isinstance(w, torch.Tensor):
             return w[tokens].float()
-        if hasattr(w, "rows"):  # localllm.cpu.PackedWeight: rows dequantized natively
+        if hasattr(w, "rows"):  # cpu.PackedWeight, kernels.QuantWeight: rows dequantized
             return w.rows(tokens)
         rows = w.data[tokens]  # (T, row_bytes) uint8
         return dequantize(rows, w.qtype, (tokens.shape[0], w.shape[1]))

@@ -25,7 +25,7 @@ if not kernels.triton_available():
 
 from localllm.kernels import _aot
 from localllm.kernels._aot import Case
-from localllm.kernels.attention import _combine_kernel, _partial_kernel, default_block_s
+from localllm.kernels.attention import _decode_attention_kernel, attention_case
 from localllm.kernels.decode import GROUP_SIZES, KERNEL_TYPES, MMVQ_TYPES
 from localllm.kernels.dequant import _dequant_kernel
 from localllm.kernels.fused import (
@@ -97,28 +97,6 @@ def _mmvq(qtype: T, n: int = 4096, k: int = 4096, arch: int = 90) -> Case:
 def _quantize_q8() -> Case:
     return Case(_quantize_q8_kernel, {"x": "*fp32", "xq": "*i8", "xd": "*fp32", "xs": "*i32",
                                       "n_chunks": "i32"}, {"CH": 8})  # fmt: skip
-
-
-def _attention(group: int, d: int, ring: bool, kv: str = "*fp16", arch: int = 90) -> Case:
-    """decode_attention()'s partial kernel: ``group`` query heads per KV head, head_dim d."""
-    return Case(
-        _partial_kernel,
-        {"q": "*fp32", "k_cache": kv, "v_cache": kv, "q_pos_ptr": "*i64", "k_pos": "*i64",
-         "ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32", "S": "i32", "window": "i32",
-         "split_len": "i32", "n_splits": "i32", "stride_qh": "i32", "stride_kh": "i32",
-         "stride_ks": "i32", "stride_vh": "i32", "stride_vs": "i32", "qk_scale": "fp32"},
-        {"GROUP": group, "GROUP_PAD": 1 << (group - 1).bit_length(), "D": d,
-         "BLOCK_S": default_block_s(group, d), "RING": ring, "HAS_WINDOW": ring},
-        arch=arch, aligned=("q", "k_cache", "v_cache", "q_pos_ptr", "k_pos", "ws_m", "ws_l",
-                            "ws_acc", "S", "stride_qh", "stride_kh", "stride_ks", "stride_vh",
-                            "stride_vs"),
-    )  # fmt: skip
-
-
-def _combine(d: int, splits_pad: int) -> Case:
-    return Case(_combine_kernel, {"ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32",
-                                  "out": "*fp32", "n_splits": "i32"},
-                {"D": d, "SPLITS_PAD": splits_pad, "CHUNK": max(1, min(splits_pad, 4096 // d))})  # fmt: skip
 
 
 def _gemv(qtype: T, batch: int) -> Case:
@@ -213,12 +191,14 @@ CASES = {
     "mmvq-Q8_0-gemma-qkv": _mmvq(T.Q8_0, 1536, 640),  # 8 groups a step
     "mmvq-Q4_K-sm86": _mmvq(T.Q4_K, arch=86),
     "quantize_q8": _quantize_q8(),
-    "attention-llama-g4-d128": _attention(4, 128, ring=False),
-    "attention-gemma-ring-g4-d256": _attention(4, 256, ring=True),
-    "attention-g1-d64-fp32": _attention(1, 64, ring=False, kv="*fp32"),
-    "attention-g7-d128-sm86": _attention(7, 128, ring=True, arch=86),
-    "attention_combine-d128": _combine(128, 64),
-    "attention_combine-d256-1split": _combine(256, 1),
+    "attention-llama-g4-d128": attention_case(4, 128, ring=False),
+    "attention-gemma-ring-g4-d256": attention_case(4, 256, ring=True),
+    "attention-gemma-ring-g4-d256-1split": attention_case(4, 256, ring=True, single=True),
+    "attention-gemma2-softcap-g2-d256": attention_case(2, 256, ring=True, softcap=True),
+    "attention-g1-d64-fp32": attention_case(1, 64, ring=False, kv="*fp32"),
+    "attention-phi3-g1-d96": attention_case(1, 96, ring=False),
+    "attention-g32-d128": attention_case(32, 128, ring=False),
+    "attention-g7-d128-sm86": attention_case(7, 128, ring=True, arch=86),
     **{f"gemv-{q.name}-b1": _gemv(q, 1) for q in KERNEL_TYPES if q not in GROUP_SIZES},
     **{f"gemv-{q.name}-b8": _gemv(q, 8) for q in KERNEL_TYPES},
     "gemv-Q4_K-b3": _gemv(T.Q4_K, 3),
@@ -265,7 +245,7 @@ def test_every_kernel_type_is_covered():
         assert covered == {int(q) for q in eligible}, kernel.fn.__name__
     launched = {_dequant_kernel, _gemv_kernel, _gemv1_kernel, _gemm_kernel, _rms_norm_kernel,
                 _rms_norm_rope_kernel, _residual_rms_norm_kernel, _gated_act_kernel,
-                _mmvq_kernel, _quantize_q8_kernel, _partial_kernel, _combine_kernel}  # fmt: skip
+                _mmvq_kernel, _quantize_q8_kernel, _decode_attention_kernel}  # fmt: skip
     assert {c.kernel for c in cases} == launched
 
 

@@ -31,6 +31,7 @@ from localllm.kernels.dequant import _dequant_kernel
 from localllm.kernels.fused import (
     _ACTS,
     _gated_act_kernel,
+    _norm_rope_kv_kernel,
     _residual_rms_norm_kernel,
     _rms_norm_rope_kernel,
 )
@@ -161,6 +162,25 @@ def _rms_norm_rope(neox: bool, decode: bool, weight: bool = True, d: int = 256,
                 aligned=("x", "w", "pos", "inv_freq", "y", "stride_xh", "stride_xt"))  # fmt: skip
 
 
+def _norm_rope_kv(d: int, *, neox: bool, norms: bool, ring: bool, cache: str = "*fp16") -> Case:
+    """norm_rope_kv(): a decode token's QK-norm, RoPE and KV-cache write."""
+    half = d // 2
+    return Case(
+        _norm_rope_kv_kernel,
+        {"q": "*fp32", "k": "*fp32", "v": "*fp32", "qw": "*fp32", "kw": "*fp32", "pos": "*i64",
+         "inv_freq": "*fp32", "q_out": "*fp32", "k_cache": cache, "v_cache": cache,
+         "k_pos": "*i64", "n_heads": "i32", "size": "i32", "stride_qh": "i32",
+         "stride_kh": "i32", "stride_vh": "i32", "stride_kch": "i32", "stride_kcs": "i32",
+         "stride_vch": "i32", "stride_vcs": "i32", "eps": "fp32", "scale": "fp32"},
+        {"HALF": half, "BLOCK_H": triton.next_power_of_2(half), "NEOX": neox, "Q_NORM": norms,
+         "K_NORM": norms, "RING": ring},
+        num_warps=max(1, min(4, triton.next_power_of_2(half) // 128)),
+        aligned=("q", "k", "v", "qw", "kw", "pos", "inv_freq", "q_out", "k_cache", "v_cache",
+                 "k_pos", "stride_qh", "stride_kh", "stride_vh", "stride_kch", "stride_kcs",
+                 "stride_vch", "stride_vcs"),
+    )  # fmt: skip
+
+
 def _residual_rms_norm(d: int, post: bool) -> Case:
     return Case(
         _residual_rms_norm_kernel,
@@ -216,6 +236,10 @@ CASES = {
     "rms_norm_rope-neox-decode": _rms_norm_rope(True, decode=True),
     "rms_norm_rope-norm-prefill": _rms_norm_rope(False, decode=False, d=128),
     "rms_norm_rope-neox-nonorm-prefill-d64": _rms_norm_rope(True, decode=False, weight=False, d=64),
+    "norm_rope_kv-gemma3-ring-d256": _norm_rope_kv(256, neox=True, norms=True, ring=True),
+    "norm_rope_kv-llama-d128": _norm_rope_kv(128, neox=False, norms=False, ring=False),
+    "norm_rope_kv-qwen3-d128-fp32": _norm_rope_kv(128, neox=True, norms=True, ring=False,
+                                                  cache="*fp32"),
     "residual_rms_norm-post-640": _residual_rms_norm(640, post=True),
     "residual_rms_norm-8192": _residual_rms_norm(8192, post=False),
     "gated_act-gelu_tanh-2048": _gated_act("gelu_tanh", 2048),
@@ -245,6 +269,7 @@ def test_every_kernel_type_is_covered():
         assert covered == {int(q) for q in eligible}, kernel.fn.__name__
     launched = {_dequant_kernel, _gemv_kernel, _gemv1_kernel, _gemm_kernel, _rms_norm_kernel,
                 _rms_norm_rope_kernel, _residual_rms_norm_kernel, _gated_act_kernel,
+                _norm_rope_kv_kernel,
                 _mmvq_kernel, _quantize_q8_kernel, _decode_attention_kernel}  # fmt: skip
     assert {c.kernel for c in cases} == launched
 

@@ -343,10 +343,10 @@ class TorchOps:
     every device.
 
     A model calls ``ops.rope_angles`` once per forward (the result is opaque to the model),
-    then per layer ``ops.norm_rope`` for queries and keys, ``ops.attention``,
-    ``ops.residual_norm`` after each sublayer and ``ops.gated`` in the FFN.
-    :class:`KernelOps` computes the same with the Triton kernels, fusing each of these into
-    one launch.
+    then per layer ``ops.rope_attention`` (or ``ops.norm_rope`` for queries and keys and
+    ``ops.attention``), ``ops.residual_norm`` after each sublayer and ``ops.gated`` in the
+    FFN. :class:`KernelOps` computes the same with the Triton kernels, fusing each of these
+    into one launch (a decode token's ``rope_attention``: two).
     """
 
     rms_norm = staticmethod(rms_norm)
@@ -371,6 +371,17 @@ class TorchOps:
     def gated(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
         """act(gate) * up (T, F), ``act`` a key of :data:`ACTIVATIONS`."""
         return ACTIVATIONS[act](gate) * up
+
+    def rope_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                       angles, cache, pos: int | torch.Tensor, positions: torch.Tensor, *,
+                       neox: bool, scale: float, softcap: float | None = None) -> torch.Tensor:
+        """A layer's attention from its projections: QK-norm (where the norms are given) and
+        RoPE of q (n_heads, T, hd) and k (n_kv_heads, T, hd), the cache write of k and v, and
+        attention (see :meth:`attention`) -> (T, n_heads * hd) float32."""
+        q = self.norm_rope(q, q_norm, eps, angles, neox=neox)
+        k = self.norm_rope(k, k_norm, eps, angles, neox=neox)
+        return self.attention(q, k, v, cache, pos, positions, scale=scale, softcap=softcap)
 
     def attention(
         self,
@@ -399,8 +410,9 @@ class KernelOps(TorchOps):
     """The Triton kernels (the quantized backend): QK-norm with RoPE, residual add with the
     next pre-norm, and the gated activation each in one launch instead of several torch
     kernels (:mod:`localllm.kernels.fused`), and flash-decoding attention for one-token steps
-    (:func:`localllm.kernels.decode_attention`), which reads only the visible part of a full
-    cache. Prefill attention stays :func:`attend`."""
+    (:func:`localllm.kernels.decode_attention`), which reads only the visible part of a
+    cache; a decode token's QK-norm, RoPE and cache write are one more launch
+    (:func:`localllm.kernels.norm_rope_kv`). Prefill attention stays :func:`attend`."""
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -436,16 +448,32 @@ class KernelOps(TorchOps):
 
         return gated_act(gate, up, act=act)
 
+    def rope_attention(self, q, k, v, q_norm, k_norm, eps, angles, cache, pos, positions, *,
+                       neox, scale, softcap=None):
+        """One token: two launches, :func:`localllm.kernels.norm_rope_kv` (QK-norm, RoPE and
+        the cache write) then :func:`localllm.kernels.decode_attention`."""
+        if q.shape[1] != 1 or not hasattr(cache, "written"):
+            return super().rope_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
+                                          positions, neox=neox, scale=scale, softcap=softcap)
+        from localllm.kernels import decode_attention, norm_rope_kv
+
+        rope_pos, inv_freq, rope_scale = angles
+        q1 = norm_rope_kv(q, k, v, q_norm, k_norm, eps, rope_pos, inv_freq, cache.k, cache.v,
+                          getattr(cache, "positions", None), neox=neox, scale=rope_scale)
+        keys, values, k_pos = cache.written(pos)
+        return decode_attention(q1, keys, values, positions, k_positions=k_pos,
+                                window=cache.window, scale=scale, softcap=softcap)
+
     def attention(self, q, k, v, cache, pos, positions, *, scale: float,
                   softcap: float | None = None) -> torch.Tensor:
-        if q.shape[1] != 1 or softcap is not None:  # the decode kernel has no soft-capping
+        if q.shape[1] != 1:
             return super().attention(q, k, v, cache, pos, positions, scale=scale,
                                      softcap=softcap)
         from localllm.kernels import decode_attention
 
         keys, values, k_pos = cache.update(pos, k, v)
         return decode_attention(q[:, 0], keys, values, positions, k_positions=k_pos,
-                                window=cache.window, scale=scale)
+                                window=cache.window, scale=scale, softcap=softcap)
 
 
 def default_ops(device) -> TorchOps:

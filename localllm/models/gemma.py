@@ -193,11 +193,11 @@ class Model(BaseModel):
         q = q.reshape(t, a.n_heads, hd).transpose(0, 1)  # (nh, T, hd)
         k = k.reshape(t, a.n_kv_heads, hd).transpose(0, 1)  # (nkv, T, hd)
         v = v.reshape(t, a.n_kv_heads, hd).transpose(0, 1)
-        q = ops.norm_rope(q, b.attn_q_norm, eps, rope, neox=True)  # QK-norm: gemma3
-        k = ops.norm_rope(k, b.attn_k_norm, eps, rope, neox=True)
-        # A sliding layer whose window covers the whole context has a full cache (no window).
-        attn = ops.attention(q, k, v, cache, pos, positions, scale=a.attention_scale,
-                             softcap=a.attn_softcap)
+        # QK-norm (gemma3), RoPE, the cache write and attention. A sliding layer whose window
+        # covers the whole context has a full cache (no window).
+        attn = ops.rope_attention(q, k, v, b.attn_q_norm, b.attn_k_norm, eps, rope, cache, pos,
+                                  positions, neox=True, scale=a.attention_scale,
+                                  softcap=a.attn_softcap)
         h, n = ops.residual_norm(x, b.attn_output(attn), b.post_attention_norm, b.ffn_norm, eps)
         gate, up = b.ffn_gate_up(n)
         f = b.ffn_down(ops.gated(gate, up, "gelu_tanh"))

@@ -206,9 +206,9 @@ class Model(BaseModel):
             q = q.reshape(t, a.n_heads, a.head_dim).transpose(0, 1)  # (nh, T, hd)
             k = k.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)  # (nkv, T, hd)
             v = v.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)
-            q = ops.norm_rope(q, b.attn_q_norm, eps, rope, neox=a.neox)  # QK-norm: qwen3
-            k = ops.norm_rope(k, b.attn_k_norm, eps, rope, neox=a.neox)
-            attn = ops.attention(q, k, v, cache, pos, positions, scale=a.attention_scale)
+            # QK-norm (qwen3), RoPE, the cache write and attention
+            attn = ops.rope_attention(q, k, v, b.attn_q_norm, b.attn_k_norm, eps, rope, cache,
+                                      pos, positions, neox=a.neox, scale=a.attention_scale)
             o = b.attn_output(attn)
             h, n = ops.residual_norm(x, o * rs if rs != 1.0 else o, None, b.ffn_norm, eps)
             if a.n_expert:

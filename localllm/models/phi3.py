@@ -131,9 +131,8 @@ class Model(BaseModel):
             q = q.reshape(t, a.n_heads, a.head_dim).transpose(0, 1)
             k = k.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)
             v = v.reshape(t, a.n_kv_heads, a.head_dim).transpose(0, 1)
-            q = ops.norm_rope(q, None, eps, rope, neox=True)
-            k = ops.norm_rope(k, None, eps, rope, neox=True)
-            attn = ops.attention(q, k, v, cache, pos, positions, scale=a.attention_scale)
+            attn = ops.rope_attention(q, k, v, None, None, eps, rope, cache, pos, positions,
+                                      neox=True, scale=a.attention_scale)
             h, n = ops.residual_norm(x, b.attn_output(attn), None, b.ffn_norm, eps)
             gate, up = b.ffn_up(n).chunk(2, dim=-1)
             x, n = ops.residual_norm(h, b.ffn_down(ops.gated(gate, up, "silu")), None,

@@ -75,7 +75,7 @@ def main() -> None:
     prompt = "The capital of France is"
     for _ in range(3):  # warm-up
         llm.create_completion(prompt, max_tokens=1)
-    local = [first_chunk_seconds(lambda: llm.create_completion(prompt, max_tokens=1, stream=True))
+    local = [first_chunk_seconds(lambda m=llm: m.create_completion(prompt, max_tokens=1, stream=True))
              for _ in range(args.repeats)]
 
     port = free_port()

@@ -192,7 +192,7 @@ def decode_gemv_case(qtype: T, n: int, k: int, arch: int) -> tuple[Case, dict]:
 def other_cases(arch: int) -> dict[str, tuple[Case, dict]]:
     """Prefill GEMM, dequantize, activation quantization and decode attention (one shape
     each: their code does not depend on the matrix shape)."""
-    from localllm.kernels.attention import _combine_kernel, _partial_kernel, default_block_s
+    from localllm.kernels.attention import attention_case, default_block_s
     from localllm.kernels.dequant import _dequant_kernel
     from localllm.kernels.gemm import _gemm_kernel
     from localllm.kernels.gemv import _quantize_q8_kernel
@@ -222,30 +222,30 @@ def other_cases(arch: int) -> dict[str, tuple[Case, dict]]:
         _quantize_q8_kernel, {"x": "*fp32", "xq": "*i8", "xd": "*fp32", "xs": "*i32",
                               "n_chunks": "i32"}, {"CH": 8}, arch=arch),
         {"bytes_per_step": 8 * 32 * 4, "marker": None, "variant": "CH8"})  # fmt: skip
-    for name, group, d, ring in (("llama3-8b", 4, 128, False), ("gemma3-270m", 4, 256, True)):
-        bs = default_block_s(group, d)
-        out[f"attention_partial/{name}"] = (Case(
-            _partial_kernel,
-            {"q": "*fp32", "k_cache": "*fp16", "v_cache": "*fp16", "q_pos_ptr": "*i64",
-             "k_pos": "*i64", "ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32", "S": "i32",
-             "window": "i32", "split_len": "i32", "n_splits": "i32", "stride_qh": "i32",
-             "stride_kh": "i32", "stride_ks": "i32", "stride_vh": "i32", "stride_vs": "i32",
-             "qk_scale": "fp32"},
-            {"GROUP": group, "GROUP_PAD": group, "D": d, "BLOCK_S": bs, "RING": ring,
-             "HAS_WINDOW": ring}, arch=arch),
-            {"bytes_per_step": 2 * bs * d * 2, "marker": None,
-             "variant": f"G{group}D{d}S{bs}"})  # fmt: skip
-        out[f"attention_combine/{name}"] = (Case(
-            _combine_kernel,
-            {"ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32", "out": "*fp32",
-             "n_splits": "i32"},
-            {"D": d, "SPLITS_PAD": 128, "CHUNK": max(1, 4096 // d)}, arch=arch),
-            {"bytes_per_step": max(1, 4096 // d) * d * 4, "marker": None,
-             "variant": f"D{d}"})  # fmt: skip
+    # Decode attention: bytes per step are the K and V tiles (float16) of BLOCK_S slots; the
+    # main loop is the one with the tensor-core products (the split merge has more loads).
+    for name, group, d, ring in (("llama3-8b", 4, 128, False), ("qwen2.5-7b", 7, 128, False),
+                                 ("gemma3-270m", 4, 256, True)):
+        bs = default_block_s(d)
+        out[f"decode_attention/{name}"] = (
+            attention_case(group, d, ring=ring, arch=arch),
+            {"bytes_per_step": 2 * bs * d * 2, "marker": None, "loop_op": "HMMA",
+             "variant": f"G{group}D{d}S{bs}{'R' if ring else ''}"})  # fmt: skip
     return out
 
 
 # ---- figures ------------------------------------------------------------------------------------
+
+
+def _main_loop(instrs, loop_op: str | None):
+    """The loop holding the most ``loop_op`` instructions (e.g. ``HMMA``: tensor-core
+    products) when given, else :func:`_aot.main_loop` (the most global loads)."""
+    if loop_op:
+        best = max(_aot.loops(instrs), default=None,
+                   key=lambda r: sum(i.base == loop_op for i in instrs[r[0]:r[1] + 1]))
+        if best is not None:
+            return instrs[best[0]:best[1] + 1]
+    return _aot.main_loop(instrs)
 
 
 def static_figures(compiled, case: Case, launch: dict) -> dict:
@@ -253,7 +253,7 @@ def static_figures(compiled, case: Case, launch: dict) -> dict:
     cubin = compiled.asm["cubin"]
     res = _aot.resource_usage(cubin)
     instrs = _aot.parse_sass(_aot.sass(cubin))
-    body = _aot.counted(_aot.main_loop(instrs))
+    body = _aot.counted(_main_loop(instrs, launch.get("loop_op")))
     spill_ops = sum(1 for i in instrs if i.base in ("LDL", "STL"))
     loads = Counter(f"{i.op}" for i in _aot.global_loads(body))
     steps = 1

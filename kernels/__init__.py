@@ -7,8 +7,8 @@ Weights stay in their ggml blocks on the GPU; the kernels decode them on the fly
   products on 8-bit activations (llama.cpp's ``mul_mat_vec_q``);
 - :mod:`.gemm`: prefill GEMM decoding weight tiles for ``tl.dot``;
 - :mod:`.norm_rope`: RMSNorm and RoPE;
-- :mod:`.fused`: fused element-wise work of a layer (``rms_norm_rope``, ``residual_rms_norm``,
-  ``gated_act``): fewer launches per decode step;
+- :mod:`.fused`: fused element-wise work of a layer (``rms_norm_rope``, ``norm_rope_kv``,
+  ``residual_rms_norm``, ``gated_act``): fewer launches per decode step;
 - :mod:`.attention`: decode attention over the KV cache (flash-decoding, split-K).
 
 Every kernel also runs on CPU tensors through Triton's interpreter (slowly: for tests);
@@ -59,6 +59,7 @@ __all__ = [
     "gated_act",
     "gemm",
     "gemv",
+    "norm_rope_kv",
     "quant_linear",
     "register_quants_backend",
     "residual_rms_norm",
@@ -76,6 +77,7 @@ _LAZY = {
     "gated_act": ".fused",
     "gemv": ".gemv",
     "gemm": ".gemm",
+    "norm_rope_kv": ".fused",
     "residual_rms_norm": ".fused",
     "rms_norm": ".norm_rope",
     "rms_norm_rope": ".fused",

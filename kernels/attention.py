@@ -2,16 +2,26 @@
 
 A decode step has a single query per head, so one program per head would leave most of the
 GPU idle on a long context. Flash-decoding (Dao et al. 2023, "Flash-Decoding for long-context
-inference") also splits the key axis: program (kv_head, split) runs an online softmax over its
+inference") also splits the key axis: program (KV head, split) runs an online softmax over its
 slice of the cache for all query heads of its KV group (K/V are loaded once per group, the
-point of GQA in decode) and writes a partial (max, sum, weighted values); a second kernel
-merges the splits. llama.cpp's ggml-cuda ``fattn-vec`` kernels follow the same design.
+point of GQA in decode). llama.cpp's ggml-cuda ``fattn`` kernels follow the same design.
+
+The products run on tensor cores: the query heads of a KV group are padded to
+:data:`BLOCK_H` (16) rows, so the scores ``Q K^T`` (16 x ``BLOCK_S``) and ``P V``
+(16 x head_dim) are each one ``tl.dot`` per step of ``BLOCK_S`` >= 32 cache slots, K and V
+loaded together at the top of the step. The splits are sized so each program does one or two
+steps (:func:`split_plan`), and the splits are merged by the program that finishes last (a
+per-program-row ticket counter, reset by that program), not by a second kernel; with one
+split the program writes the result itself. One launch per attention.
+
+Which slots are read: a full cache (slot j holds position j) only the visible range
+``max(0, q_pos - window + 1) .. q_pos``; a ring cache (sliding-window layers,
+:class:`localllm.models.cache.RingKVCache`, slot ``p % S`` holds position p) only the
+``window`` slots ending at slot ``q_pos % S`` (the live window), never the whole ring.
 
 Nothing is read on the host: the query position is a device tensor loaded inside the kernel,
 grid and shapes depend on shapes only, so a decode step can be captured in a CUDA graph and
-replayed at every position. For a full (non-ring) cache the kernel skips the blocks past the
-query position (and before the sliding window), so the cost grows with the position, not with
-the cache size.
+replayed at every position.
 """
 
 from __future__ import annotations
@@ -23,84 +33,125 @@ import triton.language as tl
 from ._jit import kernel
 
 LOG2E = 1.4426950408889634
-# Programs the default split count aims for: two per SM of an H100 (132 SMs).
+# Query heads of a KV group handled by one program: tl.dot's smallest M. Larger groups
+# (multi-query attention) take several programs per KV head.
+BLOCK_H = 16
+# Programs the split plan aims for: two per SM of an H100 (132 SMs).
 TARGET_PROGRAMS = 264
-# A split covers at least this many slots, so loading q and writing the partial stay small
-# next to the K/V it reads.
-MIN_SPLIT_SLOTS = 64
-# Budget of the (group, BLOCK_S, head_dim) float32 product per block. With 4 warps, 4096
-# keeps ptxas (sm_90) at <= 128 registers and no spills for head_dim 64..256, group 1..8;
-# 16384 reached 255 registers with spills. Not timed on a GPU yet.
-PRODUCT_BUDGET = 4096
+# At most this many splits (then a program does more than two steps: very long contexts),
+# which bounds the merge the last program does.
+MAX_SPLITS = 256
+# Elements of one K (or V) tile, BLOCK_S x head_dim: 8192 fp16 = 16 KB each.
+TILE_ELEMENTS = 8192
+# Elements of the (splits, heads, head_dim) float32 tile the merge loads per step.
+MERGE_ELEMENTS = 4096
+# Launch options. Two stages: a program does one or two steps, so a deeper pipeline only
+# costs shared memory (sm_90, head_dim 128: 38 KB with 2 stages, 70 KB with 3).
+NUM_WARPS = 4
+NUM_STAGES = 2
 
 
 @kernel
-def _partial_kernel(
+def _decode_attention_kernel(
     q,
     k_cache,
     v_cache,
     q_pos_ptr,
     k_pos,
+    out,
     ws_m,
     ws_l,
     ws_acc,
+    tickets,
     S,
     window,
     split_len,
     n_splits,
+    n_hchunks,
     stride_qh,
     stride_kh,
     stride_ks,
     stride_vh,
     stride_vs,
     qk_scale,
+    softcap,
     GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
+    GP: tl.constexpr,
     D: tl.constexpr,
+    D_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
     RING: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINGLE: tl.constexpr,
+    IEEE: tl.constexpr,
+    BH: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    kvh = tl.program_id(0)
+    prow = tl.program_id(0)  # (KV head, chunk of BLOCK_H query heads)
     split = tl.program_id(1)
-    rg = tl.arange(0, GROUP_PAD)
-    rd = tl.arange(0, D)
+    kvh = prow // n_hchunks
+    hc = prow % n_hchunks
+    rh = tl.arange(0, BH)
+    rd = tl.arange(0, D_PAD)
     rs = tl.arange(0, BLOCK_S)
-    g_mask = rg < GROUP
-    heads = kvh * GROUP + rg
-    # scale * log2(e) folded into q once: the softmax then runs on exp2.
-    qv = tl.load(q + heads[:, None] * stride_qh + rd[None, :], mask=g_mask[:, None], other=0.0)
-    qv = qv.to(tl.float32) * qk_scale
-    q_pos = tl.load(q_pos_ptr)
+    h_in = hc * BH + rh
+    h_mask = h_in < GROUP
+    d_mask = rd < D
+    heads = kvh * GROUP + h_in
+    qv = tl.load(q + heads[:, None] * stride_qh + rd[None, :],
+                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+    # The scale (and log2(e) without soft-capping) folded into q once: the softmax runs on exp2.
+    qv = (qv.to(tl.float32) * qk_scale).to(k_cache.dtype.element_ty)
+    q_pos = tl.load(q_pos_ptr).to(tl.int32)
 
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, S)
-    if not RING:
-        # Slot j holds position j: blocks past the query (or before the window) are skipped
-        # entirely, bounds from the loaded position.
-        hi = tl.minimum(hi, q_pos + 1)
+    # The live range as `n_live` logical slots from slot `start`, wrapping at S.
+    if RING:
         if HAS_WINDOW:
-            lo = tl.maximum(lo, q_pos - window + 1)
+            # RingKVCache: position p sits in slot p % S, so the window is the slots ending
+            # at q_pos % S; the positions are still checked (empty, stale or future slots).
+            n_live = tl.minimum(tl.minimum(S, q_pos + 1), window)
+            start = (q_pos + 1 - n_live) % S
+        else:
+            n_live = S
+            start = 0
+    else:
+        hi = tl.minimum(q_pos + 1, S)
+        start = 0
+        if HAS_WINDOW:
+            start = tl.maximum(q_pos - window + 1, 0)
+        n_live = tl.maximum(hi - start, 0)
 
-    m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
-    l_i = tl.zeros((GROUP_PAD,), tl.float32)
-    acc = tl.zeros((GROUP_PAD, D), tl.float32)
+    j0 = split * split_len
+    j1 = tl.minimum(j0 + split_len, n_live)
+    m_i = tl.full((BH,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BH,), tl.float32)
+    acc = tl.zeros((BH, D_PAD), tl.float32)
     k_base = k_cache + kvh.to(tl.int64) * stride_kh
     v_base = v_cache + kvh.to(tl.int64) * stride_vh
-    for start in range(lo, hi, BLOCK_S):
-        offs = start + rs
-        in_range = offs < hi
+    for j in range(j0, j1, BLOCK_S):
+        offs = j + rs
+        in_range = offs < j1
+        slot = start + offs
+        slot = tl.where(slot >= S, slot - S, slot)
         if RING:
-            kp = tl.load(k_pos + offs, mask=in_range, other=-1)
+            kp = tl.load(k_pos + slot, mask=in_range, other=-1).to(tl.int32)
             visible = in_range & (kp >= 0) & (kp <= q_pos)
             if HAS_WINDOW:
                 visible = visible & (q_pos - kp < window)
         else:
             visible = in_range
-        kv_off = offs.to(tl.int64)
-        kb = tl.load(k_base + kv_off[:, None] * stride_ks + rd[None, :], mask=visible[:, None],
-                     other=0.0).to(tl.float32)  # fmt: skip
-        s = tl.sum(qv[:, None, :] * kb[None, :, :], axis=2)  # (GROUP_PAD, BLOCK_S)
+        kv_off = slot.to(tl.int64)
+        ld_mask = visible[:, None] & d_mask[None, :]
+        kb = tl.load(k_base + kv_off[:, None] * stride_ks + rd[None, :], mask=ld_mask, other=0.0)
+        vb = tl.load(v_base + kv_off[:, None] * stride_vs + rd[None, :], mask=ld_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(qv, tl.trans(kb), input_precision="ieee")  # (16, BLOCK_S)
+        else:
+            s = tl.dot(qv, tl.trans(kb))
+        if SOFTCAP:
+            # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1); then to log2 units.
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0)) * 1.4426950408889634
         s = tl.where(visible[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids
@@ -108,71 +159,94 @@ def _partial_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
-        vb = tl.load(v_base + kv_off[:, None] * stride_vs + rd[None, :], mask=visible[:, None],
-                     other=0.0).to(tl.float32)  # fmt: skip
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vb[None, :, :], axis=1)
+        if IEEE:
+            pv = tl.dot(p, vb.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(vb.dtype), vb)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    row = heads.to(tl.int64) * n_splits + split
-    tl.store(ws_m + row, m_i, mask=g_mask)
-    tl.store(ws_l + row, l_i, mask=g_mask)
-    tl.store(ws_acc + row[:, None] * D + rd[None, :], acc, mask=g_mask[:, None])
-
-
-@kernel
-def _combine_kernel(
-    ws_m,
-    ws_l,
-    ws_acc,
-    out,
-    n_splits,
-    D: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    h = tl.program_id(0)
-    base = h.to(tl.int64) * n_splits
-    rsp = tl.arange(0, SPLITS_PAD)
-    m_all = tl.load(ws_m + base + rsp, mask=rsp < n_splits, other=float("-inf"))
-    m_max = tl.max(m_all, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # nothing visible: weights all 0
-    rc = tl.arange(0, CHUNK)
-    rd = tl.arange(0, D)
-    num = tl.zeros((D,), tl.float32)
-    den = tl.zeros((CHUNK,), tl.float32)
-    for c0 in range(0, n_splits, CHUNK):
-        sp = c0 + rc
-        sp_mask = sp < n_splits
-        m_c = tl.load(ws_m + base + sp, mask=sp_mask, other=float("-inf"))
-        l_c = tl.load(ws_l + base + sp, mask=sp_mask, other=0.0)
-        w = tl.exp2(m_c - m_max)  # empty splits: exp2(-inf) = 0
-        a_c = tl.load(ws_acc + (base + sp)[:, None] * D + rd[None, :], mask=sp_mask[:, None],
-                      other=0.0)  # fmt: skip
-        num += tl.sum(w[:, None] * a_c, axis=0)
-        den += w * l_c
-    total = tl.sum(den, axis=0)
-    # No visible key at all (not a real decode state): zeros rather than NaN.
-    res = tl.where(total > 0.0, num / tl.where(total > 0.0, total, 1.0), 0.0)
-    tl.store(out + h.to(tl.int64) * D + rd, res)
+    o_rows = heads.to(tl.int64) * D
+    if SINGLE:
+        res = tl.where(l_i[:, None] > 0.0, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], 0.0)
+        tl.store(out + o_rows[:, None] + rd[None, :], res, mask=h_mask[:, None] & d_mask[None, :])
+    else:
+        row = heads.to(tl.int64) * n_splits + split
+        tl.store(ws_m + row, m_i, mask=h_mask)
+        tl.store(ws_l + row, l_i, mask=h_mask)
+        tl.store(ws_acc + row[:, None] * D_PAD + rd[None, :], acc, mask=h_mask[:, None])
+        # Every thread's stores before the ticket; the ticket's acq_rel orders them for the
+        # program that draws the last one, which then merges the splits.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets + prow, 1, sem="acq_rel")
+        if ticket == n_splits - 1:
+            tl.debug_barrier()
+            tl.store(tickets + prow, 0)  # ready for the next launch (graph replay)
+            n_used = tl.cdiv(n_live, split_len)  # splits past the live range hold nothing
+            rg = tl.arange(0, GP)
+            rc = tl.arange(0, CHUNK)
+            g_in = hc * BH + rg
+            g_mask = g_in < GROUP
+            g_rows = (kvh * GROUP + g_in).to(tl.int64) * n_splits
+            mm = tl.full((GP,), float("-inf"), tl.float32)
+            ll = tl.zeros((GP,), tl.float32)
+            aa = tl.zeros((GP, D_PAD), tl.float32)
+            for c0 in range(0, n_used, CHUNK):
+                sp = c0 + rc
+                msk = (sp < n_used)[:, None] & g_mask[None, :]  # (CHUNK, GP)
+                r2 = g_rows[None, :] + sp[:, None]
+                m_c = tl.load(ws_m + r2, mask=msk, other=float("-inf"), cache_modifier=".cg")
+                l_c = tl.load(ws_l + r2, mask=msk, other=0.0, cache_modifier=".cg")
+                a_c = tl.load(ws_acc + r2[:, :, None] * D_PAD + rd[None, None, :],
+                              mask=msk[:, :, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+                m_new = tl.maximum(mm, tl.max(m_c, axis=0))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(mm - m_safe)
+                w = tl.exp2(m_c - m_safe[None, :])  # empty splits: exp2(-inf) = 0
+                ll = ll * alpha + tl.sum(w * l_c, axis=0)
+                aa = aa * alpha[:, None] + tl.sum(w[:, :, None] * a_c, axis=0)
+                mm = m_new
+            # No visible key at all (not a real decode state): zeros rather than NaN.
+            res = tl.where(ll[:, None] > 0.0, aa / tl.where(ll > 0.0, ll, 1.0)[:, None], 0.0)
+            g_out = (kvh * GROUP + g_in).to(tl.int64) * D
+            tl.store(out + g_out[:, None] + rd[None, :], res,
+                     mask=g_mask[:, None] & d_mask[None, :])  # fmt: skip
 
 
 def _pow2_at_most(n: int) -> int:
     return 1 << max(0, n.bit_length() - 1)
 
 
-def default_block_s(group: int, head_dim: int) -> int:
-    """Slots per block: the (group, BLOCK_S, head_dim) product within a register budget."""
-    # Capped at 32: (1, 64, 64) compiled to 206 registers, (1, 32, 64) to 115.
-    return max(
-        1, min(32, _pow2_at_most(PRODUCT_BUDGET // (triton.next_power_of_2(group) * head_dim)))
-    )
+def default_block_s(head_dim: int) -> int:
+    """Cache slots per loop step: a K (and a V) tile of :data:`TILE_ELEMENTS` elements,
+    32..128 slots (head_dim 256: 32, 128: 64, 64 and less: 128)."""
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    return max(32, min(128, TILE_ELEMENTS // d_pad))
 
 
-def default_n_splits(seq_len: int, n_kv_heads: int, block_s: int) -> int:
-    """Splits of the key axis: about ``TARGET_PROGRAMS`` programs, each over >= 64 slots."""
-    by_len = triton.cdiv(seq_len, max(MIN_SPLIT_SLOTS, block_s))
-    return max(1, min(by_len, triton.cdiv(TARGET_PROGRAMS, n_kv_heads)))
+def split_plan(n_slots: int, n_rows: int, block_s: int) -> tuple[int, int]:
+    """``(n_splits, split_len)`` for a live range of at most ``n_slots`` slots and ``n_rows``
+    program rows (KV heads x head chunks): one step of ``block_s`` slots per program while
+    that stays within :data:`TARGET_PROGRAMS` programs, else two, and more only beyond
+    :data:`MAX_SPLITS` splits. From shapes only (the same at every position)."""
+    blocks = triton.cdiv(max(n_slots, 1), block_s)
+    per = 1 if blocks * n_rows <= TARGET_PROGRAMS else 2
+    per = max(per, triton.cdiv(blocks, MAX_SPLITS))
+    return triton.cdiv(blocks, per), per * block_s
+
+
+# Ticket counters of the split merge, per device: zero between launches (the merging
+# program resets its own), so they are allocated once, not per launch (no memset kernel).
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    t = _TICKETS.get(device)
+    if t is None or t.numel() < n:
+        t = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        _TICKETS[device] = t
+    return t
 
 
 def decode_attention(
@@ -184,38 +258,48 @@ def decode_attention(
     k_positions: torch.Tensor | None = None,
     window: int | None = None,
     scale: float,
+    softcap: float | None = None,
     n_splits: int | None = None,
     block_s: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one query position over the KV cache (flash-decoding, split-K).
+    """Attention of one query position over the KV cache (flash-decoding, split-K, tl.dot).
 
     Same result as :func:`localllm.models.common.attend` for T=1: grouped-query attention
-    (query head h reads KV head h // (n_heads // n_kv_heads)), scores ``q . k * scale``, key j
-    visible iff ``0 <= k_pos[j] <= q_pos`` and, with a window, ``q_pos - k_pos[j] < window``;
-    softmax over the visible keys, then the weighted sum of the values. Accumulates in float32.
-    Design after Dao et al. 2023, "Flash-Decoding for long-context inference", and llama.cpp's
-    ggml-cuda ``fattn-vec`` kernels.
+    (query head h reads KV head h // (n_heads // n_kv_heads)), scores ``q . k * scale``
+    (then ``softcap * tanh(score / softcap)`` with ``softcap``), key j visible iff
+    ``0 <= k_pos[j] <= q_pos`` and, with a window, ``q_pos - k_pos[j] < window``; softmax over
+    the visible keys, then the weighted sum of the values. The products run in the cache's
+    dtype (float16 on CUDA: q and the softmax weights rounded to float16, as llama.cpp's
+    ``fattn`` kernels do), accumulation and softmax in float32. Design after Dao et al. 2023,
+    "Flash-Decoding for long-context inference", and llama.cpp's ggml-cuda ``fattn`` kernels.
 
-    Never reads a value on the host (no synchronization): usable inside CUDA-graph capture.
+    One launch; never reads a value on the host (no synchronization): usable inside
+    CUDA-graph capture. Launches on one device must not run concurrently on several
+    streams (they share the split merge's ticket counters).
 
     Args:
-        q: (n_heads, head_dim) float32/float16; head_dim a power of two <= 256.
-        k_cache, v_cache: (n_kv_heads, S, head_dim) float32/float16, on q's device; the last
-            dimension contiguous (other strides free, e.g. one layer of a larger cache).
+        q: (n_heads, head_dim) float32/float16; head_dim 1..256.
+        k_cache, v_cache: (n_kv_heads, S, head_dim) float32/float16, one dtype, on q's
+            device; the last dimension contiguous (other strides free, e.g. one layer of a
+            larger cache).
         q_pos: (1,) int64 on q's device: the query's absolute position.
         k_positions: (S,) int64, absolute position held by each slot (-1: empty) for a ring
-            cache; None means slot j holds position j (blocks past ``q_pos`` are skipped).
+            cache; None means slot j holds position j (only slots ``q_pos - window + 1 ..
+            q_pos`` are read). With a ``window`` too, the ring's layout is assumed:
+            position p can only be in slot ``p % S`` (:class:`~localllm.models.cache.RingKVCache`),
+            and only the ``window`` slots ending at ``q_pos % S`` are read.
         window: sliding-window size in positions, or None.
         scale: score scale (usually 1/sqrt(head_dim)).
-        n_splits: splits of the key axis (default :func:`default_n_splits`, from shapes).
-        block_s: slots per loop step, a power of two (default :func:`default_block_s`).
+        softcap: Gemma 2's attention logit soft-capping, or None.
+        n_splits: splits of the live range (default :func:`split_plan`, from shapes).
+        block_s: slots per loop step, a power of two >= 16 (default :func:`default_block_s`).
 
     Returns:
         (1, n_heads * head_dim) float32, heads in order. A query with no visible key gives
         zeros (``attend`` would give NaN).
 
     Raises:
-        ValueError: bad shapes, dtypes, head_dim, window, n_splits or block_s.
+        ValueError: bad shapes, dtypes, head_dim, window, softcap, n_splits or block_s.
     """
     if q.ndim != 2 or k_cache.ndim != 3 or v_cache.shape != k_cache.shape:
         raise ValueError(
@@ -226,13 +310,15 @@ def decode_attention(
     n_kv, seq_len, d_kv = k_cache.shape
     if d != d_kv:
         raise ValueError(f"decode_attention: q head_dim {d} != cache head_dim {d_kv}")
-    if d & (d - 1) or not 1 <= d <= 256:
-        raise ValueError(f"decode_attention: head_dim {d} is not a power of two <= 256")
+    if not 1 <= d <= 256:
+        raise ValueError(f"decode_attention: head_dim {d} is not in 1..256")
     if n_kv == 0 or n_heads % n_kv:
         raise ValueError(f"decode_attention: {n_heads} heads do not split into {n_kv} KV heads")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype not in (torch.float32, torch.float16):
             raise ValueError(f"decode_attention: {name} is {t.dtype}, want float32 or float16")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError("decode_attention: k_cache and v_cache differ in dtype")
     if q_pos.shape != (1,) or q_pos.dtype != torch.int64:
         raise ValueError(f"decode_attention: q_pos must be (1,) int64, got {q_pos.dtype}")
     if k_positions is not None and (k_positions.shape != (seq_len,)
@@ -240,15 +326,23 @@ def decode_attention(
         raise ValueError(f"decode_attention: k_positions must be ({seq_len},) int64")
     if window is not None and window < 1:
         raise ValueError(f"decode_attention: window must be >= 1, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"decode_attention: softcap must be > 0, got {softcap}")
     group = n_heads // n_kv
     if block_s is None:
-        block_s = default_block_s(group, d)
-    elif block_s < 1 or block_s & (block_s - 1):
-        raise ValueError(f"decode_attention: block_s {block_s} is not a power of two")
+        block_s = default_block_s(d)
+    elif block_s < 16 or block_s & (block_s - 1):
+        raise ValueError(f"decode_attention: block_s {block_s} is not a power of two >= 16")
+    n_hchunks = triton.cdiv(group, BLOCK_H)
+    n_rows = n_kv * n_hchunks
+    n_slots = min(seq_len, window) if window is not None else seq_len
     if n_splits is None:
-        n_splits = default_n_splits(seq_len, n_kv, block_s)
+        n_splits, split_len = split_plan(n_slots, n_rows, block_s)
     elif n_splits < 1:
         raise ValueError(f"decode_attention: n_splits must be >= 1, got {n_splits}")
+    else:
+        # Each split a whole number of steps, so only the last step of the range is ragged.
+        split_len = triton.cdiv(triton.cdiv(max(n_slots, 1), n_splits), block_s) * block_s
 
     if q.stride(1) != 1:
         q = q.contiguous()
@@ -257,24 +351,61 @@ def decode_attention(
     if v_cache.stride(2) != 1:
         v_cache = v_cache.contiguous()
     dev = q.device
-    # Each split a whole number of blocks, so only the last block of the cache is ragged.
-    split_len = triton.cdiv(triton.cdiv(max(seq_len, 1), n_splits), block_s) * block_s
-    ws_m = torch.empty((n_heads, n_splits), dtype=torch.float32, device=dev)
-    ws_l = torch.empty((n_heads, n_splits), dtype=torch.float32, device=dev)
-    ws_acc = torch.empty((n_heads, n_splits, d), dtype=torch.float32, device=dev)
+    d_pad = max(16, triton.next_power_of_2(d))
     out = torch.empty((1, n_heads * d), dtype=torch.float32, device=dev)
+    single = n_splits == 1
+    if single:  # unread: the program writes the result itself
+        ws_m = ws_l = ws_acc = tickets = out
+    else:
+        ws_m = torch.empty((n_heads, n_splits), dtype=torch.float32, device=dev)
+        ws_l = torch.empty((n_heads, n_splits), dtype=torch.float32, device=dev)
+        ws_acc = torch.empty((n_heads, n_splits, d_pad), dtype=torch.float32, device=dev)
+        tickets = _tickets(dev, n_rows)
+    gp = min(BLOCK_H, triton.next_power_of_2(group))
+    chunk = max(1, _pow2_at_most(MERGE_ELEMENTS // (gp * d_pad)))
     ring = k_positions is not None
-    _partial_kernel[(n_kv, n_splits)](
-        q, k_cache, v_cache, q_pos, k_positions if ring else q_pos, ws_m, ws_l, ws_acc,
-        seq_len, window if window is not None else 0, split_len, n_splits,
-        q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        scale * LOG2E,
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), D=d, BLOCK_S=block_s, RING=ring,
-        HAS_WINDOW=window is not None, num_warps=4,
-    )  # fmt: skip
-    splits_pad = triton.next_power_of_2(n_splits)
-    chunk = max(1, min(splits_pad, 4096 // d))
-    _combine_kernel[(n_heads,)](
-        ws_m, ws_l, ws_acc, out, n_splits, D=d, SPLITS_PAD=splits_pad, CHUNK=chunk, num_warps=4
-    )
+    qk_scale = scale if softcap is not None else scale * LOG2E
+    try:
+        _decode_attention_kernel[(n_rows, n_splits)](
+            q, k_cache, v_cache, q_pos, k_positions if ring else q_pos, out, ws_m, ws_l, ws_acc,
+            tickets, seq_len, window if window is not None else 0, split_len, n_splits,
+            n_hchunks, q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+            v_cache.stride(1), qk_scale, softcap if softcap is not None else 1.0,
+            GROUP=group, GP=gp, D=d, D_PAD=d_pad, BLOCK_S=block_s, RING=ring,
+            HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, SINGLE=single,
+            IEEE=k_cache.dtype == torch.float32, BH=BLOCK_H, CHUNK=chunk, num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
+        )  # fmt: skip
+    except BaseException:
+        if not single:  # a launch cut short may leave tickets drawn: start again from zero
+            tickets.zero_()
+        raise
     return out
+
+
+def attention_case(group: int, d: int, *, ring: bool, kv: str = "*fp16", arch: int = 90,
+                   single: bool = False, softcap: bool = False):
+    """The kernel's specialization as :func:`decode_attention` launches it, for ahead-of-time
+    compilation without a GPU (:mod:`._aot`; tests/test_kernel_compile.py,
+    bench/kernel_profile.py): ``group`` query heads per KV head, head_dim ``d``, a ring
+    cache with a window or a full one, K/V of Triton type ``kv``, for ``sm_<arch>``."""
+    from ._aot import Case
+
+    d_pad = max(16, triton.next_power_of_2(d))
+    gp = min(BLOCK_H, triton.next_power_of_2(group))
+    types = {"q": "*fp32", "k_cache": kv, "v_cache": kv, "q_pos_ptr": "*i64", "k_pos": "*i64",
+             "out": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32",
+             "tickets": "*i32", "S": "i32", "window": "i32", "split_len": "i32",
+             "n_splits": "i32", "n_hchunks": "i32", "stride_qh": "i32", "stride_kh": "i32",
+             "stride_ks": "i32", "stride_vh": "i32", "stride_vs": "i32", "qk_scale": "fp32",
+             "softcap": "fp32"}  # fmt: skip
+    constexprs = {"GROUP": group, "GP": gp, "D": d, "D_PAD": d_pad,
+                  "BLOCK_S": default_block_s(d), "RING": ring, "HAS_WINDOW": ring,
+                  "SOFTCAP": softcap, "SINGLE": single, "IEEE": kv == "*fp32", "BH": BLOCK_H,
+                  "CHUNK": max(1, _pow2_at_most(MERGE_ELEMENTS // (gp * d_pad)))}  # fmt: skip
+    # Pointers and model dimensions are 16-byte multiples; positions, splits and windows
+    # are not (a head_dim of 96 makes strides 16-aligned still).
+    aligned = tuple(n for n in types if n.startswith(("stride", "q", "k_", "v_", "out", "ws",
+                                                      "tickets")) and n != "qk_scale")
+    return Case(_decode_attention_kernel, types, constexprs, num_warps=NUM_WARPS, arch=arch,
+                num_stages=NUM_STAGES, aligned=aligned)

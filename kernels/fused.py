@@ -5,6 +5,8 @@ here does in one launch what the torch path does in several:
 
 - :func:`rms_norm_rope`: per-head RMSNorm (Gemma 3's q/k norms) then RoPE, read straight from
   a view of the fused QKV output;
+- :func:`norm_rope_kv`: the decode step's whole QKV epilogue, QK-norm and RoPE of q and k and
+  the KV-cache write of k and v (ring position included);
 - :func:`residual_rms_norm`: optional post-norm of a sublayer output, the residual add and the
   next sublayer's pre-norm (Gemma 3: post-attention norm + residual + pre-FFN norm);
 - :func:`gated_act`: ``act(gate) * up`` of a gated FFN (GeGLU / SwiGLU).
@@ -173,6 +175,156 @@ def _q8_buffers(t: torch.Tensor, n: int):
     return (torch.empty(n, dtype=torch.int8, device=t.device),
             torch.empty(n // 32, dtype=torch.float32, device=t.device),
             torch.empty(n // 16, dtype=torch.int32, device=t.device))  # fmt: skip
+
+
+def _norm_rope_row(xrow, w, eps, c, s, i1, i2, mask, HALF: tl.constexpr,
+                   HAS_WEIGHT: tl.constexpr):  # fmt: skip
+    """One head: RMSNorm (with a weight) then the rotation by (c, s); its two halves."""
+    x1 = tl.load(xrow + i1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xrow + i2, mask=mask, other=0.0).to(tl.float32)
+    if HAS_WEIGHT:
+        ms = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF)
+        r = 1.0 / tl.sqrt(ms + eps)
+        x1 = x1 * r * tl.load(w + i1, mask=mask, other=0.0)
+        x2 = x2 * r * tl.load(w + i2, mask=mask, other=0.0)
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@kernel
+def _norm_rope_kv_kernel(q, k, v, qw, kw, pos, inv_freq, q_out, k_cache, v_cache, k_pos,
+                         n_heads, size, stride_qh, stride_kh, stride_vh, stride_kch, stride_kcs,
+                         stride_vch, stride_vcs, eps, scale, HALF: tl.constexpr,
+                         BLOCK_H: tl.constexpr, NEOX: tl.constexpr, Q_NORM: tl.constexpr,
+                         K_NORM: tl.constexpr, RING: tl.constexpr):  # fmt: skip
+    # Programs 0 .. n_heads-1: query heads; then one per KV head (k rotated into the cache,
+    # v copied beside it). The position and the slot are read and computed on the device.
+    pid = tl.program_id(0)
+    i = tl.arange(0, BLOCK_H)
+    mask = i < HALF
+    if NEOX:
+        i1 = i
+        i2 = i + HALF
+    else:
+        i1 = 2 * i
+        i2 = 2 * i + 1
+    p = tl.load(pos)
+    angle = p.to(tl.float32) * scale * tl.load(inv_freq + i, mask=mask, other=0.0)
+    c = tl.cos(angle)
+    s = tl.sin(angle)
+    if pid < n_heads:
+        y1, y2 = _norm_rope_row(q + pid.to(tl.int64) * stride_qh, qw, eps, c, s, i1, i2, mask,
+                                HALF, Q_NORM)  # fmt: skip
+        orow = q_out + pid.to(tl.int64) * (2 * HALF)
+        tl.store(orow + i1, y1, mask=mask)
+        tl.store(orow + i2, y2, mask=mask)
+    else:
+        h = (pid - n_heads).to(tl.int64)
+        slot = p % size  # a full cache: the position itself (p < size)
+        y1, y2 = _norm_rope_row(k + h * stride_kh, kw, eps, c, s, i1, i2, mask, HALF, K_NORM)
+        krow = k_cache + h * stride_kch + slot * stride_kcs
+        tl.store(krow + i1, y1.to(k_cache.dtype.element_ty), mask=mask)
+        tl.store(krow + i2, y2.to(k_cache.dtype.element_ty), mask=mask)
+        rd = tl.arange(0, 2 * BLOCK_H)
+        vv = tl.load(v + h * stride_vh + rd, mask=rd < 2 * HALF, other=0.0)
+        tl.store(v_cache + h * stride_vch + slot * stride_vcs + rd,
+                 vv.to(v_cache.dtype.element_ty), mask=rd < 2 * HALF)  # fmt: skip
+        if RING:
+            if h == 0:
+                tl.store(k_pos + slot, p)
+
+
+def norm_rope_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_positions: torch.Tensor | None,
+    *,
+    neox: bool,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """One decode token's QKV epilogue in one launch: QK-norm and RoPE of q and k, and the
+    KV-cache write of k and v.
+
+    q and k become ``rotate(rms_norm(x, weight, eps), angles)`` as :func:`rms_norm_rope`
+    computes them (no norm where the weight is None); k and v are then stored at slot
+    ``positions[0] % S`` of every KV head of the caches (a full cache: slot = position; a
+    ring, :class:`localllm.models.cache.RingKVCache`: the ring slot, and ``k_positions[slot]``
+    becomes the position). The position is read on the device: the launch can be replayed
+    in a CUDA graph. Replaces llama.cpp's separate ``ggml_rms_norm``, ``ggml_rope_ext`` and
+    ``ggml_set_rows`` (KV store) nodes of a decode step.
+
+    Args:
+        q: (H, 1, D) float32 queries, k, v: (Hkv, 1, D) float32; the last dimension
+            contiguous, the first of any stride (views of a fused QKV output).
+        q_weight, k_weight: (D,) float32 norm gains, or None.
+        eps: added to the mean square.
+        positions: (1,) integer tensor on q's device, the token's position.
+        inv_freq: (D/2,) float32 RoPE inverse frequencies.
+        k_cache, v_cache: (Hkv, S, D) float16/float32 caches, last dimension contiguous.
+        k_positions: (S,) int64 positions of a ring's slots, or None (full cache).
+        neox: rotate halves (NEOX) instead of adjacent pairs (NORM).
+        scale: multiplies the position (linear RoPE scaling).
+
+    Returns:
+        (H, D) float32: the rotated queries (contiguous).
+
+    Raises:
+        ValueError: shapes, dtypes or devices disagree.
+    """
+    name = "norm_rope_kv"
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[1:] != k.shape[1:]:
+        raise ValueError(f"{name}: want q (H, 1, D), k and v (Hkv, 1, D), got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
+    n_heads, t, d = q.shape
+    n_kv = k.shape[0]
+    if t != 1 or d % 2 or inv_freq.shape != (d // 2,) or positions.shape != (1,):
+        raise ValueError(f"{name}: one token of even head_dim, (1,) positions and (D/2,) "
+                         f"inv_freq; got q {tuple(q.shape)}, positions "
+                         f"{tuple(positions.shape)}, inv_freq {tuple(inv_freq.shape)}")  # fmt: skip
+    if k_cache.dim() != 3 or k_cache.shape[0] != n_kv or k_cache.shape[2] != d \
+            or v_cache.shape != k_cache.shape:  # fmt: skip
+        raise ValueError(f"{name}: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} "
+                         f"do not hold ({n_kv}, S, {d})")
+    size = k_cache.shape[1]
+    if k_positions is not None and (k_positions.shape != (size,)
+                                    or k_positions.dtype != torch.int64):  # fmt: skip
+        raise ValueError(f"{name}: k_positions must be ({size},) int64")
+    for arg, wt in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if wt is not None and wt.shape != (d,):
+            raise ValueError(f"{name}: {arg} {tuple(wt.shape)} does not match D={d}")
+    if positions.dtype.is_floating_point or positions.dtype == torch.bool:
+        raise ValueError(f"{name}: positions must be integers, not {positions.dtype}")
+    _check_f32(name, q=q, k=k, v=v, q_weight=q_weight, k_weight=k_weight, inv_freq=inv_freq)
+    for arg, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype not in (torch.float16, torch.float32) or c.stride(-1) != 1:
+            raise ValueError(f"{name}: {arg} must be float16/float32 with a contiguous last "
+                             f"dimension")  # fmt: skip
+    _check_device(name, q, k=k, v=v, q_weight=q_weight, k_weight=k_weight, positions=positions,
+                  inv_freq=inv_freq, k_cache=k_cache, v_cache=v_cache, k_positions=k_positions)
+    if any(x.stride(-1) != 1 for x in (q, k, v)):
+        raise ValueError(f"{name}: q, k and v need a contiguous last dimension")
+    q_out = torch.empty((n_heads, d), dtype=torch.float32, device=q.device)
+    if n_heads + n_kv and size:
+        half = d // 2
+        block_h = triton.next_power_of_2(half)
+        _norm_rope_kv_kernel[(n_heads + n_kv,)](
+            q, k, v, q_weight if q_weight is not None else inv_freq,
+            k_weight if k_weight is not None else inv_freq, positions, inv_freq, q_out,
+            k_cache, v_cache, k_positions if k_positions is not None else positions, n_heads,
+            size, q.stride(0), k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), float(eps), float(scale), HALF=half,
+            BLOCK_H=block_h, NEOX=bool(neox), Q_NORM=q_weight is not None,
+            K_NORM=k_weight is not None, RING=k_positions is not None,
+            num_warps=max(1, min(4, block_h // 128)),
+        )  # fmt: skip
+    return q_out
 
 
 @kernel

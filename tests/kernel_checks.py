@@ -38,3 +38,74 @@ class NoLaunch:
             self.grids.append(tuple(grid))
 
         return launch
+
+
+# Allocations: no kernel runs (views are recognized by their schema, see _launches_kernel).
+NO_KERNEL = {"aten.empty", "aten.empty_strided", "aten.empty_like", "aten.lift_fresh"}
+
+
+def _launches_kernel(func) -> bool:
+    """Whether an aten op runs device code: not a view (a result aliasing an input without
+    writing it) and not a bare allocation."""
+    if str(func.overloadpacket) in NO_KERNEL:
+        return False
+    returns = func._schema.returns
+    return not (returns and all(r.alias_info is not None and not r.alias_info.is_write
+                                for r in returns))  # fmt: skip
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts the kernels the block launches, as a GPU would run them: every Triton kernel
+    launch (``localllm.kernels._jit.DualKernel``, by kernel name) and every aten op that
+    computes (views and allocations excluded), by op name. What a kernel does inside its
+    launch (the interpreter's own torch calls on the CPU) is not counted.
+
+    With ``run=False`` the Triton kernels are counted but not run (their outputs stay
+    uninitialized): enough for a step that reads nothing back to the host, and fast."""
+
+    def __init__(self, *, run: bool = True) -> None:
+        super().__init__()
+        from collections import Counter
+
+        self.launches: Counter[str] = Counter()
+        self.run = run
+        self._inside = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.launches.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._inside and _launches_kernel(func):
+            self.launches[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        from localllm.kernels._jit import DualKernel
+
+        self._saved = DualKernel.__getitem__
+        counter, saved = self, self._saved
+
+        def getitem(kernel, grid):
+            launch = saved(kernel, grid)
+
+            def counted(*args, **kwargs):
+                counter.launches[kernel.fn.__name__.strip("_")] += 1
+                if not counter.run:
+                    return None
+                counter._inside += 1
+                try:
+                    return launch(*args, **kwargs)
+                finally:
+                    counter._inside -= 1
+
+            return counted
+
+        DualKernel.__getitem__ = getitem
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from localllm.kernels._jit import DualKernel
+
+        DualKernel.__getitem__ = self._saved
+        return super().__exit__(*exc)

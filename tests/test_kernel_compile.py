@@ -25,13 +25,14 @@ if not kernels.triton_available():
 
 from localllm.kernels import _aot
 from localllm.kernels._aot import Case
-from localllm.kernels.attention import _combine_kernel, _partial_kernel, default_block_s
+from localllm.kernels.attention import _decode_attention_kernel, attention_case
 from localllm.kernels import PLANES
 from localllm.kernels.decode import GROUP_SIZES, KERNEL_TYPES, MMVQ32_TYPES, MMVQ_TYPES
 from localllm.kernels.dequant import _dequant_kernel
 from localllm.kernels.fused import (
     _ACTS,
     _gated_act_kernel,
+    _norm_rope_kv_kernel,
     _residual_rms_norm_kernel,
     _rms_norm_rope_kernel,
 )
@@ -112,28 +113,6 @@ def _quantize_q8() -> Case:
                                       "n_chunks": "i32"}, {"CH": 8})  # fmt: skip
 
 
-def _attention(group: int, d: int, ring: bool, kv: str = "*fp16", arch: int = 90) -> Case:
-    """decode_attention()'s partial kernel: ``group`` query heads per KV head, head_dim d."""
-    return Case(
-        _partial_kernel,
-        {"q": "*fp32", "k_cache": kv, "v_cache": kv, "q_pos_ptr": "*i64", "k_pos": "*i64",
-         "ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32", "S": "i32", "window": "i32",
-         "split_len": "i32", "n_splits": "i32", "stride_qh": "i32", "stride_kh": "i32",
-         "stride_ks": "i32", "stride_vh": "i32", "stride_vs": "i32", "qk_scale": "fp32"},
-        {"GROUP": group, "GROUP_PAD": 1 << (group - 1).bit_length(), "D": d,
-         "BLOCK_S": default_block_s(group, d), "RING": ring, "HAS_WINDOW": ring},
-        arch=arch, aligned=("q", "k_cache", "v_cache", "q_pos_ptr", "k_pos", "ws_m", "ws_l",
-                            "ws_acc", "S", "stride_qh", "stride_kh", "stride_ks", "stride_vh",
-                            "stride_vs"),
-    )  # fmt: skip
-
-
-def _combine(d: int, splits_pad: int) -> Case:
-    return Case(_combine_kernel, {"ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32",
-                                  "out": "*fp32", "n_splits": "i32"},
-                {"D": d, "SPLITS_PAD": splits_pad, "CHUNK": max(1, min(splits_pad, 4096 // d))})  # fmt: skip
-
-
 def _gemv(qtype: T, batch: int, planes: bool = False) -> Case:
     """gemv() for ``batch`` vectors (1 only for the unquantized types), K >= 256."""
     fmt = kernels.block_format(qtype)
@@ -204,6 +183,25 @@ def _q8_types(q8: bool) -> dict[str, str]:
         ("xq", "xd", "xs"), "*fp32")
 
 
+def _norm_rope_kv(d: int, *, neox: bool, norms: bool, ring: bool, cache: str = "*fp16") -> Case:
+    """norm_rope_kv(): a decode token's QK-norm, RoPE and KV-cache write."""
+    half = d // 2
+    return Case(
+        _norm_rope_kv_kernel,
+        {"q": "*fp32", "k": "*fp32", "v": "*fp32", "qw": "*fp32", "kw": "*fp32", "pos": "*i64",
+         "inv_freq": "*fp32", "q_out": "*fp32", "k_cache": cache, "v_cache": cache,
+         "k_pos": "*i64", "n_heads": "i32", "size": "i32", "stride_qh": "i32",
+         "stride_kh": "i32", "stride_vh": "i32", "stride_kch": "i32", "stride_kcs": "i32",
+         "stride_vch": "i32", "stride_vcs": "i32", "eps": "fp32", "scale": "fp32"},
+        {"HALF": half, "BLOCK_H": triton.next_power_of_2(half), "NEOX": neox, "Q_NORM": norms,
+         "K_NORM": norms, "RING": ring},
+        num_warps=max(1, min(4, triton.next_power_of_2(half) // 128)),
+        aligned=("q", "k", "v", "qw", "kw", "pos", "inv_freq", "q_out", "k_cache", "v_cache",
+                 "k_pos", "stride_qh", "stride_kh", "stride_vh", "stride_kch", "stride_kcs",
+                 "stride_vch", "stride_vcs"),
+    )  # fmt: skip
+
+
 def _residual_rms_norm(d: int, post: bool, q8: bool = False) -> Case:
     return Case(
         _residual_rms_norm_kernel,
@@ -243,12 +241,14 @@ CASES = {
     **{f"gemv-{q.name}-b4-planes": _gemv(q, 4, planes=True) for q in PLANES},
     **{f"gemm-{q.name}-planes": _gemm(q, planes=True) for q in PLANES},
     "quantize_q8": _quantize_q8(),
-    "attention-llama-g4-d128": _attention(4, 128, ring=False),
-    "attention-gemma-ring-g4-d256": _attention(4, 256, ring=True),
-    "attention-g1-d64-fp32": _attention(1, 64, ring=False, kv="*fp32"),
-    "attention-g7-d128-sm86": _attention(7, 128, ring=True, arch=86),
-    "attention_combine-d128": _combine(128, 64),
-    "attention_combine-d256-1split": _combine(256, 1),
+    "attention-llama-g4-d128": attention_case(4, 128, ring=False),
+    "attention-gemma-ring-g4-d256": attention_case(4, 256, ring=True),
+    "attention-gemma-ring-g4-d256-1split": attention_case(4, 256, ring=True, single=True),
+    "attention-gemma2-softcap-g2-d256": attention_case(2, 256, ring=True, softcap=True),
+    "attention-g1-d64-fp32": attention_case(1, 64, ring=False, kv="*fp32"),
+    "attention-phi3-g1-d96": attention_case(1, 96, ring=False),
+    "attention-g32-d128": attention_case(32, 128, ring=False),
+    "attention-g7-d128-sm86": attention_case(7, 128, ring=True, arch=86),
     **{f"gemv-{q.name}-b1": _gemv(q, 1) for q in KERNEL_TYPES if q not in GROUP_SIZES},
     **{f"gemv-{q.name}-b8": _gemv(q, 8) for q in KERNEL_TYPES},
     "gemv-Q4_K-b3": _gemv(T.Q4_K, 3),
@@ -266,6 +266,10 @@ CASES = {
     "rms_norm_rope-neox-decode": _rms_norm_rope(True, decode=True),
     "rms_norm_rope-norm-prefill": _rms_norm_rope(False, decode=False, d=128),
     "rms_norm_rope-neox-nonorm-prefill-d64": _rms_norm_rope(True, decode=False, weight=False, d=64),
+    "norm_rope_kv-gemma3-ring-d256": _norm_rope_kv(256, neox=True, norms=True, ring=True),
+    "norm_rope_kv-llama-d128": _norm_rope_kv(128, neox=False, norms=False, ring=False),
+    "norm_rope_kv-qwen3-d128-fp32": _norm_rope_kv(128, neox=True, norms=True, ring=False,
+                                                  cache="*fp32"),
     "residual_rms_norm-post-640": _residual_rms_norm(640, post=True),
     "residual_rms_norm-8192": _residual_rms_norm(8192, post=False),
     # one row (decode): the 8-bit copy for the next GEMV written by the same launch
@@ -306,8 +310,8 @@ def test_every_kernel_type_is_covered():
         assert covered == {int(q) for q in PLANES}, kernel.fn.__name__
     launched = {_dequant_kernel, _gemv_kernel, _gemv1_kernel, _gemm_kernel, _rms_norm_kernel,
                 _rms_norm_rope_kernel, _residual_rms_norm_kernel, _gated_act_kernel,
-                _mmvq_kernel, _mmvq32_kernel, _quantize_q8_kernel, _partial_kernel,
-                _combine_kernel}  # fmt: skip
+                _norm_rope_kv_kernel, _mmvq_kernel, _mmvq32_kernel, _quantize_q8_kernel,
+                _decode_attention_kernel}  # fmt: skip
     assert {c.kernel for c in cases} == launched
 
 

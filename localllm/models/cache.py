@@ -84,6 +84,15 @@ class KVCache:
         self.n = pos + 1
         return pos, pos + 1, None
 
+    def written(self, pos: int | torch.Tensor):
+        """After a kernel stored one token's k/v at slot ``pos`` on the device
+        (``localllm.kernels.norm_rope_kv``): the bookkeeping and the return of
+        ``update(pos, k, v)`` for T = 1."""
+        if isinstance(pos, torch.Tensor):
+            return self.k, self.v, None
+        self.n = pos + 1
+        return self.k[:, : pos + 1], self.v[:, : pos + 1], None
+
     def set_length(self, n: int) -> None:
         """Record that positions ``0 .. n-1`` are valid (after a static-decode write)."""
         self.n = n
@@ -186,6 +195,20 @@ class RingKVCache:
         if self.linear:
             return pos, pos + 1, self.positions
         return pos % self.size, self.size, self.positions
+
+    def written(self, pos: int | torch.Tensor):
+        """After a kernel stored one token's k/v at slot ``pos % size`` and ``pos`` in
+        ``positions`` on the device (``localllm.kernels.norm_rope_kv``): the bookkeeping and
+        the return of ``update(pos, k, v)`` for T = 1."""
+        if isinstance(pos, torch.Tensor):
+            return self.k, self.v, self.positions
+        end = pos + 1
+        if end > self.size:
+            self.linear = False
+        self.n = end
+        if self.linear:
+            return self.k[:, :end], self.v[:, :end], self.positions[:end]
+        return self.k, self.v, self.positions
 
     def set_length(self, n: int) -> None:
         """Record that the next position expected is ``n`` (after a static-decode write)."""

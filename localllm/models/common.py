@@ -381,7 +381,8 @@ class TorchOps:
     then per layer ``ops.self_attention`` (QK-norm and RoPE of the projected queries and
     keys, the KV-cache write and attention), ``ops.residual_norm`` after each sublayer and
     ``ops.gated`` in the FFN. :class:`KernelOps` computes the same with the Triton kernels,
-    fusing each of these into one launch; :class:`NativeOps` with the native CPU kernels.
+    fusing each of these into one launch (a decode token's ``self_attention``: two);
+    :class:`NativeOps` with the native CPU kernels.
     """
 
     rms_norm = staticmethod(rms_norm)
@@ -467,8 +468,9 @@ class KernelOps(TorchOps):
     """The Triton kernels (the quantized backend): QK-norm with RoPE, residual add with the
     next pre-norm, and the gated activation each in one launch instead of several torch
     kernels (:mod:`localllm.kernels.fused`), and flash-decoding attention for one-token steps
-    (:func:`localllm.kernels.decode_attention`), which reads only the visible part of a full
-    cache. Prefill attention stays :func:`attend`."""
+    (:func:`localllm.kernels.decode_attention`), which reads only the visible part of a
+    cache; a decode token's QK-norm, RoPE and cache write are one more launch
+    (:func:`localllm.kernels.norm_rope_kv`). Prefill attention stays :func:`attend`."""
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -504,16 +506,36 @@ class KernelOps(TorchOps):
 
         return gated_act(gate, up, act=act)
 
+    def self_attention(self, q, k, v, q_norm, k_norm, eps, angles, cache, pos, positions, *,
+                       head_dim, neox, scale, softcap=None):
+        """One token: two launches, :func:`localllm.kernels.norm_rope_kv` (QK-norm, RoPE and
+        the cache write) then :func:`localllm.kernels.decode_attention`."""
+        if q.shape[0] != 1 or not hasattr(cache, "written"):
+            return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
+                                          positions, head_dim=head_dim, neox=neox, scale=scale,
+                                          softcap=softcap)
+        from localllm.kernels import decode_attention, norm_rope_kv
+
+        q = q.reshape(1, -1, head_dim).transpose(0, 1)  # (nh, 1, hd)
+        k = k.reshape(1, -1, head_dim).transpose(0, 1)  # (nkv, 1, hd)
+        v = v.reshape(1, -1, head_dim).transpose(0, 1)
+        rope_pos, inv_freq, rope_scale = angles
+        q1 = norm_rope_kv(q, k, v, q_norm, k_norm, eps, rope_pos, inv_freq, cache.k, cache.v,
+                          getattr(cache, "positions", None), neox=neox, scale=rope_scale)
+        keys, values, k_pos = cache.written(pos)
+        return decode_attention(q1, keys, values, positions, k_positions=k_pos,
+                                window=cache.window, scale=scale, softcap=softcap)
+
     def attention(self, q, k, v, cache, pos, positions, *, scale: float,
                   softcap: float | None = None) -> torch.Tensor:
-        if q.shape[1] != 1 or softcap is not None:  # the decode kernel has no soft-capping
+        if q.shape[1] != 1:
             return super().attention(q, k, v, cache, pos, positions, scale=scale,
                                      softcap=softcap)
         from localllm.kernels import decode_attention
 
         keys, values, k_pos = cache.update(pos, k, v)
         return decode_attention(q[:, 0], keys, values, positions, k_positions=k_pos,
-                                window=cache.window, scale=scale)
+                                window=cache.window, scale=scale, softcap=softcap)
 
 
 class NativeOps(TorchOps):

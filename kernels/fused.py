@@ -177,6 +177,7 @@ def _q8_buffers(t: torch.Tensor, n: int):
             torch.empty(n // 16, dtype=torch.int32, device=t.device))  # fmt: skip
 
 
+@device_fn
 def _norm_rope_row(xrow, w, eps, c, s, i1, i2, mask, HALF: tl.constexpr,
                    HAS_WEIGHT: tl.constexpr):  # fmt: skip
     """One head: RMSNorm (with a weight) then the rotation by (c, s); its two halves."""

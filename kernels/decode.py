@@ -602,6 +602,14 @@ MMVQ32_TYPES = {T.Q4_0: 8, T.Q5_0: 16, T.Q8_0: 0, T.IQ4_NL: 0, T.IQ4_XS: 0}
 
 
 @device_fn
+def _half_at(wp, h):
+    """The fp16 at half index ``h`` (int64) of int32 pointer ``wp``, widened to float32, read
+    from its 32-bit word (a 16-bit load tile makes Triton 3.6 exchange the loop's dot
+    products through shared memory to match its layout)."""
+    return _h2f(tl.load(wp + h // 2) >> ((h % 2) * 16).to(tl.int32))
+
+
+@device_fn
 def decode_unit32(wp, nblk, u, t, QTYPE: tl.constexpr, ASM: tl.constexpr):
     """(low words, high words, scale) of 32-weight sub-block ``u`` (int64 (R, G, 1): global
     index, row-major over the matrix) of a planes matrix at int32 pointer ``wp``.
@@ -609,25 +617,25 @@ def decode_unit32(wp, nblk, u, t, QTYPE: tl.constexpr, ASM: tl.constexpr):
     Returns int32 (R, G, 4): word ``t`` of weights 4t..4t+3 and of weights 16+4t..19+4t as
     int8 (before the OFF offset), float32 (R, G, 1) scale.
     """
-    hp = wp.to(tl.pointer_type(tl.int16))
     if QTYPE == 8:  # Q8_0: int8 weights 0-15 and 16-31 of a sub-block (= block) in two planes
         lo = tl.load(wp + u * 4 + t)
         hi = tl.load(wp + plane(nblk, 1, QTYPE) // 4 + u * 4 + t)
-        scale = _h2f(tl.load(hp + plane(nblk, 2, QTYPE) // 2 + u).to(tl.int32))
+        scale = _half_at(wp, plane(nblk, 2, QTYPE) // 2 + u)
     else:  # nibble types: 16 bytes of qs a sub-block
         q = tl.load(wp + u * 4 + t)
         if QTYPE == 2:  # Q4_0
             lo = q & 0x0F0F0F0F
             hi = (q >> 4) & 0x0F0F0F0F
-            scale = _h2f(tl.load(hp + plane(nblk, 1, QTYPE) // 2 + u).to(tl.int32))
+            scale = _half_at(wp, plane(nblk, 1, QTYPE) // 2 + u)
         elif QTYPE == 6:  # Q5_0: fifth bits of weight j at bit j of qh
             qh = tl.load(wp + plane(nblk, 1, QTYPE) // 4 + u)
             lo = (q & 0x0F0F0F0F) | (_spread4(qh >> (t * 4)) << 4)
             hi = ((q >> 4) & 0x0F0F0F0F) | (_spread4(qh >> (16 + t * 4)) << 4)
+            hp = wp.to(tl.pointer_type(tl.int16))  # (fewer exchanges with Triton 3.6)
             scale = _h2f(tl.load(hp + plane(nblk, 2, QTYPE) // 2 + u).to(tl.int32))
         elif QTYPE == 20:  # IQ4_NL
             lo, hi = iq4nl_pair(q, ASM)
-            scale = _h2f(tl.load(hp + plane(nblk, 1, QTYPE) // 2 + u).to(tl.int32))
+            scale = _half_at(wp, plane(nblk, 1, QTYPE) // 2 + u)
         elif QTYPE == 23:  # IQ4_XS: 8 sub-blocks a block; d|scales_h, scales_l words
             lo, hi = iq4nl_pair(q, ASM)
             ib = (u % 8).to(tl.int32)

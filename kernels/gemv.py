@@ -287,18 +287,27 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 # Attribute under which a kernel that produced a one-row activation tensor attaches its 8-bit
 # copy (xq, xd, xs as quantize_q8 returns them), so that the GEMV reading it needs no launch
-# of its own to quantize it (see fused.residual_rms_norm and fused.gated_act).
+# of its own to quantize it (see fused.residual_rms_norm and fused.gated_act). It is set on
+# the tensor's storage (whose Python object torch preserves), so that views of the whole
+# tensor find it too, ``n[-1:]`` included (inference mode records no view bases).
 Q8_ATTR = "_localllm_q8"
 
 
 def attach_q8(x: torch.Tensor, q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-    """Record ``q8``, equal to ``quantize_q8(x.reshape(-1))``, on the new tensor ``x``."""
-    setattr(x, Q8_ATTR, q8)
+    """Record ``q8``, equal to ``quantize_q8(x.reshape(-1))``, with the new contiguous ``x``."""
+    setattr(x.untyped_storage(), Q8_ATTR, (x.storage_offset(), x.numel(), x.dtype, q8))
 
 
 def attached_q8(x: torch.Tensor):
-    """The 8-bit copy a kernel attached to ``x`` (:func:`attach_q8`), or None."""
-    return getattr(x, Q8_ATTR, None)
+    """The 8-bit copy a kernel attached to ``x`` or to the tensor ``x`` is a whole contiguous
+    view of (:func:`attach_q8`), else None."""
+    rec = getattr(x.untyped_storage(), Q8_ATTR, None)
+    if rec is None or not x.is_contiguous():
+        return None
+    offset, numel, dtype, q8 = rec
+    if x.storage_offset() != offset or x.numel() != numel or x.dtype != dtype:
+        return None
+    return q8
 
 
 def _mmvq(w_data, qtype, n_out: int, x: torch.Tensor, out_dtype, layout: str,

@@ -300,7 +300,9 @@ def decode_grouped(b, s, e, mask, QTYPE: tl.constexpr):
 # with x_j ~ dx * qx_j (the activations quantized to 8 bits per 32 values). The block bytes
 # are read as 32-bit words where the block size is a multiple of 4 (Q4_1, Q5_1, Q4_K, Q5_K:
 # the weight bits come in 16-byte loads) and as 16-bit halves otherwise (Q4_0, Q5_0, Q8_0,
-# Q6_K: their blocks are only 2-byte aligned in the GGUF layout).
+# Q6_K: their blocks are only 2-byte aligned in the GGUF layout). A loaded model keeps those
+# types as aligned planes instead (``localllm.kernels.PLANES``, decoded by the functions at
+# the end of this module), read with 16-byte loads.
 
 # Types the integer-dot GEMV handles: code -> (word unit in bytes: 4 or 2, OFF).
 MMVQ_TYPES = {

@@ -7,10 +7,12 @@ float32 against up to 8 input vectors at once (a small decode batch).
 A single vector (the common decode step) of the types in ``decode.MMVQ_TYPES`` takes the
 integer-dot kernel, llama.cpp's ``mul_mat_vec_q`` design (``ggml/src/ggml-cuda/mmvq.cu``):
 the vector is quantized once to 8 bits per 32 values (:func:`quantize_q8`, as
-``quantize_q8_1``), the weights are read as 32-bit words of four packed values (16-byte
-loads where the blocks are 16-byte aligned), multiplied with ``dp4a`` and scaled per
-16-weight group, each thread keeping float partial sums that are reduced once after the
-loop; rows per program and a split of the key axis are chosen per shape
+``quantize_q8_1``, or by the fused kernel that produced it: :func:`attached_q8`), the weights
+are read as 32-bit words of four packed values (16-byte loads where the blocks, or their
+planes, are 16-byte aligned: ``QuantWeight.aligned``), multiplied with ``dp4a`` and scaled
+per 16-weight group (``_mmvq_kernel``) or per 32-weight sub-block (``_mmvq32_kernel``, the
+planes of ``decode.MMVQ32_TYPES``), each thread keeping float partial sums that are reduced
+once after the loop; rows per program and a split of the key axis are chosen per shape
 (:func:`mmvq_config`). Its result is exact up to float32 rounding for the quantized vector,
 which differs from the float vector by about 0.5% per dot product (llama.cpp's CUDA and CPU
 paths quantize activations the same way). Other types take a kernel whose tile is (rows,

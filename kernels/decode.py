@@ -630,11 +630,14 @@ def decode_unit32(wp, nblk, u, t, QTYPE: tl.constexpr, ASM: tl.constexpr):
             hi = (q >> 4) & 0x0F0F0F0F
             scale = _half_at(wp, plane(nblk, 1, QTYPE) // 2 + u)
         elif QTYPE == 6:  # Q5_0: fifth bits of weight j at bit j of qh
-            qh = tl.load(wp + plane(nblk, 1, QTYPE) // 4 + u)
+            # qh as a tile of its 4 bytes (the words' layout), assembled by an in-thread sum
+            # (a (R, G, 1) word load makes Triton 3.6 exchange the dot products every step)
+            bp = wp.to(tl.pointer_type(tl.uint8))
+            qb = tl.load(bp + plane(nblk, 1, QTYPE) + u * 4 + t).to(tl.int32) & 255
+            qh = tl.sum(qb << (t * 8), axis=2, keep_dims=True)
             lo = (q & 0x0F0F0F0F) | (_spread4(qh >> (t * 4)) << 4)
             hi = ((q >> 4) & 0x0F0F0F0F) | (_spread4(qh >> (16 + t * 4)) << 4)
-            hp = wp.to(tl.pointer_type(tl.int16))  # (fewer exchanges with Triton 3.6)
-            scale = _h2f(tl.load(hp + plane(nblk, 2, QTYPE) // 2 + u).to(tl.int32))
+            scale = _half_at(wp, plane(nblk, 2, QTYPE) // 2 + u)
         elif QTYPE == 20:  # IQ4_NL
             lo, hi = iq4nl_pair(q, ASM)
             scale = _half_at(wp, plane(nblk, 1, QTYPE) // 2 + u)

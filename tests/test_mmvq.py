@@ -22,8 +22,6 @@ kernels = pytest.importorskip("localllm.kernels")
 if not kernels.triton_available():
     pytest.skip("Triton is not installed", allow_module_level=True)
 
-import triton  # noqa: E402
-
 from localllm.kernels import block_format
 from localllm.kernels import PLANES, QuantWeight, _aot, quant_linear
 from localllm.kernels.dequant import dequantize as triton_dequantize
@@ -174,14 +172,8 @@ def test_static_targets(qtype):
     assert fig["warp_instructions_per_byte"] <= 0.25, fig
     assert fig["spill_instructions"] == 0 and fig["local_bytes"] == 0
     body = _aot.main_loop(_aot.parse_sass(_aot.sass(compiled.asm["cubin"])))
-    count = {op: sum(1 for i in body if i.base == op) for op in ("SHFL", "BAR")}
-    assert count["SHFL"] == 0, fig
-    if qtype == T.Q5_0 and triton.__version__.startswith("3.6."):
-        # Triton 3.6 (not 3.9) exchanges Q5_0's dot sums through shared memory to match the
-        # layout of its high-bit word (4 BAR, STS, LDS a step), within the figure above
-        assert count["BAR"] <= 4 * fig["loop_steps_per_body"], fig
-    else:
-        assert count["BAR"] == 0, fig
+    # no shuffles, no shared-memory exchanges (layout conversions) in the loop
+    assert not [i.op for i in body if i.base in ("SHFL", "BAR", "STS", "LDS")], fig
     assert sum(1 for i in body if i.op.startswith("IDP.4A")) >= 4
     if block_format(qtype).type_size % 16 == 0 or qtype in PLANES:
         rpt = mmvq_config(qtype, 4096, 4096, layout="planes" if qtype in PLANES else

@@ -593,8 +593,9 @@ def iq4nl_pair(q, ASM: tl.constexpr):
     v3 = prmt(prmt(zero + IQ4NL_W0, zero + IQ4NL_W1, qa, ASM),
               prmt(zero + IQ4NL_W2, zero + IQ4NL_W3, qa, ASM), sel, ASM)  # fmt: skip
     qb = qa >> 16
+    sb = (sel >> 16) & 0xFFFF
     v4 = prmt(prmt(zero + IQ4NL_W0, zero + IQ4NL_W1, qb, ASM),
-              prmt(zero + IQ4NL_W2, zero + IQ4NL_W3, qb, ASM), (sel >> 16) & 0xFFFF, ASM)  # fmt: skip
+              prmt(zero + IQ4NL_W2, zero + IQ4NL_W3, qb, ASM), sb, ASM)  # fmt: skip
     return prmt(v3, v4, zero + 0x6420, ASM), prmt(v3, v4, zero + 0x7531, ASM)
 
 

@@ -19,16 +19,16 @@ import sys
 import numpy as np
 import torch
 
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+         "IQ4_XS", "F16"]
 
 
 def random_weight(qtype, n: int, k: int, seed: int = 0):
-    """A QuantWeight (n, k) of random blocks with small finite scales, on CUDA."""
-    from localllm.kernels import QuantWeight
+    """A QuantWeight (n, k) of random blocks with small finite scales, on CUDA, in the layout
+    a loaded model keeps (``QuantWeight.aligned``: planes where the blocks are unaligned)."""
+    from localllm.kernels import QuantWeight, block_format
 
-    from localllm.gguf.quants import BLOCK_FORMATS
-
-    fmt = BLOCK_FORMATS[qtype]
+    fmt = block_format(qtype)
     rng = np.random.default_rng(seed)
     n_blocks = n * k // fmt.block_size
     if fmt.block_size == 1:
@@ -40,7 +40,7 @@ def random_weight(qtype, n: int, k: int, seed: int = 0):
             vals = (rng.uniform(0.5, 1.5, n_blocks) * 1e-3).astype(np.float16)
             b[:, off : off + 2] = vals.view(np.uint8).reshape(n_blocks, 2)
         raw = torch.from_numpy(b)
-    return QuantWeight.from_bytes(raw.reshape(-1), qtype, (n, k)).to("cuda")
+    return QuantWeight.from_bytes(raw.reshape(-1), qtype, (n, k)).to("cuda").aligned()
 
 
 def _scale_offsets(qtype) -> set[int]:
@@ -49,6 +49,7 @@ def _scale_offsets(qtype) -> set[int]:
     return {
         T.Q4_0: {0}, T.Q4_1: {0, 2}, T.Q5_0: {0}, T.Q5_1: {0, 2}, T.Q8_0: {0},
         T.Q2_K: {80, 82}, T.Q3_K: {108}, T.Q4_K: {0, 2}, T.Q5_K: {0, 2}, T.Q6_K: {208},
+        T.IQ4_NL: {0}, T.IQ4_XS: {0},
     }.get(qtype, set())  # fmt: skip
 
 
@@ -88,10 +89,12 @@ def main(argv: list[str] | None = None) -> int:
             tflops = 2 * rows * args.n * args.k / ms / 1e9
             print(f"{name:6} {rows:5d} {ms:10.4f} {gbs:8.1f} {tflops:8.2f} {ms_ref:10.4f}")
             if rows > GEMV_MAX_ROWS:  # the GEMM decoding weight by weight, for comparison
-                ms = bench(lambda x=x, w=w: gemm(w.data, w.qtype, args.n, x, grouped=False))
+                ms = bench(lambda x=x, w=w: gemm(w.data, w.qtype, args.n, x, grouped=False,
+                                                 layout=w.layout))
                 tflops = 2 * rows * args.n * args.k / ms / 1e9
                 print(f"{name:6} {rows:5d} {ms:10.4f} {'':8} {tflops:8.2f}  (ungrouped)")
-        ms = bench(lambda w=w: dequantize(w.data, w.qtype, w.shape, torch.float16))
+        ms = bench(lambda w=w: dequantize(w.data, w.qtype, w.shape, torch.float16,
+                                          layout=w.layout))
         out_bytes = args.n * args.k * 2
         print(f"{name:6} {'deq':>5} {ms:10.4f} {(w.nbytes + out_bytes) / ms / 1e6:8.1f}")
     return 0

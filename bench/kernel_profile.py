@@ -197,10 +197,12 @@ def other_cases(arch: int) -> dict[str, tuple[Case, dict]]:
     from localllm.kernels.gemm import _gemm_kernel
     from localllm.kernels.gemv import _quantize_q8_kernel
 
+    from localllm.kernels import PLANES
+    from localllm.kernels.decode import GROUP_SIZES
+
     out: dict[str, tuple[Case, dict]] = {}
-    for q in (T.Q4_K, T.Q6_K, T.Q8_0):
+    for q in (T.Q4_K, T.Q6_K, T.Q8_0):  # Q6_K, Q8_0: from planes, as a loaded model keeps them
         fmt = block_format(q)
-        from localllm.kernels.decode import GROUP_SIZES
 
         out[f"gemm/{q.name}"] = (Case(
             _gemm_kernel,
@@ -208,14 +210,14 @@ def other_cases(arch: int) -> dict[str, tuple[Case, dict]]:
              "stride_xm": "i32", "stride_ym": "i32"},
             {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(q),
              "G": GROUP_SIZES.get(q, 0), "BF16": False, "BLOCK_M": 64, "BLOCK_N": 64,
-             "BLOCK_K": 64},
+             "BLOCK_K": 64, "PLANES": q in PLANES},
             arch=arch, aligned=("x", "w", "y", "N", "K", "stride_xm", "stride_ym")),
             {"bytes_per_step": 64 * 64 * fmt.type_size // fmt.block_size, "marker": None,
              "variant": "64x64x64"})  # fmt: skip
         out[f"dequant/{q.name}"] = (Case(
             _dequant_kernel, {"data": "*u8", "out": "*fp16", "n_elements": "i32"},
-            {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(q), "BLOCK": 1024},
-            enable_fp_fusion=False, arch=arch),
+            {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(q), "BLOCK": 1024,
+             "PLANES": q in PLANES}, enable_fp_fusion=False, arch=arch),
             {"bytes_per_step": 1024 * fmt.type_size // fmt.block_size, "marker": None,
              "variant": "B1024"})  # fmt: skip
     out["quantize_q8/F32"] = (Case(

@@ -1,6 +1,8 @@
 """Triton kernels for quantized weights (installed as ``localllm.kernels``).
 
-Weights stay in their ggml blocks on the GPU; the kernels decode them on the fly:
+Weights stay in their ggml blocks on the GPU (the types whose blocks are not 16-byte aligned
+repacked into aligned planes of the same bytes, :meth:`QuantWeight.aligned`); the kernels
+decode them on the fly:
 
 - :mod:`.dequant`: blocks -> float32/float16/bfloat16 tensor (bit-exact in float32);
 - :mod:`.gemv`: fused dequant x vector for decode (<= 8 rows); one row: integer dot

@@ -300,7 +300,9 @@ def decode_grouped(b, s, e, mask, QTYPE: tl.constexpr):
 # with x_j ~ dx * qx_j (the activations quantized to 8 bits per 32 values). The block bytes
 # are read as 32-bit words where the block size is a multiple of 4 (Q4_1, Q5_1, Q4_K, Q5_K:
 # the weight bits come in 16-byte loads) and as 16-bit halves otherwise (Q4_0, Q5_0, Q8_0,
-# Q6_K: their blocks are only 2-byte aligned in the GGUF layout).
+# Q6_K: their blocks are only 2-byte aligned in the GGUF layout). A loaded model keeps those
+# types as aligned planes instead (``localllm.kernels.PLANES``, decoded by the functions at
+# the end of this module), read with 16-byte loads.
 
 # Types the integer-dot GEMV handles: code -> (word unit in bytes: 4 or 2, OFF).
 MMVQ_TYPES = {
@@ -591,14 +593,23 @@ def iq4nl_pair(q, ASM: tl.constexpr):
     v3 = prmt(prmt(zero + IQ4NL_W0, zero + IQ4NL_W1, qa, ASM),
               prmt(zero + IQ4NL_W2, zero + IQ4NL_W3, qa, ASM), sel, ASM)  # fmt: skip
     qb = qa >> 16
+    sb = (sel >> 16) & 0xFFFF
     v4 = prmt(prmt(zero + IQ4NL_W0, zero + IQ4NL_W1, qb, ASM),
-              prmt(zero + IQ4NL_W2, zero + IQ4NL_W3, qb, ASM), (sel >> 16) & 0xFFFF, ASM)  # fmt: skip
+              prmt(zero + IQ4NL_W2, zero + IQ4NL_W3, qb, ASM), sb, ASM)  # fmt: skip
     return prmt(v3, v4, zero + 0x6420, ASM), prmt(v3, v4, zero + 0x7531, ASM)
 
 
 # Types the sub-block GEMV (``gemv._mmvq32_kernel``) reads from planes, 32 weights (one
 # scale) per group: code -> OFF (the weights' integer offset, see above).
 MMVQ32_TYPES = {T.Q4_0: 8, T.Q5_0: 16, T.Q8_0: 0, T.IQ4_NL: 0, T.IQ4_XS: 0}
+
+
+@device_fn
+def _half_at(wp, h):
+    """The fp16 at half index ``h`` (int64) of int32 pointer ``wp``, widened to float32, read
+    from its 32-bit word (a 16-bit load tile makes Triton 3.6 exchange the loop's dot
+    products through shared memory to match its layout)."""
+    return _h2f(tl.load(wp + h // 2) >> ((h % 2) * 16).to(tl.int32))
 
 
 @device_fn
@@ -609,25 +620,28 @@ def decode_unit32(wp, nblk, u, t, QTYPE: tl.constexpr, ASM: tl.constexpr):
     Returns int32 (R, G, 4): word ``t`` of weights 4t..4t+3 and of weights 16+4t..19+4t as
     int8 (before the OFF offset), float32 (R, G, 1) scale.
     """
-    hp = wp.to(tl.pointer_type(tl.int16))
     if QTYPE == 8:  # Q8_0: int8 weights 0-15 and 16-31 of a sub-block (= block) in two planes
         lo = tl.load(wp + u * 4 + t)
         hi = tl.load(wp + plane(nblk, 1, QTYPE) // 4 + u * 4 + t)
-        scale = _h2f(tl.load(hp + plane(nblk, 2, QTYPE) // 2 + u).to(tl.int32))
+        scale = _half_at(wp, plane(nblk, 2, QTYPE) // 2 + u)
     else:  # nibble types: 16 bytes of qs a sub-block
         q = tl.load(wp + u * 4 + t)
         if QTYPE == 2:  # Q4_0
             lo = q & 0x0F0F0F0F
             hi = (q >> 4) & 0x0F0F0F0F
-            scale = _h2f(tl.load(hp + plane(nblk, 1, QTYPE) // 2 + u).to(tl.int32))
+            scale = _half_at(wp, plane(nblk, 1, QTYPE) // 2 + u)
         elif QTYPE == 6:  # Q5_0: fifth bits of weight j at bit j of qh
-            qh = tl.load(wp + plane(nblk, 1, QTYPE) // 4 + u)
+            # qh as a tile of its 4 bytes (the words' layout), assembled by an in-thread sum
+            # (a (R, G, 1) word load makes Triton 3.6 exchange the dot products every step)
+            bp = wp.to(tl.pointer_type(tl.uint8))
+            qb = tl.load(bp + plane(nblk, 1, QTYPE) + u * 4 + t).to(tl.int32) & 255
+            qh = tl.sum(qb << (t * 8), axis=2, keep_dims=True)
             lo = (q & 0x0F0F0F0F) | (_spread4(qh >> (t * 4)) << 4)
             hi = ((q >> 4) & 0x0F0F0F0F) | (_spread4(qh >> (16 + t * 4)) << 4)
-            scale = _h2f(tl.load(hp + plane(nblk, 2, QTYPE) // 2 + u).to(tl.int32))
+            scale = _half_at(wp, plane(nblk, 2, QTYPE) // 2 + u)
         elif QTYPE == 20:  # IQ4_NL
             lo, hi = iq4nl_pair(q, ASM)
-            scale = _h2f(tl.load(hp + plane(nblk, 1, QTYPE) // 2 + u).to(tl.int32))
+            scale = _half_at(wp, plane(nblk, 1, QTYPE) // 2 + u)
         elif QTYPE == 23:  # IQ4_XS: 8 sub-blocks a block; d|scales_h, scales_l words
             lo, hi = iq4nl_pair(q, ASM)
             ib = (u % 8).to(tl.int32)

@@ -7,10 +7,12 @@ float32 against up to 8 input vectors at once (a small decode batch).
 A single vector (the common decode step) of the types in ``decode.MMVQ_TYPES`` takes the
 integer-dot kernel, llama.cpp's ``mul_mat_vec_q`` design (``ggml/src/ggml-cuda/mmvq.cu``):
 the vector is quantized once to 8 bits per 32 values (:func:`quantize_q8`, as
-``quantize_q8_1``), the weights are read as 32-bit words of four packed values (16-byte
-loads where the blocks are 16-byte aligned), multiplied with ``dp4a`` and scaled per
-16-weight group, each thread keeping float partial sums that are reduced once after the
-loop; rows per program and a split of the key axis are chosen per shape
+``quantize_q8_1``, or by the fused kernel that produced it: :func:`attached_q8`), the weights
+are read as 32-bit words of four packed values (16-byte loads where the blocks, or their
+planes, are 16-byte aligned: ``QuantWeight.aligned``), multiplied with ``dp4a`` and scaled
+per 16-weight group (``_mmvq_kernel``) or per 32-weight sub-block (``_mmvq32_kernel``, the
+planes of ``decode.MMVQ32_TYPES``), each thread keeping float partial sums that are reduced
+once after the loop; rows per program and a split of the key axis are chosen per shape
 (:func:`mmvq_config`). Its result is exact up to float32 rounding for the quantized vector,
 which differs from the float vector by about 0.5% per dot product (llama.cpp's CUDA and CPU
 paths quantize activations the same way). Other types take a kernel whose tile is (rows,
@@ -287,18 +289,27 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 # Attribute under which a kernel that produced a one-row activation tensor attaches its 8-bit
 # copy (xq, xd, xs as quantize_q8 returns them), so that the GEMV reading it needs no launch
-# of its own to quantize it (see fused.residual_rms_norm and fused.gated_act).
+# of its own to quantize it (see fused.residual_rms_norm and fused.gated_act). It is set on
+# the tensor's storage (whose Python object torch preserves), so that views of the whole
+# tensor find it too, ``n[-1:]`` included (inference mode records no view bases).
 Q8_ATTR = "_localllm_q8"
 
 
 def attach_q8(x: torch.Tensor, q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-    """Record ``q8``, equal to ``quantize_q8(x.reshape(-1))``, on the new tensor ``x``."""
-    setattr(x, Q8_ATTR, q8)
+    """Record ``q8``, equal to ``quantize_q8(x.reshape(-1))``, with the new contiguous ``x``."""
+    setattr(x.untyped_storage(), Q8_ATTR, (x.storage_offset(), x.numel(), x.dtype, q8))
 
 
 def attached_q8(x: torch.Tensor):
-    """The 8-bit copy a kernel attached to ``x`` (:func:`attach_q8`), or None."""
-    return getattr(x, Q8_ATTR, None)
+    """The 8-bit copy a kernel attached to ``x`` or to the tensor ``x`` is a whole contiguous
+    view of (:func:`attach_q8`), else None."""
+    rec = getattr(x.untyped_storage(), Q8_ATTR, None)
+    if rec is None or not x.is_contiguous():
+        return None
+    offset, numel, dtype, q8 = rec
+    if x.storage_offset() != offset or x.numel() != numel or x.dtype != dtype:
+        return None
+    return q8
 
 
 def _mmvq(w_data, qtype, n_out: int, x: torch.Tensor, out_dtype, layout: str,

@@ -94,9 +94,9 @@ def test_gemv_reads_the_attached_copy(q8_launches, device):
 
 def test_decode_step_quantizes_only_unfused_inputs(tiny_model_path, q8_launches, monkeypatch):
     """In a decode step of the kernel path, only the GEMV inputs that no fused kernel produced
-    are quantized by a launch of their own: the first layer's QKV input (plain RMSNorm), each
-    layer's attention output and the output head's row; the logits are those of the unfused
-    path, bit for bit."""
+    are quantized by a launch of their own: the first layer's QKV input (plain RMSNorm) and
+    each layer's attention output (the output head reads a view of the last residual norm's
+    output); the logits are those of the unfused path, bit for bit."""
     from localllm.runtime.session import Session, load_model
 
     n_layers = 2
@@ -107,7 +107,7 @@ def test_decode_step_quantizes_only_unfused_inputs(tiny_model_path, q8_launches,
     s.eval(ids[:5])
     q8_launches.launches = 0
     got = s.eval(ids[5:])
-    assert q8_launches.launches == 1 + n_layers + 1  # was 4 per layer + 1
+    assert q8_launches.launches == 1 + n_layers  # was 4 per layer + 1 (the output head)
     monkeypatch.setattr(fused, "attach_q8", lambda x, q8: None)  # the unfused path
     ref = Session(m, ctx_size=32)
     ref.eval(ids[:5])
@@ -115,6 +115,15 @@ def test_decode_step_quantizes_only_unfused_inputs(tiny_model_path, q8_launches,
     want = ref.eval(ids[5:])
     assert q8_launches.launches == 4 * n_layers + 1
     assert torch.equal(got, want)
+
+
+def test_views(device):
+    """A view of the whole tensor shares its copy; a part of it, or a copy, does not."""
+    _, n = fused.residual_rms_norm(torch.randn(1, 64).to(device), torch.randn(1, 64).to(device),
+                                   None, torch.ones(64, device=device), 1e-6)  # fmt: skip
+    assert attached_q8(n[-1:]) is attached_q8(n) is not None
+    assert attached_q8(n.view(64)) is attached_q8(n)
+    assert attached_q8(n[:, :32]) is None and attached_q8(n.clone()) is None
 
 
 def test_blocks_layout_reads_the_copy_too(device):

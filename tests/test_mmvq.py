@@ -22,8 +22,6 @@ kernels = pytest.importorskip("localllm.kernels")
 if not kernels.triton_available():
     pytest.skip("Triton is not installed", allow_module_level=True)
 
-import triton  # noqa: E402
-
 from localllm.kernels import block_format
 from localllm.kernels import PLANES, QuantWeight, _aot, quant_linear
 from localllm.kernels.dequant import dequantize as triton_dequantize
@@ -173,15 +171,9 @@ def test_static_targets(qtype):
     compiled, fig = _compiled(qtype)
     assert fig["warp_instructions_per_byte"] <= 0.25, fig
     assert fig["spill_instructions"] == 0 and fig["local_bytes"] == 0
-    mix = fig["instruction_mix"]
-    assert "SHFL" not in mix, mix
-    if qtype == T.Q8_0 and triton.__version__.startswith("3.6."):
-        # Triton 3.6 (not 3.9) exchanges Q8_0's two dot sums of a step through shared
-        # memory (2 BAR, 2 STS, 2 LDS a step): 0.037 warp-instructions per byte all the same
-        assert mix.get("BAR", 0) <= 2 * fig["loop_steps_per_body"], mix
-    else:
-        assert "BAR" not in mix, mix
     body = _aot.main_loop(_aot.parse_sass(_aot.sass(compiled.asm["cubin"])))
+    # no shuffles, no shared-memory exchanges (layout conversions) in the loop
+    assert not [i.op for i in body if i.base in ("SHFL", "BAR", "STS", "LDS")], fig
     assert sum(1 for i in body if i.op.startswith("IDP.4A")) >= 4
     if block_format(qtype).type_size % 16 == 0 or qtype in PLANES:
         rpt = mmvq_config(qtype, 4096, 4096, layout="planes" if qtype in PLANES else

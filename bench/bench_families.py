@@ -13,7 +13,8 @@ steps), alternately, so that a load change on the machine hits both sides alike.
 the rounds are reported (``--stat max``: the best run of each side). On a shared machine each
 run first waits (``--max-wait``) until other processes leave ``--threads`` cores idle, and
 the cores they kept busy during the run are reported ("other load"): a row run beside other
-jobs says little.
+jobs says little in wall time; ``--clock cpu --threads 1`` counts tok/s per second of the
+process's CPU time instead, which other jobs move much less.
 
 "per weight byte": tok/s x the weight bytes a token reads (every matrix of the file at its
 stored size, without the input embedding unless it is also the output projection, and for
@@ -183,8 +184,10 @@ def machine() -> str:
 def markdown(rows: dict, meta: dict) -> str:
     n_p, n_g = meta["n_prompt"], meta["n_gen"]
     stat = "best" if meta.get("stat") == "max" else "median"
+    clock = ("tok/s per second of process CPU time (all threads)"
+             if meta.get("clock") == "cpu" else "tok/s of wall time")
     out = [f"Machine: {meta['machine']}; {meta['threads']} threads; {meta['rounds']} round(s), "
-           f"{stat} of the rounds; localllm backend native, llama.cpp "
+           f"{stat} of the rounds; {clock}; localllm backend native, llama.cpp "
            f"{meta.get('llama_version', '—')}; {meta['quant']}; {meta['date']}.", "",
            f"| family | geometry | file MB | weights MB/token | pp{n_p} localllm | "
            f"pp{n_p} llama.cpp | ratio | tg{n_g} localllm | tg{n_g} llama.cpp | ratio | "
@@ -242,6 +245,9 @@ def main() -> None:
     ap.add_argument("--max-wait", type=float, default=120.0,
                     help="seconds to wait before each run for other processes to leave "
                          "--threads cores idle")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="tok/s per second of wall time, or of the process's CPU time (all "
+                         "threads; steadier beside other jobs, meaningful at --threads 1)")
     ap.add_argument("--stat", choices=["median", "max"], default="median",
                     help="per side, the median or the best tok/s of the rounds (max: the "
                          "least disturbed run, on a machine shared with other jobs)")
@@ -271,6 +277,9 @@ def main() -> None:
                     print(f"(other processes keep {busy:.1f} cores busy; running anyway)",
                           flush=True)
                 res = run_side(py, paths[fam], side, a.threads, a.n_prompt, a.n_gen, a.timeout)
+                if a.clock == "cpu" and "pp_cpu" in res:
+                    res |= {"pp": res["pp_cpu"], "tg": res["tg_cpu"],
+                            "pp_wall": res["pp"], "tg_wall": res["tg"]}
                 results[fam][side].append(res)
                 name = "localllm" if side == "ours" else "llama.cpp"
                 if "error" in res:
@@ -278,12 +287,13 @@ def main() -> None:
                 else:
                     print(f"round {r} {fam:9} {name:9}: pp{a.n_prompt} {res['pp']:7.1f} tok/s"
                           f"  tg{a.n_gen} {res['tg']:6.2f} tok/s  load {res['load_s']:.1f} s"
-                          f"  RSS {res['rss_mb']:.0f} MB  other load "
+                          f"  ({a.clock})  RSS {res['rss_mb']:.0f} MB  other load "
                           f"{_f(res.get('other_cores'), '.1f')} cores", flush=True)
     rows = summarize(results, sizes, a.stat)
     versions = [x.get("version") for s in results.values() for x in s.get("llama", [])]
     meta = {"machine": machine(), "threads": a.threads, "rounds": a.rounds,
             "n_prompt": a.n_prompt, "n_gen": a.n_gen, "quant": a.quant, "stat": a.stat,
+            "clock": a.clock,
             "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "llama_version": next((v for v in versions if v), None)}
     table = markdown(rows, meta)

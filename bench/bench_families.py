@@ -138,8 +138,10 @@ def _stat(runs: list[dict], field: str, stat: str) -> float | None:
 
 def summarize(results: dict, sizes: dict, stat: str = "median") -> dict:
     """Per family: the median (or, ``stat="max"``, the best) tok/s of each side, ratios
-    ours/llama.cpp, per-weight-byte figures relative to the llama family (None where a
-    figure is missing)."""
+    ours/llama.cpp, per-weight-byte figures relative to the llama family, and the ratio
+    ours/llama.cpp relative to the llama family's (``norm_*``: a slow path of localllm's own
+    in that family, the geometry's effect on both sides cancelled); None where a figure is
+    missing."""
     rows = {}
     for fam, sides in results.items():
         row = {"geometry": FAMILIES[fam], **sizes[fam]}
@@ -155,6 +157,9 @@ def summarize(results: dict, sizes: dict, stat: str = "median") -> dict:
         rows[fam] = row
     base = rows.get("llama")
     for row in rows.values():
+        for f in ("pp", "tg"):
+            v, b = row.get(f"ratio_{f}"), base and base.get(f"ratio_{f}")
+            row[f"norm_{f}"] = v / b if v and b else None
         for side in ("ours", "llama"):
             for f in ("pp", "tg"):
                 v, b = row.get(f"{side}_{f}"), base and base.get(f"{side}_{f}")
@@ -191,18 +196,19 @@ def markdown(rows: dict, meta: dict) -> str:
            f"{meta.get('llama_version', '—')}; {meta['quant']}; {meta['date']}.", "",
            f"| family | geometry | file MB | weights MB/token | pp{n_p} localllm | "
            f"pp{n_p} llama.cpp | ratio | tg{n_g} localllm | tg{n_g} llama.cpp | ratio | "
-           "pp per weight byte vs llama (localllm / llama.cpp) | "
-           "tg per weight byte vs llama (localllm / llama.cpp) | other load (cores) |",
+           "per weight byte vs llama, localllm: pp / tg | same, llama.cpp: pp / tg | "
+           "ratio vs llama's ratio: pp / tg | other load, cores: localllm / llama.cpp |",
            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-           "| ---: |"]
+           "| ---: | ---: |"]
     for fam, r in rows.items():
         out.append(
             f"| {fam} | {r['geometry']} | {r['file_mb']:.0f} | {r['active_mb']:.0f} | "
             f"{_f(r.get('ours_pp'), '.1f')} | {_f(r.get('llama_pp'), '.1f')} | "
             f"{_f(r.get('ratio_pp'), '.2f')} | {_f(r.get('ours_tg'), '.2f')} | "
             f"{_f(r.get('llama_tg'), '.2f')} | {_f(r.get('ratio_tg'), '.2f')} | "
-            f"{_f(r.get('rel_ours_pp'), '.2f')} / {_f(r.get('rel_llama_pp'), '.2f')} | "
-            f"{_f(r.get('rel_ours_tg'), '.2f')} / {_f(r.get('rel_llama_tg'), '.2f')} | "
+            f"{_f(r.get('rel_ours_pp'), '.2f')} / {_f(r.get('rel_ours_tg'), '.2f')} | "
+            f"{_f(r.get('rel_llama_pp'), '.2f')} / {_f(r.get('rel_llama_tg'), '.2f')} | "
+            f"{_f(r.get('norm_pp'), '.2f')} / {_f(r.get('norm_tg'), '.2f')} | "
             f"{_f(r.get('ours_other_cores'), '.1f')} / {_f(r.get('llama_other_cores'), '.1f')} |")
     out += ["", *checks(rows)]
     errors = [f"- {fam} {side}: {r[side + '_error']}" for fam, r in rows.items()
@@ -220,6 +226,13 @@ def checks(rows: dict) -> list[str]:
            and r[f"rel_ours_{f}"] < MIN_RELATIVE]
     lines.append(f"Rule \"no family below {MIN_RELATIVE}x of llama's tok/s per weight byte\" "
                  f"(localllm): " + ("holds." if not low else "below: " + ", ".join(low) + "."))
+    slow = [f"{fam} ({f} {r[f'norm_{f}']:.2f})" for fam, r in rows.items()
+            for f in ("pp", "tg") if r.get(f"norm_{f}") is not None
+            and r[f"norm_{f}"] < MIN_RELATIVE]
+    lines.append(f"Against llama.cpp on the same file (the geometry's own cost cancelled): "
+                 + ("no family's ratio is below " + f"{MIN_RELATIVE}x llama's."
+                    if not slow else "below " + f"{MIN_RELATIVE}x llama's ratio: "
+                    + ", ".join(slow) + "."))
     for fam, r in rows.items():
         if r["total_mb"] > r["active_mb"] * 1.05 and r.get("rel_ours_tg") is not None:
             lines.append(
@@ -252,10 +265,22 @@ def main() -> None:
                     help="per side, the median or the best tok/s of the rounds (max: the "
                          "least disturbed run, on a machine shared with other jobs)")
     ap.add_argument("--markdown", help="write the table to this file")
+    ap.add_argument("--from-json", help="no runs: the table of a --json file written before")
     ap.add_argument("--json", help="write all runs and the summary to this file")
     a = ap.parse_args()
     if a.threads < 1 or a.rounds < 1 or a.n_prompt < 16 or a.n_gen < 1:
         ap.error("--threads, --rounds and --n-gen must be >= 1, --n-prompt >= 16")
+
+    if a.from_json:
+        saved = json.loads(Path(a.from_json).read_text())
+        sizes = {fam: {k: r[k] for k in ("file_mb", "active_mb", "total_mb")}
+                 for fam, r in saved["rows"].items()}
+        table = markdown(summarize(saved["runs"], sizes, saved["meta"].get("stat", "median")),
+                         saved["meta"])
+        print(table)
+        if a.markdown:
+            Path(a.markdown).write_text(table)
+        return
 
     from localllm.models.synthetic import synthetic_model
 

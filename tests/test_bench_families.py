@@ -67,9 +67,12 @@ def test_rows_are_relative_to_llama_per_weight_byte(bf):
     assert rows["qwen2"]["rel_llama_tg"] == pytest.approx(40 * 400 / (20 * 800))
     assert rows["qwen3moe"]["rel_ours_tg"] == pytest.approx(40 * 200 / (10 * 800))
     assert rows["qwen3moe"]["ratio_tg"] is None
+    # against llama.cpp: qwen2's ratio 15/40 over llama's 10/20
+    assert rows["qwen2"]["norm_tg"] == pytest.approx((15 / 40) / (10 / 20))
     lines = bf.checks(rows)
     assert "qwen2 (pp 0.75)" in lines[0] and "qwen2 (tg 0.75)" in lines[0]
-    assert "follows the active parameters" in lines[1] and "NOT" not in lines[1]
+    assert "qwen2 (pp 0.75)" in lines[1] and "qwen2 (tg 0.75)" in lines[1]  # pp: 0.625/0.833
+    assert "follows the active parameters" in lines[2] and "NOT" not in lines[2]
     meta = {"machine": "m", "threads": 2, "rounds": 1, "n_prompt": 512, "n_gen": 32,
             "quant": "Q4_K_M", "date": "d", "stat": "median"}
     table = bf.markdown(rows, meta)

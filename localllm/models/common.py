@@ -324,6 +324,10 @@ def apply_rope(
     return rotate(x, rope_angles(positions, inv_freq, scale), neox=neox)
 
 
+# Scores of at most this many bytes at a time in :func:`attend` (prefill's working set).
+ATTEND_CHUNK_BYTES = 8 << 20
+
+
 def attend(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -347,17 +351,26 @@ def attend(
     times faster on the CPU than torch's SDPA with a mask.
     """
     n_heads, t, hd = q.shape
-    n_kv = keys.shape[0]
+    n_kv, s = keys.shape[0], keys.shape[1]
     group = n_heads // n_kv
-    mask = attention_mask(q_positions, keys.shape[1] if k_positions is None else k_positions,
+    mask = attention_mask(q_positions, s if k_positions is None else k_positions,
                           window)  # (T, S)
     qg = q.reshape(n_kv, group * t, hd)  # (nkv, g*T, hd)
-    scores = torch.matmul(qg, keys.float().transpose(1, 2)) * scale  # (nkv, g*T, S)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.view(n_kv, group, t, -1).masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(n_kv, group * t, -1)
-    out = torch.matmul(probs, values.float())  # (nkv, g*T, hd)
+    # A long prompt's scores are large (32 heads x 512 x 512 x 4 bytes = 32 MiB): computed
+    # in place, and a KV head at a time beyond ATTEND_CHUNK_BYTES, so that prefill's
+    # working set stays small; each head's result is the same either way.
+    step = max(1, min(n_kv, ATTEND_CHUNK_BYTES // max(1, group * t * s * 4)))
+    out = torch.empty(n_kv, group * t, hd, dtype=torch.float32, device=q.device)
+    for h0 in range(0, n_kv, step):
+        h1 = min(n_kv, h0 + step)
+        scores = torch.matmul(qg[h0:h1], keys[h0:h1].float().transpose(1, 2))  # (n, g*T, S)
+        scores.mul_(scale)
+        if softcap is not None:
+            scores.div_(softcap).tanh_().mul_(softcap)
+        scores.view(h1 - h0, group, t, s).masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        del scores
+        torch.matmul(probs, values[h0:h1].float(), out=out[h0:h1])  # (n, g*T, hd)
     return out.view(n_heads, t, hd).transpose(0, 1).reshape(t, n_heads * hd)
 
 

@@ -176,20 +176,28 @@ def other_cases(arch: int) -> dict[str, tuple[Case, dict]]:
     from localllm.kernels.gemv import _quantize_q8_kernel
 
     out: dict[str, tuple[Case, dict]] = {}
-    for q in (T.Q4_K, T.Q6_K, T.Q8_0):
-        fmt = block_format(q)
-        from localllm.kernels.decode import GROUP_SIZES
+    from localllm.kernels.decode import GROUP_SIZES
+    from localllm.kernels.gemm import NUM_STAGES, WORD_TYPES
 
+    for q in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0):
+        fmt = block_format(q)
+        # Prefill GEMM as gemm() launches it for a prompt of > 64 rows: 128 x 64 x 64 tiles,
+        # 8 warps; bytes per step: the 64 x 64 weight tile. The main loop: the one with the
+        # tensor-core products.
         out[f"gemm/{q.name}"] = (Case(
             _gemm_kernel,
             {"x": "*fp16", "w": "*u8", "y": "*fp32", "M": "i32", "N": "i32", "K": "i32",
              "stride_xm": "i32", "stride_ym": "i32"},
             {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(q),
-             "G": GROUP_SIZES.get(q, 0), "BF16": False, "BLOCK_M": 64, "BLOCK_N": 64,
-             "BLOCK_K": 64},
-            arch=arch, aligned=("x", "w", "y", "N", "K", "stride_xm", "stride_ym")),
+             "G": GROUP_SIZES.get(q, 0), "BF16": False, "BLOCK_M": 128, "BLOCK_N": 64,
+             "BLOCK_K": 64, "WORDS": WORD_TYPES.get(int(q), 0), "EMULATE": False},
+            num_warps=8, num_stages=NUM_STAGES, arch=arch,
+            aligned=("x", "w", "y", "N", "K", "stride_xm", "stride_ym")),
             {"bytes_per_step": 64 * 64 * fmt.type_size // fmt.block_size, "marker": None,
-             "variant": "64x64x64"})  # fmt: skip
+             "loop_op": "HMMA",
+             "variant": f"128x64x64{'-words' if int(q) in WORD_TYPES else ''}"})  # fmt: skip
+        if q == T.Q5_K:  # dequantize: one K-quant of each layout family is enough
+            continue
         out[f"dequant/{q.name}"] = (Case(
             _dequant_kernel, {"data": "*u8", "out": "*fp16", "n_elements": "i32"},
             {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(q), "BLOCK": 1024},

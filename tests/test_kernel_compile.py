@@ -115,8 +115,12 @@ def _gemv(qtype: T, batch: int) -> Case:
     return Case(_gemv_kernel, types, constexprs, aligned=tuple(n for n in types if n != "B"))
 
 
-def _gemm(qtype: T, *, bf16: bool = False, grouped: bool = True, arch: int = 90) -> Case:
-    """gemm() with its default 64x64x64 tiles: X float16 (float32 with ``bf16``), Y float32."""
+def _gemm(qtype: T, *, bf16: bool = False, grouped: bool = True, arch: int = 90,
+          block_m: int = 128) -> Case:
+    """gemm() with its default tiles (block_m x 64 x 64; 128 rows: 8 warps): X float16
+    (float32 with ``bf16``), Y float32; Q4_K / Q5_K grouped take the word path."""
+    from localllm.kernels.gemm import NUM_STAGES, WORD_TYPES
+
     fmt = BLOCK_FORMATS[qtype]
     return Case(
         _gemm_kernel,
@@ -124,8 +128,9 @@ def _gemm(qtype: T, *, bf16: bool = False, grouped: bool = True, arch: int = 90)
          "K": "i32", "stride_xm": "i32", "stride_ym": "i32"},
         {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype),
          "G": GROUP_SIZES.get(qtype, 0) if grouped else 0, "BF16": bf16,
-         "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64},
-        arch=arch,
+         "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64,
+         "WORDS": WORD_TYPES.get(int(qtype), 0) if grouped else 0, "EMULATE": False},
+        num_warps=8 if block_m >= 128 else 4, num_stages=NUM_STAGES, arch=arch,
         aligned=("x", "w", "y", "N", "K", "stride_xm", "stride_ym"),  # M: any prompt length
     )  # fmt: skip
 
@@ -223,6 +228,8 @@ CASES = {
     **{f"gemv-{q.name}-b8": _gemv(q, 8) for q in KERNEL_TYPES},
     "gemv-Q4_K-b3": _gemv(T.Q4_K, 3),
     "gemm-Q4_K": _gemm(T.Q4_K),
+    "gemm-Q4_K-m64": _gemm(T.Q4_K, block_m=64),
+    "gemm-Q5_K-bf16": _gemm(T.Q5_K, bf16=True),
     "gemm-Q6_K": _gemm(T.Q6_K),
     "gemm-Q8_0-bf16": _gemm(T.Q8_0, bf16=True),
     "gemm-Q5_K-ungrouped": _gemm(T.Q5_K, grouped=False),

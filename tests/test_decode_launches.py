@@ -69,7 +69,6 @@ def test_llama_kernels_per_layer(tiny_model_path):
     per_layer = two.copy()
     per_layer.subtract(one)
     _check_layer(+per_layer, "llama")
-    assert sum(per_layer.values()) == 15  # what this branch reaches (the bound's value)
 
 
 def test_gemma3_kernels_per_layer(tiny_model_path, monkeypatch):

@@ -358,13 +358,17 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     (T, n_heads * hd) float32. A query with no visible key gives NaN, as ``attend``.
     """
     n_heads, t, hd = q.shape
+    n_kv = keys.shape[0]
+    group = n_heads // n_kv
     dt = keys.dtype
     mask = attention_mask(q_positions, keys.shape[1] if k_positions is None else k_positions,
                           window)  # (T, S)
-    out = F.scaled_dot_product_attention(q.to(dt)[None], keys[None], values.to(dt)[None],
-                                         attn_mask=mask, scale=scale,
-                                         enable_gqa=keys.shape[0] != n_heads)  # fmt: skip
-    return out[0].transpose(0, 1).reshape(t, n_heads * hd).float()
+    # A KV group's query heads as one longer query sequence (as attend does): no repeated
+    # K/V, and no enable_gqa, which with a mask sends SDPA to its quadratic math backend.
+    qg = q.to(dt).reshape(n_kv, group * t, hd)
+    out = F.scaled_dot_product_attention(qg[None], keys[None], values.to(dt)[None],
+                                         attn_mask=mask.repeat(group, 1), scale=scale)
+    return out[0].reshape(n_heads, t, hd).transpose(0, 1).reshape(t, n_heads * hd).float()
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -220,8 +220,8 @@ def fuse(parts: list[Linear]) -> Linear | Split:
 def prefill_in_bf16(model) -> None:
     """Make the prefill products of ``model``'s matrices (its own and its layers'
     :class:`Linear` and :class:`Split` attributes, the tied head included) run in bfloat16:
-    for models whose activations outgrow float16 (Gemma: the gated FFN products reach
-    1e5 and more), as llama.cpp keeps Gemma's CUDA activations out of float16."""
+    for models whose activations can outgrow float16's 65504 (Gemma: the gated FFN product,
+    the input of ``ffn_down``, is not normalized)."""
     for obj in [model, *getattr(model, "layers", [])]:
         for v in vars(obj).values():
             parts = v.parts if isinstance(v, Split) else [v.head] if isinstance(v, Embedding) \

@@ -66,9 +66,7 @@ from dataclasses import dataclass
 
 import triton
 from gguf import GGMLQuantizationType as T
-
-from localllm.kernels import block_format
-from localllm.kernels import _aot
+from localllm.kernels import _aot, block_format
 from localllm.kernels._aot import Case
 
 
@@ -119,8 +117,12 @@ def decode_gemv_case(qtype: T, n: int, k: int, arch: int) -> tuple[Case, dict]:
     loop step, per-step marker."""
     from localllm.kernels import PLANES
     from localllm.kernels.decode import GROUP_SIZES, MMVQ32_TYPES, MMVQ_TYPES
-    from localllm.kernels.gemv import (_gemv1_kernel, _mmvq32_kernel, _mmvq_kernel,
-                                       mmvq_config)  # fmt: skip
+    from localllm.kernels.gemv import (
+        _gemv1_kernel,
+        _mmvq32_kernel,
+        _mmvq_kernel,
+        mmvq_config,  # fmt: skip
+    )
 
     fmt = block_format(qtype)
     layout = "planes" if qtype in PLANES else "blocks"
@@ -192,28 +194,35 @@ def decode_gemv_case(qtype: T, n: int, k: int, arch: int) -> tuple[Case, dict]:
 def other_cases(arch: int) -> dict[str, tuple[Case, dict]]:
     """Prefill GEMM, dequantize, activation quantization and decode attention (one shape
     each: their code does not depend on the matrix shape)."""
+    from localllm.kernels import PLANES
     from localllm.kernels.attention import attention_case, default_block_s
+    from localllm.kernels.decode import GROUP_SIZES
     from localllm.kernels.dequant import _dequant_kernel
-    from localllm.kernels.gemm import _gemm_kernel
+    from localllm.kernels.gemm import NUM_STAGES, WORD_TYPES, _gemm_kernel
     from localllm.kernels.gemv import _quantize_q8_kernel
 
-    from localllm.kernels import PLANES
-    from localllm.kernels.decode import GROUP_SIZES
-
     out: dict[str, tuple[Case, dict]] = {}
-    for q in (T.Q4_K, T.Q6_K, T.Q8_0):  # Q6_K, Q8_0: from planes, as a loaded model keeps them
-        fmt = block_format(q)
 
+    for q in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0):
+        fmt = block_format(q)
+        # Prefill GEMM as gemm() launches it for a prompt of > 64 rows: 128 x 64 x 64 tiles,
+        # 8 warps; bytes per step: the 64 x 64 weight tile. The main loop: the one with the
+        # tensor-core products.
         out[f"gemm/{q.name}"] = (Case(
             _gemm_kernel,
             {"x": "*fp16", "w": "*u8", "y": "*fp32", "M": "i32", "N": "i32", "K": "i32",
              "stride_xm": "i32", "stride_ym": "i32"},
             {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(q),
-             "G": GROUP_SIZES.get(q, 0), "BF16": False, "BLOCK_M": 64, "BLOCK_N": 64,
-             "BLOCK_K": 64, "PLANES": q in PLANES},
-            arch=arch, aligned=("x", "w", "y", "N", "K", "stride_xm", "stride_ym")),
+             "G": GROUP_SIZES.get(q, 0), "BF16": False, "BLOCK_M": 128, "BLOCK_N": 64,
+             "BLOCK_K": 64, "WORDS": WORD_TYPES.get(int(q), 0), "EMULATE": False,
+             "PLANES": q in PLANES},
+            num_warps=8, num_stages=NUM_STAGES, arch=arch,
+            aligned=("x", "w", "y", "N", "K", "stride_xm", "stride_ym")),
             {"bytes_per_step": 64 * 64 * fmt.type_size // fmt.block_size, "marker": None,
-             "variant": "64x64x64"})  # fmt: skip
+             "loop_op": "HMMA",
+             "variant": f"128x64x64{'-words' if int(q) in WORD_TYPES else ''}"})  # fmt: skip
+        if q == T.Q5_K:  # dequantize: one K-quant of each layout family is enough
+            continue
         out[f"dequant/{q.name}"] = (Case(
             _dequant_kernel, {"data": "*u8", "out": "*fp16", "n_elements": "i32"},
             {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(q), "BLOCK": 1024,

@@ -118,19 +118,22 @@ def test_counter_counts_torch_kernels_and_skips_views():
 
 @pytest.mark.parametrize(("arch", "kv"), [("gemma3", torch.float32), ("llama", torch.float32),
                                           ("gemma2", torch.float16)])
-def test_kernel_ops_match_torch_ops_across_ring_wrap(tiny_model_path, monkeypatch, arch, kv):
+def test_kernel_ops_match_torch_ops_across_ring_wrap(tiny_model_path, monkeypatch, arch, kv,
+                                                     device):
     """Decode on the Triton ops (the fused QKV epilogue, tensor-core attention, fused norms)
     against the torch ops (``rms_norm``, ``rotate``, the caches' ``update``, ``attend``) on
     the same float32 weights, token by token, in the static step (what CUDA graphs capture)
     and eagerly, while gemma's rings (12 cells, window 8) wrap; gemma2 adds soft-capping and
     float16 caches (CUDA's KV type)."""
     from localllm.models import cache as cache_mod
-    from localllm.models.common import KernelOps
+    from localllm.models.common import KernelOps, TorchOps
 
     monkeypatch.setattr(runtime, "RING_SLACK", 4)
     monkeypatch.setattr(cache_mod, "kv_dtype", lambda device: kv)
     path = tiny_model_path(arch, n_layers=2)
-    ref = load_model(path, device="cpu", progress=False, dtype=torch.float32, backend="torch")
+    ref = load_model(path, device=device.type, progress=False, dtype=torch.float32,
+                     backend="torch")
+    ref.model.ops = TorchOps()
     ids = [(7 * i + 3) % (ref.tokenizer.n_vocab - 4) + 4 for i in range(20)]
     s = Session(ref, ctx_size=64)
     s.eval(ids[:3])
@@ -142,3 +145,24 @@ def test_kernel_ops_match_torch_ops_across_ring_wrap(tiny_model_path, monkeypatc
         s.eval(ids[:3])
         got = torch.stack([s.eval([t]) for t in ids[3:]])
         assert ((got - want).abs().max() / want.abs().max()) < tol, static
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_kernels_per_layer_on_cuda(tiny_model_path, arch, device):
+    """The same count on a GPU, kernels run (what the CUDA graph captures)."""
+    if device.type != "cuda":
+        pytest.skip("needs a GPU")
+    counts = []
+    for n_layers in (1, 2):
+        path = tiny_model_path(arch, qtype=Q8, n_layers=n_layers)
+        m = load_model(path, device="cuda", progress=False, backend="triton")
+        s = Session(m, ctx_size=64, static_decode=False)
+        s.eval([10, 11, 12])
+        s.eval([13])  # compiles the decode kernels outside the count
+        with LaunchCounter() as counter:
+            s.eval([14])
+        counts.append(counter.launches)
+    per_layer = counts[1].copy()
+    per_layer.subtract(counts[0])
+    _check_layer(+per_layer, f"{arch} on CUDA")

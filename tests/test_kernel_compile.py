@@ -23,10 +23,9 @@ kernels = pytest.importorskip("localllm.kernels")
 if not kernels.triton_available():
     pytest.skip("Triton is not installed", allow_module_level=True)
 
-from localllm.kernels import _aot
+from localllm.kernels import PLANES, _aot
 from localllm.kernels._aot import Case
 from localllm.kernels.attention import _decode_attention_kernel, attention_case
-from localllm.kernels import PLANES
 from localllm.kernels.decode import GROUP_SIZES, KERNEL_TYPES, MMVQ32_TYPES, MMVQ_TYPES
 from localllm.kernels.dequant import _dequant_kernel
 from localllm.kernels.fused import (
@@ -130,17 +129,23 @@ def _gemv(qtype: T, batch: int, planes: bool = False) -> Case:
 
 
 def _gemm(qtype: T, *, bf16: bool = False, grouped: bool = True, arch: int = 90,
-          planes: bool = False) -> Case:  # fmt: skip
-    """gemm() with its default 64x64x64 tiles: X float16 (float32 with ``bf16``), Y float32."""
-    fmt = kernels.block_format(qtype)
+          block_m: int = 128, planes: bool = False) -> Case:
+    """gemm() with its default tiles (block_m x 64 x 64; 128 rows: 8 warps): X float16
+    (float32 with ``bf16``), Y float32; Q4_K / Q5_K grouped take the word path; ``planes``:
+    the weights in the planes layout."""
+    from localllm.kernels.gemm import NUM_STAGES, WORD_TYPES
+
+    fmt = BLOCK_FORMATS[qtype]
     return Case(
         _gemm_kernel,
         {"x": "*fp32" if bf16 else "*fp16", "w": "*u8", "y": "*fp32", "M": "i32", "N": "i32",
          "K": "i32", "stride_xm": "i32", "stride_ym": "i32"},
         {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype),
          "G": GROUP_SIZES.get(qtype, 0) if grouped else 0, "BF16": bf16,
-         "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "PLANES": planes},
-        arch=arch,
+         "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64,
+         "WORDS": WORD_TYPES.get(int(qtype), 0) if grouped and not planes else 0,
+         "EMULATE": False, "PLANES": planes},
+        num_warps=8 if block_m >= 128 else 4, num_stages=NUM_STAGES, arch=arch,
         aligned=("x", "w", "y", "N", "K", "stride_xm", "stride_ym"),  # M: any prompt length
     )  # fmt: skip
 
@@ -253,6 +258,8 @@ CASES = {
     **{f"gemv-{q.name}-b8": _gemv(q, 8) for q in KERNEL_TYPES},
     "gemv-Q4_K-b3": _gemv(T.Q4_K, 3),
     "gemm-Q4_K": _gemm(T.Q4_K),
+    "gemm-Q4_K-m64": _gemm(T.Q4_K, block_m=64),
+    "gemm-Q5_K-bf16": _gemm(T.Q5_K, bf16=True),
     "gemm-Q6_K": _gemm(T.Q6_K),
     "gemm-Q8_0-bf16": _gemm(T.Q8_0, bf16=True),
     "gemm-Q5_K-ungrouped": _gemm(T.Q5_K, grouped=False),

@@ -127,13 +127,15 @@ class Loader:
         return Experts(list(self.dense(name).unbind(0)))
 
 
-def matmul(x: torch.Tensor, w) -> torch.Tensor:
+def matmul(x: torch.Tensor, w, *, bf16: bool = False) -> torch.Tensor:
     """x @ w.T for a weight (out, in): the one place a matrix product is dispatched.
 
     ``w`` is a dense tensor (float16 on CPU: GEMV in float16 for few rows, float32 GEMM for
     many, see the module docstring), a ``localllm.cpu.PackedWeight`` (native CPU kernels:
     GEMV from the blocks, tiled dequant + GEMM for prefill) or a
     ``localllm.kernels.QuantWeight`` (Triton dequant GEMV / GEMM). x: (T, in) float32 -> (T, out) float32.
+    ``bf16``: the Triton GEMM (prefill) multiplies in bfloat16 instead of float16, for
+    activations beyond float16's range (65504; Gemma's, see :func:`prefill_in_bf16`).
     """
     if isinstance(w, torch.Tensor):
         if x.shape[0] <= GEMV_MAX_ROWS or w.device.type != "cpu":
@@ -146,8 +148,10 @@ def matmul(x: torch.Tensor, w) -> torch.Tensor:
     from localllm.kernels import GEMV_MAX_ROWS as KERNEL_GEMV_ROWS
     from localllm.kernels import quant_linear
 
-    xin = x if x.shape[0] <= KERNEL_GEMV_ROWS else x.half()
-    return quant_linear(xin, w, out_dtype=torch.float32)
+    if x.shape[0] <= KERNEL_GEMV_ROWS:
+        return quant_linear(x, w, out_dtype=torch.float32)
+    # bfloat16: the kernel rounds the float32 tiles it loads (no float16 copy to overflow).
+    return quant_linear(x if bf16 else x.half(), w, out_dtype=torch.float32, bf16=bf16)
 
 
 class Linear:
@@ -155,7 +159,10 @@ class Linear:
 
     With ``sizes`` the weight holds several projections of the same input stacked by rows
     (fused Q/K/V or gate/up, see :func:`fuse`) and the call returns one output per part.
+    ``bf16``: prefill products in bfloat16 (see :func:`matmul`).
     """
+
+    bf16 = False
 
     def __init__(self, weight, bias: torch.Tensor | None = None,
                  sizes: list[int] | None = None) -> None:
@@ -169,7 +176,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor):
         """x: (T, in) float32 -> (T, out) float32, or a tuple of (T, out_i) with ``sizes``."""
-        y = matmul(x, self.weight)
+        y = matmul(x, self.weight, bf16=self.bf16)
         if self.bias is not None:
             y = y + self.bias
         return y if self.sizes is None else y.split(self.sizes, dim=-1)
@@ -213,6 +220,20 @@ def fuse(parts: list[Linear]) -> Linear | Split:
         return Linear(QuantWeight(fused.data, fused.qtype, fused.shape, layout=fused.layout),
                       bias, sizes)
     return Split(parts)
+
+
+def prefill_in_bf16(model) -> None:
+    """Make the prefill products of ``model``'s matrices (its own and its layers'
+    :class:`Linear` and :class:`Split` attributes, the tied head included) run in bfloat16:
+    for models whose activations can outgrow float16's 65504 (Gemma: the gated FFN product,
+    the input of ``ffn_down``, is not normalized)."""
+    for obj in [model, *getattr(model, "layers", [])]:
+        for v in vars(obj).values():
+            parts = v.parts if isinstance(v, Split) else [v.head] if isinstance(v, Embedding) \
+                else [v]  # fmt: skip
+            for lin in parts:
+                if isinstance(lin, Linear):
+                    lin.bf16 = True
 
 
 class Experts:
@@ -374,6 +395,30 @@ def attend(
     return out.view(n_heads, t, hd).transpose(0, 1).reshape(t, n_heads * hd)
 
 
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      q_positions: torch.Tensor, k_positions: torch.Tensor | None, *,
+                      window: int | None, scale: float) -> torch.Tensor:
+    """:func:`attend` (no soft-capping) in the cache's dtype through torch's fused
+    ``scaled_dot_product_attention`` (float16 on CUDA: its memory-efficient kernel, after
+    Rabe & Staats 2021; float32 accumulation), with no float32 copies of the keys and values.
+
+    q: (n_heads, T, hd) float32; keys/values: (n_kv_heads, S, hd) float16/float32 ->
+    (T, n_heads * hd) float32. A query with no visible key gives NaN, as ``attend``.
+    """
+    n_heads, t, hd = q.shape
+    n_kv = keys.shape[0]
+    group = n_heads // n_kv
+    dt = keys.dtype
+    mask = attention_mask(q_positions, keys.shape[1] if k_positions is None else k_positions,
+                          window)  # (T, S)
+    # A KV group's query heads as one longer query sequence (as attend does): no repeated
+    # K/V, and no enable_gqa, which with a mask sends SDPA to its quadratic math backend.
+    qg = q.to(dt).reshape(n_kv, group * t, hd)
+    out = F.scaled_dot_product_attention(qg[None], keys[None], values.to(dt)[None],
+                                         attn_mask=mask.repeat(group, 1), scale=scale)
+    return out[0].reshape(n_heads, t, hd).transpose(0, 1).reshape(t, n_heads * hd).float()
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU, tanh approximation (Hendrycks & Gimpel 2016), as Gemma's FFN uses it."""
     return F.gelu(x, approximate="tanh")
@@ -483,7 +528,8 @@ class KernelOps(TorchOps):
     kernels (:mod:`localllm.kernels.fused`), and flash-decoding attention for one-token steps
     (:func:`localllm.kernels.decode_attention`), which reads only the visible part of a
     cache; a decode token's QK-norm, RoPE and cache write are one more launch
-    (:func:`localllm.kernels.norm_rope_kv`). Prefill attention stays :func:`attend`."""
+    (:func:`localllm.kernels.norm_rope_kv`). Prefill attention is torch's fused SDPA in the
+    cache's dtype (:func:`prefill_attention`), :func:`attend` only with soft-capping."""
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -541,9 +587,13 @@ class KernelOps(TorchOps):
 
     def attention(self, q, k, v, cache, pos, positions, *, scale: float,
                   softcap: float | None = None) -> torch.Tensor:
-        if q.shape[1] != 1:
+        if q.shape[1] != 1 and softcap is not None:  # SDPA has no soft-capping
             return super().attention(q, k, v, cache, pos, positions, scale=scale,
                                      softcap=softcap)
+        if q.shape[1] != 1:
+            keys, values, k_pos = cache.update(pos, k, v)
+            return prefill_attention(q, keys, values, positions, k_pos, window=cache.window,
+                                     scale=scale)
         from localllm.kernels import decode_attention
 
         keys, values, k_pos = cache.update(pos, k, v)

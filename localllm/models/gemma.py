@@ -37,7 +37,7 @@ from .base import (
     TensorSpec,
     common_hparams,
 )
-from .common import positions_of, rope_inv_freq
+from .common import positions_of, prefill_in_bf16, rope_inv_freq
 
 SWA_PATTERN = {"gemma": 0, "gemma2": 2, "gemma3": 6}  # every n-th layer global; 0: no SWA
 LAYERS_27B = {"gemma2": 46, "gemma3": 62}
@@ -147,6 +147,7 @@ class Model(BaseModel):
         self.inv_freq_global = rope_inv_freq(a.head_dim, a.rope_base, device=self.device)
         base_swa = a.rope_base_swa if a.arch == "gemma3" else a.rope_base
         self.inv_freq_local = rope_inv_freq(a.head_dim, base_swa, device=self.device)
+        prefill_in_bf16(self)  # Gemma's activations outgrow float16
 
     def forward(
         self,

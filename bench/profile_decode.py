@@ -35,7 +35,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(a.threads)
-    import localllm.cpu as cpu
+    from localllm import cpu
     from localllm.runtime.session import Session, load_model
 
     path = a.model

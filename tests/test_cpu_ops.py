@@ -18,7 +18,7 @@ import pytest
 import torch
 from families import FAMILIES, sha256, write_family
 
-import localllm.cpu as cpu
+from localllm import cpu
 from localllm.models.cache import KVCache, RingKVCache
 from localllm.models.common import NativeOps, TorchOps, rope_inv_freq
 from localllm.runtime.session import Session, load_model
@@ -121,7 +121,7 @@ def test_decode_attention_steps(kind, nh, nkv, hd, neox, qk_norm, softcap):
     qn = torch.randn(hd, generator=g) + 1 if qk_norm else None
     kn = torch.randn(hd, generator=g) + 1 if qk_norm else None
     inv = rope_inv_freq(hd, 10_000.0)
-    kw = dict(head_dim=hd, neox=neox, scale=hd ** -0.5, softcap=softcap)
+    kw = {"head_dim": hd, "neox": neox, "scale": hd ** -0.5, "softcap": softcap}
 
     def step(pos: int, t: int):
         qkv = torch.randn(t, (nh + 2 * nkv) * hd, generator=g) * 3
@@ -169,7 +169,7 @@ def test_decode_attention_after_truncate_before_wrap():
         q, k, v = (torch.randn(1, 16, generator=g) for _ in range(3))
         p = torch.tensor([pos])
         cs = TORCH.rope_angles(p, inv)
-        kw = dict(head_dim=16, neox=True, scale=0.25)
+        kw = {"head_dim": 16, "neox": True, "scale": 0.25}
         close(NATIVE.self_attention(q, k, v, None, None, 1e-6, cs, c_nat, pos, p, **kw),
               TORCH.self_attention(q, k, v, None, None, 1e-6, cs, c_ref, pos, p, **kw),
               rtol=1e-5, atol=1e-5)

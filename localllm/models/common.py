@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -494,7 +495,7 @@ class NativeOps(TorchOps):
     exp and tanh from the kernels' own polynomials): ``tests/test_cpu_ops.py``.
     """
 
-    ACT = {"silu": 0, "gelu_tanh": 1}  # the kernel's activation codes
+    ACT: ClassVar[dict[str, int]] = {"silu": 0, "gelu_tanh": 1}  # the kernel's codes
     FEW = 8  # steps of up to this many tokens attend natively (decode, small batches)
 
     def __init__(self) -> None:

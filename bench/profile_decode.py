@@ -7,8 +7,10 @@ Loads the model (default: the registry's ``gemma3-270m``) on the CPU, prefills
 steps (``Session.eval([tok])``) and replays the step's matrix products alone (the
 ``localllm.cpu.qmatmul`` calls of one step recorded once, same inputs, same weights).
 Printed in ms/token, medians over the rounds (interleaved, so a shared machine's load hits
-both alike): the step, its GEMVs, and the rest (norms, RoPE, attention, residual adds,
-activations, the KV write, the logits' argmax and the Python between them). ``--ops torch``
+both alike), in process CPU time (steadier than wall time when other jobs share the cores;
+with several threads it includes their spinning) and in wall time: the step, its GEMVs,
+and the rest (norms, RoPE, attention, residual adds, activations, the KV write, the
+logits' argmax and the Python between them). ``--ops torch``
 runs the torch compositions (``TorchOps``) around the same GEMVs instead of the fused native
 ops (``NativeOps``). ``--profile`` adds torch.profiler's operator table over one round.
 """
@@ -35,7 +37,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(a.threads)
-    import localllm.cpu as cpu
+    from localllm import cpu
     from localllm.runtime.session import Session, load_model
 
     path = a.model
@@ -70,21 +72,27 @@ def main() -> None:
         for x, w, kw in calls:
             real(x, w, **kw)
 
+    def timed(fn) -> tuple[float, float]:  # (wall, process CPU) ms per step
+        w0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(a.steps):
+            fn()
+        return ((time.perf_counter() - w0) / a.steps * 1e3,
+                (time.process_time() - c0) / a.steps * 1e3)
+
+    def step():
+        nonlocal tok
+        tok = int(s.eval([tok]).argmax())
+
     steps, gemvs = [], []
     for _ in range(a.rounds):
-        t0 = time.perf_counter()
-        for _ in range(a.steps):
-            tok = int(s.eval([tok]).argmax())
-        steps.append((time.perf_counter() - t0) / a.steps * 1e3)
-        t0 = time.perf_counter()
-        for _ in range(a.steps):
-            replay()
-        gemvs.append((time.perf_counter() - t0) / a.steps * 1e3)
-    step, gemv = statistics.median(steps), statistics.median(gemvs)
-    rest = statistics.median(x - y for x, y in zip(steps, gemvs))
+        steps.append(timed(step))
+        gemvs.append(timed(replay))
     print(f"backend {m.backend}, ops {type(m.model.ops).__name__}, {a.threads} thread(s), "
           f"{len(calls)} products per step, medians of {a.rounds} rounds of {a.steps} steps")
-    print(f"  decode step {step:6.2f} ms/token   GEMVs {gemv:6.2f}   rest {rest:6.2f}")
+    for i, what in ((1, "CPU time"), (0, "wall")):  # CPU time: steadier on a shared machine
+        st, gv = statistics.median(x[i] for x in steps), statistics.median(x[i] for x in gemvs)
+        rest = statistics.median(x[i] - y[i] for x, y in zip(steps, gemvs))
+        print(f"  {what:8}: decode step {st:6.2f} ms/token   GEMVs {gv:6.2f}   rest {rest:6.2f}")
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from families import FAMILIES, sha256, write_family
 
-import localllm.cpu as cpu
+from localllm import cpu
 from localllm.models.cache import KVCache, RingKVCache
 from localllm.models.common import NativeOps, TorchOps, rope_inv_freq
 from localllm.runtime.session import Session, load_model
@@ -111,21 +111,24 @@ def caches(kind: str, nkv: int, hd: int):
     (4, 2, 20, True, True, None),        # head_dim not a multiple of the vector width
 ])
 def test_decode_attention_steps(kind, nh, nkv, hd, neox, qk_norm, softcap):
-    """A prefill then one-token steps past the ring's size (it wraps): outputs, cache
-    contents and cell positions match the torch path at every step."""
+    """A prefill, then one- and few-token steps past the ring's size (it wraps): outputs,
+    cache contents and cell positions match the torch path at every step."""
     g = gen(nh * hd + nkv)
     c_nat, c_ref = caches(kind, nkv, hd)
+    native, steps = NativeOps(), []  # the step sizes the native attention took
+    kernel = native._attn_decode
+    native._attn_decode = lambda *args: steps.append(args[0].shape[0]) or kernel(*args)
     qn = torch.randn(hd, generator=g) + 1 if qk_norm else None
     kn = torch.randn(hd, generator=g) + 1 if qk_norm else None
     inv = rope_inv_freq(hd, 10_000.0)
-    kw = dict(head_dim=hd, neox=neox, scale=hd ** -0.5, softcap=softcap)
+    kw = {"head_dim": hd, "neox": neox, "scale": hd ** -0.5, "softcap": softcap}
 
     def step(pos: int, t: int):
         qkv = torch.randn(t, (nh + 2 * nkv) * hd, generator=g) * 3
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         positions = torch.arange(pos, pos + t)
         cs = TORCH.rope_angles(positions, inv)
-        out = NATIVE.self_attention(q, k, v, qn, kn, 1e-6, cs, c_nat, pos, positions, **kw)
+        out = native.self_attention(q, k, v, qn, kn, 1e-6, cs, c_nat, pos, positions, **kw)
         ref = TORCH.self_attention(q, k, v, qn, kn, 1e-6, cs, c_ref, pos, positions, **kw)
         close(out, ref, rtol=1e-5, atol=1e-5)
         assert c_nat.n == c_ref.n
@@ -135,15 +138,23 @@ def test_decode_attention_steps(kind, nh, nkv, hd, neox, qk_norm, softcap):
             assert torch.equal(c_nat.positions, c_ref.positions)
             assert c_nat.linear == c_ref.linear
 
-    step(0, 3)  # prefill: the torch attention on both sides
-    for pos in range(3, 30):
-        step(pos, 1)
+    step(0, 3)
+    pos = 3
+    for t in [1, 2, 1, 3, 1, 1, 8, 1, 2, 1, 4, 1, 1, 1]:  # one-token and few-token steps
+        step(pos, t)
+        pos += t
+    step(pos, 12)  # a longer step (prefill): the torch attention on both sides
+    pos += 12
     if kind == "ring":
         assert not c_nat.linear  # the ring wrapped: steps masked by the cells' positions
-        c_nat.truncate(27)  # a rollback: cells past 26 emptied (-1), then written again
-        c_ref.truncate(27)
-        for pos in range(27, 31):
-            step(pos, 1)
+        c_nat.truncate(pos - 3)  # a rollback: the last cells emptied (-1), then written again
+        c_ref.truncate(pos - 3)
+        pos -= 3
+    for t in [1, 1, 2, 1]:  # several tokens in a wrapped ring: update() does it
+        step(pos, t)
+        pos += t
+    assert steps.count(1) >= 10 and 12 not in steps
+    assert {2, 3, 8} <= set(steps) if kind == "full" else {2, 3} <= set(steps)
 
 
 def test_decode_attention_after_truncate_before_wrap():
@@ -158,7 +169,7 @@ def test_decode_attention_after_truncate_before_wrap():
         q, k, v = (torch.randn(1, 16, generator=g) for _ in range(3))
         p = torch.tensor([pos])
         cs = TORCH.rope_angles(p, inv)
-        kw = dict(head_dim=16, neox=True, scale=0.25)
+        kw = {"head_dim": 16, "neox": True, "scale": 0.25}
         close(NATIVE.self_attention(q, k, v, None, None, 1e-6, cs, c_nat, pos, p, **kw),
               TORCH.self_attention(q, k, v, None, None, 1e-6, cs, c_ref, pos, p, **kw),
               rtol=1e-5, atol=1e-5)

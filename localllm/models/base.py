@@ -282,7 +282,8 @@ class BaseModel:
         layers: one :class:`Layer` per block (``args.n_layers``).
         token_embd, output_norm, output: set by :func:`bind` (``output`` is the embedding's
             tied head when the file has no ``output.weight``).
-        ops: :class:`~localllm.models.common.TorchOps` or ``KernelOps``, from the device.
+        ops: :class:`~localllm.models.common.TorchOps`, ``KernelOps`` (Triton) or
+            ``NativeOps`` (native CPU kernels), from the device and backend.
     """
 
     # Projections of one input fused at bind time: fused name -> part stems.

@@ -73,16 +73,16 @@ class KVCache:
         self.n = end
         return self.k[:, :end], self.v[:, :end], None
 
-    def decode_slot(self, pos: int) -> tuple[int, int, torch.Tensor | None]:
-        """The bookkeeping of a one-token :meth:`update` at ``pos`` whose write the caller
-        does itself (the native CPU decode step, :class:`~localllm.models.common.NativeOps`).
+    def decode_slot(self, pos: int, t: int = 1) -> tuple[int, int, torch.Tensor | None]:
+        """The bookkeeping of an :meth:`update` of ``t`` tokens at ``pos`` whose writes the
+        caller does itself (the native CPU step, :class:`~localllm.models.common.NativeOps`).
 
-        Returns (slot, live, positions): the cell to write, the number of leading cells to
-        attend over (the new one included), and the per-cell positions tensor to update at
-        ``slot`` (None here: cell j holds position j).
+        Returns (slot, live, positions): the new tokens go to cells slot .. slot+t-1, the
+        queries attend over the first ``live`` cells (the new ones included), and cell
+        positions are None here (cell j holds position j).
         """
-        self.n = pos + 1
-        return pos, pos + 1, None
+        self.n = pos + t
+        return pos, pos + t, None
 
     def written(self, pos: int | torch.Tensor):
         """After a kernel stored one token's k/v at slot ``pos`` on the device
@@ -180,20 +180,25 @@ class RingKVCache:
         self.n = pos + t
         return keys, values, positions
 
-    def decode_slot(self, pos: int) -> tuple[int, int, torch.Tensor]:
-        """The bookkeeping of a one-token :meth:`update` at ``pos`` whose write the caller
-        does itself (the native CPU decode step, :class:`~localllm.models.common.NativeOps`).
+    def decode_slot(self, pos: int, t: int = 1) -> tuple[int, int, torch.Tensor] | None:
+        """The bookkeeping of an :meth:`update` of ``t`` tokens at ``pos`` whose writes the
+        caller does itself (the native CPU step, :class:`~localllm.models.common.NativeOps`).
 
-        Returns (slot, live, positions): the cell to write, the number of leading cells to
-        attend over (the live prefix before the ring wraps, the whole ring after), and
-        :attr:`positions`, where the caller stores ``pos`` at ``slot``; cells whose position
-        is -1, after ``pos`` or outside the window must be masked.
+        Returns (slot, live, positions): the new tokens go to cells slot .. slot+t-1, the
+        queries attend over the first ``live`` cells (the live prefix before the ring wraps,
+        the whole ring after), and the caller stores the new positions in
+        :attr:`positions` at those cells; cells whose position is -1, after the query's or
+        outside the window are masked. None (nothing changed) for several tokens once the
+        ring has wrapped: their cells are not contiguous and the oldest ones are still
+        visible to the first queries, so :meth:`update` must do it.
         """
-        if pos + 1 > self.size:
-            self.linear = False
-        self.n = pos + 1
-        if self.linear:
-            return pos, pos + 1, self.positions
+        linear = self.linear and pos + t <= self.size
+        if not linear and t > 1:
+            return None
+        self.linear = linear
+        self.n = pos + t
+        if linear:
+            return pos, pos + t, self.positions
         return pos % self.size, self.size, self.positions
 
     def written(self, pos: int | torch.Tensor):

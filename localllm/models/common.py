@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -605,15 +606,17 @@ class NativeOps(TorchOps):
     """The native CPU kernels (backend ``native``; ``localllm/cpu/csrc/ops.cpp``), float32:
     RMSNorm, the residual add with the next pre-norm (and Gemma's post-norm), QK-norm with
     RoPE, and the gated activation (SiLU, GELU-tanh) in one native call each, for any number
-    of rows; a one-token step's whole attention (QK-norm and RoPE of q and k, the KV-cache
-    write, grouped-query attention over the live cells with the window and soft-capping
-    masks) in one call. Several-token attention (prefill) stays :func:`attend`.
+    of rows; the whole attention of a step of up to :attr:`FEW` tokens (QK-norm and RoPE of
+    q and k, the KV-cache write, grouped-query attention over the live cells with the
+    causal, window and soft-capping masks) in one call. Longer steps (prefill) attend with
+    :func:`attend` (torch's batched products).
 
     Each agrees with the torch composition it replaces to float32 rounding (summation order;
     exp and tanh from the kernels' own polynomials): ``tests/test_cpu_ops.py``.
     """
 
-    ACT = {"silu": 0, "gelu_tanh": 1}  # the kernel's activation codes
+    ACT: ClassVar[dict[str, int]] = {"silu": 0, "gelu_tanh": 1}  # the kernel's codes
+    FEW = 8  # steps of up to this many tokens attend natively (decode, small batches)
 
     def __init__(self) -> None:
         from ..cpu import available
@@ -645,14 +648,17 @@ class NativeOps(TorchOps):
 
     def self_attention(self, q, k, v, q_norm, k_norm, eps, angles, cache, pos, positions, *,
                        head_dim, neox, scale, softcap=None):
-        if q.shape[0] != 1 or isinstance(pos, torch.Tensor) or cache.k.dtype != torch.float32:
+        t = q.shape[0]
+        where = None
+        if t <= self.FEW and isinstance(pos, int) and cache.k.dtype == torch.float32:
+            where = cache.decode_slot(pos, t)
+        if where is None:  # prefill, static decode, or a wrapped ring: the torch attention
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
                                           positions, head_dim=head_dim, neox=neox,
                                           scale=scale, softcap=softcap)
-        slot, live, k_pos = cache.decode_slot(pos)
+        slot, live, k_pos = where
         cos, sin = angles
-        return self._attn_decode(q.contiguous(), k.contiguous(), v.contiguous(), q_norm,
-                                 k_norm, eps, cos, sin, neox, cache.k, cache.v,
+        return self._attn_decode(q, k, v, q_norm, k_norm, eps, cos, sin, neox, cache.k, cache.v,
                                  self._no_positions if k_pos is None else k_pos, slot, live,
                                  pos, cache.window or 0, scale, softcap or 0.0)
 

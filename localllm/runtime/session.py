@@ -129,7 +129,7 @@ def load_gguf(gguf: GGUFFile, *, device: str = "auto", progress: bool | None = N
         progress = sys.stderr.isatty()
     model = arch.Model(args)
     # The Triton element-wise kernels on CUDA, and wherever the Triton backend was asked for
-    # (on the CPU: Triton's interpreter, for tests).
+    # (on the CPU: Triton's interpreter, for tests); the native CPU ops with the native backend.
     ops = KernelOps() if quantized else default_ops(dev, native=native)
     with _load_progress(gguf, enabled=progress) as advance:
         fallbacks = bind(model, gguf, dev, dtype=dtype, quantized=quantized, native=native,

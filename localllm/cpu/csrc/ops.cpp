@@ -7,9 +7,11 @@
 //   norm_rope(x, w, eps, cos, sin, neox) -> y      RoPE of [rms_norm](x), x (H, T, D)
 //   attn_decode(q, k, v, q_norm, k_norm, eps, cos, sin, neox,
 //               k_cache, v_cache, k_pos, slot, live, pos, window, scale, softcap) -> o
-//       one token's attention step: QK-norm + RoPE of q and k, k and v written into the
-//       cache cell `slot` (and `pos` into k_pos), then grouped-query attention of q over the
-//       first `live` cells (masked by their positions: empty, future, or outside the window).
+//       the attention step of T new tokens at positions pos .. pos+T-1 (decode: T = 1; a few
+//       tokens): QK-norm + RoPE of q and k, k and v written into cache cells slot ..
+//       slot+T-1 (and their positions into k_pos), then grouped-query attention of each
+//       query over the first `live` cells (masked by their positions: empty, after the
+//       query, or outside the window).
 //
 // They replace the torch compositions of localllm.models.common.TorchOps (rms_norm,
 // residual_norm, gated, norm_rope, attention) operation for operation: element-wise
@@ -441,69 +443,81 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                   v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
               "localllm_cpu.attn_decode: the caches must be (n_kv, size, D) contiguous float32");
   const int64_t nkv = k_cache.size(0), size = k_cache.size(1), d = k_cache.size(2);
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.numel() % d == 0 &&
-                  q.numel() / d % nkv == 0,
-              "localllm_cpu.attn_decode: q must be n_heads * D contiguous float32 values");
-  const int64_t nh = q.numel() / d, group = nh / nkv;
-  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-                  k.is_contiguous() && v.is_contiguous() && k.numel() == nkv * d &&
-                  v.numel() == nkv * d,
-              "localllm_cpu.attn_decode: k and v must be n_kv * D contiguous float32 values");
-  check_angles(cs, sn, 1, d, "attn_decode");
+  check_rows(q, "attn_decode", "q");
+  check_rows(k, "attn_decode", "k");
+  check_rows(v, "attn_decode", "v");
+  const int64_t nt = q.size(0);
+  TORCH_CHECK(q.size(1) % d == 0 && q.size(1) / d % nkv == 0,
+              "localllm_cpu.attn_decode: q must be (T, n_heads * D)");
+  const int64_t nh = q.size(1) / d, group = nh / nkv;
+  TORCH_CHECK(k.size(0) == nt && v.size(0) == nt && k.size(1) == nkv * d &&
+                  v.size(1) == nkv * d,
+              "localllm_cpu.attn_decode: k and v must be (T, n_kv * D)");
+  check_angles(cs, sn, nt, d, "attn_decode");
   const bool has_pos = k_pos.numel() > 0;
   TORCH_CHECK(!has_pos || (k_pos.scalar_type() == at::kLong && k_pos.is_contiguous() &&
                            k_pos.numel() == size),
               "localllm_cpu.attn_decode: k_pos must be empty or (size,) int64");
-  TORCH_CHECK(slot >= 0 && slot < size && live > slot && live <= size && pos >= 0,
-              "localllm_cpu.attn_decode: slot ", slot, " / live ", live, " outside the cache of ",
-              size, " cells");
+  TORCH_CHECK(nt >= 1 && slot >= 0 && slot + nt <= size && live >= slot + nt && live <= size &&
+                  pos >= 0,
+              "localllm_cpu.attn_decode: cells ", slot, "..", slot + nt - 1, " / live ", live,
+              " outside the cache of ", size, " cells");
   const float* qw = vec_or_null(q_norm, d, "attn_decode");
   const float* kw = vec_or_null(k_norm, d, "attn_decode");
   const float e = float(eps), sc = float(scale), cap = float(softcap);
   const float *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
   float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const int64_t half = d / 2;
 
-  // The new key and value into their cell, the rotated queries into qr.
-  std::vector<float> tmp(d), qr(nh * d);
+  // The new keys and values into cells slot .. slot + T - 1, the rotated queries into qr.
+  std::vector<float> tmp(d), qr(nt * nh * d);
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *qp = q.data_ptr<float>();
-  for (int64_t g = 0; g < nkv; ++g) {
-    norm_rope_head(kp + g * d, kw, e, cp, sp, neox, kc + (g * size + slot) * d, tmp.data(), d);
-    std::memcpy(vc + (g * size + slot) * d, vp + g * d, d * sizeof(float));
+  const int64_t ldq = q.stride(0), ldk = k.stride(0), ldv = v.stride(0);
+  int64_t* kpw = has_pos ? k_pos.data_ptr<int64_t>() : nullptr;
+  for (int64_t t = 0; t < nt; ++t) {
+    const float *ct = cp + t * half, *st = sp + t * half;
+    for (int64_t g = 0; g < nkv; ++g) {
+      const int64_t cell = (g * size + slot + t) * d;
+      norm_rope_head(kp + t * ldk + g * d, kw, e, ct, st, neox, kc + cell, tmp.data(), d);
+      std::memcpy(vc + cell, vp + t * ldv + g * d, d * sizeof(float));
+    }
+    for (int64_t h = 0; h < nh; ++h)
+      norm_rope_head(qp + t * ldq + h * d, qw, e, ct, st, neox, qr.data() + (t * nh + h) * d,
+                     tmp.data(), d);
+    if (kpw) kpw[slot + t] = pos + t;
   }
-  for (int64_t h = 0; h < nh; ++h)
-    norm_rope_head(qp + h * d, qw, e, cp, sp, neox, qr.data() + h * d, tmp.data(), d);
-  const int64_t* kpos = nullptr;
-  if (has_pos) {
-    int64_t* kpw = k_pos.data_ptr<int64_t>();
-    kpw[slot] = pos;
-    kpos = kpw;
-  }
+  const int64_t* kpos = kpw;
 
-  at::Tensor out = at::empty({1, nh * d}, q.options());
+  at::Tensor out = at::empty({nt, nh * d}, q.options());
   float* op = out.data_ptr<float>();
   const float ninf = -std::numeric_limits<float>::infinity();
-  auto visible = [&](int64_t j) {
+  auto visible = [&](int64_t j, int64_t qpos) {  // cell j for the query at position qpos
     const int64_t p = kpos ? kpos[j] : j;
-    return p >= 0 && p <= pos && (window <= 0 || pos - p < window);
+    return p >= 0 && p <= qpos && (window <= 0 || qpos - p < window);
   };
-  // Threads take ranges of query heads; the heads of a range that share a KV head go
-  // together, so each key and value row is read once for all of them (GQA).
+  // Threads take ranges of (token, query head) pairs; the heads of a range that share a
+  // token and a KV head go together, so each key and value row is read once for all of
+  // them (GQA).
   const int64_t grain = std::max<int64_t>(1, GRAIN / std::max<int64_t>(live * d, 1));
-  at::parallel_for(0, nh, grain, [&](int64_t h0, int64_t h1) {
-    std::vector<float> s((h1 - h0) * live), mx(h1 - h0), total(h1 - h0);
-    for (int64_t ha = h0; ha < h1;) {
-      const int64_t g = ha / group, hb = std::min(h1, (g + 1) * group), n = hb - ha;
+  at::parallel_for(0, nt * nh, grain, [&](int64_t u0, int64_t u1) {
+    std::vector<float> s((u1 - u0) * live), mx(u1 - u0), total(u1 - u0);
+    for (int64_t ua = u0; ua < u1;) {
+      const int64_t t = ua / nh, ha = ua % nh, g = ha / group;
+      const int64_t hb = std::min({u1 - t * nh, (g + 1) * group, nh}), n = hb - ha;
+      const int64_t qpos = pos + t;
       const float* kg = kc + g * size * d;
       const float* vg = vc + g * size * d;
-      float* sa = s.data() + (ha - h0) * live;  // scores of head ha + i at sa[i * live + j]
+      float* sa = s.data() + (ua - u0) * live;  // scores of head ha + i at sa[i * live + j]
+      const float* qa = qr.data() + (t * nh + ha) * d;
+      float* oa = op + (t * nh + ha) * d;
       std::fill(mx.begin(), mx.begin() + n, ninf);
       for (int64_t i0 = 0; i0 < n; i0 += 4) {  // scores, four query heads at a time
         const int nb = int(std::min<int64_t>(4, n - i0));
         const float* qs[4];
-        for (int i = 0; i < nb; ++i) qs[i] = qr.data() + (ha + i0 + i) * d;
+        for (int i = 0; i < nb; ++i) qs[i] = qa + (i0 + i) * d;
         float x[4];
         for (int64_t j = 0; j < live; ++j) {
-          if (!visible(j)) {
+          if (!visible(j, qpos)) {
             for (int i = 0; i < nb; ++i) sa[(i0 + i) * live + j] = ninf;
             continue;
           }
@@ -525,7 +539,7 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       for (int64_t i = 0; i < n; ++i) {  // weights exp(s - max), and their total
         float* si = sa + i * live;
         int64_t j = 0;
-        float t = 0.0f;
+        float tot = 0.0f;
 #ifdef LOCALLLM_VEC
         const vf vm = vset(mx[i]);
         vf acc = vset(0.0f);
@@ -534,18 +548,18 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
           vstore(si + j, ej);
           acc = vadd(acc, ej);
         }
-        t = vsum(acc);
+        tot = vsum(acc);
 #endif
         for (; j < live; ++j) {
           si[j] = std::exp(si[j] - mx[i]);
-          t += si[j];
+          tot += si[j];
         }
-        total[i] = t;
+        total[i] = tot;
       }
       for (int64_t i0 = 0; i0 < n; i0 += 4) {  // the weighted values, four heads at a time
         const int nb = int(std::min<int64_t>(4, n - i0));
         float* os[4];
-        for (int i = 0; i < nb; ++i) os[i] = op + (ha + i0 + i) * d;
+        for (int i = 0; i < nb; ++i) os[i] = oa + (i0 + i) * d;
         const float* w = sa + i0 * live;
         switch (nb) {
           case 4: weighted_values<4>(w, live, vg, d, os); break;
@@ -554,11 +568,8 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
           default: weighted_values<1>(w, live, vg, d, os);
         }
       }
-      for (int64_t i = 0; i < n; ++i) {
-        float* oh = op + (ha + i) * d;
-        scale_rows(oh, 1.0f / total[i], nullptr, oh, d);
-      }
-      ha = hb;
+      for (int64_t i = 0; i < n; ++i) scale_rows(oa + i * d, 1.0f / total[i], nullptr, oa + i * d, d);
+      ua += n;
     }
   });
   return out;

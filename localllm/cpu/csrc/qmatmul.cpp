@@ -740,6 +740,16 @@ inline void decode_q3_k(const uint8_t* p, U8Block& o) {
 
 using DecodeFn = void (*)(const uint8_t*, U8Block&);
 
+// The weights stream from DRAM once per token: ask for the block PREFETCH_AHEAD bytes on
+// (the hardware prefetcher alone leaves the K-quant kernels ~20% short of the bandwidth).
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 4096
+#endif
+template <int BYTES>
+inline void prefetch_block(const uint8_t* p) {
+  for (int o = 0; o < BYTES; o += 64) _mm_prefetch((const char*)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
+}
+
 template <int N>
 inline __m512 sum_acc(const __m512* a) {
   if constexpr (N == 4) return _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
@@ -767,6 +777,7 @@ void gemv_q8_kquant(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float*
       for (int k = 0; k < NACC; ++k) acc[t][k] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nblocks; ++s) {
       U8Block blk;
+      prefetch_block<BYTES>(row + s * BYTES);
       DECODE(row + s * BYTES, blk);
       for (int t = 0; t < NT; ++t) {
         const int8_t* xq = xa.q.data() + t * xa.stride_q + QK_K * s;
@@ -807,6 +818,7 @@ void gemv_q8_k4(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float* out
     }
     for (int64_t s = 0; s < nblocks; ++s) {
       const uint8_t* p = row + s * BYTES;
+      prefetch_block<BYTES>(p);
       const __m512 ab = k4_scales(p);
       __m512i u[4];
       k4_lanes<BYTES == 176>(p, u);
@@ -844,6 +856,7 @@ void gemv_q8_legacy(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float*
       const bool two = i + 1 < nblocks;
       const uint8_t* q0 = row + i * BYTES;
       const uint8_t* q1 = two ? q0 + BYTES : q0;
+      prefetch_block<2 * BYTES>(q0);
       float a0, b0, a1, b1;
       scales2<BYTES>(q0, a0, b0);
       scales2<BYTES>(q1, a1, b1);

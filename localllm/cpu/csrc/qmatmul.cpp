@@ -686,10 +686,11 @@ inline void decode_q6_k(const uint8_t* p, U8Block& o) {
     const __m512i ql = _mm512_loadu_si512((const void*)(p + 64 * n));
     const __m256i h = _mm256_loadu_si256((const __m256i*)(p + 128 + 32 * n));
     const __m512i hh = join(h, _mm256_srli_epi16(h, 2));  // bits 0-1 | bits 2-3
+    // u = (low nibble) | (two high bits << 4): ternary logic 0xEC = (A & C) | B, C = 0x0F
     const __m512i hi0 = _mm512_slli_epi16(_mm512_and_si512(hh, m2), 4);
-    const __m512i hi1 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hh, 4), m2), 4);
-    o.u[2 * n] = _mm512_or_si512(_mm512_and_si512(ql, m4), hi0);
-    o.u[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), hi1);
+    const __m512i hi1 = _mm512_and_si512(hh, _mm512_set1_epi8(0x30));  // bits 4-5 already
+    o.u[2 * n] = _mm512_ternarylogic_epi32(ql, hi0, m4, 0xEC);
+    o.u[2 * n + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), hi1, m4, 0xEC);
   }
 }
 

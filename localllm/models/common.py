@@ -383,13 +383,14 @@ def attend(
     # working set stays small; each head's result is the same either way.
     step = max(1, min(n_kv, ATTEND_CHUNK_BYTES // max(1, group * t * s * 4)))
     out = torch.empty(n_kv, group * t, hd, dtype=torch.float32, device=q.device)
+    hidden = ~mask
     for h0 in range(0, n_kv, step):
         h1 = min(n_kv, h0 + step)
         scores = torch.matmul(qg[h0:h1], keys[h0:h1].float().transpose(1, 2))  # (n, g*T, S)
         scores.mul_(scale)
         if softcap is not None:
             scores.div_(softcap).tanh_().mul_(softcap)
-        scores.view(h1 - h0, group, t, s).masked_fill_(~mask, float("-inf"))
+        scores.view(h1 - h0, group, t, s).masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         del scores
         torch.matmul(probs, values[h0:h1].float(), out=out[h0:h1])  # (n, g*T, hd)

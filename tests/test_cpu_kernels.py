@@ -132,21 +132,6 @@ def test_gemv_int8_activations(qtype):
 
 
 @needs_q8
-def test_int8_gemv_takes_short_prompts():
-    """Up to Q8_GEMV_MAX_ROWS rows an int8 weight runs the GEMV 8 rows at a time (the
-    product with the quantized activations), beyond that the dequantized tiles (float32
-    tiles here: the exact product)."""
-    w, ref = packed(T.Q4_K, 40, 512, seed=5, q8=True)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(cpu.Q8_GEMV_MAX_ROWS, 512, generator=gen)
-    y = cpu.qmatmul(x, w)
-    assert_close_product(y, q8_activations(x), ref)
-    assert not torch.allclose(y, x @ ref.T, rtol=1e-5, atol=0)  # quantized, not exact
-    x = torch.randn(cpu.Q8_GEMV_MAX_ROWS + 1, 512, generator=gen)
-    assert_close_product(cpu.qmatmul(x, w), x, ref)  # float32 tiles: exact x
-
-
-@needs_q8
 def test_gemv_int8_activations_zero_and_float_weights():
     """An all-zero activation block has scale 0 (no division by zero); float weights keep
     float32 activations."""

@@ -41,10 +41,6 @@ from .build import _cpu_flags, load_native
 
 # Up to this many activation rows a product runs the native GEMV (decode, small batches).
 GEMV_MAX_ROWS = 8
-# With int8 activations, up to this many rows run the GEMV 8 rows at a time rather than
-# dequantized tiles: faster below ~100 rows (short prompts, a MoE expert's share of a prompt:
-# 1.2-3x at 9-64 rows on a Q4_K 8192 x 2048 matrix, 2 threads).
-Q8_GEMV_MAX_ROWS = 64
 # Weight elements per dequantized tile in prefill (float32: 4 MiB).
 TILE_ELEMENTS = 1 << 20
 
@@ -170,9 +166,8 @@ def qmatmul(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = No
     float32, written into ``out`` when given (a (T, rows) float32 view with unit column
     stride, e.g. a column slice of a wider output).
 
-    T <= :data:`GEMV_MAX_ROWS` (or, with ``weight.q8``, :data:`Q8_GEMV_MAX_ROWS`, 8 rows at a
-    time): the native GEMV (int8 activations, one scale per 32 values, where ``weight.q8``;
-    else float32, exact up to summation order); else tiles of W are dequantized to ``prefill_dtype`` (float32, or bfloat16: x and the
+    T <= :data:`GEMV_MAX_ROWS`: the native GEMV (int8 activations, one scale per 32 values,
+    where ``weight.q8``; else float32, exact up to summation order); else tiles of W are dequantized to ``prefill_dtype`` (float32, or bfloat16: x and the
     products are then rounded to bfloat16, float32 accumulation) and multiplied with torch's
     GEMM (no full-size copy of W).
 
@@ -186,11 +181,9 @@ def qmatmul(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = No
         out = torch.empty(t, rows)
     if t == 0:
         return out
-    if t <= GEMV_MAX_ROWS or (weight.q8 and t <= Q8_GEMV_MAX_ROWS):
+    if t <= GEMV_MAX_ROWS:
         gemv = torch.ops.localllm_cpu.gemv_q8 if weight.q8 else torch.ops.localllm_cpu.gemv
-        for i in range(0, t, GEMV_MAX_ROWS):
-            gemv(x[i:i + GEMV_MAX_ROWS], weight.data, int(weight.qtype), rows, cols,
-                 out[i:i + GEMV_MAX_ROWS])
+        gemv(x, weight.data, int(weight.qtype), rows, cols, out)
         return out
     tile = max(16, TILE_ELEMENTS // cols)
     buf = torch.empty(min(tile, rows), cols, dtype=prefill_dtype)

@@ -18,8 +18,8 @@ def stream(pieces, stops):
         shown.append(text)
         if stopped:
             return shown, True
-    shown.append(m.flush())
-    return shown, False
+    shown.append(m.flush())  # the end of the text can complete a stop that was held back
+    return shown, m.stopped
 
 
 def test_stop_split_over_tokens_is_never_shown():

@@ -98,5 +98,6 @@ class StopMatcher:
 def cut_at_stop(text: str, stops: Iterable[str]) -> tuple[str, bool]:
     """Non-streaming helper: ``text`` up to the first stop string, and whether one occurred."""
     m = StopMatcher(stops)
-    out, stopped = m.push(text)
-    return out + m.flush(), stopped
+    out, _ = m.push(text)
+    out += m.flush()  # the end of the text can complete a stop that push held back
+    return out, m.stopped

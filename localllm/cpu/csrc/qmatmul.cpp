@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -432,18 +433,25 @@ GemvFn gemv_for(int64_t qtype) {
   }
 }
 
-GemvFn gemv_of(int64_t qtype, int64_t nt) {
+// fn(std::integral_constant<int, nt>{}) for nt = 1 .. 8 activation rows (the kernels'
+// row count is a template parameter, so that their accumulators stay in registers).
+template <class Fn>
+auto by_rows(int64_t nt, const char* op, Fn&& fn) {
   switch (nt) {
-    case 1: return gemv_for<1>(qtype);
-    case 2: return gemv_for<2>(qtype);
-    case 3: return gemv_for<3>(qtype);
-    case 4: return gemv_for<4>(qtype);
-    case 5: return gemv_for<5>(qtype);
-    case 6: return gemv_for<6>(qtype);
-    case 7: return gemv_for<7>(qtype);
-    case 8: return gemv_for<8>(qtype);
-    default: TORCH_CHECK(false, "localllm_cpu.gemv: 1 to 8 rows, got ", nt);
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    case 5: return fn(std::integral_constant<int, 5>{});
+    case 6: return fn(std::integral_constant<int, 6>{});
+    case 7: return fn(std::integral_constant<int, 7>{});
+    case 8: return fn(std::integral_constant<int, 8>{});
+    default: TORCH_CHECK(false, "localllm_cpu.", op, ": 1 to 8 rows, got ", nt);
   }
+}
+
+GemvFn gemv_of(int64_t qtype, int64_t nt) {
+  return by_rows(nt, "gemv", [&](auto n) { return gemv_for<decltype(n)::value>(qtype); });
 }
 
 // One row of W dequantized into y (float32, cols values).
@@ -899,17 +907,7 @@ GemvQ8Fn gemv_q8_for(int64_t qtype) {
 }
 
 GemvQ8Fn gemv_q8_of(int64_t qtype, int64_t nt) {
-  switch (nt) {
-    case 1: return gemv_q8_for<1>(qtype);
-    case 2: return gemv_q8_for<2>(qtype);
-    case 3: return gemv_q8_for<3>(qtype);
-    case 4: return gemv_q8_for<4>(qtype);
-    case 5: return gemv_q8_for<5>(qtype);
-    case 6: return gemv_q8_for<6>(qtype);
-    case 7: return gemv_q8_for<7>(qtype);
-    case 8: return gemv_q8_for<8>(qtype);
-    default: TORCH_CHECK(false, "localllm_cpu.gemv_q8: 1 to 8 rows, got ", nt);
-  }
+  return by_rows(nt, "gemv_q8", [&](auto n) { return gemv_q8_for<decltype(n)::value>(qtype); });
 }
 #endif  // AVX512 VNNI
 

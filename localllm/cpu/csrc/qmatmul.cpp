@@ -157,18 +157,24 @@ inline void unpack_q2_k(const uint8_t* b, int8_t* q, float* d, float* m) {
       for (int l = 0; l < 32; ++l) q[128 * n + 32 * k + l] = int8_t((qs[l] >> (2 * k)) & 3);
 }
 
-inline void unpack_q3_k(const uint8_t* b, int8_t* q, float* d, float*) {
-  // hmask[32], qs[64], scales[12], d
-  const uint8_t* hm = b;
-  const uint8_t* qs = b + 32;
-  const float dd = f16(b + 108);
-  uint32_t aux[4];
+// Q3_K's 16 six-bit scales, packed in 12 bytes at offset 96, as 16 bytes (0..63; the
+// scale is the value - 32) in aux (llama.cpp dequantize_row_q3_K's kmask unpacking).
+inline void q3_k_scales(const uint8_t* b, uint32_t aux[4]) {
   std::memcpy(aux, b + 96, 12);
   const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f, tmp = aux[2];
   aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
   aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
   aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
   aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+}
+
+inline void unpack_q3_k(const uint8_t* b, int8_t* q, float* d, float*) {
+  // hmask[32], qs[64], scales[12], d
+  const uint8_t* hm = b;
+  const uint8_t* qs = b + 32;
+  const float dd = f16(b + 108);
+  uint32_t aux[4];
+  q3_k_scales(b, aux);
   int8_t scales[16];
   std::memcpy(scales, aux, 16);
   for (int g = 0; g < 16; ++g) d[g] = dd * float(scales[g] - 32);
@@ -486,17 +492,24 @@ inline int64_t grain_of(int64_t row_bytes) {
   return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(row_bytes, 1));
 }
 
+// x (T, cols) and out (T, rows) float32, each with unit column stride; returns T.
+int64_t check_io(const char* op, const at::Tensor& x, const at::Tensor& out, int64_t rows,
+                 int64_t cols) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
+                  x.size(1) == cols, "localllm_cpu.", op, ": x must be (T, cols) float32");
+  const int64_t nt = x.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
+                  out.size(0) == nt && out.size(1) == rows,
+              "localllm_cpu.", op, ": out must be (T, rows) float32");
+  return nt;
+}
+
 // out (T, >= rows) float32 with unit column stride (a column slice of a wider output is fine).
 void gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t rows, int64_t cols,
           at::Tensor& out) {
   const Format f = format_of(qtype);
   check_weight(w, f, rows, cols);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
-                  x.size(1) == cols, "localllm_cpu.gemv: x must be (T, cols) float32");
-  const int64_t nt = x.size(0);
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
-                  out.size(0) == nt && out.size(1) == rows,
-              "localllm_cpu.gemv: out must be (T, rows) float32");
+  const int64_t nt = check_io("gemv", x, out, rows, cols);
   const GemvFn fn = gemv_of(qtype, nt);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* xp = x.data_ptr<float>();
@@ -721,12 +734,7 @@ inline void decode_q3_k(const uint8_t* p, U8Block& o) {
   // hmask[32], qs[64], scales[12], d; weight = d * (sc - 32) * (u - 4), u = q2 | hbit << 2
   const float dd = f16(p + 108);
   uint32_t aux[4];
-  std::memcpy(aux, p + 96, 12);
-  const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f, tmp = aux[2];
-  aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
-  aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
-  aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
-  aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+  q3_k_scales(p, aux);
   const __m512i sc = _mm512_cvtepu8_epi32(
       _mm_set_epi32(int(aux[3]), int(aux[2]), int(aux[1]), int(aux[0])));
   o.a = _mm512_mul_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_sub_epi32(sc, _mm512_set1_epi32(32))));
@@ -918,12 +926,7 @@ void gemv_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t ro
   const Format f = format_of(qtype);
   TORCH_CHECK(f.unpack != nullptr, "localllm_cpu.gemv_q8: float weights take gemv");
   check_weight(w, f, rows, cols);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
-                  x.size(1) == cols, "localllm_cpu.gemv_q8: x must be (T, cols) float32");
-  const int64_t nt = x.size(0);
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
-                  out.size(0) == nt && out.size(1) == rows,
-              "localllm_cpu.gemv_q8: out must be (T, rows) float32");
+  const int64_t nt = check_io("gemv_q8", x, out, rows, cols);
   const GemvQ8Fn fn = gemv_q8_of(qtype, nt);
   const Q8Act xa(x.data_ptr<float>(), x.stride(0), nt, cols, q8_offset(qtype),
                  qtype == Q4_K || qtype == Q5_K);

@@ -41,6 +41,34 @@ def _check_device(name: str, ref: torch.Tensor, **tensors: torch.Tensor | None) 
             raise ValueError(f"{name}: {arg} is on {t.device}, the input on {ref.device}")
 
 
+@device_fn
+def _rope_pairs(HALF: tl.constexpr, BLOCK_H: tl.constexpr, NEOX: tl.constexpr):
+    """The rotated pairs of a head: lanes i < HALF, each pairing element i1 with i2 (the two
+    halves with NEOX, else adjacent elements)."""
+    i = tl.arange(0, BLOCK_H)
+    if NEOX:
+        i1 = i
+        i2 = i + HALF
+    else:
+        i1 = 2 * i
+        i2 = 2 * i + 1
+    return i, i1, i2, i < HALF
+
+
+@device_fn
+def _norm_rope_row(xrow, w, eps, c, s, i1, i2, mask, HALF: tl.constexpr,
+                   HAS_WEIGHT: tl.constexpr):  # fmt: skip
+    """One head: RMSNorm (with a weight) then the rotation by (c, s); its two halves."""
+    x1 = tl.load(xrow + i1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xrow + i2, mask=mask, other=0.0).to(tl.float32)
+    if HAS_WEIGHT:
+        ms = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF)
+        r = 1.0 / tl.sqrt(ms + eps)
+        x1 = x1 * r * tl.load(w + i1, mask=mask, other=0.0)
+        x2 = x2 * r * tl.load(w + i2, mask=mask, other=0.0)
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
 @kernel
 def _rms_norm_rope_kernel(x, w, pos, inv_freq, y, T, stride_xh, stride_xt, eps, scale,
                           HALF: tl.constexpr, BLOCK_H: tl.constexpr, NEOX: tl.constexpr,
@@ -49,30 +77,15 @@ def _rms_norm_rope_kernel(x, w, pos, inv_freq, y, T, stride_xh, stride_xt, eps, 
     pid = tl.program_id(0).to(tl.int64)
     h = pid // T
     t = pid % T
-    i = tl.arange(0, BLOCK_H)
-    mask = i < HALF
-    if NEOX:
-        i1 = i
-        i2 = i + HALF
-    else:
-        i1 = 2 * i
-        i2 = 2 * i + 1
-    xrow = x + h * stride_xh + t * stride_xt
-    x1 = tl.load(xrow + i1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(xrow + i2, mask=mask, other=0.0).to(tl.float32)
-    if HAS_WEIGHT:
-        ms = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF)
-        r = 1.0 / tl.sqrt(ms + eps)
-        x1 = x1 * r * tl.load(w + i1, mask=mask, other=0.0)
-        x2 = x2 * r * tl.load(w + i2, mask=mask, other=0.0)
+    i, i1, i2, mask = _rope_pairs(HALF, BLOCK_H, NEOX)
     # The position is read here, on the device: a graph replay picks up the current one.
     p = tl.load(pos + t).to(tl.float32) * scale
     angle = p * tl.load(inv_freq + i, mask=mask, other=0.0)
-    c = tl.cos(angle)
-    s = tl.sin(angle)
+    y1, y2 = _norm_rope_row(x + h * stride_xh + t * stride_xt, w, eps, tl.cos(angle),
+                            tl.sin(angle), i1, i2, mask, HALF, HAS_WEIGHT)  # fmt: skip
     yrow = y + pid * (2 * HALF)
-    tl.store(yrow + i1, (x1 * c - x2 * s).to(y.dtype.element_ty), mask=mask)
-    tl.store(yrow + i2, (x2 * c + x1 * s).to(y.dtype.element_ty), mask=mask)
+    tl.store(yrow + i1, y1.to(y.dtype.element_ty), mask=mask)
+    tl.store(yrow + i2, y2.to(y.dtype.element_ty), mask=mask)
 
 
 def rms_norm_rope(
@@ -177,20 +190,6 @@ def _q8_buffers(t: torch.Tensor, n: int):
             torch.empty(n // 16, dtype=torch.int32, device=t.device))  # fmt: skip
 
 
-@device_fn
-def _norm_rope_row(xrow, w, eps, c, s, i1, i2, mask, HALF: tl.constexpr,
-                   HAS_WEIGHT: tl.constexpr):  # fmt: skip
-    """One head: RMSNorm (with a weight) then the rotation by (c, s); its two halves."""
-    x1 = tl.load(xrow + i1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(xrow + i2, mask=mask, other=0.0).to(tl.float32)
-    if HAS_WEIGHT:
-        ms = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF)
-        r = 1.0 / tl.sqrt(ms + eps)
-        x1 = x1 * r * tl.load(w + i1, mask=mask, other=0.0)
-        x2 = x2 * r * tl.load(w + i2, mask=mask, other=0.0)
-    return x1 * c - x2 * s, x2 * c + x1 * s
-
-
 @kernel
 def _norm_rope_kv_kernel(q, k, v, qw, kw, pos, inv_freq, q_out, k_cache, v_cache, k_pos,
                          n_heads, size, stride_qh, stride_kh, stride_vh, stride_kch, stride_kcs,
@@ -200,14 +199,7 @@ def _norm_rope_kv_kernel(q, k, v, qw, kw, pos, inv_freq, q_out, k_cache, v_cache
     # Programs 0 .. n_heads-1: query heads; then one per KV head (k rotated into the cache,
     # v copied beside it). The position and the slot are read and computed on the device.
     pid = tl.program_id(0)
-    i = tl.arange(0, BLOCK_H)
-    mask = i < HALF
-    if NEOX:
-        i1 = i
-        i2 = i + HALF
-    else:
-        i1 = 2 * i
-        i2 = 2 * i + 1
+    i, i1, i2, mask = _rope_pairs(HALF, BLOCK_H, NEOX)
     p = tl.load(pos)
     angle = p.to(tl.float32) * scale * tl.load(inv_freq + i, mask=mask, other=0.0)
     c = tl.cos(angle)

@@ -116,48 +116,18 @@ def decode_gemv_case(qtype: T, n: int, k: int, arch: int) -> tuple[Case, dict]:
     ``localllm.kernels.PLANES``), and its launch shape: grid, weight bytes per program per
     loop step, per-step marker."""
     from localllm.kernels import PLANES
-    from localllm.kernels.decode import GROUP_SIZES, MMVQ32_TYPES, MMVQ_TYPES
-    from localllm.kernels.gemv import (
-        _gemv1_kernel,
-        _mmvq32_kernel,
-        _mmvq_kernel,
-        mmvq_config,  # fmt: skip
-    )
+    from localllm.kernels.decode import GROUP_SIZES, MMVQ_TYPES
+    from localllm.kernels.gemv import _gemv1_kernel, mmvq_case
 
     fmt = block_format(qtype)
     layout = "planes" if qtype in PLANES else "blocks"
-    if qtype in MMVQ_TYPES and layout == "planes" and qtype in MMVQ32_TYPES:
-        cfg = mmvq_config(qtype, n, k, layout=layout)
-        case = Case(
-            _mmvq32_kernel,
-            {"w": "*u8", "xq": "*i8", "xd": "*fp32", "xs": "*i32", "y": "*fp32", "N": "i32",
-             "K": "i32", "units_per_split": "i32", "stride_ys": "i32"},
-            {"QTYPE": int(qtype), "BS": fmt.block_size, "OFF": MMVQ32_TYPES[qtype],
-             "ROWS": cfg["ROWS"], "GP": cfg["GP"], "STAGES": cfg["STAGES"], "DP4A": True},
-            num_warps=cfg["WARPS"], arch=arch,
-        )  # fmt: skip
-        # two dp4a per word, four words a slot
-        launch = {"grid": cfg["grid"], "bytes_per_step": cfg["bytes_per_step"],
-                  "marker": ("IDP", 8 * cfg["RPT"]), "stages": cfg["STAGES"],
-                  "variant": f"planes-R{cfg['ROWS']}G{cfg['GP']}P{cfg['RPT']}"}  # fmt: skip
-        return case, launch
     if qtype in MMVQ_TYPES:
-        cfg = mmvq_config(qtype, n, k, layout=layout)
-        unit, off = MMVQ_TYPES[qtype]
-        planes = layout == "planes"
-        case = Case(
-            _mmvq_kernel,
-            {"w": "*u8", "xq": "*i8", "xd": "*fp32", "xs": "*i32", "y": "*fp32", "N": "i32",
-             "K": "i32", "blocks_per_split": "i32", "stride_ys": "i32"},
-            {"BS": fmt.block_size, "TS": fmt.type_size, "UNIT": 4 if planes else unit,
-             "QTYPE": int(qtype), "OFF": off, "ROWS": cfg["ROWS"], "GP": cfg["GP"],
-             "STAGES": cfg["STAGES"], "DP4A": True, "PLANES": planes},
-            num_warps=cfg["WARPS"], arch=arch,
-        )  # fmt: skip
+        case, cfg = mmvq_case(qtype, n, k, layout=layout, arch=arch)
+        sub = cfg["UNIT"] == 32  # the sub-block kernel: two dp4a per word, four words a slot
         launch = {"grid": cfg["grid"], "bytes_per_step": cfg["bytes_per_step"],
-                  "marker": ("IDP", 4 * cfg["RPT"]), "stages": cfg["STAGES"],
-                  "variant": f"{'planes-' if planes else ''}R{cfg['ROWS']}G{cfg['GP']}"
-                             f"P{cfg['RPT']}"}  # fmt: skip
+                  "marker": ("IDP", (8 if sub else 4) * cfg["RPT"]), "stages": cfg["STAGES"],
+                  "variant": f"{'planes-' if layout == 'planes' else ''}R{cfg['ROWS']}"
+                             f"G{cfg['GP']}P{cfg['RPT']}"}  # fmt: skip
         return case, launch
     if qtype not in GROUP_SIZES:  # the general kernel, one vector
         from localllm.kernels.gemv import _gemv_kernel

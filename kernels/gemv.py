@@ -267,6 +267,39 @@ def mmvq_config(qtype, n: int, k: int, sms: int = TARGET_SMS, layout: str = "blo
     return best
 
 
+def mmvq_case(qtype, n: int, k: int, *, layout: str = "blocks", arch: int = 90):
+    """The integer-dot GEMV's specialization as :func:`gemv` launches it for one vector of an
+    (n, k) ``qtype`` matrix in ``layout``, for ahead-of-time compilation without a GPU
+    (:mod:`._aot`; tests/test_kernel_compile.py, bench/kernel_profile.py), for ``sm_<arch>``.
+
+    Returns:
+        (``_aot.Case``, :func:`mmvq_config`'s launch shape).
+    """
+    from ._aot import Case
+
+    fmt, cfg = block_format(qtype), mmvq_config(qtype, n, k, layout=layout)
+    out = {"w": "*u8", "xq": "*i8", "xd": "*fp32", "xs": "*i32", "y": "*fp32", "N": "i32",
+           "K": "i32"}
+    if cfg["UNIT"] == 32:  # the sub-block kernel, from planes
+        case = Case(
+            _mmvq32_kernel, out | {"units_per_split": "i32", "stride_ys": "i32"},
+            {"QTYPE": int(qtype), "BS": fmt.block_size, "OFF": MMVQ32_TYPES[qtype],
+             "ROWS": cfg["ROWS"], "GP": cfg["GP"], "STAGES": cfg["STAGES"], "DP4A": True},
+            num_warps=cfg["WARPS"], arch=arch,
+        )  # fmt: skip
+        return case, cfg
+    unit, off = MMVQ_TYPES[qtype]
+    planes = layout == "planes"
+    case = Case(
+        _mmvq_kernel, out | {"blocks_per_split": "i32", "stride_ys": "i32"},
+        {"BS": fmt.block_size, "TS": fmt.type_size, "UNIT": 4 if planes else unit,
+         "QTYPE": int(qtype), "OFF": off, "ROWS": cfg["ROWS"], "GP": cfg["GP"],
+         "STAGES": cfg["STAGES"], "DP4A": True, "PLANES": planes},
+        num_warps=cfg["WARPS"], arch=arch,
+    )  # fmt: skip
+    return case, cfg
+
+
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Activations quantized to 8 bits per 32 values, as llama.cpp's ``quantize_q8_1``.
 

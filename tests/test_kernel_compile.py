@@ -42,7 +42,7 @@ from localllm.kernels.gemv import (
     _mmvq32_kernel,
     _mmvq_kernel,
     _quantize_q8_kernel,
-    mmvq_config,
+    mmvq_case,
 )
 from localllm.kernels.norm_rope import _rms_norm_kernel
 
@@ -85,26 +85,7 @@ def _gemv1(qtype: T) -> Case:
 def _mmvq(qtype: T, n: int = 4096, k: int = 4096, arch: int = 90, planes: bool = False) -> Case:
     """gemv() for one vector of a type with the integer-dot kernel, as launched for (n, k),
     from the GGUF blocks or (``planes``) from aligned planes."""
-    fmt, (unit, off) = kernels.block_format(qtype), MMVQ_TYPES[qtype]
-    cfg = mmvq_config(qtype, n, k, layout="planes" if planes else "blocks")
-    if cfg["UNIT"] == 32:
-        return Case(
-            _mmvq32_kernel,
-            {"w": "*u8", "xq": "*i8", "xd": "*fp32", "xs": "*i32", "y": "*fp32", "N": "i32",
-             "K": "i32", "units_per_split": "i32", "stride_ys": "i32"},
-            {"QTYPE": int(qtype), "BS": fmt.block_size, "OFF": MMVQ32_TYPES[qtype],
-             "ROWS": cfg["ROWS"], "GP": cfg["GP"], "STAGES": cfg["STAGES"], "DP4A": True},
-            num_warps=cfg["WARPS"], arch=arch,
-        )  # fmt: skip
-    return Case(
-        _mmvq_kernel,
-        {"w": "*u8", "xq": "*i8", "xd": "*fp32", "xs": "*i32", "y": "*fp32", "N": "i32",
-         "K": "i32", "blocks_per_split": "i32", "stride_ys": "i32"},
-        {"BS": fmt.block_size, "TS": fmt.type_size, "UNIT": 4 if planes else unit,
-         "QTYPE": int(qtype), "OFF": off, "ROWS": cfg["ROWS"], "GP": cfg["GP"],
-         "STAGES": cfg["STAGES"], "DP4A": True, "PLANES": planes},
-        num_warps=cfg["WARPS"], arch=arch,
-    )  # fmt: skip
+    return mmvq_case(qtype, n, k, layout="planes" if planes else "blocks", arch=arch)[0]
 
 
 def _quantize_q8() -> Case:

@@ -139,7 +139,8 @@ def decode_gemv_case(qtype: T, n: int, k: int, arch: int) -> tuple[Case, dict]:
             {"w": "*u8", "x": "*fp32", "y": "*fp32", "N": "i32", "K": "i32",
              "stride_xb": "i32", "stride_yb": "i32"},
             {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype), "B": 1,
-             "B_PAD": 1, "BLOCK_N": block_n, "BLOCK_K": block_k},
+             "B_PAD": 1, "BLOCK_N": block_n, "BLOCK_K": block_k,
+             "PLANES": layout == "planes"},
             arch=arch,
         )  # fmt: skip
         launch = {"grid": (triton.cdiv(n, block_n), 1),

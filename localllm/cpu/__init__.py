@@ -27,6 +27,7 @@ llama.cpp ``ggml/src/ggml-common.h``; dequantization: ``ggml/src/ggml-quants.c``
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -44,8 +45,9 @@ GEMV_MAX_ROWS = 8
 # Weight elements per dequantized tile in prefill (float32: 4 MiB).
 TILE_ELEMENTS = 1 << 20
 
-SUPPORTED = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
-                       T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
+FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
+SUPPORTED = FLOAT_TYPES | {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
+                           T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
 
 
 def bf16_gemm() -> bool:
@@ -58,17 +60,12 @@ def bf16_gemm() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+@functools.cache
 def q8_activations() -> bool:
     """True when the GEMV quantizes its activations to int8 (AVX512-VNNI kernels built, and
     ``LOCALLLM_CPU_ACTIVATIONS`` is not ``f32``)."""
-    if "q8" not in _q8_state:
-        _q8_state["q8"] = (available() and os.environ.get("LOCALLLM_CPU_ACTIVATIONS", "q8") != "f32"
-                           and bool(torch.ops.localllm_cpu.q8_available()))
-    return _q8_state["q8"]
-
-
-_q8_state: dict[str, bool] = {}
-FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
+    return (available() and os.environ.get("LOCALLLM_CPU_ACTIVATIONS", "q8") != "f32"
+            and bool(torch.ops.localllm_cpu.q8_available()))
 
 
 def available() -> bool:

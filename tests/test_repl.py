@@ -513,3 +513,13 @@ def test_no_echo_while_a_reply_streams():
     finally:
         os.close(master)
         os.close(slave)
+
+
+def test_stop_completed_only_by_the_end_of_the_reply_is_reported_as_stop():
+    # "ale" completes inside "tale", but "tale!" (which starts earlier) could still be
+    # completing, so the text is held until the end of the reply completes "ale" instead.
+    llm, repl = make_repl("the tale", stop=["ale", "tale!"])
+    repl.handle_line("hi")
+    assert repl.messages[-1]["content"] == "the t"
+    assert "ale" not in llm.out.getvalue()
+    assert repl.stats.finish == "stop"

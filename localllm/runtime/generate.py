@@ -139,7 +139,8 @@ def generate_tokens(
         logprob = logits[token] - torch.logsumexp(logits, -1)  # stays on the device
         trace = sampler.last_trace
         if token in tok.eog_ids:  # --ignore-eos masks these in the sampler
-            yield Step(token, remaining_text(), logprob, "eog", trace)
+            tail = remaining_text()  # may complete a stop string held back for a longer one
+            yield Step(token, tail, logprob, "stop" if stopper.stopped else "eog", trace)
             break
         text, stopped = stopper.push(decoder.push(token))
         if stopped:
@@ -154,7 +155,8 @@ def generate_tokens(
             refill = on_context_full(list(generated)) if on_context_full is not None else None
             finish = None if refill else "ctx"
         if finish:
-            yield Step(token, text + remaining_text(), logprob, finish, trace)
+            text += remaining_text()
+            yield Step(token, text, logprob, "stop" if stopper.stopped else finish, trace)
             break
         yield Step(token, text, logprob, None, trace)
         if refill:  # context shift: recompute what changed, go on from the new last token

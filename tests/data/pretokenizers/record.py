@@ -18,13 +18,14 @@ another interpreter::
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+sys.path.insert(0, str(HERE.parent))
+
+from oracle import GPL3, ROOT, LlamaVocab, quiet, run_oracle, train_byte_bpe
 
 N_MERGES = 1200
 CONTROL_TOKENS = ["<|begin_of_text|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -85,38 +86,19 @@ TEXTS = [
 
 def train_vocab() -> dict:
     """The byte-level BPE, plus whole-word and control tokens."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Regex, pre_tokenizers
 
-    sys.path.insert(0, str(ROOT))
-    from localllm.tokenizer import _byte_decoder
-
-    corpus = [(ROOT / "tests" / "data" / "reference" / "gpl-3.txt").read_text()]
+    corpus = [GPL3.read_text()]
     corpus += [p.read_text() for p in sorted((ROOT / "localllm").rglob("*.py"))[:20]]
     corpus += SAMPLES * 30
-    tok = Tokenizer(models.BPE())
     # Merges across letters, digits, punctuation and spaces (only line breaks cut the
     # training text), so that where a pre-tokenizer splits changes the ids.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
+    pre = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(r"[^\n]{1,24}"), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
-    trainer = trainers.BpeTrainer(vocab_size=256 + N_MERGES, min_frequency=2,
-                                  show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    model = json.loads(tok.to_str())["model"]
-    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    types = [1] * len(tokens)
-    byte_char = {b: c for c, b in _byte_decoder().items()}
-    for word in WHOLE_WORDS:
-        piece = "".join(byte_char[b] for b in word.encode())
-        if piece not in tokens:
-            tokens.append(piece)
-            types.append(1)
-    tokens += CONTROL_TOKENS
-    types += [3] * len(CONTROL_TOKENS)
-    return {"tokens": tokens, "types": types, "merges": merges}
+    return train_byte_bpe(corpus, N_MERGES, pre, whole_words=WHOLE_WORDS,
+                          control=CONTROL_TOKENS)
 
 
 def write_ggufs(vocab: dict, folder: Path) -> list[str]:
@@ -138,33 +120,20 @@ def oracle(folder: Path, names: list[str]) -> dict:
     """(llama venv) name -> {"add_bos", "plain", "special"} from llama.cpp."""
     import llama_cpp as lc
 
-    global _QUIET
-    _QUIET = lc.llama_log_callback(lambda *a: None)  # kept alive: llama.cpp calls it later
-    lc.llama_log_set(_QUIET, None)
+    quiet(lc)
     out = {}
     for name in names:
-        params = lc.llama_model_default_params()
-        params.vocab_only = True
-        model = lc.llama_model_load_from_file(str(folder / f"{name}.gguf").encode(), params)
-        if not model:
+        try:
+            lv = LlamaVocab(folder / f"{name}.gguf")
+        except RuntimeError:
             out[name] = {"error": "llama.cpp could not load it"}
             continue
-        vocab = lc.llama_model_get_vocab(model)
-
-        def tokenize(text: str, add_special: bool) -> list[int]:
-            data = text.encode()
-            cap = 4 * len(data) + 16
-            buf = (lc.llama_token * cap)()
-            n = lc.llama_tokenize(vocab, data, len(data), buf, cap, add_special, False)
-            assert n >= 0, n
-            return list(buf[:n])
-
         out[name] = {
-            "add_bos": bool(lc.llama_vocab_get_add_bos(vocab)),
-            "plain": [tokenize(t, False) for t in TEXTS],
-            "special": [tokenize(t, True) for t in TEXTS],
+            "add_bos": lv.info(0)["add_bos"],
+            "plain": [lv.tokenize(t, False, False) for t in TEXTS],
+            "special": [lv.tokenize(t, True, False) for t in TEXTS],
         }
-        lc.llama_model_free(model)
+        lv.close()
     return out
 
 
@@ -174,9 +143,6 @@ def main() -> None:
         names = json.loads((folder / "names.json").read_text())
         print(json.dumps(oracle(folder, names)))
         return
-    llama_python = "/work/llamavenv/bin/python"
-    if "--llama-python" in sys.argv:
-        llama_python = sys.argv[sys.argv.index("--llama-python") + 1]
     vocab_path = HERE / "vocab.json"
     if "--retrain" in sys.argv or not vocab_path.exists():
         vocab_path.write_text(json.dumps(train_vocab(), ensure_ascii=False, separators=(",", ":")))
@@ -184,9 +150,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         names = write_ggufs(vocab, Path(tmp))
         (Path(tmp) / "names.json").write_text(json.dumps(names))
-        done = subprocess.run([llama_python, __file__, "--oracle", tmp], capture_output=True,
-                              text=True, check=True)
-        results = json.loads(done.stdout)
+        results = run_oracle(__file__, tmp)
     golden: dict = {"texts": TEXTS, "names": {}}
     first_with: dict[str, str] = {}
     for name in names:

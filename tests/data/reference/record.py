@@ -31,6 +31,9 @@ import numpy as np
 from llama_cpp import Llama, __version__
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from oracle import log_softmax
+
 OUT = HERE / "gemma3-270m-q4_k_m"
 N_THREADS = 2
 
@@ -48,12 +51,6 @@ TEXTS = [
 ]
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 N_GREEDY = 48
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
 def all_logits(llm: Llama, ids: list[int]) -> np.ndarray:

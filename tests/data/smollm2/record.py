@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+sys.path.insert(0, str(HERE.parent))
+from oracle import GPL3, log_softmax
 
 TEXTS = [
     "Hello, world! The quick brown fox",
@@ -54,12 +55,6 @@ CONVERSATIONS = [
 PLAIN_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
-
-
 def main() -> None:
     import llama_cpp as lc
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
@@ -70,7 +65,7 @@ def main() -> None:
     llm = lc.Llama(path, n_ctx=2048, logits_all=True, n_threads=2, verbose=False, seed=0)
     vocab = lc.llama_model_get_vocab(llm.model)
     meta = llm.metadata
-    text_of = lambda i: lc.llama_vocab_get_text(vocab, i).decode()  # noqa: E731
+    text_of = lambda i: lc.llama_vocab_get_text(vocab, i).decode()
     bos, eos = lc.llama_vocab_bos(vocab), lc.llama_vocab_eos(vocab)
     add_bos = bool(lc.llama_vocab_get_add_bos(vocab))
     template = meta["tokenizer.chat_template"]
@@ -152,7 +147,7 @@ def record_perplexity(lc, path: str) -> None:
     # llama-perplexity: the whole text tokenized once, chunks of n_ctx from an empty cache,
     # the first token replaced by BOS when the vocabulary adds one, the second half scored.
     n_ctx = 512
-    text = (ROOT / "tests" / "data" / "reference" / "gpl-3.txt").read_text()
+    text = GPL3.read_text()
     ppl_llm = lc.Llama(path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, n_threads=2,
                        verbose=False)
     vocab = lc.llama_model_get_vocab(ppl_llm.model)

@@ -1,6 +1,7 @@
 """Record llama.cpp's byte-level BPE tokenization into bpe_golden.json (developer tool).
 
-Needs llama-cpp-python (an oracle only, never a dependency of localllm) and ``tokenizers``::
+Run with localllm's venv; llama-cpp-python (an oracle only, never a dependency of localllm)
+runs in another interpreter (``--llama-python``, see ``tests/data/oracle.py``)::
 
     python tests/data/tokenizer/record.py            # re-record ids with the committed vocab
     python tests/data/tokenizer/record.py --retrain  # also retrain bpe_vocab.json
@@ -12,7 +13,6 @@ whole-word tokens that no merge produces (so llama3's ``ignore_merges`` shows).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import sys
 import tempfile
@@ -21,11 +21,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE.parent))
 
-from test_tokenizer_bpe_golden import write_vocab_gguf
-
-from localllm.tokenizer import _byte_decoder
+from oracle import GPL3, LlamaVocab, quiet, run_oracle, train_byte_bpe
 
 N_MERGES = 2500
 CONTROL_TOKENS = ["<|begin_of_text|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -93,34 +91,13 @@ TEXTS = [
 
 def train_vocab() -> dict:
     """Train the byte-level BPE and add the special and whole-word tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import pre_tokenizers
 
-    corpus = [(ROOT.parent / "shared" / "reference" / "gpl-3.txt").read_text()]
+    corpus = [GPL3.read_text()]
     corpus += [p.read_text() for p in sorted((ROOT / "localllm").glob("*.py"))]
     corpus += UNICODE_SAMPLES * 20
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=256 + N_MERGES,
-        min_frequency=2,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(corpus, trainer)
-    model = json.loads(tok.to_str())["model"]
-    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    types = [1] * len(tokens)
-    byte_char = {b: c for c, b in _byte_decoder().items()}
-    for word in WHOLE_WORDS:
-        piece = "".join(byte_char[b] for b in word.encode())
-        if piece not in tokens:
-            tokens.append(piece)
-            types.append(1)
-    tokens += CONTROL_TOKENS + USER_TOKENS
-    types += [3] * len(CONTROL_TOKENS) + [4] * len(USER_TOKENS)
-    return {"tokens": tokens, "types": types, "merges": merges}
+    return train_byte_bpe(corpus, N_MERGES, pre_tokenizers.ByteLevel(add_prefix_space=False),
+                          whole_words=WHOLE_WORDS, control=CONTROL_TOKENS, user=USER_TOKENS)
 
 
 def variants(vocab: dict) -> dict[str, dict]:
@@ -161,81 +138,53 @@ def variants(vocab: dict) -> dict[str, dict]:
     }
 
 
-class LlamaVocab:
-    """llama.cpp's vocabulary of a GGUF, loaded with ``vocab_only``."""
+def oracle(folder: Path) -> dict:
+    """(llama venv) variant -> llama.cpp's ids, pieces, add_bos, EOG and control tokens."""
+    import llama_cpp as lc
 
-    def __init__(self, path: Path) -> None:
-        import llama_cpp as lc
-
-        self.lc = lc
-        params = lc.llama_model_default_params()
-        params.vocab_only = True
-        self.model = lc.llama_model_load_from_file(str(path).encode(), params)
-        if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {path}")
-        self.vocab = lc.llama_model_get_vocab(self.model)
-
-    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        data = text.encode()
-        cap = len(data) + 8
-        buf = (self.lc.llama_token * cap)()
-        n = self.lc.llama_tokenize(
-            self.vocab, data, len(data), buf, cap, add_special, parse_special
-        )
-        assert n >= 0, n
-        return list(buf[:n])
-
-    def pieces(self, ids: list[int], special: bool) -> str:
-        """The concatenated ``llama_token_to_piece`` bytes (what llama-cli prints; unlike
-        ``llama_detokenize`` it never cleans up spaces)."""
-        out = b""
-        buf = ctypes.create_string_buffer(256)
-        for i in ids:
-            n = self.lc.llama_token_to_piece(self.vocab, i, buf, 256, 0, special)
-            assert n >= 0, n
-            out += buf.raw[:n]
-        return out.decode("utf-8", errors="replace")
-
-    def info(self, n_vocab: int) -> dict:
-        lc, v = self.lc, self.vocab
-        return {
-            "add_bos": bool(lc.llama_vocab_get_add_bos(v)),
-            "eog": [i for i in range(n_vocab) if lc.llama_vocab_is_eog(v, i)],
-            "control": [i for i in range(n_vocab) if lc.llama_vocab_is_control(v, i)],
-        }
-
-    def close(self) -> None:
-        self.lc.llama_model_free(self.model)
+    quiet(lc)
+    out = {}
+    for name, n_vocab in json.loads((folder / "variants.json").read_text()).items():
+        lv = LlamaVocab(folder / f"{name}.gguf")
+        cases = []
+        for text in TEXTS:
+            special = lv.tokenize(text, False, True)
+            cases.append({
+                "plain": lv.tokenize(text, False, False),
+                "bos": lv.tokenize(text, True, False),
+                "special": special,
+                "detok": lv.pieces(special, False),
+                "detok_special": lv.pieces(special, True),
+            })
+        out[name] = {**lv.info(n_vocab), "cases": cases}
+        lv.close()
+    return out
 
 
 def main() -> None:
+    if "--oracle" in sys.argv:
+        print(json.dumps(oracle(Path(sys.argv[sys.argv.index("--oracle") + 1]))))
+        return
+    from test_tokenizer_bpe_golden import write_vocab_gguf  # localllm's venv only
+
     vocab_path = HERE / "bpe_vocab.json"
     if "--retrain" in sys.argv or not vocab_path.exists():
         vocab_path.write_text(json.dumps(train_vocab(), ensure_ascii=False, separators=(",", ":")))
     vocab = json.loads(vocab_path.read_text())
-    out: dict = {"texts": TEXTS, "variants": {}}
+    metas = variants(vocab)
     with tempfile.TemporaryDirectory() as tmp:
-        for name, meta in variants(vocab).items():
-            lv = LlamaVocab(write_vocab_gguf(Path(tmp) / f"{name}.gguf", vocab, meta))
-            cases = []
-            for text in TEXTS:
-                special = lv.tokenize(text, False, True)
-                cases.append(
-                    {
-                        "plain": lv.tokenize(text, False, False),
-                        "bos": lv.tokenize(text, True, False),
-                        "special": special,
-                        "detok": lv.pieces(special, False),
-                        "detok_special": lv.pieces(special, True),
-                    }
-                )
-            out["variants"][name] = {
-                "meta": meta,
-                **meta,
-                **lv.info(len(vocab["tokens"]) + len(meta.get("extra", []))),
-                "cases": cases,
-            }
-            lv.close()
+        for name, meta in metas.items():
+            write_vocab_gguf(Path(tmp) / f"{name}.gguf", vocab, meta)
+        sizes = {name: len(vocab["tokens"]) + len(meta.get("extra", []))
+                 for name, meta in metas.items()}
+        (Path(tmp) / "variants.json").write_text(json.dumps(sizes))
+        results = run_oracle(__file__, tmp)
+    out: dict = {"texts": TEXTS, "variants": {}}
+    for name, meta in metas.items():
+        res = results[name]
+        out["variants"][name] = {"meta": meta, **meta, **{k: v for k, v in res.items()
+                                                          if k != "cases"},
+                                 "cases": res["cases"]}
     (HERE / "bpe_golden.json").write_text(json.dumps(out, ensure_ascii=False, indent=None))
 
 

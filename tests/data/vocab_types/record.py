@@ -17,23 +17,23 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+sys.path.insert(0, str(HERE.parent))
+from oracle import GPL3, ROOT, LlamaVocab, quiet, run_oracle
+
 sys.path.insert(0, str(ROOT / "tests" / "data" / "pretokenizers"))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from record import SAMPLES, TEXTS  # noqa: E402  (the pre-tokenizer fixture's texts)
-from test_vocab_types import write_gguf  # noqa: E402
+from record import SAMPLES, TEXTS
 
 
 def corpus() -> list[str]:
-    lines = (ROOT / "tests" / "data" / "reference" / "gpl-3.txt").read_text().splitlines()
+    lines = GPL3.read_text().splitlines()
     return [ln for ln in lines if ln.strip()] + SAMPLES * 30
 
 
@@ -85,28 +85,13 @@ def train_t5() -> dict:
 def oracle(folder: Path) -> dict:
     import llama_cpp as lc
 
-    global _QUIET
-    _QUIET = lc.llama_log_callback(lambda *a: None)  # kept alive: llama.cpp calls it later
-    lc.llama_log_set(_QUIET, None)
+    quiet(lc)
     out = {}
     for kind in ("bert", "t5"):
-        params = lc.llama_model_default_params()
-        params.vocab_only = True
-        model = lc.llama_model_load_from_file(str(folder / f"{kind}.gguf").encode(), params)
-        assert model, kind
-        vocab = lc.llama_model_get_vocab(model)
-
-        def tokenize(text: str, add_special: bool) -> list[int]:
-            data = text.encode()
-            cap = 4 * len(data) + 16
-            buf = (lc.llama_token * cap)()
-            n = lc.llama_tokenize(vocab, data, len(data), buf, cap, add_special, False)
-            assert n >= 0, n
-            return list(buf[:n])
-
-        out[kind] = {"plain": [tokenize(t, False) for t in TEXTS],
-                     "special": [tokenize(t, True) for t in TEXTS]}
-        lc.llama_model_free(model)
+        lv = LlamaVocab(folder / f"{kind}.gguf")
+        out[kind] = {"plain": [lv.tokenize(t, False, False) for t in TEXTS],
+                     "special": [lv.tokenize(t, True, False) for t in TEXTS]}
+        lv.close()
     return out
 
 
@@ -114,9 +99,6 @@ def main() -> None:
     if "--oracle" in sys.argv:
         print(json.dumps(oracle(Path(sys.argv[sys.argv.index("--oracle") + 1]))))
         return
-    llama_python = "/work/llamavenv/bin/python"
-    if "--llama-python" in sys.argv:
-        llama_python = sys.argv[sys.argv.index("--llama-python") + 1]
     for kind, train in (("bert", train_bert), ("t5", train_t5)):
         path = HERE / f"{kind}.json"
         if "--retrain" in sys.argv or not path.exists():
@@ -124,12 +106,13 @@ def main() -> None:
             if "charsmap" in v:
                 (HERE / "t5_charsmap.bin.gz").write_bytes(gzip.compress(v.pop("charsmap"), 9, mtime=0))
             path.write_text(json.dumps(v, ensure_ascii=False, separators=(",", ":")))
+    from test_vocab_types import write_gguf  # localllm's venv only (imports localllm)
+
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("bert", "t5"):
             write_gguf(Path(tmp) / f"{kind}.gguf", kind, json.loads((HERE / f"{kind}.json").read_text()))
-        done = subprocess.run([llama_python, __file__, "--oracle", tmp], capture_output=True,
-                              text=True, check=True)
-    golden = {"texts": TEXTS, **json.loads(done.stdout)}
+        results = run_oracle(__file__, tmp)
+    golden = {"texts": TEXTS, **results}
     (HERE / "golden.json").write_text(json.dumps(golden, ensure_ascii=False, separators=(",", ":")))
     print("->", HERE / "golden.json")
 

@@ -539,6 +539,11 @@ def gemv(
 ) -> torch.Tensor:
     """``x @ W.T`` for a few rows, reading ``W`` quantized.
 
+    One launch (two where a single vector must first be quantized), with no host reads:
+    usable inside CUDA-graph capture. A split key axis is summed inside the launch with the
+    ticket counters of :mod:`._sync`, so launches on one device must not run concurrently
+    on several streams (as for ``decode_attention``).
+
     Args:
         w_data: uint8 (n_out, row_bytes) or flat; the blocks of ``W`` (n_out, K) row by row
             (or their planes, see ``layout``).

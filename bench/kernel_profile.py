@@ -114,7 +114,8 @@ def decode_gemv_case(qtype: T, n: int, k: int, arch: int) -> tuple[Case, dict]:
     """The kernel ``gemv()`` launches for one vector of an (n, k) ``qtype`` matrix in the
     layout a loaded model keeps it (``QuantWeight.aligned``: planes for the types of
     ``localllm.kernels.PLANES``), and its launch shape: grid, weight bytes per program per
-    loop step, per-step marker."""
+    loop step, per-step marker. Split-K launches (``SPLITK``: the last program of a row range
+    sums the splits) are their own variant."""
     from localllm.kernels import PLANES
     from localllm.kernels.decode import GROUP_SIZES, MMVQ_TYPES
     from localllm.kernels.gemv import _gemv1_kernel, mmvq_case
@@ -127,7 +128,8 @@ def decode_gemv_case(qtype: T, n: int, k: int, arch: int) -> tuple[Case, dict]:
         launch = {"grid": cfg["grid"], "bytes_per_step": cfg["bytes_per_step"],
                   "marker": ("IDP", (8 if sub else 4) * cfg["RPT"]), "stages": cfg["STAGES"],
                   "variant": f"{'planes-' if layout == 'planes' else ''}R{cfg['ROWS']}"
-                             f"G{cfg['GP']}P{cfg['RPT']}"}  # fmt: skip
+                             f"G{cfg['GP']}P{cfg['RPT']}"
+                             f"{'-splitK' if cfg['SPLIT'] > 1 else ''}"}  # fmt: skip
         return case, launch
     if qtype not in GROUP_SIZES:  # the general kernel, one vector
         from localllm.kernels.gemv import _gemv_kernel

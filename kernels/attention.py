@@ -12,7 +12,10 @@ The products run on tensor cores: the query heads of a KV group are padded to
 loaded together at the top of the step. The splits are sized so each program does one or two
 steps (:func:`split_plan`), and the splits are merged by the program that finishes last (a
 per-program-row ticket counter, reset by that program), not by a second kernel; with one
-split the program writes the result itself. One launch per attention.
+split the program writes the result itself. One launch per attention. Whichever program
+writes a head's output also writes it quantized to 8 bits per 32 values (``gemv.store_q8``,
+where the heads hold whole chunks: :func:`q8_output`), attached to the output: the output
+projection's integer-dot GEMV needs no quantizing launch.
 
 Which slots are read: a full cache (slot j holds position j) only the visible range
 ``max(0, q_pos - window + 1) .. q_pos``; a ring cache (sliding-window layers,
@@ -30,7 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import kernel
+from . import _sync
+from ._jit import device_fn, kernel
+from .gemv import attach_q8, q8_buffers, store_q8
 
 LOG2E = 1.4426950408889634
 # Query heads of a KV group handled by one program: tl.dot's smallest M. Larger groups
@@ -51,6 +56,36 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 
 
+@device_fn
+def _store_out(out, xq, xd, xs, res, head0, n_valid, R: tl.constexpr, D: tl.constexpr,
+               D_PAD: tl.constexpr, Q8: tl.constexpr):  # fmt: skip
+    """Store the attention output ``res`` (R, D_PAD) float32 of query heads ``head0 ..``
+    (the first ``n_valid`` rows) into ``out``, and with Q8 its 8-bit copy (``store_q8``: the
+    output projection's GEMV input), in chunks of 32 values of ``out`` (:func:`q8_output`
+    says when the program's heads hold whole chunks)."""
+    rows = tl.arange(0, R)
+    rd = tl.arange(0, D_PAD)
+    o_rows = (head0 + rows).to(tl.int64) * D
+    tl.store(out + o_rows[:, None] + rd[None, :], res,
+             mask=(rows < n_valid)[:, None] & (rd < D)[None, :])  # fmt: skip
+    if Q8:
+        # Chunk i of the tile starts at row r, column c: a head's D / 32 chunks (D_PAD > D:
+        # then padding chunks), or 32 / D heads (D = D_PAD < 32).
+        i = tl.arange(0, R * D_PAD // 32) * 32
+        r = i // D_PAD
+        c = i % D_PAD
+        store_q8(tl.reshape(res, (R * D_PAD,)), ((head0 + r) * D + c) // 32,
+                 (r < n_valid) & (c < D), xq, xd, xs, R * D_PAD // 32)  # fmt: skip
+
+
+def q8_output(group: int, d: int) -> bool:
+    """Whether the kernel writes its output's 8-bit copy for ``group`` query heads per KV
+    head of head_dim ``d``: each program's heads must hold whole chunks of 32 values, so
+    ``d`` a multiple of 32, or a power of two (no padding) with ``group * d`` one."""
+    d_pad = max(16, triton.next_power_of_2(d))
+    return d % 32 == 0 or (d == d_pad and group * d % 32 == 0)
+
+
 @kernel
 def _decode_attention_kernel(
     q,
@@ -59,6 +94,9 @@ def _decode_attention_kernel(
     q_pos_ptr,
     k_pos,
     out,
+    xq,
+    xd,
+    xs,
     ws_m,
     ws_l,
     ws_acc,
@@ -87,6 +125,7 @@ def _decode_attention_kernel(
     IEEE: tl.constexpr,
     BH: tl.constexpr,
     CHUNK: tl.constexpr,
+    Q8: tl.constexpr,
 ):
     prow = tl.program_id(0)  # (KV head, chunk of BLOCK_H query heads)
     split = tl.program_id(1)
@@ -167,10 +206,11 @@ def _decode_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    o_rows = heads.to(tl.int64) * D
+    head0 = kvh * GROUP + hc * BH  # the first query head of this program row
+    n_valid = GROUP - hc * BH  # its heads past that belong to the next KV head
     if SINGLE:
         res = tl.where(l_i[:, None] > 0.0, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], 0.0)
-        tl.store(out + o_rows[:, None] + rd[None, :], res, mask=h_mask[:, None] & d_mask[None, :])
+        _store_out(out, xq, xd, xs, res, head0, n_valid, BH, D, D_PAD, Q8)
     else:
         row = heads.to(tl.int64) * n_splits + split
         tl.store(ws_m + row, m_i, mask=h_mask)
@@ -209,9 +249,7 @@ def _decode_attention_kernel(
                 mm = m_new
             # No visible key at all (not a real decode state): zeros rather than NaN.
             res = tl.where(ll[:, None] > 0.0, aa / tl.where(ll > 0.0, ll, 1.0)[:, None], 0.0)
-            g_out = (kvh * GROUP + g_in).to(tl.int64) * D
-            tl.store(out + g_out[:, None] + rd[None, :], res,
-                     mask=g_mask[:, None] & d_mask[None, :])  # fmt: skip
+            _store_out(out, xq, xd, xs, res, head0, n_valid, GP, D, D_PAD, Q8)
 
 
 def _pow2_at_most(n: int) -> int:
@@ -234,19 +272,6 @@ def split_plan(n_slots: int, n_rows: int, block_s: int) -> tuple[int, int]:
     per = 1 if blocks * n_rows <= TARGET_PROGRAMS else 2
     per = max(per, triton.cdiv(blocks, MAX_SPLITS))
     return triton.cdiv(blocks, per), per * block_s
-
-
-# Ticket counters of the split merge, per device: zero between launches (the merging
-# program resets its own), so they are allocated once, not per launch (no memset kernel).
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tickets(device: torch.device, n: int) -> torch.Tensor:
-    t = _TICKETS.get(device)
-    if t is None or t.numel() < n:
-        t = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-        _TICKETS[device] = t
-    return t
 
 
 def decode_attention(
@@ -296,7 +321,10 @@ def decode_attention(
 
     Returns:
         (1, n_heads * head_dim) float32, heads in order. A query with no visible key gives
-        zeros (``attend`` would give NaN).
+        zeros (``attend`` would give NaN). Where :func:`q8_output` (head_dim a multiple
+        of 32, as every model's) the same launch also writes it quantized to 8 bits per 32
+        values (``gemv.quantize_q8``'s result, attached with ``gemv.attach_q8``), which the
+        output projection's GEMV reads.
 
     Raises:
         ValueError: bad shapes, dtypes, head_dim, window, softcap, n_splits or block_s.
@@ -360,52 +388,57 @@ def decode_attention(
         ws_m = torch.empty((n_heads, n_splits), dtype=torch.float32, device=dev)
         ws_l = torch.empty((n_heads, n_splits), dtype=torch.float32, device=dev)
         ws_acc = torch.empty((n_heads, n_splits, d_pad), dtype=torch.float32, device=dev)
-        tickets = _tickets(dev, n_rows)
+        tickets = _sync.tickets(dev, n_rows)
     gp = min(BLOCK_H, triton.next_power_of_2(group))
     chunk = max(1, _pow2_at_most(MERGE_ELEMENTS // (gp * d_pad)))
     ring = k_positions is not None
     qk_scale = scale if softcap is not None else scale * LOG2E
+    q8 = q8_buffers(n_heads * d, dev) if q8_output(group, d) else None
     try:
         _decode_attention_kernel[(n_rows, n_splits)](
-            q, k_cache, v_cache, q_pos, k_positions if ring else q_pos, out, ws_m, ws_l, ws_acc,
-            tickets, seq_len, window if window is not None else 0, split_len, n_splits,
-            n_hchunks, q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-            v_cache.stride(1), qk_scale, softcap if softcap is not None else 1.0,
+            q, k_cache, v_cache, q_pos, k_positions if ring else q_pos, out,
+            *(q8 if q8 is not None else (out, out, out)), ws_m, ws_l, ws_acc, tickets, seq_len,
+            window if window is not None else 0, split_len, n_splits, n_hchunks, q.stride(0),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), qk_scale, softcap if softcap is not None else 1.0,
             GROUP=group, GP=gp, D=d, D_PAD=d_pad, BLOCK_S=block_s, RING=ring,
             HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, SINGLE=single,
-            IEEE=k_cache.dtype == torch.float32, BH=BLOCK_H, CHUNK=chunk, num_warps=NUM_WARPS,
-            num_stages=NUM_STAGES,
+            IEEE=k_cache.dtype == torch.float32, BH=BLOCK_H, CHUNK=chunk, Q8=q8 is not None,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )  # fmt: skip
     except BaseException:
         if not single:  # a launch cut short may leave tickets drawn: start again from zero
             tickets.zero_()
         raise
+    if q8 is not None:
+        attach_q8(out, q8)
     return out
 
 
 def attention_case(group: int, d: int, *, ring: bool, kv: str = "*fp16", arch: int = 90,
-                   single: bool = False, softcap: bool = False):
+                   single: bool = False, softcap: bool = False, q8: bool = True):
     """The kernel's specialization as :func:`decode_attention` launches it, for ahead-of-time
     compilation without a GPU (:mod:`._aot`; tests/test_kernel_compile.py,
     bench/kernel_profile.py): ``group`` query heads per KV head, head_dim ``d``, a ring
-    cache with a window or a full one, K/V of Triton type ``kv``, for ``sm_<arch>``."""
+    cache with a window or a full one, K/V of Triton type ``kv``, for ``sm_<arch>``; ``q8``
+    (the launcher's choice where :func:`q8_output` allows it): the output's 8-bit copy too."""
     from ._aot import Case
 
     d_pad = max(16, triton.next_power_of_2(d))
     gp = min(BLOCK_H, triton.next_power_of_2(group))
     types = {"q": "*fp32", "k_cache": kv, "v_cache": kv, "q_pos_ptr": "*i64", "k_pos": "*i64",
-             "out": "*fp32", "ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32",
-             "tickets": "*i32", "S": "i32", "window": "i32", "split_len": "i32",
-             "n_splits": "i32", "n_hchunks": "i32", "stride_qh": "i32", "stride_kh": "i32",
+             "out": "*fp32", "xq": "*i8", "xd": "*fp32", "xs": "*i32", "ws_m": "*fp32",
+             "ws_l": "*fp32", "ws_acc": "*fp32", "tickets": "*i32", "S": "i32", "window": "i32",
+             "split_len": "i32", "n_splits": "i32", "n_hchunks": "i32", "stride_qh": "i32", "stride_kh": "i32",
              "stride_ks": "i32", "stride_vh": "i32", "stride_vs": "i32", "qk_scale": "fp32",
              "softcap": "fp32"}  # fmt: skip
     constexprs = {"GROUP": group, "GP": gp, "D": d, "D_PAD": d_pad,
                   "BLOCK_S": default_block_s(d), "RING": ring, "HAS_WINDOW": ring,
                   "SOFTCAP": softcap, "SINGLE": single, "IEEE": kv == "*fp32", "BH": BLOCK_H,
-                  "CHUNK": max(1, _pow2_at_most(MERGE_ELEMENTS // (gp * d_pad)))}  # fmt: skip
+                  "CHUNK": max(1, _pow2_at_most(MERGE_ELEMENTS // (gp * d_pad))),
+                  "Q8": q8 and q8_output(group, d)}  # fmt: skip
     # Pointers and model dimensions are 16-byte multiples; positions, splits and windows
     # are not (a head_dim of 96 makes strides 16-aligned still).
     aligned = tuple(n for n in types if n.startswith(("stride", "q", "k_", "v_", "out", "ws",
-                                                      "tickets")) and n != "qk_scale")
+                                                      "tickets", "x")) and n != "qk_scale")
     return Case(_decode_attention_kernel, types, constexprs, num_warps=NUM_WARPS, arch=arch,
                 num_stages=NUM_STAGES, aligned=aligned)

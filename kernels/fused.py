@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ._jit import device_fn, kernel
-from .gemv import attach_q8, q8_chunks
+from .gemv import attach_q8, q8_buffers, store_q8
 
 # Activation codes of _gated_act_kernel's ACT constexpr.
 _ACTS = {"gelu_tanh": 0, "silu": 1}
@@ -172,22 +172,9 @@ def launch_norm_rope(
 @device_fn
 def _store_q8(v, c0, n, xq, xd, xs, NC: tl.constexpr):
     """The 8-bit copy of ``v`` (NC * 32,) float32, chunks ``c0 ..`` of 32 of a vector of ``n``
-    values: as ``gemv.quantize_q8`` writes it (values, per-32 scales, per-16 sums)."""
-    q, d = q8_chunks(tl.reshape(v, (NC, 2, 16)))
+    values (``gemv.store_q8``)."""
     c = c0 + tl.arange(0, NC)
-    cm = c * 32 < n
-    offs = c[:, None, None] * 32 + tl.arange(0, 2)[None, :, None] * 16
-    offs = offs + tl.arange(0, 16)[None, None, :]
-    tl.store(xq + offs, q.to(tl.int8), mask=cm[:, None, None])
-    tl.store(xd + c, d, mask=cm)
-    tl.store(xs + c[:, None] * 2 + tl.arange(0, 2)[None, :], tl.sum(q, axis=2), mask=cm[:, None])
-
-
-def _q8_buffers(t: torch.Tensor, n: int):
-    """Outputs for :func:`_store_q8` of a vector of ``n`` values on ``t``'s device."""
-    return (torch.empty(n, dtype=torch.int8, device=t.device),
-            torch.empty(n // 32, dtype=torch.float32, device=t.device),
-            torch.empty(n // 16, dtype=torch.int32, device=t.device))  # fmt: skip
+    store_q8(v, c, c * 32 < n, xq, xd, xs, NC)
 
 
 @kernel
@@ -221,9 +208,8 @@ def _norm_rope_kv_kernel(q, k, v, qw, kw, pos, inv_freq, q_out, k_cache, v_cache
         vv = tl.load(v + h * stride_vh + rd, mask=rd < 2 * HALF, other=0.0)
         tl.store(v_cache + h * stride_vch + slot * stride_vcs + rd,
                  vv.to(v_cache.dtype.element_ty), mask=rd < 2 * HALF)  # fmt: skip
-        if RING:
-            if h == 0:
-                tl.store(k_pos + slot, p)
+        if RING and h == 0:
+            tl.store(k_pos + slot, p)
 
 
 def norm_rope_kv(
@@ -392,7 +378,7 @@ def residual_rms_norm(
         f2 = f2 if f2.stride(-1) == 1 else f2.contiguous()
         w = weight.contiguous()
         pw = post_weight.contiguous() if post_weight is not None else w  # unread without it
-        q8 = _q8_buffers(n, d) if rows == 1 and d % 32 == 0 else None
+        q8 = q8_buffers(d, n.device) if rows == 1 and d % 32 == 0 else None
         _residual_rms_norm_kernel[(rows,)](
             x2, f2, pw, w, h, n, d, x2.stride(0), f2.stride(0), float(eps),
             *(q8 if q8 is not None else (n, n, n)), HAS_POST=post_weight is not None,
@@ -461,7 +447,7 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, *, act: str) -> torch.Tensor
         gate = gate if gate.stride(-1) == 1 else gate.contiguous()
         up = up if up.stride(-1) == 1 else up.contiguous()
         block = min(1024, triton.next_power_of_2(n))
-        q8 = _q8_buffers(y, n) if t == 1 and n % 32 == 0 else None
+        q8 = q8_buffers(n, y.device) if t == 1 and n % 32 == 0 else None
         _gated_act_kernel[(t, triton.cdiv(n, block))](
             gate, up, y, n, gate.stride(0), up.stride(0), *(q8 if q8 is not None else (y, y, y)),
             ACT=_ACTS[act], BLOCK=block, Q8=q8 is not None, num_warps=4,

@@ -13,7 +13,8 @@ planes, are 16-byte aligned: ``QuantWeight.aligned``), multiplied with ``dp4a`` 
 per 16-weight group (``_mmvq_kernel``) or per 32-weight sub-block (``_mmvq32_kernel``, the
 planes of ``decode.MMVQ32_TYPES``), each thread keeping float partial sums that are reduced
 once after the loop; rows per program and a split of the key axis are chosen per shape
-(:func:`mmvq_config`). Its result is exact up to float32 rounding for the quantized vector,
+(:func:`mmvq_config`), the splits' partial sums added in split order by the program that
+finishes its rows last (ticket counters, :mod:`._sync`), so a split costs no launch. Its result is exact up to float32 rounding for the quantized vector,
 which differs from the float vector by about 0.5% per dot product (llama.cpp's CUDA and CPU
 paths quantize activations the same way). Other types take a kernel whose tile is (rows,
 scale groups, group size), so that each scale is loaded once per group.
@@ -28,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-from . import PLANES, block_format, plane_offsets
+from . import PLANES, _sync, block_format, plane_offsets
 from ._jit import device_fn, kernel
 from .decode import (
     GROUP_SIZES,
@@ -55,14 +55,27 @@ MAX_BATCH = 8
 def q8_chunks(v):
     """(q int32, d float32) of values ``v`` (C, 2, 16) float32, chunks of 32 on the first
     axis: ``d = max|v| / 127`` and ``q = round-half-up(v * 127 / max|v|)`` per chunk, as
-    llama.cpp's ``quantize_q8_1`` (shared by :func:`quantize_q8` and the fused kernels that
-    write the quantized copy of their output)."""
+    llama.cpp's ``quantize_q8_1`` (shared by :func:`quantize_q8` and :func:`store_q8`)."""
     amax = tl.max(tl.max(tl.abs(v), axis=2), axis=1)
     d = amax / 127.0
     inv = tl.where(amax > 0.0, 127.0 / tl.where(amax > 0.0, amax, 1.0), 0.0)
     q = tl.floor(v * inv[:, None, None] + 0.5)  # |q| <= 127: amax * inv rounds to 127
     q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
     return q, d
+
+
+@device_fn
+def store_q8(v, c, cm, xq, xd, xs, NC: tl.constexpr):
+    """Store the 8-bit copy of ``v`` (NC * 32,) float32, NC chunks of 32 values, as
+    :func:`quantize_q8` writes it (values ``xq``, per-32 scales ``xd``, per-16 sums ``xs``):
+    chunk i of ``v`` is chunk ``c[i]`` (int32 (NC,)) of the vector, stored where ``cm[i]``.
+    For the kernels that also write the quantized copy of their output (attach_q8)."""
+    q, d = q8_chunks(tl.reshape(v, (NC, 2, 16)))
+    offs = c[:, None, None] * 32 + tl.arange(0, 2)[None, :, None] * 16
+    offs = offs + tl.arange(0, 16)[None, None, :]
+    tl.store(xq + offs, q.to(tl.int8), mask=cm[:, None, None])
+    tl.store(xd + c, d, mask=cm)
+    tl.store(xs + c[:, None] * 2 + tl.arange(0, 2)[None, :], tl.sum(q, axis=2), mask=cm[:, None])
 
 
 @kernel
@@ -97,11 +110,41 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
     return r
 
 
+@device_fn
+def _store_rows(y, ws, tickets, out, rn, N, SPLITK: tl.constexpr):
+    """Store a program's dot products ``out`` (ROWS,) float32 of rows ``rn`` (those < N).
+
+    Without SPLITK, to ``y``. With it (grid axis 1: the splits of the key axis), to the
+    split's row of the (splits, N) float32 workspace ``ws``; the program that draws the last
+    ticket of its row range (``tickets[pid]``, see ``_sync``) adds the splits' rows in split
+    order into ``y`` and resets the ticket: no separate launch to sum them, and the same sum
+    whichever program comes last.
+    """
+    mask = rn < N
+    if SPLITK:
+        pid = tl.program_id(0)
+        n_splits = tl.num_programs(1)
+        tl.store(ws + tl.program_id(1) * N + rn, out, mask=mask)
+        # Every thread's stores before the ticket; the ticket's acq_rel orders them for the
+        # program that draws the last one.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets + pid, 1, sem="acq_rel")
+        if ticket == n_splits - 1:
+            tl.debug_barrier()
+            tl.store(tickets + pid, 0)  # ready for the next launch (graph replay)
+            total = tl.load(ws + rn, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, n_splits):
+                total += tl.load(ws + s * N + rn, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y + rn, total.to(y.dtype.element_ty), mask=mask)
+    else:
+        tl.store(y + rn, out.to(y.dtype.element_ty), mask=mask)
+
+
 @kernel
-def _mmvq_kernel(w, xq, xd, xs, y, N, K, blocks_per_split, stride_ys, BS: tl.constexpr,
+def _mmvq_kernel(w, xq, xd, xs, y, ws, tickets, N, K, blocks_per_split, BS: tl.constexpr,
                  TS: tl.constexpr, UNIT: tl.constexpr, QTYPE: tl.constexpr, OFF: tl.constexpr,
                  ROWS: tl.constexpr, GP: tl.constexpr, STAGES: tl.constexpr,
-                 DP4A: tl.constexpr, PLANES: tl.constexpr = False):  # fmt: skip
+                 DP4A: tl.constexpr, SPLITK: tl.constexpr, PLANES: tl.constexpr = False):  # fmt: skip
     # Program (rows, split): ROWS rows x the split's blocks, GP 16-weight groups (GP * 16 / BS
     # whole blocks) a step. Each thread keeps float partial sums for its (row, group) slots:
     # one reduction after the loop. The group -> (block, group in block) split and everything
@@ -162,14 +205,13 @@ def _mmvq_kernel(w, xq, xd, xs, y, N, K, blocks_per_split, stride_ys, BS: tl.con
         acc += dx * (scale * dot.to(tl.float32) - vmin * isum.to(tl.float32))
         blk += BPS * TSU
         gg += GP
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    tl.store(y + split * stride_ys + rn, out.to(y.dtype.element_ty), mask=rn < N)
+    _store_rows(y, ws, tickets, tl.sum(tl.sum(acc, axis=2), axis=1), rn, N, SPLITK)
 
 
 @kernel
-def _mmvq32_kernel(w, xq, xd, xs, y, N, K, units_per_split, stride_ys, QTYPE: tl.constexpr,
+def _mmvq32_kernel(w, xq, xd, xs, y, ws, tickets, N, K, units_per_split, QTYPE: tl.constexpr,
                    BS: tl.constexpr, OFF: tl.constexpr, ROWS: tl.constexpr, GP: tl.constexpr,
-                   STAGES: tl.constexpr, DP4A: tl.constexpr):  # fmt: skip
+                   STAGES: tl.constexpr, DP4A: tl.constexpr, SPLITK: tl.constexpr):  # fmt: skip
     # The types of MMVQ32_TYPES from their planes: a slot is a (row, 32-weight sub-block)
     # with one scale; its weight bits are one (Q8_0: two) 16-byte loads, decoded into the
     # words of weights 0-15 and 16-31 for two dp4a against the activations' words. Program
@@ -200,8 +242,7 @@ def _mmvq32_kernel(w, xq, xd, xs, y, N, K, units_per_split, stride_ys, QTYPE: tl
         acc += dx * (scale * dot.to(tl.float32))
         u += GP
         uk += GP
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    tl.store(y + split * stride_ys + rn, out.to(y.dtype.element_ty), mask=rn < N)
+    _store_rows(y, ws, tickets, tl.sum(tl.sum(acc, axis=2), axis=1), rn, N, SPLITK)
 
 
 # Streaming multiprocessors the launch shapes aim to fill (an H100 SXM has 132).
@@ -222,7 +263,7 @@ def mmvq_config(qtype, n: int, k: int, sms: int = TARGET_SMS, layout: str = "blo
     (UNIT weights: 32 for the sub-block kernel, ``planes`` of :data:`.decode.MMVQ32_TYPES`,
     else 16): GP groups (a power of two <= 16 dividing K/UNIT, whole blocks) by
     ROWS = threads * RPT / GP rows. The key axis is split (SPLIT programs per row range,
-    partial sums added after) until the programs hold IN_FLIGHT_PER_SM bytes per SM in one
+    partial sums added by the range's last program, in the launch) until the programs hold IN_FLIGHT_PER_SM bytes per SM in one
     step, and at least 2 programs per SM; small matrices first drop to one row per thread,
     then to fewer groups per step, to get to 2 per SM.
 
@@ -278,26 +319,36 @@ def mmvq_case(qtype, n: int, k: int, *, layout: str = "blocks", arch: int = 90):
     from ._aot import Case
 
     fmt, cfg = block_format(qtype), mmvq_config(qtype, n, k, layout=layout)
-    out = {"w": "*u8", "xq": "*i8", "xd": "*fp32", "xs": "*i32", "y": "*fp32", "N": "i32",
-           "K": "i32"}
+    splitk = cfg["SPLIT"] > 1
+    out = {"w": "*u8", "xq": "*i8", "xd": "*fp32", "xs": "*i32", "y": "*fp32", "ws": "*fp32",
+           "tickets": "*i32", "N": "i32", "K": "i32"}
     if cfg["UNIT"] == 32:  # the sub-block kernel, from planes
         case = Case(
-            _mmvq32_kernel, out | {"units_per_split": "i32", "stride_ys": "i32"},
+            _mmvq32_kernel, out | {"units_per_split": "i32"},
             {"QTYPE": int(qtype), "BS": fmt.block_size, "OFF": MMVQ32_TYPES[qtype],
-             "ROWS": cfg["ROWS"], "GP": cfg["GP"], "STAGES": cfg["STAGES"], "DP4A": True},
+             "ROWS": cfg["ROWS"], "GP": cfg["GP"], "STAGES": cfg["STAGES"], "DP4A": True,
+             "SPLITK": splitk},
             num_warps=cfg["WARPS"], arch=arch,
         )  # fmt: skip
         return case, cfg
     unit, off = MMVQ_TYPES[qtype]
     planes = layout == "planes"
     case = Case(
-        _mmvq_kernel, out | {"blocks_per_split": "i32", "stride_ys": "i32"},
+        _mmvq_kernel, out | {"blocks_per_split": "i32"},
         {"BS": fmt.block_size, "TS": fmt.type_size, "UNIT": 4 if planes else unit,
          "QTYPE": int(qtype), "OFF": off, "ROWS": cfg["ROWS"], "GP": cfg["GP"],
-         "STAGES": cfg["STAGES"], "DP4A": True, "PLANES": planes},
+         "STAGES": cfg["STAGES"], "DP4A": True, "SPLITK": splitk, "PLANES": planes},
         num_warps=cfg["WARPS"], arch=arch,
     )  # fmt: skip
     return case, cfg
+
+
+def q8_buffers(n: int, device: torch.device):
+    """Empty (xq, xd, xs) for the 8-bit copy of a vector of ``n`` values (see
+    :func:`quantize_q8`), on ``device``."""
+    return (torch.empty(n, dtype=torch.int8, device=device),
+            torch.empty(n // 32, dtype=torch.float32, device=device),
+            torch.empty(n // 16, dtype=torch.int32, device=device))  # fmt: skip
 
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -312,9 +363,7 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         sums of ``xq`` over 16 values.
     """
     k = x.shape[0]
-    xq = torch.empty(k, dtype=torch.int8, device=x.device)
-    xd = torch.empty(k // 32, dtype=torch.float32, device=x.device)
-    xs = torch.empty(k // 16, dtype=torch.int32, device=x.device)
+    xq, xd, xs = q8_buffers(k, x.device)
     ch = 8
     _quantize_q8_kernel[(triton.cdiv(k // 32, ch),)](x, xq, xd, xs, k // 32, CH=ch, num_warps=4)
     return xq, xd, xs
@@ -353,23 +402,32 @@ def _mmvq(w_data, qtype, n_out: int, x: torch.Tensor, out_dtype, layout: str,
     xq, xd, xs = quantize_q8(x[0]) if x_q8 is None else x_q8
     cfg = mmvq_config(qtype, n_out, k, layout=layout)
     split = cfg["SPLIT"]
-    y = torch.empty((max(split, 1), n_out), dtype=torch.float32 if split > 1 else out_dtype,
-                    device=x.device)  # fmt: skip
-    if cfg["UNIT"] == 32:
-        _mmvq32_kernel[cfg["grid"]](
-            w_data, xq, xd, xs, y, n_out, k, k // 32 // split, y.stride(0), QTYPE=int(qtype),
-            BS=fmt.block_size, OFF=MMVQ32_TYPES[qtype], ROWS=cfg["ROWS"], GP=cfg["GP"],
-            STAGES=cfg["STAGES"], DP4A=x.is_cuda, num_warps=cfg["WARPS"],
-        )  # fmt: skip
-    else:
-        _mmvq_kernel[cfg["grid"]](
-            w_data, xq, xd, xs, y, n_out, k, cfg["blocks_per_split"], y.stride(0),
-            BS=fmt.block_size, TS=fmt.type_size, UNIT=4 if layout == "planes" else unit,
-            QTYPE=int(qtype), OFF=off, ROWS=cfg["ROWS"], GP=cfg["GP"], STAGES=cfg["STAGES"],
-            DP4A=x.is_cuda, PLANES=layout == "planes", num_warps=cfg["WARPS"],
-        )  # fmt: skip
-    if split > 1:
-        return y.sum(0, keepdim=True).to(out_dtype)
+    y = torch.empty((1, n_out), dtype=out_dtype, device=x.device)
+    if split > 1:  # the splits' partial sums, added by the program that finishes last
+        ws = torch.empty((split, n_out), dtype=torch.float32, device=x.device)
+        tickets = _sync.tickets(x.device, cfg["grid"][0])
+    else:  # unread
+        ws = tickets = y
+    try:
+        if cfg["UNIT"] == 32:
+            _mmvq32_kernel[cfg["grid"]](
+                w_data, xq, xd, xs, y, ws, tickets, n_out, k, k // 32 // split,
+                QTYPE=int(qtype), BS=fmt.block_size, OFF=MMVQ32_TYPES[qtype], ROWS=cfg["ROWS"],
+                GP=cfg["GP"], STAGES=cfg["STAGES"], DP4A=x.is_cuda, SPLITK=split > 1,
+                num_warps=cfg["WARPS"],
+            )  # fmt: skip
+        else:
+            _mmvq_kernel[cfg["grid"]](
+                w_data, xq, xd, xs, y, ws, tickets, n_out, k, cfg["blocks_per_split"],
+                BS=fmt.block_size, TS=fmt.type_size, UNIT=4 if layout == "planes" else unit,
+                QTYPE=int(qtype), OFF=off, ROWS=cfg["ROWS"], GP=cfg["GP"],
+                STAGES=cfg["STAGES"], DP4A=x.is_cuda, SPLITK=split > 1,
+                PLANES=layout == "planes", num_warps=cfg["WARPS"],
+            )  # fmt: skip
+    except BaseException:
+        if split > 1:  # a launch cut short may leave tickets drawn: start again from zero
+            tickets.zero_()
+        raise
     return y
 
 
@@ -480,6 +538,11 @@ def gemv(
     x_q8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x @ W.T`` for a few rows, reading ``W`` quantized.
+
+    One launch (two where a single vector must first be quantized), with no host reads:
+    usable inside CUDA-graph capture. A split key axis is summed inside the launch with the
+    ticket counters of :mod:`._sync`, so launches on one device must not run concurrently
+    on several streams (as for ``decode_attention``).
 
     Args:
         w_data: uint8 (n_out, row_bytes) or flat; the blocks of ``W`` (n_out, K) row by row

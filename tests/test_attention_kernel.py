@@ -21,7 +21,7 @@ kernels = pytest.importorskip("localllm.kernels")
 if not kernels.triton_available():
     pytest.skip("Triton is not installed", allow_module_level=True)
 
-from localllm.kernels import attention
+from localllm.kernels import _sync, attention
 from localllm.kernels.attention import decode_attention, default_block_s, split_plan
 
 POISON = 1e4  # written to the slots a query must not see: a leak shows at once
@@ -252,7 +252,45 @@ def test_tickets_are_reset_for_the_next_launch():
     for q_pos in (10, 50, 89, 89):
         y = run(q, k, v, q_pos, torch.device("cpu"), scale=0.125, n_splits=4, block_s=16)
         assert rel_err(y, reference(q, k, v, q_pos)) < 1e-5
-        assert not attention._TICKETS[torch.device("cpu")].any()
+        assert not _sync.TICKETS[torch.device("cpu")][-1].any()
+
+
+@pytest.mark.parametrize(("n_kv", "group", "s", "d", "n_splits"), [
+    (2, 3, 70, 96, 3),  # merge of 4 padded rows (3 heads) a program; padded head rows
+    (2, 3, 70, 96, 1),  # one split: the program's 16 rows, 3 of them heads
+    (1, 20, 40, 64, 2),  # two chunks of query heads, the second of 4
+    (3, 1, 50, 256, None),  # Gemma-3's head_dim
+    (2, 2, 40, 16, 2),  # head_dim 16: a chunk holds two heads
+    (1, 20, 30, 16, 1),  # ... of the first 16 heads, then of the last 4
+])  # fmt: skip
+def test_output_carries_its_q8_copy(n_kv, group, s, d, n_splits, device):
+    """The program that writes a head's output also writes it quantized to 8 bits per 32
+    values (what the output projection's integer-dot GEMV reads): the copy is
+    ``quantize_q8(out)``, byte for byte, and no other launch makes it."""
+    from localllm.kernels.gemv import attached_q8, quantize_q8
+
+    q, k, v = random_qkv(n_kv * group, n_kv, s, d, seed=d + group)
+    kw = {"n_splits": n_splits, "block_s": 16} if n_splits else {}
+    y = decode_attention(q.to(device) * 4, k.to(device), v.to(device),
+                         torch.tensor([s - 1], device=device), scale=d**-0.5, **kw)  # fmt: skip
+    got = attached_q8(y)
+    assert got is not None
+    for a, b in zip(got, quantize_q8(y.reshape(-1)), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert rel_err(y.cpu(), reference(q * 4, k, v, s - 1, scale=d**-0.5)) < 1e-5
+
+
+@pytest.mark.parametrize(("group", "d"), [(2, 48), (1, 16)])
+def test_no_q8_copy_for_partial_chunks(group, d, device):
+    """Chunks of 32 values that would span a padded head (48) or two programs (a group of
+    one head of 16): nothing attached (the GEMV quantizes the output itself)."""
+    from localllm.kernels.gemv import attached_q8
+
+    q, k, v = random_qkv(2 * group, 2, 30, d, seed=3)
+    y = decode_attention(q.to(device), k.to(device), v.to(device),
+                         torch.tensor([29], device=device), scale=0.125)  # fmt: skip
+    assert attached_q8(y) is None
+    assert rel_err(y.cpu(), reference(q, k, v, 29)) < 1e-5
 
 
 def test_no_visible_key_gives_zeros(device):
@@ -386,7 +424,6 @@ def test_static_profile(model):
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     import kernel_profile
-
     from localllm.kernels import _aot
 
     name = f"decode_attention/{model}"

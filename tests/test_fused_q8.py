@@ -1,9 +1,9 @@
 """Activation quantization fused into the kernels that produce a GEMV's input.
 
-For one row (a decode step) ``residual_rms_norm`` and ``gated_act`` also write their output
-quantized to 8 bits per 32 values (what ``gemv.quantize_q8`` computes) and attach it to the
-output tensor; the integer-dot GEMV that multiplies that tensor reads it instead of launching
-``quantize_q8``. Oracle: ``quantize_q8`` itself (the copies must be identical) and the logits
+For one row (a decode step) ``residual_rms_norm``, ``gated_act`` and ``decode_attention``
+(tested in tests/test_attention_kernel.py) also write their output quantized to 8 bits per
+32 values (what ``gemv.quantize_q8`` computes) and attach it to the output tensor; the
+integer-dot GEMV that multiplies that tensor reads it instead of launching ``quantize_q8``. Oracle: ``quantize_q8`` itself (the copies must be identical) and the logits
 of the unfused path (bit-identical, since the GEMV sees the same bytes).
 """
 
@@ -17,10 +17,9 @@ kernels = pytest.importorskip("localllm.kernels")
 if not kernels.triton_available():
     pytest.skip("Triton is not installed", allow_module_level=True)
 
-import localllm.kernels.fused as fused  # noqa: E402
-import localllm.kernels.gemv as gemv  # noqa: E402  (the module; the package's gemv is the function)
-from localllm.kernels import QuantWeight, quant_linear  # noqa: E402
-from localllm.kernels.gemv import attached_q8, quantize_q8  # noqa: E402
+import localllm.kernels.gemv as gemv_module  # the package's gemv is the function
+from localllm.kernels import QuantWeight, fused, quant_linear
+from localllm.kernels.gemv import attached_q8, quantize_q8
 
 
 class CountingLaunch:
@@ -36,8 +35,8 @@ class CountingLaunch:
 
 @pytest.fixture
 def q8_launches(monkeypatch):
-    counter = CountingLaunch(gemv._quantize_q8_kernel)
-    monkeypatch.setattr(gemv, "_quantize_q8_kernel", counter)
+    counter = CountingLaunch(gemv_module._quantize_q8_kernel)
+    monkeypatch.setattr(gemv_module, "_quantize_q8_kernel", counter)
     return counter
 
 
@@ -51,7 +50,7 @@ def test_residual_norm_writes_the_q8_copy(d, post, device):
     g = torch.Generator().manual_seed(d)
     x, f = (torch.randn(1, d, generator=g).to(device) for _ in range(2))
     w, pw = (torch.rand(d, generator=g).to(device) + 0.5 for _ in range(2))
-    h, n = fused.residual_rms_norm(x * 40, f, pw if post else None, w, 1e-6)
+    _, n = fused.residual_rms_norm(x * 40, f, pw if post else None, w, 1e-6)
     assert same_q8(attached_q8(n), n)
     xq, xd, xs = attached_q8(n)
     assert xq.device == n.device and xd.shape == (d // 32,) and xs.shape == (d // 16,)
@@ -93,10 +92,13 @@ def test_gemv_reads_the_attached_copy(q8_launches, device):
 
 
 def test_decode_step_quantizes_only_unfused_inputs(tiny_model_path, q8_launches, monkeypatch):
-    """In a decode step of the kernel path, only the GEMV inputs that no fused kernel produced
-    are quantized by a launch of their own: the first layer's QKV input (plain RMSNorm) and
-    each layer's attention output (the output head reads a view of the last residual norm's
-    output); the logits are those of the unfused path, bit for bit."""
+    """In a decode step of the kernel path, only the GEMV input that no fused kernel produced
+    is quantized by a launch of its own: the first layer's QKV input (plain RMSNorm); the
+    attention outputs come quantized from the attention kernel, and the output head reads a
+    view of the last residual norm's output. The logits are those of the unfused path, bit
+    for bit."""
+    from localllm.kernels import attention
+
     from localllm.runtime.session import Session, load_model
 
     n_layers = 2
@@ -107,8 +109,9 @@ def test_decode_step_quantizes_only_unfused_inputs(tiny_model_path, q8_launches,
     s.eval(ids[:5])
     q8_launches.launches = 0
     got = s.eval(ids[5:])
-    assert q8_launches.launches == 1 + n_layers  # was 4 per layer + 1 (the output head)
-    monkeypatch.setattr(fused, "attach_q8", lambda x, q8: None)  # the unfused path
+    assert q8_launches.launches == 1  # was 4 per layer + 1 (the output head)
+    for module in (fused, attention):  # the unfused path
+        monkeypatch.setattr(module, "attach_q8", lambda x, q8: None)
     ref = Session(m, ctx_size=32)
     ref.eval(ids[:5])
     q8_launches.launches = 0

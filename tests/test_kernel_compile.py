@@ -224,6 +224,9 @@ CASES = {
     **{f"mmvq-{q.name}-planes": _mmvq(q, planes=True) for q in PLANES},
     "mmvq-Q8_0-planes-gemma-qkv": _mmvq(T.Q8_0, 1536, 640, planes=True),
     "mmvq-IQ4_XS-planes-sm86": _mmvq(T.IQ4_XS, arch=86, planes=True),
+    # one split (Llama-3-8B's gate/up): the plain store, no split-K epilogue
+    "mmvq-Q4_K-llama-gate_up": _mmvq(T.Q4_K, 28672, 4096),
+    "mmvq-Q4_0-planes-llama-gate_up": _mmvq(T.Q4_0, 28672, 4096, planes=True),
     **{f"gemv-{q.name}-b4-planes": _gemv(q, 4, planes=True) for q in PLANES},
     **{f"gemm-{q.name}-planes": _gemm(q, planes=True) for q in PLANES},
     "quantize_q8": _quantize_q8(),
@@ -235,6 +238,7 @@ CASES = {
     "attention-phi3-g1-d96": attention_case(1, 96, ring=False),
     "attention-g32-d128": attention_case(32, 128, ring=False),
     "attention-g7-d128-sm86": attention_case(7, 128, ring=True, arch=86),
+    "attention-g2-d48-no-q8": attention_case(2, 48, ring=False),  # chunks would span heads
     **{f"gemv-{q.name}-b1": _gemv(q, 1) for q in KERNEL_TYPES if q not in GROUP_SIZES},
     **{f"gemv-{q.name}-b8": _gemv(q, 8) for q in KERNEL_TYPES},
     "gemv-Q4_K-b3": _gemv(T.Q4_K, 3),
@@ -301,6 +305,15 @@ def test_every_kernel_type_is_covered():
                 _norm_rope_kv_kernel, _mmvq_kernel, _mmvq32_kernel, _quantize_q8_kernel,
                 _decode_attention_kernel}  # fmt: skip
     assert {c.kernel for c in cases} == launched
+
+
+def test_both_epilogues_are_compiled():
+    """The GEMVs with and without the split-K epilogue, attention with and without its
+    output's 8-bit copy."""
+    for kernel, flag in ((_mmvq_kernel, "SPLITK"), (_mmvq32_kernel, "SPLITK"),
+                         (_decode_attention_kernel, "Q8")):  # fmt: skip
+        seen = {c.constexprs[flag] for c in CASES.values() if c.kernel is kernel}
+        assert seen == {False, True}, (kernel.fn.__name__, flag)
 
 
 def test_cuda_variant_is_a_jit_function():

@@ -22,14 +22,13 @@ kernels = pytest.importorskip("localllm.kernels")
 if not kernels.triton_available():
     pytest.skip("Triton is not installed", allow_module_level=True)
 
-from localllm.kernels import block_format
-from localllm.kernels import PLANES, QuantWeight, _aot, quant_linear
-from localllm.kernels.dequant import dequantize as triton_dequantize
+from localllm.kernels import PLANES, QuantWeight, _aot, block_format, quant_linear
 from localllm.kernels.decode import MMVQ_TYPES
+from localllm.kernels.dequant import dequantize as triton_dequantize
 from localllm.kernels.gemv import TARGET_SMS, gemv, mmvq_config, quantize_q8
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-import kernel_profile  # noqa: E402
+import kernel_profile
 
 
 def test_quantize_q8_bounds_and_sums(device):
@@ -73,7 +72,7 @@ def test_mmvq_on_quantized_activations(qtype, n, bpr, device):
 def iq_blocks(qtype: T, n_blocks: int, seed: int = 0) -> np.ndarray:
     """Random IQ4_NL / IQ4_XS / MXFP4 blocks with small finite scales."""
     rng = np.random.default_rng(seed)
-    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    ts = gguf.GGML_QUANT_SIZES[qtype][1]
     b = rng.integers(0, 256, (n_blocks, ts), dtype=np.uint8)
     if qtype == T.MXFP4:
         b[:, 0] = rng.integers(118, 130, n_blocks)  # E8M0 exponents near 2**0
@@ -103,7 +102,7 @@ def test_iq_dequant_bit_exact(qtype, device):
 @pytest.mark.parametrize("qtype", [T.IQ4_NL, T.IQ4_XS, T.MXFP4], ids=lambda q: q.name)
 def test_iq_gemv(qtype, device):
     """One vector (integer dot for IQ4_NL/IQ4_XS, float for MXFP4) and a batch of 3."""
-    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    bs = gguf.GGML_QUANT_SIZES[qtype][0]
     n, bpr = 13, (2 if bs == 256 else 5)
     b = iq_blocks(qtype, n * bpr, seed=3)
     wref = torch.from_numpy(gguf.quants.dequantize(b.reshape(-1), qtype).reshape(n, -1)).double()
@@ -123,8 +122,35 @@ def test_iq_gemv(qtype, device):
     assert torch.equal(quant_linear(x[:1].to(device), qw).cpu(), y1)
 
 
+@pytest.mark.parametrize("qtype, layout, n, bpr", [
+    (T.Q4_K, "blocks", 37, 3),  # _mmvq_kernel, 3 splits
+    (T.Q6_K, "planes", 21, 4),  # _mmvq_kernel from planes, 4 splits
+    (T.Q4_0, "planes", 19, 8),  # _mmvq32_kernel, 8 splits
+], ids=lambda v: v.name if isinstance(v, T) else str(v))  # fmt: skip
+def test_split_k_summed_in_the_launch(qtype, layout, n, bpr, device):
+    """A split key axis costs no launch of its own: the program that finishes its row range
+    last adds the splits' partial sums (in split order: the same result at every launch) and
+    resets its ticket for the next launch (a graph replay)."""
+    from kernel_checks import LaunchCounter
+    from localllm.kernels import _sync
+    from test_planes import q8_activations, weight
+
+    w, p, wref = weight(qtype, n, bpr, seed=n)
+    w = (p if layout == "planes" else w).to(device)
+    assert mmvq_config(qtype, n, w.shape[1], layout=layout)["SPLIT"] > 1
+    x = torch.randn(1, w.shape[1], generator=torch.Generator().manual_seed(bpr)).to(device)
+    y = quant_linear(x, w)  # the first launch also allocates the tickets
+    with LaunchCounter() as counter:
+        y2 = quant_linear(x, w)
+    assert torch.equal(y2, y)
+    gemv_kernel = "mmvq32_kernel" if qtype == T.Q4_0 else "mmvq_kernel"
+    assert dict(+counter.launches) == {"quantize_q8_kernel": 1, gemv_kernel: 1}
+    assert rel_err(y.cpu(), q8_activations(x.cpu(), device) @ wref.double().T) < 1e-5
+    assert not _sync.TICKETS[device][-1].any()
+
+
 def test_mmvq_float16_output(device):
-    w, wref = make_weight(T.Q4_K, n=12, blocks_per_row=2, seed=2)
+    w, _ = make_weight(T.Q4_K, n=12, blocks_per_row=2, seed=2)
     x = torch.randn(1, w.shape[1]).half()
     y = gemv(w.data.to(device), T.Q4_K, 12, x.to(device))
     assert y.dtype == torch.float16 and y.shape == (1, 12)
@@ -198,7 +224,8 @@ def test_profile_writes_cubins_and_json(tmp_path, capsys):
         assert r["qtype"] == "Q4_K" and r["bytes_per_step"] > 0 and r["registers"] > 0
         assert os.path.getsize(r["cubin"]) > 0
         # recount from the binary: the loop instructions per step give the figure
-        instrs = _aot.parse_sass(_aot.sass(open(r["cubin"], "rb").read()))
+        with open(r["cubin"], "rb") as f:
+            instrs = _aot.parse_sass(_aot.sass(f.read()))
         loop = _aot.counted(_aot.main_loop(instrs))
         assert len(loop) == r["loop_instructions"]
         assert r["warp_instructions_per_byte"] == pytest.approx(

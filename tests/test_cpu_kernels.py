@@ -153,6 +153,20 @@ def test_prefill_tiles(qtype, monkeypatch):
     assert_close_product(cpu.qmatmul(x, w), x, ref)
 
 
+@pytest.mark.parametrize("t", [3, 13])
+def test_rows_spaced_x_is_used_in_place(t):
+    # x a column slice of a wider product (the FFN activation over the gate half): the same
+    # result as from a contiguous copy, GEMV and prefill alike.
+    cols = 256
+    w, ref = packed(T.Q4_K, 40, cols, seed=7)
+    wide = torch.randn(t, 2 * cols, generator=torch.Generator().manual_seed(2))
+    x = wide[:, :cols]
+    assert not x.is_contiguous()
+    torch.testing.assert_close(cpu.qmatmul(x, w), cpu.qmatmul(x.contiguous(), w),
+                               rtol=0, atol=0)
+    assert_close_product(cpu.qmatmul(x, w), x, ref)
+
+
 def test_prefill_tiles_in_bfloat16(monkeypatch):
     # bfloat16 x, W and products (float32 accumulation): within a few bfloat16 roundings.
     cols = 256

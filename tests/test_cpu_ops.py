@@ -74,7 +74,13 @@ def test_gated(act, t, f):
     gu = torch.randn(t, 2 * f, generator=g) * 6  # gate and up: halves of one output (phi3)
     gu[0, :8] = torch.tensor([-100.0, -30.0, -9.0, -1e-3, 0.0, 1e-3, 30.0, 100.0])
     gate, up = gu.chunk(2, dim=-1)
-    close(NATIVE.gated(gate, up, act), TORCH.gated(gate, up, act), rtol=5e-6)
+    want = TORCH.gated(gate, up, act)
+    close(NATIVE.gated(gate, up, act), want, rtol=5e-6)
+    # overwrite: the result written over the gate half of the product, no buffer of its own
+    y = NATIVE.gated(gate, up, act, overwrite=True)
+    assert y.data_ptr() == gate.data_ptr() and y.stride() == gate.stride()
+    close(y, want, rtol=5e-6)
+    close(gate, want, rtol=5e-6)
 
 
 def angles(positions: torch.Tensor, hd: int, base: float = 10_000.0, factors=None):

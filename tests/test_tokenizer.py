@@ -83,3 +83,46 @@ def test_byte_level_bpe_roundtrip(tiny_model_path):
     eot = tok.tokens.index("<|im_end|>")
     assert eot in tok.eog_ids
     assert tok.encode("<|im_end|>", special=True) == [eot]
+
+
+def _reference_proto(tokens, scores, types, unk):
+    """The same vocabulary built as a protobuf message (what spm.py did before it wrote the
+    wire format itself): the oracle for :func:`localllm.tokenizer.spm.model_proto`."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    spec = proto.trainer_spec
+    spec.model_type, spec.vocab_size, spec.byte_fallback = pb.TrainerSpec.BPE, len(tokens), 6 in types
+    spec.unk_id, spec.bos_id, spec.eos_id, spec.pad_id = unk, -1, -1, -1
+    norm = proto.normalizer_spec
+    norm.name, norm.add_dummy_prefix = "identity", False
+    norm.remove_extra_whitespaces, norm.escape_whitespaces = False, True
+    seen: set[str] = set()
+    for i, text in enumerate(tokens):
+        piece, kind = proto.pieces.add(), types[i]
+        if text in seen or not text:
+            text, kind = f"<localllm-unused-{i}>", 5
+        elif kind == 2 and i != unk:
+            kind = 3
+        seen.add(text)
+        piece.piece, piece.score = text, scores[i] if scores is not None else 0.0
+        piece.type = 2 if i == unk else kind if 1 <= kind <= 6 else 1
+    return proto
+
+
+@pytest.mark.parametrize("unknown", [None, 3])
+def test_model_proto_matches_protobuf(unknown):
+    # Duplicates, an empty piece, two UNKNOWN pieces, a type outside sentencepiece's, a piece
+    # longer than 127 bytes (two-byte lengths), negative and fractional scores, byte tokens.
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    from localllm.tokenizer.spm import model_proto
+
+    tokens = ["<unk>", "<s>", "▁a", "▁a", "", "x" * 200, "é▁漢", "<0x0A>", "<pad>"]
+    types = [2, 3, 1, 1, 1, 1, 0, 6, 2]
+    scores = [0.0, 0.0, -1.5, 2.25, 0.0, -1e9, 0.1, 0.0, 3.0]
+    for sc in (scores, None):
+        ours = model_proto(tokens, sc, types, {"unknown": unknown})
+        ref = _reference_proto(tokens, sc, types, 0 if unknown is None else unknown)
+        assert pb.ModelProto.FromString(ours) == ref
+        assert ours == ref.SerializeToString()

@@ -154,12 +154,16 @@ class PackedWeight:
 def _check_x(x: torch.Tensor, cols: int) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != cols:
         raise ParameterError(f"qmatmul: x must be (T, {cols}), got {tuple(x.shape)}")
-    return x.float().contiguous()
+    x = x.float()
+    # Rows may be spaced (a column slice of a wider output, e.g. the FFN activation written
+    # over the gate half of the gate/up product): the GEMV and torch's GEMM take a row stride.
+    return x if x.stride(1) == 1 and x.stride(0) >= cols else x.contiguous()
 
 
 def qmatmul(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = None, *,
             prefill_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``x @ W.T``: x (T, cols) float32, W a :class:`PackedWeight` (rows, cols) -> (T, rows)
+    """``x @ W.T``: x (T, cols) float32 (rows may be spaced: unit column stride), W a
+    :class:`PackedWeight` (rows, cols) -> (T, rows)
     float32, written into ``out`` when given (a (T, rows) float32 view with unit column
     stride, e.g. a column slice of a wider output).
 

@@ -10,7 +10,7 @@ float32 for the product, where torch's float32 GEMM is much faster than its floa
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 import torch
@@ -347,7 +347,31 @@ def apply_rope(
 
 
 # Scores of at most this many bytes at a time in :func:`attend` (prefill's working set).
-ATTEND_CHUNK_BYTES = 8 << 20
+ATTEND_CHUNK_BYTES = 2 << 20
+
+
+def score_blocks(n_kv: int, group: int, t: int, s: int) -> Iterator[tuple[int, int, int, int]]:
+    """The blocks :func:`attend` computes the (n_kv, group * t, s) float32 scores in:
+    ``(h0, h1, r0, r1)``, KV heads h0..h1 and query rows r0..r1 of their groups, each block
+    at most :data:`ATTEND_CHUNK_BYTES` (at least one row). Whole KV heads while one fits,
+    else whole queries of a group (multiples of ``t`` rows), else part of one query head's
+    rows; every row of every head once, in order."""
+    rows = max(1, ATTEND_CHUNK_BYTES // (4 * s))  # score rows per block
+    gt = group * t
+    if rows >= gt:
+        step = rows // gt
+        for h0 in range(0, n_kv, step):
+            yield h0, min(n_kv, h0 + step), 0, gt
+        return
+    span = rows // t * t if rows >= t else rows
+    ends = range(span, gt + span, span) if rows >= t else \
+        [min(m + t, r + span) for m in range(0, gt, t) for r in range(m, m + t, span)]
+    for h in range(n_kv):
+        r0 = 0
+        for r1 in ends:
+            r1 = min(r1, gt)
+            yield h, h + 1, r0, r1
+            r0 = r1
 
 
 def attend(
@@ -379,21 +403,22 @@ def attend(
                           window)  # (T, S)
     qg = q.reshape(n_kv, group * t, hd)  # (nkv, g*T, hd)
     # A long prompt's scores are large (32 heads x 512 x 512 x 4 bytes = 32 MiB): computed
-    # in place, and a KV head at a time beyond ATTEND_CHUNK_BYTES, so that prefill's
-    # working set stays small; each head's result is the same either way.
-    step = max(1, min(n_kv, ATTEND_CHUNK_BYTES // max(1, group * t * s * 4)))
+    # in place (softmax included) in blocks of at most ATTEND_CHUNK_BYTES (score_blocks), so
+    # that prefill's working set stays small; each row's result is the same either way.
     out = torch.empty(n_kv, group * t, hd, dtype=torch.float32, device=q.device)
     hidden = ~mask
-    for h0 in range(0, n_kv, step):
-        h1 = min(n_kv, h0 + step)
-        scores = torch.matmul(qg[h0:h1], keys[h0:h1].float().transpose(1, 2))  # (n, g*T, S)
+    for h0, h1, r0, r1 in score_blocks(n_kv, group, t, s):
+        scores = torch.matmul(qg[h0:h1, r0:r1], keys[h0:h1].float().transpose(1, 2))
         scores.mul_(scale)
         if softcap is not None:
             scores.div_(softcap).tanh_().mul_(softcap)
-        scores.view(h1 - h0, group, t, s).masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if (r1 - r0) % t == 0:  # whole queries: r0 is a multiple of t too
+            scores.view(h1 - h0, -1, t, s).masked_fill_(hidden, float("-inf"))
+        else:  # part of one query head's rows
+            scores.masked_fill_(hidden[r0 % t : r0 % t + r1 - r0], float("-inf"))
+        torch.softmax(scores, dim=-1, out=scores)
+        torch.matmul(scores, values[h0:h1].float(), out=out[h0:h1, r0:r1])  # (n, rows, hd)
         del scores
-        torch.matmul(probs, values[h0:h1].float(), out=out[h0:h1])  # (n, g*T, hd)
     return out.view(n_heads, t, hd).transpose(0, 1).reshape(t, n_heads * hd)
 
 
@@ -464,8 +489,11 @@ class TorchOps:
         return h, self.rms_norm(h, weight, eps)
 
     @staticmethod
-    def gated(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
-        """act(gate) * up (T, F), ``act`` a key of :data:`ACTIVATIONS`."""
+    def gated(gate: torch.Tensor, up: torch.Tensor, act: str, *,
+              overwrite: bool = False) -> torch.Tensor:
+        """act(gate) * up (T, F), ``act`` a key of :data:`ACTIVATIONS`. ``overwrite``: the
+        caller no longer needs ``gate``, and the result may be written over it (the native
+        ops do: no buffer of its own; these return a new tensor)."""
         return ACTIVATIONS[act](gate) * up
 
     def self_attention(
@@ -562,7 +590,7 @@ class KernelOps(TorchOps):
         return residual_rms_norm(x, f, post_weight, weight, eps)
 
     @staticmethod
-    def gated(gate, up, act):
+    def gated(gate, up, act, *, overwrite=False):
         from localllm.kernels import gated_act
 
         return gated_act(gate, up, act=act)
@@ -644,8 +672,8 @@ class NativeOps(TorchOps):
     def residual_norm(self, x, f, post_weight, weight, eps):
         return self._residual_norm(x, f, post_weight, weight, eps)
 
-    def gated(self, gate, up, act):
-        return self._gated(gate, up, self.ACT[act])
+    def gated(self, gate, up, act, *, overwrite=False):
+        return self._gated(gate, up, self.ACT[act], gate if overwrite else None)
 
     def self_attention(self, q, k, v, q_norm, k_norm, eps, angles, cache, pos, positions, *,
                        head_dim, neox, scale, softcap=None):

@@ -191,12 +191,19 @@ class Model(BaseModel):
         a, ops = self.args, self.ops
         eps = a.norm_eps
         q, k, v = b.attn_qkv(n)
+        del n  # each intermediate dropped once used: prefill's peak holds fewer of them
         # QK-norm: gemma3. A sliding layer whose window covers the whole context has a full
         # cache (no window).
         attn = ops.self_attention(q, k, v, b.attn_q_norm, b.attn_k_norm, eps, rope, cache, pos,
                                   positions, head_dim=a.head_dim, neox=True,
                                   scale=a.attention_scale, softcap=a.attn_softcap)
-        h, n = ops.residual_norm(x, b.attn_output(attn), b.post_attention_norm, b.ffn_norm, eps)
+        del q, k, v
+        o = b.attn_output(attn)
+        del attn
+        h, n = ops.residual_norm(x, o, b.post_attention_norm, b.ffn_norm, eps)
+        del o, x
         gate, up = b.ffn_gate_up(n)
-        f = b.ffn_down(ops.gated(gate, up, "gelu_tanh"))
+        del n
+        f = b.ffn_down(ops.gated(gate, up, "gelu_tanh", overwrite=True))
+        del gate, up
         return ops.residual_norm(h, f, b.post_ffw_norm, next_norm, eps)

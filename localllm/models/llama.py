@@ -249,18 +249,26 @@ class Model(BaseModel):
         nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
         eps, rs = a.norm_eps, a.residual_scale
         n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
+        # Each intermediate is dropped as soon as it is used (del), before the next large
+        # one is allocated: a prefill's peak memory holds one layer's products, not two.
         for b, cache, next_norm in zip(self.layers, caches, nexts):
             q, k, v = b.attn_qkv(n)
             attn = ops.self_attention(q, k, v, b.attn_q_norm, b.attn_k_norm, eps, rope, cache,
                                       pos, positions, head_dim=a.head_dim, neox=a.neox,
                                       scale=a.attention_scale)  # QK-norm: qwen3
+            del q, k, v
             o = b.attn_output(attn)
+            del attn
             h, n = ops.residual_norm(x, o * rs if rs != 1.0 else o, None, b.ffn_norm, eps)
+            del o
             if a.n_expert:
                 f = moe_ffn(b, n, a.n_expert_used, a.expert_weights_norm, ops)
             else:
                 gate, up = b.ffn_gate_up(n)
-                f = b.ffn_down(ops.gated(gate, up, "silu"))
+                del n
+                f = b.ffn_down(ops.gated(gate, up, "silu", overwrite=True))
+                del gate, up
             x, n = ops.residual_norm(h, f * rs if rs != 1.0 else f, None, next_norm, eps)
+            del h, f
         logits = self.output(n[logits_start:] if all_logits else n[-1:])
         return logits / a.logit_scale if a.logit_scale != 1.0 else logits

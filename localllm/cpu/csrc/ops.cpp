@@ -3,7 +3,8 @@
 // Registered beside csrc/qmatmul.cpp's products, as torch.ops.localllm_cpu.* (float32):
 //   rms_norm(x, w, eps) -> n                       n = x / rms(x) * w, rows of x (N, D)
 //   residual_norm(x, f, post_w, w, eps) -> (h, n)  h = x + [rms_norm(f, post_w)], n = rms_norm(h, w)
-//   gated(gate, up, act) -> y                      y = act(gate) * up; act 0: SiLU, 1: GELU (tanh)
+//   gated(gate, up, act, out=None) -> y            y = act(gate) * up; act 0: SiLU, 1: GELU (tanh);
+//                                                  into `out` when given (may be gate itself)
 //   norm_rope(x, w, eps, cos, sin, neox) -> y      RoPE of [rms_norm](x), x (H, T, D)
 //   attn_decode(q, k, v, q_norm, k_norm, eps, cos, sin, neox,
 //               k_cache, v_cache, k_pos, slot, live, pos, window, scale, softcap) -> o
@@ -383,18 +384,23 @@ inline void gated_row(const float* g, const float* u, float* y, int64_t n, int64
   }
 }
 
-at::Tensor gated(const at::Tensor& gate, const at::Tensor& up, int64_t act) {
+at::Tensor gated(const at::Tensor& gate, const at::Tensor& up, int64_t act,
+                 const std::optional<at::Tensor>& out) {
   check_rows(gate, "gated", "gate");
   check_rows(up, "gated", "up");
   TORCH_CHECK(act == SILU || act == GELU_TANH, "localllm_cpu.gated: act 0 (SiLU) or 1 (GELU)");
   const int64_t n = gate.size(0), d = gate.size(1);
   TORCH_CHECK(up.size(0) == n && up.size(1) == d, "localllm_cpu.gated: up must match gate");
-  at::Tensor y = at::empty({n, d}, gate.options());
+  // Each value is read before it is written at the same index, so `out` may be gate (or up):
+  // the FFN's activation then takes no buffer of its own (prefill: T x ffn_dim floats).
+  at::Tensor y = out.has_value() && out->defined() ? *out : at::empty({n, d}, gate.options());
+  check_rows(y, "gated", "out");
+  TORCH_CHECK(y.size(0) == n && y.size(1) == d, "localllm_cpu.gated: out must match gate");
   const float *gp = gate.data_ptr<float>(), *up_ = up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t ldg = gate.stride(0), ldu = up.stride(0);
+  const int64_t ldg = gate.stride(0), ldu = up.stride(0), ldy = y.stride(0);
   at::parallel_for(0, n, grain_rows(d), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) gated_row(gp + r * ldg, up_ + r * ldu, yp + r * d, d, act);
+    for (int64_t r = r0; r < r1; ++r) gated_row(gp + r * ldg, up_ + r * ldu, yp + r * ldy, d, act);
   });
   return y;
 }
@@ -580,7 +586,7 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(localllm_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("residual_norm(Tensor x, Tensor f, Tensor? post_w, Tensor w, float eps) -> (Tensor, Tensor)");
-  m.def("gated(Tensor gate, Tensor up, int act) -> Tensor");
+  m.def("gated(Tensor gate, Tensor up, int act, Tensor(a!)? out=None) -> Tensor");
   m.def("norm_rope(Tensor x, Tensor? w, float eps, Tensor cos, Tensor sin, bool neox) -> Tensor");
   m.def("attn_decode(Tensor q, Tensor k, Tensor v, Tensor? q_norm, Tensor? k_norm, float eps, "
         "Tensor cos, Tensor sin, bool neox, Tensor(a!) k_cache, Tensor(b!) v_cache, "

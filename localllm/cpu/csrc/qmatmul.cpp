@@ -1009,9 +1009,14 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// Lanes 0-3 of the result take v[i], lanes 4-7 v[j].
-inline __m256 pick(__m256 v, int i, int j) {
-  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(i, i, i, i, j, j, j, j));
+// Lane c: the sum of d[c]'s 8 lanes (exact int32 sums: one conversion and one fma per
+// block instead of one per sub-block).
+inline __m256i lane_sums(const __m256i d[8]) {
+  // hadd pairs lanes within 128-bit halves: after two levels lane c (c < 4) of q0 holds
+  // the low half's sum of d[c] and lane c + 4 its high half's; q1 the same for d[4..7]
+  const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+  const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
 }
 
 // A K-quant block with a scale per 16 weights (Q2_K, Q3_K, Q6_K) decoded: u[c] the u8 lanes
@@ -1099,16 +1104,20 @@ void gemv_q8_kquant(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float*
         const int8_t* xq = xa.q.data() + t * xa.stride_q + QK_K * s;
         const int64_t g0 = t * xa.stride_g + 16 * s;
         const int32_t* corr = OFF ? xa.corr.data() + t * xa.stride_c + 64 * s : nullptr;
-        __m256 av[2];
-        for (int h = 0; h < 2; ++h) {
-          av[h] = _mm256_mul_ps(blk.a[h], _mm256_loadu_ps(xa.dx16.data() + g0 + 8 * h));
+        __m256i p[8];
+        for (int c = 0; c < 8; ++c)
+          p[c] = dot4(OFF ? load(corr + 8 * c) : _mm256_setzero_si256(), blk.u[c], load(xq + 32 * c));
+        for (int h = 0; h < 2; ++h) {  // groups 8h .. 8h + 7: chunks 4h .. 4h + 3
+          const __m256 av = _mm256_mul_ps(blk.a[h], _mm256_loadu_ps(xa.dx16.data() + g0 + 8 * h));
           if constexpr (!OFF)
             acc[t][0] = _mm256_fnmadd_ps(blk.b[h], _mm256_loadu_ps(xa.xsum16.data() + g0 + 8 * h), acc[t][0]);
-        }
-        for (int c = 0; c < 8; ++c) {
-          const __m256i p = dot4(OFF ? load(corr + 8 * c) : _mm256_setzero_si256(), blk.u[c], load(xq + 32 * c));
-          const int g = 2 * (c % 4);  // chunk c: groups 2c, 2c + 1
-          acc[t][c % NACC] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), pick(av[c / 4], g, g + 1), acc[t][c % NACC]);
+          // chunk c's lanes 0-3 are group 2c, lanes 4-7 group 2c + 1: two levels of hadd
+          // give the groups' sums in the order 0, 2, 4, 6, 1, 3, 5, 7 (of this half)
+          const __m256i q = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4 * h], p[4 * h + 1]),
+                                              _mm256_hadd_epi32(p[4 * h + 2], p[4 * h + 3]));
+          acc[t][h % NACC] = _mm256_fmadd_ps(
+              _mm256_cvtepi32_ps(q), _mm256_permutevar8x32_ps(av, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)),
+              acc[t][h % NACC]);
         }
       }
     }
@@ -1156,10 +1165,9 @@ void gemv_q8_k4(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float* out
         const int64_t g = t * xa.stride_g + 8 * s;
         const __m256 sc = _mm256_mul_ps(a, _mm256_loadu_ps(xa.dx32.data() + g));
         bacc[t] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xa.xsum32.data() + g), bacc[t]);
-        for (int c = 0; c < 8; ++c) {
-          const __m256i d = dot4(_mm256_setzero_si256(), u[c], load(xq + 32 * c));
-          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), pick(sc, c, c), acc[t]);
-        }
+        __m256i d[8];
+        for (int c = 0; c < 8; ++c) d[c] = dot4(_mm256_setzero_si256(), u[c], load(xq + 32 * c));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_sums(d)), sc, acc[t]);
       }
     }
     for (int t = 0; t < NT; ++t) out[t * ldo + r] = hsum(_mm256_sub_ps(acc[t], bacc[t]));

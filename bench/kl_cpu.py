@@ -7,7 +7,7 @@ products): the "exact float32 evaluation". On the same tokens (the first ``--n``
 tests/data/reference/gpl-3.txt) it reports the mean KL(exact || x) per position for
 x = the native kernels (prefill: all positions in one batch; decode: one token per step over
 the first ``--n-decode`` positions; by default with int8 activations where the CPU has
-VNNI, and with ``dtype=float32``: float32 activations),
+AVX2 or AVX512-VNNI, and with ``dtype=float32``: float32 activations),
 the float16 torch path, and llama.cpp (CPU, all logits of one batch). The llama.cpp side
 imports only llama_cpp and numpy.
 """

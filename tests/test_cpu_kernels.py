@@ -22,7 +22,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from test_quants import SCALE_OFFSETS
 
-import localllm.cpu as cpu
+from localllm import cpu
 from localllm.errors import ParameterError, UnsupportedError
 from localllm.gguf.quants import BLOCK_FORMATS
 from localllm.gguf.quants import dequantize as reference
@@ -109,7 +109,7 @@ def test_gemv_1_to_8_rows(qtype):
 
 
 needs_q8 = pytest.mark.skipif(not cpu.q8_activations(),
-                              reason="the int8 GEMV needs AVX512-VNNI")
+                              reason="the int8 GEMV needs AVX2 or AVX512-VNNI")
 
 
 @needs_q8
@@ -241,7 +241,7 @@ def test_fallback_notice_without_a_compiler(tmp_path):
     """A failed build prints one notice and leaves the torch path (available() False)."""
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), XDG_CACHE_HOME=str(tmp_path))
     code = "import localllm.cpu as c; print(c.available())"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False,
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"

@@ -5,12 +5,13 @@ view of the memory-mapped file, no float16 copy), so a model's memory is about i
 tensor bytes and loading reads nothing up front.
 
 * :func:`qmatmul` ``y = x @ W.T``: 1-8 rows (decode, small batches) run the native GEMV.
-  With AVX512-VNNI (and ``LOCALLLM_CPU_ACTIVATIONS`` unset or ``q8``) the activations are
-  quantized once per call to int8, one float32 scale per 32 values (as llama.cpp quantizes
-  them to ``block_q8_0``/``block_q8_K``, but finer than q8_K's one scale per 256), and each
-  weight block is multiplied with integer dot products (``vpdpbusd``): the result is the
+  With AVX512-VNNI or AVX2 (and ``LOCALLLM_CPU_ACTIVATIONS`` unset or ``q8``) the
+  activations are quantized once per call to int8, one float32 scale per 32 values (as
+  llama.cpp quantizes them to ``block_q8_0``/``block_q8_K``, but finer than q8_K's one scale
+  per 256), and each weight block is multiplied with integer dot products (``vpdpbusd``;
+  on AVX2 ``vpmaddubsw`` + ``vpmaddwd``, or AVX-VNNI's ``vpdpbusd``): the result is the
   exact product of the weights with those quantized activations, up to float32 summation
-  order. Otherwise (``LOCALLLM_CPU_ACTIVATIONS=f32``, float weights, CPUs without VNNI)
+  order. Otherwise (``LOCALLLM_CPU_ACTIVATIONS=f32``, float weights, CPUs without AVX2)
   each block is dequantized into L1 and multiplied in float32 (exact up to summation
   order). More rows
   (prefill) dequantize tiles of W into a float32 working buffer, each multiplied by
@@ -62,8 +63,8 @@ def bf16_gemm() -> bool:
 
 @functools.cache
 def q8_activations() -> bool:
-    """True when the GEMV quantizes its activations to int8 (AVX512-VNNI kernels built, and
-    ``LOCALLLM_CPU_ACTIVATIONS`` is not ``f32``)."""
+    """True when the GEMV quantizes its activations to int8 (the kernels built for AVX512-VNNI
+    or AVX2, and ``LOCALLLM_CPU_ACTIVATIONS`` is not ``f32``)."""
     return (available() and os.environ.get("LOCALLLM_CPU_ACTIVATIONS", "q8") != "f32"
             and bool(torch.ops.localllm_cpu.q8_available()))
 

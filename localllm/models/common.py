@@ -68,7 +68,7 @@ class Loader:
     def _packed(self, data, qtype, shape):
         """A ``localllm.cpu.PackedWeight`` over ``data`` (no copy), or None without a native
         kernel for the type or shape. Prefill multiplies in bfloat16 where the CPU has it and
-        decode quantizes activations to int8 where the CPU has VNNI, unless float32 matrices
+        decode quantizes activations to int8 where the CPU has AVX2, unless float32 matrices
         were asked for (exact checks)."""
         from ..cpu import PackedWeight, bf16_gemm, supports
 

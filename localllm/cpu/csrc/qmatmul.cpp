@@ -3,19 +3,21 @@
 // Registered as torch operators under torch.ops.localllm_cpu (loaded by localllm/cpu/build.py):
 //   gemv(x, w, qtype, rows, cols, out)        out[t, r] = sum_k x[t, k] * W[r, k], T <= 8 rows
 //   gemv_q8(x, w, qtype, rows, cols, out)     the same with x quantized to int8 per 32 values
-//                                             (AVX512-VNNI builds; q8_available() says so)
+//                                             (AVX512-VNNI or AVX2 builds; q8_available())
 //   dequant_rows(w, qtype, r0, cols, out)     out[i, :] = W[r0 + i, :] as float32
 //
 // W is a (rows, cols) matrix stored as ggml blocks, row after row (llama.cpp
 // ggml/src/ggml-common.h block_q*); the per-block dequantizers follow dequantize_row_q* in
 // ggml/src/ggml-quants.c and are bit-exact with localllm.gguf.quants (the build uses
-// -ffp-contract=off so that `d * q - m` is two roundings, as there). Activations stay
-// float32 (no int8 quantization of x): products are exact up to float32 summation order.
+// -ffp-contract=off so that `d * q - m` is two roundings, as there). gemv keeps the
+// activations float32 (products exact up to float32 summation order); gemv_q8 quantizes
+// them to int8 per 32 values and multiplies with integer dot products (AVX512-VNNI, or AVX2
+// with vpmaddubsw / AVX-VNNI: the section "int8 activations" below).
 //
-// Each block is unpacked to int8 values plus one float scale (and minimum) per 16 weights;
-// the products then run on AVX-512 (16 lanes) or AVX2 (2 x 8 lanes) intrinsics, chosen at
-// compile time (-march=native), with a portable fallback; threads split the output rows
-// (at::parallel_for, honouring torch.set_num_threads).
+// For gemv, each block is unpacked to int8 values plus one float scale (and minimum) per 16
+// weights; the products then run on AVX-512 (16 lanes) or AVX2 (2 x 8 lanes) intrinsics,
+// chosen at compile time (-march=native), with a portable fallback; threads split the
+// output rows (at::parallel_for, honouring torch.set_num_threads).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -528,12 +530,86 @@ void gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t rows,
 // unsigned 8-bit lanes u with, per group of 16 weights, w = a_g * u - b_g (Q8_0's signed
 // values are offset by 128, Q4_0's by 8, ...), so a row's product is
 //     sum_g a_g * dx_g * (u . xq)_g  -  sum_g b_g * xsum_g
-// with (u . xq) an integer dot product (AVX512-VNNI vpdpbusd, 64 weights per instruction)
-// and xsum_g = dx_g * sum(xq over g) the group's sum of the quantized activations.
-// Needs AVX512F/BW/VL + AVX512_VNNI at compile time; elsewhere gemv_q8 is not offered
-// (q8_available() is false) and the float32 GEMV above is used.
+// with (u . xq) an integer dot product and xsum_g = dx_g * sum(xq over g) the group's sum of
+// the quantized activations. Two implementations share the activations (Q8Act below):
+//   AVX512F/BW/VL + AVX512_VNNI: vpdpbusd, 64 weights per instruction (the section after
+//     Q8Act);
+//   AVX2 + FMA + F16C (no AVX512-VNNI): 32 weights per vpmaddubsw + vpmaddwd, or AVX-VNNI's
+//     vpdpbusd (namespace q8avx2; llama.cpp ggml-cpu/arch/x86/quants.c ggml_vec_dot_*).
+// Both compute the same products; only the float32 summation order differs. Elsewhere
+// gemv_q8 is not offered (q8_available() is false) and the float32 GEMV above is used.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define LOCALLLM_Q8 1
+#define LOCALLLM_Q8 512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LOCALLLM_Q8 256
+#endif
+
+#if defined(LOCALLLM_Q8)
+#if LOCALLLM_Q8 == 512
+// 32 floats x -> int8 q[i] = round-half-even(x[i] * 127 / amax) (llama.cpp quantize_row_q8_0);
+// returns the scale amax / 127 and the sums of q over each half of 16 in s.
+inline float quantize32(const float* x, int8_t* q, int s[2]) {
+  const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const __m512 vid = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));  // nearest even
+  const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+  _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(i0));
+  _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(i1));
+  s[0] = _mm512_reduce_add_epi32(i0);
+  s[1] = _mm512_reduce_add_epi32(i1);
+  return amax / 127.f;
+}
+
+// c[i] = -offset * (q[4i] + q[4i + 1] + q[4i + 2] + q[4i + 3]) for 64 values q (16 lanes).
+inline void offset_sums(const int8_t* q, int offset, int32_t* c) {
+  _mm512_storeu_si512((void*)c, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(
+      _mm512_setzero_si512(), _mm512_set1_epi8(char(offset)), _mm512_loadu_si512((const void*)q))));
+}
+#else
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline int hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// As the AVX-512 quantize32 (same rounding, same saturation), 8 lanes at a time.
+inline float quantize32(const float* x, int8_t* q, int s[2]) {
+  __m256 v[4];
+  __m256 am = _mm256_setzero_ps();
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm256_loadu_ps(x + 8 * k);
+    am = _mm256_max_ps(am, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[k]));
+  }
+  const float amax = hmax(am);
+  const __m256 vid = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i i[4];
+  for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], vid));
+  // packs work within 128-bit lanes: the bytes come out as 4-value groups
+  // [i0 0-3, i1 0-3, i2 0-3, i3 0-3 | i0 4-7, i1 4-7, ...]; the permute restores the order.
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  s[0] = hsum_epi32(_mm256_add_epi32(i[0], i[1]));
+  s[1] = hsum_epi32(_mm256_add_epi32(i[2], i[3]));
+  return amax / 127.f;
+}
+
+// As the AVX-512 offset_sums; offset * q fits vpmaddubsw's int16 pairs (2 * 128 * 127).
+inline void offset_sums(const int8_t* q, int offset, int32_t* c) {
+  for (int h = 0; h < 2; ++h) {
+    const __m256i p = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_set1_epi8(char(offset)), _mm256_loadu_si256((const __m256i*)(q + 32 * h))),
+        _mm256_set1_epi16(1));
+    _mm256_storeu_si256((__m256i*)(c + 8 * h), _mm256_sub_epi32(_mm256_setzero_si256(), p));
+  }
+}
+#endif
 
 // The activations of one call: per row t, xq int8 (cols + 256 zero padding), and per group
 // of 16 (32) values the scale dx16 (dx32) and the sum xsum16 (xsum32), zero padded. For a
@@ -545,9 +621,9 @@ struct Q8Act {
   std::vector<int8_t> q;
   std::vector<float> dx16, xsum16, dx32, xsum32;
   std::vector<int32_t> corr;
-  // k4 layout (Q4_K, Q5_K): in every 128 values the middle two 32s swapped, so that a
-  // 64-byte load of the block's nibbles pairs with xq directly (see gemv_q8_k4), and per
-  // block of 256 one vector (dx32 of its 8 sub-blocks, then their xsum32).
+  // k4 layout (Q4_K, Q5_K on AVX-512): in every 128 values the middle two 32s swapped, so
+  // that a 64-byte load of the block's nibbles pairs with xq directly (see gemv_q8_k4), and
+  // per block of 256 one vector (dx32 of its 8 sub-blocks, then their xsum32).
   int64_t stride_s = 0;
   std::vector<float> dxs;
   Q8Act(const float* x, int64_t ldx, int64_t nt, int64_t cols_, int offset, bool k4 = false)
@@ -561,21 +637,13 @@ struct Q8Act {
       float* dr = dx16.data() + t * stride_g;
       float* sr = xsum16.data() + t * stride_g;
       for (int64_t b = 0; b < cols / 32; ++b) {
-        const __m512 v0 = _mm512_loadu_ps(xr + 32 * b), v1 = _mm512_loadu_ps(xr + 32 * b + 16);
-        const __m512 am = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
-        const float amax = _mm512_reduce_max_ps(am);
-        const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-        const __m512 vid = _mm512_set1_ps(id);
-        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));  // nearest even
-        const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
-        _mm_storeu_si128((__m128i*)(qr + 32 * b), _mm512_cvtsepi32_epi8(i0));
-        _mm_storeu_si128((__m128i*)(qr + 32 * b + 16), _mm512_cvtsepi32_epi8(i1));
+        int s[2];
+        const float d = quantize32(xr + 32 * b, qr + 32 * b, s);
         dr[2 * b] = dr[2 * b + 1] = d;
-        const int s0 = _mm512_reduce_add_epi32(i0), s1 = _mm512_reduce_add_epi32(i1);
-        sr[2 * b] = d * float(s0);
-        sr[2 * b + 1] = d * float(s1);
+        sr[2 * b] = d * float(s[0]);
+        sr[2 * b + 1] = d * float(s[1]);
         dx32[t * stride_g + b] = d;
-        xsum32[t * stride_g + b] = d * float(s0 + s1);
+        xsum32[t * stride_g + b] = d * float(s[0] + s[1]);
       }
       if (k4) {
         for (int64_t b = 0; b < cols / 128; ++b) {
@@ -591,18 +659,59 @@ struct Q8Act {
       }
       if (offset)
         for (int64_t c = 0; c < stride_q / 64; ++c)
-          _mm512_storeu_si512((void*)(corr.data() + t * stride_c + 16 * c), _mm512_sub_epi32(
-              _mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                  _mm512_set1_epi8(char(offset)), _mm512_loadu_si512((const void*)(qr + 64 * c)))));
+          offset_sums(qr + 64 * c, offset, corr.data() + t * stride_c + 16 * c);
     }
   }
 };
 
+// How the kernels read Q8_0 and Q4_K/Q5_K: AVX-512 as u = q + 128 (a constant offset) and
+// with k4-ordered activations; AVX2 as signed values (vpsignb: vpmaddubsw's int16 pair sums
+// would overflow with u up to 255) and in natural order.
+constexpr int Q8_0_OFFSET = LOCALLLM_Q8 == 512 ? 128 : 0;
+constexpr bool K4_ORDER = LOCALLLM_Q8 == 512;
+
 // The constant offset o of a type stored as w = a * (u - o), else 0.
 constexpr int q8_offset(int64_t qtype) {
-  return qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : qtype == Q8_0 ? 128 : qtype == Q6_K ? 32
+  return qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : qtype == Q8_0 ? Q8_0_OFFSET : qtype == Q6_K ? 32
        : qtype == Q3_K ? 4 : 0;
 }
+
+// A legacy block's scale a and, for Q4_1/Q5_1, b = -m (w = a * u - b; for the offset types
+// b = a * offset).
+template <int BYTES>
+inline void scales2(const uint8_t* p, float& a, float& b) {
+  a = f16(p);
+  if constexpr (BYTES == 20 || BYTES == 24) b = -f16(p + 2);               // Q4_1, Q5_1
+  else b = a * (BYTES == 18 ? 8.f : BYTES == 22 ? 16.f : 128.f);          // Q4_0, Q5_0, Q8_0
+}
+
+// Q4_K/Q5_K: the 8 six-bit scales and 8 mins packed in 12 bytes (llama.cpp
+// get_scale_min_k4) as 16 bytes [sc_0..7, m_0..7].
+inline __m128i k4_scale_bytes(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128((const __m128i*)(p + 4));  // 12 bytes + 4 of qs
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(63));
+  const __m128i top = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(v, 6), _mm_set1_epi8(3)), 4);
+  const __m128i nlo = _mm_and_si128(v, m4), nhi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+  const __m128i s01 = _mm_shuffle_epi8(lo, _mm_setr_epi8(0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1));
+  const __m128i s2 = _mm_shuffle_epi8(nlo, _mm_setr_epi8(-1, -1, -1, -1, 8, 9, 10, 11, -1, -1, -1, -1, -1, -1, -1, -1));
+  const __m128i s3 = _mm_shuffle_epi8(nhi, _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 8, 9, 10, 11));
+  const __m128i s4 = _mm_shuffle_epi8(top, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  return _mm_or_si128(_mm_or_si128(s01, s2), _mm_or_si128(s3, s4));
+}
+
+// The weights stream from DRAM once per token: ask for the block PREFETCH_AHEAD bytes on
+// (the hardware prefetcher alone leaves the K-quant kernels ~20% short of the bandwidth).
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 4096
+#endif
+template <int BYTES>
+inline void prefetch_block(const uint8_t* p) {
+  for (int o = 0; o < BYTES; o += 64) _mm_prefetch((const char*)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
+}
+#endif  // LOCALLLM_Q8
+
+#if LOCALLLM_Q8 == 512
 
 // A K-quant block (256 weights) decoded: 64 u8 lanes per chunk and, per group of 16
 // weights, the scale a and the offset b: w = a * u - b (b unused for a constant offset).
@@ -644,26 +753,10 @@ inline __m512i lanes2(const uint8_t* p0, const uint8_t* p1) {
   }
 }
 
-template <int BYTES>
-inline void scales2(const uint8_t* p, float& a, float& b) {
-  a = f16(p);
-  if constexpr (BYTES == 20 || BYTES == 24) b = -f16(p + 2);               // Q4_1, Q5_1
-  else b = a * (BYTES == 18 ? 8.f : BYTES == 22 ? 16.f : 128.f);          // Q4_0, Q5_0, Q8_0
-}
-
 // Q4_K/Q5_K: d, dmin and the 8 six-bit scales and mins of 12 bytes (llama.cpp
 // get_scale_min_k4) as one vector [d * sc_0..7, dmin * m_0..7].
 inline __m512 k4_scales(const uint8_t* p) {
-  const __m128i v = _mm_loadu_si128((const __m128i*)(p + 4));  // 12 bytes + 4 of qs
-  const __m128i m4 = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(63));
-  const __m128i top = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(v, 6), _mm_set1_epi8(3)), 4);
-  const __m128i nlo = _mm_and_si128(v, m4), nhi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-  const __m128i s01 = _mm_shuffle_epi8(lo, _mm_setr_epi8(0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1));
-  const __m128i s2 = _mm_shuffle_epi8(nlo, _mm_setr_epi8(-1, -1, -1, -1, 8, 9, 10, 11, -1, -1, -1, -1, -1, -1, -1, -1));
-  const __m128i s3 = _mm_shuffle_epi8(nhi, _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 8, 9, 10, 11));
-  const __m128i s4 = _mm_shuffle_epi8(top, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
-  const __m128i sm = _mm_or_si128(_mm_or_si128(s01, s2), _mm_or_si128(s3, s4));
+  const __m128i sm = k4_scale_bytes(p);
   uint32_t dd;
   std::memcpy(&dd, p, 4);
   const __m512 ddv = _mm512_permutexvar_ps(
@@ -756,16 +849,6 @@ inline void decode_q3_k(const uint8_t* p, U8Block& o) {
 }
 
 using DecodeFn = void (*)(const uint8_t*, U8Block&);
-
-// The weights stream from DRAM once per token: ask for the block PREFETCH_AHEAD bytes on
-// (the hardware prefetcher alone leaves the K-quant kernels ~20% short of the bandwidth).
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 4096
-#endif
-template <int BYTES>
-inline void prefetch_block(const uint8_t* p) {
-  for (int o = 0; o < BYTES; o += 64) _mm_prefetch((const char*)p + PREFETCH_AHEAD + o, _MM_HINT_T0);
-}
 
 template <int N>
 inline __m512 sum_acc(const __m512* a) {
@@ -895,21 +978,275 @@ void gemv_q8_legacy(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float*
   }
 }
 
+#endif  // LOCALLLM_Q8 == 512
+
+#if LOCALLLM_Q8 == 256
+// ---- the int8 GEMV on AVX2 ------------------------------------------------------------------
+// The same products as the AVX-512 kernels above, 32 weights (one __m256i of u8 lanes) per
+// integer dot product: vpmaddubsw multiplies u8 lanes by the int8 activations and adds
+// adjacent pairs into int16, vpmaddwd adds those pairs into int32 lanes of 4 values (llama.cpp
+// ggml-cpu/arch/x86/quants.c mul_sum_us8_pairs_float). The int16 pair sums are exact while
+// 2 * u * 127 <= 32767: u <= 63 holds for every format read as unsigned here (Q2_K 3, Q3_K 7,
+// Q4_* 15, Q5_* 31, Q6_K 63); Q8_0 (-128..127) is multiplied as |w| times x with w's sign
+// (vpsignb, as llama.cpp mul_sum_i8_pairs_float), 2 * 128 * 127 < 32768. With AVX-VNNI the
+// whole product is one vpdpbusd (int32 sums, no int16 step).
+namespace q8avx2 {
+
+inline __m256i load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+
+// acc + (lane i: sum_{j<4} u[4i + j] * x[4i + j]), u unsigned 8-bit (<= 63 without AVX-VNNI).
+inline __m256i dot4(__m256i acc, __m256i u, __m256i x) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Lane c: the sum of d[c]'s 8 lanes (exact int32 sums: one conversion and one fma per
+// block instead of one per sub-block).
+inline __m256i lane_sums(const __m256i d[8]) {
+  // hadd pairs lanes within 128-bit halves: after two levels lane c (c < 4) of q0 holds
+  // the low half's sum of d[c] and lane c + 4 its high half's; q1 the same for d[4..7]
+  const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+  const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+}
+
+// A K-quant block with a scale per 16 weights (Q2_K, Q3_K, Q6_K) decoded: u[c] the u8 lanes
+// of weights 32c .. 32c + 31, a and b the scales and offsets of groups 0-7 ([0]) and 8-15
+// ([1]): w = a * u - b (b unused for a constant offset).
+struct Block16 {
+  __m256i u[8];
+  __m256 a[2], b[2];
+};
+
+inline void decode_q6_k(const uint8_t* p, Block16& o) {
+  // ql[128], qh[64], scales[16] int8, d; weight 128n + 32k + l = d * sc * (u - 32)
+  const __m256 dd = _mm256_set1_ps(f16(p + 208));
+  const __m128i sc = _mm_loadu_si128((const __m128i*)(p + 192));
+  o.a[0] = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+  o.a[1] = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  for (int n = 0; n < 2; ++n) {
+    const __m256i l0 = load(p + 64 * n), l1 = load(p + 64 * n + 32), h = load(p + 128 + 32 * n);
+    // the two high bits of weight 32k + l are bits 2k, 2k + 1 of qh[l], moved to bits 4-5
+    o.u[4 * n] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+    o.u[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+    o.u[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m30));
+    o.u[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                     _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+  }
+}
+
+inline void decode_q2_k(const uint8_t* p, Block16& o) {
+  // scales[16], qs[64], d, dmin; weight 128n + 32k + l = d * (sc & 15) * u - dmin * (sc >> 4)
+  const __m256 dd = _mm256_set1_ps(f16(p + 80)), dmin = _mm256_set1_ps(f16(p + 82));
+  const __m128i sc8 = _mm_loadu_si128((const __m128i*)p);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i sc = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(sc8, 8) : sc8);
+    o.a[h] = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_and_si256(sc, _mm256_set1_epi32(15))));
+    o.b[h] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(sc, 4)));
+  }
+  const __m256i m2 = _mm256_set1_epi8(0x03);
+  for (int n = 0; n < 2; ++n) {
+    const __m256i q = load(p + 16 + 32 * n);
+    for (int k = 0; k < 4; ++k) o.u[4 * n + k] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), m2);
+  }
+}
+
+inline void decode_q3_k(const uint8_t* p, Block16& o) {
+  // hmask[32], qs[64], scales[12], d; weight 128n + 32k + l = d * (sc - 32) * (u - 4),
+  // u = q2 | hbit << 2
+  const __m256 dd = _mm256_set1_ps(f16(p + 108));
+  uint32_t aux[4];
+  q3_k_scales(p, aux);
+  const __m128i sc8 = _mm_loadu_si128((const __m128i*)aux);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i sc = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(sc8, 8) : sc8);
+    o.a[h] = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_sub_epi32(sc, _mm256_set1_epi32(32))));
+  }
+  const __m256i m2 = _mm256_set1_epi8(0x03), one = _mm256_set1_epi8(1);
+  const __m256i hm = load(p);
+  for (int n = 0; n < 2; ++n) {
+    const __m256i q = load(p + 32 + 32 * n);
+    for (int k = 0; k < 4; ++k)
+      o.u[4 * n + k] = _mm256_or_si256(
+          _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), m2),
+          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 4 * n + k), one), 2));
+  }
+}
+
+using DecodeFn = void (*)(const uint8_t*, Block16&);
+
+// Rows [r0, r1) of a K-quant W with a scale per 16 weights times NT activation rows.
+template <int NT, int BYTES, DecodeFn DECODE, int OFF>
+void gemv_q8_kquant(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float* out, int64_t ldo,
+                 int64_t r0, int64_t r1) {
+  constexpr int NACC = NT == 1 ? 2 : 1;
+  const int64_t nblocks = xa.cols / QK_K;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    __m256 acc[NT][NACC];
+    for (int t = 0; t < NT; ++t)
+      for (int k = 0; k < NACC; ++k) acc[t][k] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nblocks; ++s) {
+      Block16 blk;
+      prefetch_block<BYTES>(row + s * BYTES);
+      DECODE(row + s * BYTES, blk);
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* xq = xa.q.data() + t * xa.stride_q + QK_K * s;
+        const int64_t g0 = t * xa.stride_g + 16 * s;
+        const int32_t* corr = OFF ? xa.corr.data() + t * xa.stride_c + 64 * s : nullptr;
+        __m256i p[8];
+        for (int c = 0; c < 8; ++c)
+          p[c] = dot4(OFF ? load(corr + 8 * c) : _mm256_setzero_si256(), blk.u[c], load(xq + 32 * c));
+        for (int h = 0; h < 2; ++h) {  // groups 8h .. 8h + 7: chunks 4h .. 4h + 3
+          const __m256 av = _mm256_mul_ps(blk.a[h], _mm256_loadu_ps(xa.dx16.data() + g0 + 8 * h));
+          if constexpr (!OFF)
+            acc[t][0] = _mm256_fnmadd_ps(blk.b[h], _mm256_loadu_ps(xa.xsum16.data() + g0 + 8 * h), acc[t][0]);
+          // chunk c's lanes 0-3 are group 2c, lanes 4-7 group 2c + 1: two levels of hadd
+          // give the groups' sums in the order 0, 2, 4, 6, 1, 3, 5, 7 (of this half)
+          const __m256i q = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4 * h], p[4 * h + 1]),
+                                              _mm256_hadd_epi32(p[4 * h + 2], p[4 * h + 3]));
+          acc[t][h % NACC] = _mm256_fmadd_ps(
+              _mm256_cvtepi32_ps(q), _mm256_permutevar8x32_ps(av, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)),
+              acc[t][h % NACC]);
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t)
+      out[t * ldo + r] = hsum(NACC == 2 ? _mm256_add_ps(acc[t][0], acc[t][NACC - 1]) : acc[t][0]);
+  }
+}
+
+// Q4_K / Q5_K (a scale and a minimum per 32 weights; activations in natural order).
+template <int NT, int BYTES>
+void gemv_q8_k4(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float* out, int64_t ldo,
+             int64_t r0, int64_t r1) {
+  constexpr bool FIVE = BYTES == 176;
+  const int64_t nblocks = xa.cols / QK_K;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    __m256 acc[NT], bacc[NT];  // bacc: sum of dmin * m * xsum
+    for (int t = 0; t < NT; ++t) acc[t] = bacc[t] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nblocks; ++s) {
+      const uint8_t* p = row + s * BYTES;
+      prefetch_block<BYTES>(p);
+      // d, dmin, scales[12], (Q5_K: qh[32]), qs[128]: sub-block 2j is the low nibbles of
+      // qs[32j .. 32j + 31], 2j + 1 their high nibbles; Q5_K's fifth bits are bits 2j, 2j + 1
+      // of qh
+      const __m128i sm = k4_scale_bytes(p);
+      const __m256 a = _mm256_mul_ps(_mm256_set1_ps(f16(p)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
+      const __m256 b = _mm256_mul_ps(_mm256_set1_ps(f16(p + 2)),
+                                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+      const uint8_t* qs = p + (FIVE ? 48 : 16);
+      const __m256i qh = FIVE ? load(p + 16) : _mm256_setzero_si256();
+      __m256i u[8];
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = load(qs + 32 * j);
+        u[2 * j] = _mm256_and_si256(v, m4);
+        u[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if constexpr (FIVE) {
+          u[2 * j] = _mm256_or_si256(u[2 * j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
+          u[2 * j + 1] = _mm256_or_si256(
+              u[2 * j + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
+        }
+      }
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* xq = xa.q.data() + t * xa.stride_q + QK_K * s;
+        const int64_t g = t * xa.stride_g + 8 * s;
+        const __m256 sc = _mm256_mul_ps(a, _mm256_loadu_ps(xa.dx32.data() + g));
+        bacc[t] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xa.xsum32.data() + g), bacc[t]);
+        __m256i d[8];
+        for (int c = 0; c < 8; ++c) d[c] = dot4(_mm256_setzero_si256(), u[c], load(xq + 32 * c));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_sums(d)), sc, acc[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) out[t * ldo + r] = hsum(_mm256_sub_ps(acc[t], bacc[t]));
+  }
+}
+
+// The 32 weights of a legacy block as u8 lanes (Q8_0: its int8 values).
+// Q4_0 (d, qs[16]); Q4_1 (d, m, qs[16]); Q5_0 (d, qh[4], qs[16]); Q5_1 (d, m, qh[4], qs[16]);
+// Q8_0 (d, qs[32]): weights 0-15 are the low nibbles of qs, 16-31 the high ones.
+template <int BYTES>
+inline __m256i lanes(const uint8_t* p) {
+  if constexpr (BYTES == 34) {
+    return load(p + 2);
+  } else {
+    constexpr int QS = BYTES - 16;  // the nibbles are the last 16 bytes of every block
+    const __m128i v = _mm_loadu_si128((const __m128i*)(p + QS));
+    __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+    if constexpr (BYTES == 22 || BYTES == 24) {  // Q5_0, Q5_1: bit j of qh is weight j's 0x10
+      uint32_t h;
+      std::memcpy(&h, p + QS - 4, 4);
+      u = _mm256_or_si256(u, _mm256_set_m128i(high_bits16(h >> 16), high_bits16(h)));
+    }
+    return u;
+  }
+}
+
+// Legacy formats (blocks of 32); OFF: the constant offset taken from corr (Q4_0, Q5_0).
+template <int NT, int BYTES, int OFF>
+void gemv_q8_legacy(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float* out, int64_t ldo,
+                 int64_t r0, int64_t r1) {
+  constexpr bool MIN = BYTES == 20 || BYTES == 24;  // Q4_1, Q5_1: w = a * u - b
+  const int64_t nblocks = xa.cols / QK;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    __m256 acc[NT];
+    float bsum[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps(), bsum[t] = 0.f;
+    for (int64_t i = 0; i < nblocks; ++i) {
+      const uint8_t* p = row + i * BYTES;
+      prefetch_block<BYTES>(p);
+      float a, b;
+      scales2<BYTES>(p, a, b);
+      const __m256i u = lanes<BYTES>(p);
+      const __m256i au = BYTES == 34 ? _mm256_sign_epi8(u, u) : u;  // Q8_0: |w| as u8
+      for (int t = 0; t < NT; ++t) {
+        __m256i x = load(xa.q.data() + t * xa.stride_q + QK * i);
+        if constexpr (BYTES == 34) x = _mm256_sign_epi8(x, u);  // x with w's sign
+        const __m256i init = OFF ? load(xa.corr.data() + t * xa.stride_c + 8 * i) : _mm256_setzero_si256();
+        const __m256i d = dot4(init, au, x);
+        const int64_t g = t * xa.stride_g + i;
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(a * xa.dx32[g]), acc[t]);
+        if constexpr (MIN) bsum[t] += b * xa.xsum32[g];
+      }
+    }
+    for (int t = 0; t < NT; ++t) out[t * ldo + r] = hsum(acc[t]) - bsum[t];
+  }
+}
+
+}  // namespace q8avx2
+using namespace q8avx2;
+#endif  // LOCALLLM_Q8 == 256
+
+#if defined(LOCALLLM_Q8)
+// The kernels of either section by type and activation row count.
 using GemvQ8Fn = void (*)(const uint8_t*, int64_t, const Q8Act&, float*, int64_t, int64_t, int64_t);
 
 template <int NT>
 GemvQ8Fn gemv_q8_for(int64_t qtype) {
   switch (qtype) {
-    case Q4_0: return gemv_q8_legacy<NT, 18, 8>;
+    case Q4_0: return gemv_q8_legacy<NT, 18, q8_offset(Q4_0)>;
     case Q4_1: return gemv_q8_legacy<NT, 20, 0>;
-    case Q5_0: return gemv_q8_legacy<NT, 22, 16>;
+    case Q5_0: return gemv_q8_legacy<NT, 22, q8_offset(Q5_0)>;
     case Q5_1: return gemv_q8_legacy<NT, 24, 0>;
-    case Q8_0: return gemv_q8_legacy<NT, 34, 128>;
+    case Q8_0: return gemv_q8_legacy<NT, 34, q8_offset(Q8_0)>;
     case Q2_K: return gemv_q8_kquant<NT, 84, decode_q2_k, 0>;
-    case Q3_K: return gemv_q8_kquant<NT, 110, decode_q3_k, 4>;
+    case Q3_K: return gemv_q8_kquant<NT, 110, decode_q3_k, q8_offset(Q3_K)>;
     case Q4_K: return gemv_q8_k4<NT, 144>;
     case Q5_K: return gemv_q8_k4<NT, 176>;
-    case Q6_K: return gemv_q8_kquant<NT, 210, decode_q6_k, 32>;
+    case Q6_K: return gemv_q8_kquant<NT, 210, decode_q6_k, q8_offset(Q6_K)>;
     default: TORCH_CHECK(false, "localllm_cpu.gemv_q8: no int8 kernel for ggml type ", qtype);
   }
 }
@@ -917,7 +1254,7 @@ GemvQ8Fn gemv_q8_for(int64_t qtype) {
 GemvQ8Fn gemv_q8_of(int64_t qtype, int64_t nt) {
   return by_rows(nt, "gemv_q8", [&](auto n) { return gemv_q8_for<decltype(n)::value>(qtype); });
 }
-#endif  // AVX512 VNNI
+#endif
 
 // out (T, rows) float32 as gemv, from int8-quantized activations (see above).
 void gemv_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t rows, int64_t cols,
@@ -929,7 +1266,7 @@ void gemv_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t ro
   const int64_t nt = check_io("gemv_q8", x, out, rows, cols);
   const GemvQ8Fn fn = gemv_q8_of(qtype, nt);
   const Q8Act xa(x.data_ptr<float>(), x.stride(0), nt, cols, q8_offset(qtype),
-                 qtype == Q4_K || qtype == Q5_K);
+                 K4_ORDER && (qtype == Q4_K || qtype == Q5_K));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = (cols / f.block) * f.bytes, ldo = out.stride(0);
@@ -937,7 +1274,7 @@ void gemv_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t ro
     fn(wp, row_bytes, xa, op, ldo, r0, r1);
   });
 #else
-  TORCH_CHECK(false, "localllm_cpu.gemv_q8: built without AVX512-VNNI");
+  TORCH_CHECK(false, "localllm_cpu.gemv_q8: built without AVX2 or AVX512-VNNI");
 #endif
 }
 

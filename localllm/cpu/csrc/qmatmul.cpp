@@ -28,9 +28,11 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -986,6 +988,173 @@ void dequant_rows(const at::Tensor& w, int64_t qtype, int64_t r0, int64_t cols, 
   });
 }
 
+// ---- mixture of experts: a prompt's expert FFNs in one call ------------------------------
+// moe_ffn_q8 runs llama.cpp's build_moe_ffn (SwiGLU experts) after the routing: every
+// (token, slot) pair goes to its expert's group (counting sort by expert, tokens in order),
+// and per expert: down(silu(gate(x)) * up(x)) over its tokens, in batches of up to 8 rows
+// through the int8 GEMV kernels above, one task per (expert, tile of output rows) so a
+// tile's weights stay in L2 while every batch of that expert passes. Tasks are taken by
+// threads dynamically (experts get different token counts). The outputs are summed per
+// token in increasing expert order, each times its routing weight (the order of the torch
+// path, localllm.models.llama.moe_ffn: results are bit-identical up to the GEMV's own
+// float32 order). SiLU and the gated product are ops.cpp's (gated_values).
+#if defined(LOCALLLM_Q8)
+}  // namespace
+
+namespace localllm_cpu {
+void gated_values(const float* g, const float* u, float* y, int64_t n, int64_t act);  // ops.cpp
+}  // namespace localllm_cpu
+
+namespace {
+
+// fn(i) for i in [0, n) on torch's threads, each thread taking the next i when it is done.
+template <class Fn>
+void dynamic_for(int64_t n, const Fn& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  });
+}
+
+// Rows per task of an expert's (rows, cols) matrix: tiles of about 32 KiB of blocks, a
+// multiple of 16 rows (the gated product's vector width), as even as that allows.
+int64_t moe_tile(int64_t rows, int64_t row_bytes) {
+  const int64_t tiles = std::max<int64_t>(1, (rows * row_bytes + (32 << 10) - 1) >> 15);
+  return std::min<int64_t>(rows, ((rows + tiles - 1) / tiles + 15) / 16 * 16);
+}
+
+// One expert matrix type: its block format, int8 kernels and activation layout.
+struct MoeMatrix {
+  const uint8_t* data;
+  int64_t qtype, rows, cols, row_bytes, expert_bytes;
+  MoeMatrix(const at::Tensor& w, int64_t qtype_, int64_t n_expert, int64_t rows_, int64_t cols_,
+            const char* name)
+      : qtype(qtype_), rows(rows_), cols(cols_) {
+    const Format f = format_of(qtype);
+    TORCH_CHECK(f.unpack != nullptr, "localllm_cpu.moe_ffn_q8: ", name, " is a float type");
+    check_weight(w, f, n_expert * rows, cols);
+    data = w.data_ptr<uint8_t>();
+    row_bytes = (cols / f.block) * f.bytes;
+    expert_bytes = rows * row_bytes;
+  }
+  std::unique_ptr<Q8Act> act(const float* x, int64_t ldx, int64_t n) const {
+    return std::make_unique<Q8Act>(x, ldx, n, cols, q8_offset(qtype), qtype == Q4_K || qtype == Q5_K);
+  }
+  // rows [r0, r1) of expert e times the batch's rows -> out (n, ldo)
+  void run(int64_t e, const Q8Act& xa, int64_t n, float* out, int64_t ldo, int64_t r0, int64_t r1) const {
+    gemv_q8_of(qtype, n)(data + e * expert_bytes, row_bytes, xa, out, ldo, r0, r1);
+  }
+};
+
+void moe_ffn_q8(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights,
+                const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                int64_t gate_type, int64_t up_type, int64_t down_type, int64_t n_expert,
+                int64_t n_ff, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "localllm_cpu.moe_ffn_q8: x must be (T, d) contiguous float32");
+  const int64_t nt = x.size(0), d = x.size(1);
+  TORCH_CHECK(chosen.dim() == 2 && chosen.size(0) == nt && chosen.scalar_type() == at::kLong &&
+                  chosen.is_contiguous(), "localllm_cpu.moe_ffn_q8: chosen must be (T, k) int64");
+  const int64_t k = chosen.size(1);
+  TORCH_CHECK(weights.sizes() == chosen.sizes() && weights.scalar_type() == at::kFloat &&
+                  weights.is_contiguous(), "localllm_cpu.moe_ffn_q8: weights must be (T, k) float32");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "localllm_cpu.moe_ffn_q8: out must be (T, d) contiguous float32");
+  TORCH_CHECK(n_expert > 0 && n_ff > 0, "localllm_cpu.moe_ffn_q8: n_expert and n_ff must be > 0");
+  const MoeMatrix mg(gate, gate_type, n_expert, n_ff, d, "gate"),
+      mu(up, up_type, n_expert, n_ff, d, "up"), md(down, down_type, n_expert, d, n_ff, "down");
+  const int64_t* ch = chosen.data_ptr<int64_t>();
+  const float* wt = weights.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const int64_t ns = nt * k;  // (token, slot) pairs
+  // counting sort of the pairs by expert: pair i = t * k + j goes to position pos[i]
+  std::vector<int64_t> start(n_expert + 1, 0), pos(ns), token(ns);
+  for (int64_t i = 0; i < ns; ++i) {
+    TORCH_CHECK(ch[i] >= 0 && ch[i] < n_expert, "localllm_cpu.moe_ffn_q8: expert ", ch[i],
+                " out of range (", n_expert, " experts)");
+    ++start[ch[i] + 1];
+  }
+  for (int64_t e = 0; e < n_expert; ++e) start[e + 1] += start[e];
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < ns; ++i) {
+      pos[i] = fill[ch[i]]++;
+      token[pos[i]] = i / k;
+    }
+  }
+  // batches of up to 8 positions of one expert; each expert's batches are consecutive
+  struct Batch { int64_t expert, p0, n; };
+  std::vector<Batch> batches;
+  std::vector<int64_t> first(n_expert + 1), active;
+  for (int64_t e = 0; e < n_expert; ++e) {
+    first[e] = int64_t(batches.size());
+    if (start[e + 1] > start[e]) active.push_back(e);
+    for (int64_t p = start[e]; p < start[e + 1]; p += 8)
+      batches.push_back({e, p, std::min<int64_t>(8, start[e + 1] - p)});
+  }
+  first[n_expert] = int64_t(batches.size());
+  const int64_t nb = int64_t(batches.size());
+  const bool same_act = q8_offset(gate_type) == q8_offset(up_type) &&
+                        (gate_type == Q4_K || gate_type == Q5_K) == (up_type == Q4_K || up_type == Q5_K);
+  std::vector<std::unique_ptr<Q8Act>> xg(nb), xu(nb), xh(nb);
+  dynamic_for(nb, [&](int64_t b) {
+    const Batch& bt = batches[b];
+    std::vector<float> rows(bt.n * d);
+    for (int64_t i = 0; i < bt.n; ++i)
+      std::memcpy(rows.data() + i * d, xp + token[bt.p0 + i] * d, d * sizeof(float));
+    xg[b] = mg.act(rows.data(), d, bt.n);
+    if (!same_act) xu[b] = mu.act(rows.data(), d, bt.n);
+  });
+  // gate and up per (expert, tile of n_ff rows), then the gated activation of the tile
+  std::vector<float> g(ns * n_ff), u(ns * n_ff), h(ns * n_ff);
+  const int64_t tile_f = moe_tile(n_ff, std::max(mg.row_bytes, mu.row_bytes));
+  const int64_t tiles_f = (n_ff + tile_f - 1) / tile_f;
+  dynamic_for(int64_t(active.size()) * tiles_f, [&](int64_t task) {
+    const int64_t e = active[task / tiles_f], r0 = (task % tiles_f) * tile_f;
+    const int64_t r1 = std::min(n_ff, r0 + tile_f);
+    for (int64_t b = first[e]; b < first[e + 1]; ++b) {
+      const Batch& bt = batches[b];
+      mg.run(e, *xg[b], bt.n, g.data() + bt.p0 * n_ff, n_ff, r0, r1);
+      mu.run(e, same_act ? *xg[b] : *xu[b], bt.n, u.data() + bt.p0 * n_ff, n_ff, r0, r1);
+    }
+    for (int64_t p = start[e]; p < start[e + 1]; ++p)
+      localllm_cpu::gated_values(g.data() + p * n_ff + r0, u.data() + p * n_ff + r0,
+                               h.data() + p * n_ff + r0, r1 - r0, 0);
+  });
+  dynamic_for(nb, [&](int64_t b) {
+    xh[b] = md.act(h.data() + batches[b].p0 * n_ff, n_ff, batches[b].n);
+  });
+  // down per (expert, tile of d rows) into y (one row per position)
+  std::vector<float>& y = g;  // reused: ns * n_ff values, resized to ns * d
+  y.assign(ns * d, 0.f);
+  const int64_t tile_d = moe_tile(d, md.row_bytes), tiles_d = (d + tile_d - 1) / tile_d;
+  dynamic_for(int64_t(active.size()) * tiles_d, [&](int64_t task) {
+    const int64_t e = active[task / tiles_d], r0 = (task % tiles_d) * tile_d;
+    const int64_t r1 = std::min(d, r0 + tile_d);
+    for (int64_t b = first[e]; b < first[e + 1]; ++b)
+      md.run(e, *xh[b], batches[b].n, y.data() + batches[b].p0 * d, d, r0, r1);
+  });
+  // out[t] = sum over the token's slots, in increasing expert order, of weight * y
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, nt, std::max<int64_t>(1, (1 << 14) / d), [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> order(k);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t j = 0; j < k; ++j) order[j] = j;
+      std::sort(order.begin(), order.end(),
+                [&](int64_t a, int64_t b) { return ch[t * k + a] < ch[t * k + b]; });
+      float* o = op + t * d;
+      std::fill(o, o + d, 0.f);
+      for (int64_t j : order) {
+        const float w = wt[t * k + j];
+        const float* yr = y.data() + pos[t * k + j] * d;
+        for (int64_t c = 0; c < d; ++c) o[c] += yr[c] * w;
+      }
+    }
+  });
+}
+#endif  // LOCALLLM_Q8
+
 }  // namespace
 
 TORCH_LIBRARY(localllm_cpu, m) {
@@ -993,10 +1162,15 @@ TORCH_LIBRARY(localllm_cpu, m) {
   m.def("dequant_rows(Tensor w, int qtype, int r0, int cols, Tensor(a!) out) -> ()");
   m.def("gemv_q8(Tensor x, Tensor w, int qtype, int rows, int cols, Tensor(a!) out) -> ()");
   m.def("q8_available() -> bool", q8_available);
+  m.def("moe_ffn_q8(Tensor x, Tensor chosen, Tensor weights, Tensor gate, Tensor up, Tensor down, "
+        "int gate_type, int up_type, int down_type, int n_expert, int n_ff, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {
   m.impl("gemv", gemv);
   m.impl("dequant_rows", dequant_rows);
   m.impl("gemv_q8", gemv_q8);
+#if defined(LOCALLLM_Q8)
+  m.impl("moe_ffn_q8", moe_ffn_q8);
+#endif
 }

@@ -286,3 +286,81 @@ def test_model_native_bf16_prefill_is_close(tiny_model_path, monkeypatch):
     got = Session(fast, ctx_size=64).eval(ids, all_logits=True)
     want = Session(exact, ctx_size=64).eval(ids, all_logits=True)
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+# gate/up type, down type; d = 256 or 512 (K-quant blocks), n_ff = 64 or 96 (legacy down)
+MOE_CASES = [(T.Q4_K, T.Q6_K, 512, 256), (T.Q5_K, T.Q4_K, 256, 256), (T.Q4_0, T.Q8_0, 256, 96),
+             (T.Q2_K, T.Q3_K, 256, 256), (T.Q5_1, T.Q4_1, 256, 64)]
+
+
+def moe_reference(x, chosen, weights, gate, up, down):
+    """The expert FFNs in float64 from the reference dequantizer (one (n_ff, d) / (d, n_ff)
+    matrix per expert), with int8 activations where the kernel quantizes them (the input of
+    gate/up, and of down)."""
+    xq = q8_activations(x).double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for e, w in zip(chosen[t].tolist(), weights[t].tolist()):
+            g, u = xq[t] @ gate[e].double().T, xq[t] @ up[e].double().T
+            h = (torch.nn.functional.silu(g) * u).float()[None]
+            out[t] += w * (q8_activations(h).double() @ down[e].double().T)[0]
+    return out
+
+
+@needs_q8
+@pytest.mark.parametrize("gu_type,down_type,d,n_ff", MOE_CASES,
+                         ids=lambda v: v.name if isinstance(v, T) else str(v))
+def test_moe_ffn_q8(gu_type, down_type, d, n_ff):
+    """The native MoE FFN against float64 products of the reference weights, per expert and
+    token: odd token counts, experts with no token, one token, and more than 8 (several
+    batches); equal whatever the number of threads."""
+    n_exp, k = 6, 2
+    raw = [weight_bytes(gu_type, n_exp * n_ff, d, 1), weight_bytes(gu_type, n_exp * n_ff, d, 2),
+           weight_bytes(down_type, n_exp * d, n_ff, 3)]
+    shapes = [(n_exp * n_ff, d), (n_exp * n_ff, d), (n_exp * d, n_ff)]
+    types = [gu_type, gu_type, down_type]
+    packs = [cpu.PackedWeight.from_bytes(r, q, s, q8=True) for r, q, s in zip(raw, types, shapes)]
+    refs = [reference(r, q, s).view(n_exp, s[0] // n_exp, s[1])
+            for r, q, s in zip(raw, types, shapes)]
+    gen = torch.Generator().manual_seed(int(gu_type))
+    for t in (1, 2, 13, 21):
+        x = torch.randn(t, d, generator=gen) * torch.rand(t, d, generator=gen) ** 2 * 3
+        # expert 1 never chosen; expert 0 by every token (21 tokens: three batches)
+        chosen = torch.stack([torch.zeros(t, dtype=torch.long),
+                              torch.tensor([2, 3, 4, 5, 3])[torch.arange(t) % 5]], 1)
+        if t == 13:
+            chosen = chosen.flip(1)  # slot order does not matter
+        weights = torch.rand(t, k, generator=gen)
+        y = cpu.moe_ffn_q8(x, chosen, weights, *packs)
+        ref = moe_reference(x, chosen, weights, *refs)
+        # float32 summation error, bounded by the same sums over magnitudes (the kernel's
+        # h differs from the reference's by float32 rounding: an int8 value of h flipping
+        # by one step would show as ~1e-4 here; these seeds have none)
+        bound = moe_reference(x.abs(), chosen, weights, *[r.abs() for r in refs])
+        err = (y.double() - ref).abs()
+        assert y.shape == (t, d) and bool((err <= 1e-5 * bound).all()), float((err / bound).max())
+        n = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = cpu.moe_ffn_q8(x, chosen, weights, *packs)
+        finally:
+            torch.set_num_threads(n)
+        assert torch.equal(one, y)
+
+
+@needs_q8
+def test_moe_ffn_q8_errors():
+    d, n_ff, n_exp = 256, 64, 3
+    g = cpu.PackedWeight.from_bytes(weight_bytes(T.Q4_K, n_exp * n_ff, d), T.Q4_K,
+                                    (n_exp * n_ff, d), q8=True)
+    dn = cpu.PackedWeight.from_bytes(weight_bytes(T.Q8_0, n_exp * d, n_ff), T.Q8_0,
+                                     (n_exp * d, n_ff), q8=True)
+    x, w = torch.randn(3, d), torch.rand(3, 2)
+    with pytest.raises(ParameterError, match="do not match"):
+        cpu.moe_ffn_q8(x[:, :128], torch.zeros(3, 2, dtype=torch.long), w, g, g, dn)
+    with pytest.raises(RuntimeError, match="expert 3 out of range"):
+        cpu.moe_ffn_q8(x, torch.full((3, 2), 3), w, g, g, dn)
+    f = cpu.PackedWeight.from_bytes(weight_bytes(T.F16, n_exp * n_ff, d), T.F16,
+                                    (n_exp * n_ff, d))
+    with pytest.raises(UnsupportedError, match="quantized experts"):
+        cpu.moe_ffn_q8(x, torch.zeros(3, 2, dtype=torch.long), w, f, f, dn)

@@ -34,6 +34,32 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_matches_llama_cpp(family, device, family_dir):
+    check_family(family, device, family_dir)
+
+
+def test_moe_prefill_kernel_matches_llama_cpp(family_dir, monkeypatch):
+    """The native MoE prefill (localllm.cpu.moe_ffn_q8) on every prompt of the qwen3moe
+    fixture, however short (its prompts are below the rows per expert from which the model
+    takes it)."""
+    from localllm import cpu
+    from localllm.models import llama
+
+    if not cpu.q8_activations():
+        pytest.skip("the native MoE prefill needs the int8 kernels (AVX512-VNNI)")
+    calls = []
+
+    def spy(*args):
+        calls.append(args[0].shape[0])
+        return moe_ffn_q8(*args)
+
+    moe_ffn_q8 = cpu.moe_ffn_q8
+    monkeypatch.setattr(cpu, "moe_ffn_q8", spy)
+    monkeypatch.setattr(llama, "MOE_MIN_ROWS", 0)
+    check_family("qwen3moe", "cpu", family_dir)
+    assert calls and min(calls) > 1
+
+
+def check_family(family: str, device: str, family_dir: Path) -> None:
     ref = np.load(DATA / f"{family}.npz")
     path = family_dir / f"{family}.gguf"
     if not path.exists():

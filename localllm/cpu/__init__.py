@@ -198,6 +198,47 @@ def qmatmul(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = No
     return out
 
 
+def moe_ffn_q8(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+               gate: PackedWeight, up: PackedWeight, down: PackedWeight) -> torch.Tensor:
+    """The SwiGLU experts of a mixture-of-experts layer over a prompt, after the routing
+    (llama.cpp's ``build_moe_ffn``, ``src/llama-graph.cpp``, from its ``ggml_mul_mat_id``):
+    ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``,
+    ``e = chosen[t, j]``, in one native call: each expert's tokens pass through its matrices
+    in batches of up to 8 rows with int8 activations (as :func:`qmatmul`'s GEMV: one scale
+    per 32 values; llama.cpp quantizes them to ``block_q8_K``), each tile of an expert's
+    rows read once from memory for all of them; contributions are summed in increasing
+    expert order.
+
+    x: (T, d) float32; chosen: (T, k) int64 expert ids; weights: (T, k) float32;
+    gate, up: the stacked ``ffn_{gate,up}_exps`` (n_expert * n_ff, d), down:
+    ``ffn_down_exps`` (n_expert * d, n_ff), each a quantized :class:`PackedWeight` -> (T, d)
+    float32.
+
+    Raises:
+        UnsupportedError: no int8 kernels (:func:`q8_activations` is False), or a float type.
+        ParameterError: inconsistent shapes.
+    """
+    if not q8_activations() or any(w.qtype in FLOAT_TYPES for w in (gate, up, down)):
+        raise UnsupportedError("moe_ffn_q8 needs the int8 kernels (AVX512-VNNI) and "
+                               "quantized experts")
+    t, d = x.shape
+    n_ff = down.shape[1]
+    n_expert = down.shape[0] // d if d else 0
+    if (gate.shape != (n_expert * n_ff, d) or up.shape != gate.shape
+            or down.shape != (n_expert * d, n_ff) or chosen.shape != weights.shape
+            or chosen.shape[0] != t):
+        raise ParameterError(
+            f"moe_ffn_q8: x {tuple(x.shape)}, chosen {tuple(chosen.shape)}, weights "
+            f"{tuple(weights.shape)}, gate {gate.shape}, up {up.shape}, down {down.shape} "
+            "do not match")
+    out = torch.empty(t, d)
+    torch.ops.localllm_cpu.moe_ffn_q8(
+        x.float().contiguous(), chosen.long().contiguous(), weights.float().contiguous(),
+        gate.data, up.data, down.data, int(gate.qtype), int(up.qtype), int(down.qtype),
+        n_expert, n_ff, out)
+    return out
+
+
 class NativeLinear:
     """``y = x @ W.T (+ b)`` reading W (out, in) from its ggml blocks (:func:`qmatmul`)."""
 

@@ -9,6 +9,7 @@ float32 for the product, where torch's float32 GEMM is much faster than its floa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from typing import ClassVar
@@ -108,12 +109,13 @@ class Loader:
         info = self.gguf.tensor(name)
         n_exp, rows, cols = info.shape
         if self.native:
-            per = info.n_bytes // n_exp
-            packed = [self._packed(info.data[e * per:(e + 1) * per], info.qtype, (rows, cols))
-                      for e in range(n_exp)]
-            if all(p is not None for p in packed):
+            stacked = self._packed(info.data, info.qtype, (n_exp * rows, cols))
+            if stacked is not None:
                 self.progress(info.n_bytes)
-                return Experts(packed)
+                per = info.n_bytes // n_exp
+                return Experts([dataclasses.replace(stacked, data=stacked.data[e * per:(e + 1) * per],
+                                                    shape=(rows, cols)) for e in range(n_exp)],
+                               stacked)
             self.fallbacks.append(f"{name} ({info.qtype.name})")
         if self.quantized:
             from localllm.kernels import QuantWeight, supports
@@ -241,8 +243,10 @@ class Experts:
     """The matrices of a mixture-of-experts layer (llama.cpp's ``ffn_*_exps``), one per expert,
     each (out, in) dense or quantized: a product reads only the experts a token selected."""
 
-    def __init__(self, weights: list) -> None:
+    def __init__(self, weights: list, stacked=None) -> None:
         self.weights = weights
+        # native CPU: all experts as one localllm.cpu.PackedWeight (n_expert * out, in)
+        self.stacked = stacked
 
     def __call__(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """x: (T, in) float32 through expert ``e`` -> (T, out) float32."""

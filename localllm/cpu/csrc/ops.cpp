@@ -583,6 +583,14 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 }  // namespace
 
+namespace localllm_cpu {
+// act(g) * u for n values (act: 0 SiLU, 1 GELU-tanh), for the other kernels of the library
+// (qmatmul.cpp's moe_ffn_q8).
+void gated_values(const float* g, const float* u, float* y, int64_t n, int64_t act) {
+  gated_row(g, u, y, n, act);
+}
+}  // namespace localllm_cpu
+
 TORCH_LIBRARY_FRAGMENT(localllm_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("residual_norm(Tensor x, Tensor f, Tensor? post_w, Tensor w, float eps) -> (Tensor, Tensor)");

@@ -110,6 +110,7 @@ def test_gemv_1_to_8_rows(qtype):
 
 needs_q8 = pytest.mark.skipif(not cpu.q8_activations(),
                               reason="the int8 GEMV needs AVX2 or AVX512-VNNI")
+needs_moe = pytest.mark.skipif(not cpu.moe_q8(), reason="moe_ffn_q8 needs AVX512-VNNI")
 
 
 @needs_q8
@@ -307,7 +308,7 @@ def moe_reference(x, chosen, weights, gate, up, down):
     return out
 
 
-@needs_q8
+@needs_moe
 @pytest.mark.parametrize("gu_type,down_type,d,n_ff", MOE_CASES,
                          ids=lambda v: v.name if isinstance(v, T) else str(v))
 def test_moe_ffn_q8(gu_type, down_type, d, n_ff):
@@ -348,7 +349,7 @@ def test_moe_ffn_q8(gu_type, down_type, d, n_ff):
         assert torch.equal(one, y)
 
 
-@needs_q8
+@needs_moe
 def test_moe_ffn_q8_errors():
     d, n_ff, n_exp = 256, 64, 3
     g = cpu.PackedWeight.from_bytes(weight_bytes(T.Q4_K, n_exp * n_ff, d), T.Q4_K,

@@ -44,8 +44,8 @@ def test_moe_prefill_kernel_matches_llama_cpp(family_dir, monkeypatch):
     from localllm import cpu
     from localllm.models import llama
 
-    if not cpu.q8_activations():
-        pytest.skip("the native MoE prefill needs the int8 kernels (AVX512-VNNI)")
+    if not cpu.moe_q8():
+        pytest.skip("the native MoE prefill needs the AVX512-VNNI int8 kernels")
     calls = []
 
     def spy(*args):

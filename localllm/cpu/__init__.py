@@ -69,6 +69,12 @@ def q8_activations() -> bool:
             and bool(torch.ops.localllm_cpu.q8_available()))
 
 
+@functools.cache
+def moe_q8() -> bool:
+    """True when :func:`moe_ffn_q8` is built (AVX512-VNNI kernels, :func:`q8_activations`)."""
+    return q8_activations() and bool(torch.ops.localllm_cpu.moe_available())
+
+
 def available() -> bool:
     """True when the native kernels are built and loaded (compiles them the first time)."""
     return load_native()
@@ -215,11 +221,11 @@ def moe_ffn_q8(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     float32.
 
     Raises:
-        UnsupportedError: no int8 kernels (:func:`q8_activations` is False), or a float type.
+        UnsupportedError: no AVX512-VNNI int8 kernels (:func:`moe_q8` is False), or a float type.
         ParameterError: inconsistent shapes.
     """
-    if not q8_activations() or any(w.qtype in FLOAT_TYPES for w in (gate, up, down)):
-        raise UnsupportedError("moe_ffn_q8 needs the int8 kernels (AVX512-VNNI) and "
+    if not moe_q8() or any(w.qtype in FLOAT_TYPES for w in (gate, up, down)):
+        raise UnsupportedError("moe_ffn_q8 needs the AVX512-VNNI int8 kernels and "
                                "quantized experts")
     t, d = x.shape
     n_ff = down.shape[1]

@@ -211,9 +211,10 @@ def moe_ffn(layer, x: torch.Tensor, n_used: int, norm: bool, ops) -> torch.Tenso
                layer.ffn_down_exps.stacked]
     if (x.shape[0] * n_used >= MOE_MIN_ROWS * probs.shape[1]
             and all(w is not None and w.q8 for w in stacked)):
-        from ..cpu import moe_ffn_q8
+        from .. import cpu
 
-        return moe_ffn_q8(x, chosen, weights, *stacked)
+        if cpu.moe_q8():
+            return cpu.moe_ffn_q8(x, chosen, weights, *stacked)
     out = torch.zeros_like(x)
     if x.shape[0] == 1:
         for w, e in zip(weights[0].tolist(), chosen[0].tolist()):

@@ -1288,6 +1288,10 @@ bool q8_available() {
 #endif
 }
 
+// moe_ffn_q8 is written for AVX512-VNNI (16 tokens per vpdpbusd); AVX2 builds keep the
+// per-expert products.
+bool moe_available() { return LOCALLLM_Q8 + 0 == 512; }
+
 // Rows r0 .. r0 + out.size(0) - 1 of W dequantized into out (n, cols), float32 or bfloat16.
 void dequant_rows(const at::Tensor& w, int64_t qtype, int64_t r0, int64_t cols, at::Tensor& out) {
   const Format f = format_of(qtype);
@@ -1339,7 +1343,7 @@ void dequant_rows(const at::Tensor& w, int64_t qtype, int64_t r0, int64_t cols, 
 // are summed per token in increasing expert order, each times its routing weight (the
 // order of the torch path, localllm.models.llama.moe_ffn). SiLU and the gated product are
 // ops.cpp's (gated_values).
-#if defined(LOCALLLM_Q8)
+#if LOCALLLM_Q8 + 0 == 512
 }  // namespace
 
 namespace localllm_cpu {
@@ -1619,7 +1623,7 @@ void moe_ffn_q8(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor&
     }
   });
 }
-#endif  // LOCALLLM_Q8
+#endif  // LOCALLLM_Q8 == 512
 
 }  // namespace
 
@@ -1628,6 +1632,7 @@ TORCH_LIBRARY(localllm_cpu, m) {
   m.def("dequant_rows(Tensor w, int qtype, int r0, int cols, Tensor(a!) out) -> ()");
   m.def("gemv_q8(Tensor x, Tensor w, int qtype, int rows, int cols, Tensor(a!) out) -> ()");
   m.def("q8_available() -> bool", q8_available);
+  m.def("moe_available() -> bool", moe_available);
   m.def("moe_ffn_q8(Tensor x, Tensor chosen, Tensor weights, Tensor gate, Tensor up, Tensor down, "
         "int gate_type, int up_type, int down_type, int n_expert, int n_ff, Tensor(a!) out) -> ()");
 }
@@ -1636,7 +1641,7 @@ TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {
   m.impl("gemv", gemv);
   m.impl("dequant_rows", dequant_rows);
   m.impl("gemv_q8", gemv_q8);
-#if defined(LOCALLLM_Q8)
+#if LOCALLLM_Q8 + 0 == 512
   m.impl("moe_ffn_q8", moe_ffn_q8);
 #endif
 }

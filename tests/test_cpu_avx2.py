@@ -11,6 +11,7 @@ them: the module is skipped.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -178,3 +179,23 @@ def test_avx2_default_model_logits(tmp_path):
     assert got.shape == want.shape
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert float((got - want).abs().max()) <= 5e-2 * float(want.abs().max())
+
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "bench", "bench_cpu_gemv.py")
+
+
+def test_bench_cpu_gemv_script(tiny_model_path, tmp_path):
+    """bench/bench_cpu_gemv.py runs each build in its own process and reports GB/s for the
+    int8 and float32 GEMVs; a missing file is one error line."""
+    path = tiny_model_path("llama", qtype=T.Q4_0)
+    r = subprocess.run([sys.executable, BENCH, str(path), "--arch", "native", "haswell",
+                        "--rounds", "1", "--json", str(tmp_path / "g.json")],
+                       capture_output=True, text=True, check=False, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    medians = json.loads((tmp_path / "g.json").read_text())["medians"]
+    assert medians["haswell int8 all"][0] > 0 and medians["haswell float32 all"][0] > 0
+    assert "native float32 all" in medians
+    r = subprocess.run([sys.executable, BENCH, str(tmp_path / "none.gguf")],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"error: no such file: {tmp_path / 'none.gguf'}"]

@@ -529,8 +529,8 @@ void gemv(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t rows,
 // x is quantized once per call, per 32 values, to int8 with a float32 scale (llama.cpp
 // quantizes to block_q8_0 / block_q8_K, ggml/src/ggml-quants.c quantize_row_q8_*; one scale
 // per 32 values is finer than q8_K's one per 256). Every weight block is then read as
-// unsigned 8-bit lanes u with, per group of 16 weights, w = a_g * u - b_g (Q8_0's signed
-// values are offset by 128, Q4_0's by 8, ...), so a row's product is
+// unsigned 8-bit lanes u with, per group of 16 weights, w = a_g * u - b_g (Q4_0's values
+// are offset by 8, Q8_0's by 128 on AVX-512, ...), so a row's product is
 //     sum_g a_g * dx_g * (u . xq)_g  -  sum_g b_g * xsum_g
 // with (u . xq) an integer dot product and xsum_g = dx_g * sum(xq over g) the group's sum of
 // the quantized activations. Two implementations share the activations (Q8Act below):
@@ -996,7 +996,8 @@ namespace q8avx2 {
 
 inline __m256i load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 
-// acc + (lane i: sum_{j<4} u[4i + j] * x[4i + j]), u unsigned 8-bit (<= 63 without AVX-VNNI).
+// acc + (lane i: sum_{j<4} u[4i + j] * x[4i + j]), u unsigned 8-bit, |x| <= 127; without
+// AVX-VNNI u <= 63, or u <= 128 (Q8_0's |w|), so that no int16 pair sum saturates.
 inline __m256i dot4(__m256i acc, __m256i u, __m256i x) {
 #if defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(acc, u, x);

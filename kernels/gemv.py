@@ -253,6 +253,12 @@ MMVQ_WARPS = 4
 IN_FLIGHT_PER_SM = 16384
 # Rows each thread keeps: its activation words are loaded once for all of them.
 ROWS_PER_THREAD = 2
+# Fewest rows a program takes where more groups a step would fill the GPU as well: with 4
+# rows (2-warp programs of 16 groups, Gemma-3-270M's 640 x 1024 attn_output) Triton loads the
+# activations' words 32 bits at a time (one LDG.128 in the loop, the weights'): 0.27-0.30
+# warp-instructions per byte for IQ4_NL / IQ4_XS against 0.20-0.23 with 8 rows of 8 groups
+# (bench/kernel_profile.py, Triton 3.6 and 3.9).
+MIN_ROWS = 8
 
 
 def mmvq_config(qtype, n: int, k: int, sms: int = TARGET_SMS, layout: str = "blocks") -> dict:
@@ -265,7 +271,8 @@ def mmvq_config(qtype, n: int, k: int, sms: int = TARGET_SMS, layout: str = "blo
     ROWS = threads * RPT / GP rows. The key axis is split (SPLIT programs per row range,
     partial sums added by the range's last program, in the launch) until the programs hold IN_FLIGHT_PER_SM bytes per SM in one
     step, and at least 2 programs per SM; small matrices first drop to one row per thread,
-    then to fewer groups per step, to get to 2 per SM.
+    then to fewer groups per step, to get to 2 per SM. A program of fewer than MIN_ROWS rows
+    is taken only where fewer groups a step (more rows) would not make 2 per SM.
 
     Returns:
         dict with UNIT, ROWS, GP, RPT, SPLIT, STAGES, the grid, ``blocks_per_split`` and
@@ -282,6 +289,7 @@ def mmvq_config(qtype, n: int, k: int, sms: int = TARGET_SMS, layout: str = "blo
             gp = 16
             while n_groups % gp:
                 gp //= 2
+            fills = None
             while True:
                 rows = threads * rpt // gp
                 ctas = triton.cdiv(n, rows)
@@ -299,12 +307,18 @@ def mmvq_config(qtype, n: int, k: int, sms: int = TARGET_SMS, layout: str = "blo
                        "blocks_per_split": k // fmt.block_size // split,
                        "bytes_per_step": bytes_per_step}  # fmt: skip
                 if ctas * split >= 2 * sms:
-                    return cfg
+                    if rows >= MIN_ROWS or gp // 2 < gpb:
+                        return cfg
+                    fills = cfg  # fewer than MIN_ROWS rows: try fewer groups a step first
+                elif fills is not None:
+                    return fills
                 if best is None or ctas * split > best["grid"][0] * best["grid"][1]:
                     best = cfg
                 if gp // 2 < gpb or rows * 2 > 1024:
                     break
                 gp //= 2
+            if fills is not None:
+                return fills
     return best
 
 

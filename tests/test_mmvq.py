@@ -25,7 +25,7 @@ if not kernels.triton_available():
 from localllm.kernels import PLANES, QuantWeight, _aot, block_format, quant_linear
 from localllm.kernels.decode import MMVQ_TYPES
 from localllm.kernels.dequant import dequantize as triton_dequantize
-from localllm.kernels.gemv import TARGET_SMS, gemv, mmvq_config, quantize_q8
+from localllm.kernels.gemv import MIN_ROWS, TARGET_SMS, gemv, mmvq_config, quantize_q8
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import kernel_profile
@@ -160,7 +160,8 @@ def test_mmvq_float16_output(device):
 
 @pytest.mark.parametrize("model", list(kernel_profile.MODELS))
 def test_launch_shapes_fill_the_gpu(model):
-    """>= 2 programs per SM for every matrix of the three models, whole blocks per split."""
+    """>= 2 programs per SM for every matrix of the three models, whole blocks per split,
+    programs of at least MIN_ROWS rows."""
     for qtype in MMVQ_TYPES:
         bs = block_format(qtype).block_size
         for n, k in kernel_profile.MODELS[model].values():
@@ -169,6 +170,7 @@ def test_launch_shapes_fill_the_gpu(model):
             cfg = mmvq_config(qtype, n, k)
             assert cfg["grid"][0] * cfg["grid"][1] >= 2 * TARGET_SMS, (qtype.name, n, k)
             assert cfg["grid"][0] * cfg["ROWS"] >= n
+            assert cfg["ROWS"] >= MIN_ROWS, (qtype.name, n, k)
             assert cfg["blocks_per_split"] * cfg["SPLIT"] * bs == k
             assert (cfg["blocks_per_split"] * bs // 16) % cfg["GP"] == 0
             if qtype in PLANES:  # as a loaded model keeps them
@@ -176,6 +178,7 @@ def test_launch_shapes_fill_the_gpu(model):
                 assert cfg["grid"][0] * cfg["grid"][1] >= 2 * TARGET_SMS, (qtype.name, n, k)
                 assert cfg["grid"][0] * cfg["ROWS"] >= n
                 assert (k // cfg["UNIT"] // cfg["SPLIT"]) % cfg["GP"] == 0
+                assert cfg["ROWS"] >= MIN_ROWS, (qtype.name, n, k)
 
 
 def _compiled(qtype: T, n: int = 4096, k: int = 4096):
@@ -187,14 +190,18 @@ def _compiled(qtype: T, n: int = 4096, k: int = 4096):
     return compiled, kernel_profile.static_figures(compiled, case, launch)
 
 
+@pytest.mark.parametrize("matrix", ["llama3-8b/attn_output", "gemma3-270m/attn_output"])
 @pytest.mark.parametrize("qtype", list(MMVQ_TYPES), ids=lambda q: q.name)
-def test_static_targets(qtype):
+def test_static_targets(qtype, matrix):
     """Issue 19's targets on sm_90, for the layout a loaded model keeps (aligned planes for
     the types of ``PLANES``): <= 0.25 warp-instructions per weight byte, no spills, dp4a in
     the loop and no shuffles there; the weight bits in 128-bit loads: per loop step at least
     one LDG.128 per (row, group) slot a thread holds plus the activations', no byte loads,
-    16-bit loads only for the fp16 scales (one a slot)."""
-    compiled, fig = _compiled(qtype)
+    16-bit loads only for the fp16 scales (one a slot). On Llama-3-8B's 4096 x 4096 and on
+    Gemma-3-270M's 640 x 1024 (a 2-warp, split-K launch: the smallest programs)."""
+    model, name = matrix.split("/")
+    n, k = kernel_profile.MODELS[model][name]
+    compiled, fig = _compiled(qtype, n, k)
     assert fig["warp_instructions_per_byte"] <= 0.25, fig
     assert fig["spill_instructions"] == 0 and fig["local_bytes"] == 0
     body = _aot.main_loop(_aot.parse_sass(_aot.sass(compiled.asm["cubin"])))
@@ -202,7 +209,7 @@ def test_static_targets(qtype):
     assert not [i.op for i in body if i.base in ("SHFL", "BAR", "STS", "LDS")], fig
     assert sum(1 for i in body if i.op.startswith("IDP.4A")) >= 4
     if block_format(qtype).type_size % 16 == 0 or qtype in PLANES:
-        rpt = mmvq_config(qtype, 4096, 4096, layout="planes" if qtype in PLANES else
+        rpt = mmvq_config(qtype, n, k, layout="planes" if qtype in PLANES else
                           "blocks")["RPT"]  # fmt: skip
         steps = fig["loop_steps_per_body"]
         bits = [_aot.load_bits(i) for i in _aot.global_loads(body)]

@@ -600,8 +600,7 @@ struct Q8Act {
 
 // The constant offset o of a type stored as w = a * (u - o), else 0.
 constexpr int q8_offset(int64_t qtype) {
-  return qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : qtype == Q8_0 ? 128 : qtype == Q6_K ? 32
-       : qtype == Q3_K ? 4 : 0;
+  return qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : qtype == Q8_0 ? 128 : qtype == Q3_K ? 4 : 0;
 }
 
 // A K-quant block (256 weights) decoded: 64 u8 lanes per chunk and, per group of 16
@@ -720,6 +719,7 @@ inline void decode_q6_k(const uint8_t* p, U8Block& o) {
   const float dd = f16(p + 208);
   const __m128i sc8 = _mm_loadu_si128((const __m128i*)(p + 192));
   o.a = _mm512_mul_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)));
+  o.b = _mm512_mul_ps(o.a, _mm512_set1_ps(32.f));  // the offset, applied with xsum16
   const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
   for (int n = 0; n < 2; ++n) {
     const __m512i ql = _mm512_loadu_si512((const void*)(p + 64 * n));
@@ -939,7 +939,7 @@ GemvQ8Fn gemv_q8_for(int64_t qtype) {
     case Q3_K: return gemv_q8_kquant<NT, 110, decode_q3_k, 4>;
     case Q4_K: return gemv_q8_k4<NT, 144>;
     case Q5_K: return gemv_q8_k4<NT, 176>;
-    case Q6_K: return gemv_q8_kquant<NT, 210, decode_q6_k, 32>;
+    case Q6_K: return gemv_q8_kquant<NT, 210, decode_q6_k, 0>;
     default: TORCH_CHECK(false, "localllm_cpu.gemv_q8: no int8 kernel for ggml type ", qtype);
   }
 }

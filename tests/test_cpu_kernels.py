@@ -133,6 +133,21 @@ def test_gemv_int8_activations(qtype):
 
 
 @needs_q8
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K], **IDS)
+def test_gemv_int8_k4_scale_groups(qtype):
+    """Q4_K/Q5_K unpack the scales of four blocks at once: rows of 1 to 9 blocks (whole and
+    partial groups of four, each block with its own random scales and minimums) give the
+    exact product with the q8-quantized activations."""
+    gen = torch.Generator().manual_seed(11)
+    for nblocks in range(1, 10):
+        cols = 256 * nblocks
+        w, ref = packed(qtype, 19, cols, seed=nblocks, q8=True)
+        for t in (1, 3):
+            x = torch.randn(t, cols, generator=gen)
+            assert_close_product(cpu.qmatmul(x, w), q8_activations(x), ref)
+
+
+@needs_q8
 def test_gemv_int8_activations_zero_and_float_weights():
     """An all-zero activation block has scale 0 (no division by zero); float weights keep
     float32 activations."""
@@ -242,8 +257,8 @@ def test_fallback_notice_without_a_compiler(tmp_path):
     """A failed build prints one notice and leaves the torch path (available() False)."""
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), XDG_CACHE_HOME=str(tmp_path))
     code = "import localllm.cpu as c; print(c.available())"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False,
-                       timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
     notices = [ln for ln in r.stderr.splitlines() if ln.startswith("notice: native CPU kernels")]

@@ -314,7 +314,8 @@ class BaseModel:
         """The per-layer KV caches of ``cache_layout(args)`` at ``ctx_size`` tokens."""
         from . import cache_layout
 
-        return make_caches(cache_layout(self.args), ctx_size, slack=slack, device=self.device)
+        return make_caches(cache_layout(self.args), ctx_size, slack=slack, device=self.device,
+                           native=self.ops.NATIVE)
 
 
 def bind(model: BaseModel, gguf, device, *, dtype: torch.dtype = torch.float16,

@@ -473,6 +473,7 @@ class TorchOps:
     rms_norm = staticmethod(rms_norm)
     rope_angles = staticmethod(rope_angles)
     rotate = staticmethod(rotate)
+    NATIVE = False  # the KV caches' type: models.cache.kv_dtype of the device
 
     def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, angles, *,
                   neox: bool) -> torch.Tensor:
@@ -646,6 +647,7 @@ class NativeOps(TorchOps):
 
     ACT: ClassVar[dict[str, int]] = {"silu": 0, "gelu_tanh": 1}  # the kernel's codes
     FEW = 8  # steps of up to this many tokens attend natively (decode, small batches)
+    NATIVE = True  # float16 KV caches (models.cache.kv_dtype), which the native step reads
 
     def __init__(self) -> None:
         from ..cpu import available
@@ -679,7 +681,8 @@ class NativeOps(TorchOps):
                        head_dim, neox, scale, softcap=None):
         t = q.shape[0]
         where = None
-        if t <= self.FEW and isinstance(pos, int) and cache.k.dtype == torch.float32:
+        if t <= self.FEW and isinstance(pos, int) and cache.k.dtype in (torch.float32,
+                                                                        torch.float16):
             where = cache.decode_slot(pos, t)
         if where is None:  # prefill, static decode, or a wrapped ring: the torch attention
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,

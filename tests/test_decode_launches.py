@@ -141,7 +141,7 @@ def test_kernel_ops_match_torch_ops_across_ring_wrap(tiny_model_path, monkeypatc
     from localllm.models.common import KernelOps, TorchOps
 
     monkeypatch.setattr(runtime, "RING_SLACK", 4)
-    monkeypatch.setattr(cache_mod, "kv_dtype", lambda device: kv)
+    monkeypatch.setattr(cache_mod, "kv_dtype", lambda device, half=False: kv)
     path = tiny_model_path(arch, n_layers=2)
     ref = load_model(path, device=device.type, progress=False, dtype=torch.float32,
                      backend="torch")

@@ -56,7 +56,7 @@ def test_estimate_equals_what_a_session_allocates(tiny_model_path, arch, ctx):
     loaded = load_model(path, device="cpu", progress=False)
     session = Session(loaded, ctx_size=ctx)
     allocated = sum(c.k.nbytes + c.v.nbytes for c in session.caches)
-    assert kv_cache_bytes(loaded.args, ctx) == allocated
+    assert kv_cache_bytes(loaded.args, ctx, half=loaded.model.ops.kv_half) == allocated
     weights = _tensor_bytes(loaded.model)
     assert estimate_memory(loaded.gguf, loaded.args, ctx, CPU).weights == weights
 
@@ -132,5 +132,5 @@ def test_estimate_equals_allocation_for_other_families(tiny_model_path, arch):
     loaded = load_model(tiny_model_path(arch, **kw), device="cpu", progress=False)
     session = Session(loaded, ctx_size=100)
     allocated = sum(c.k.nbytes + c.v.nbytes for c in session.caches)
-    assert kv_cache_bytes(loaded.args, 100) == allocated
+    assert kv_cache_bytes(loaded.args, 100, half=loaded.model.ops.kv_half) == allocated
     assert estimate_memory(loaded.gguf, loaded.args, 100, CPU).weights == _tensor_bytes(loaded.model)

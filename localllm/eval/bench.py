@@ -178,15 +178,17 @@ def weight_bytes_per_token(loaded) -> int:
                for name, t in tensors.items() if tied or name != "token_embd.weight")
 
 
-def kv_bytes_per_token(args, start: int, n_gen: int, ring_slack: int, device="cpu") -> int:
+def kv_bytes_per_token(args, start: int, n_gen: int, ring_slack: int, device="cpu", *,
+                       half: bool = False) -> int:
     """Mean KV-cache bytes a decode step reads over positions ``start .. start+n_gen-1``
-    (K and V of :func:`localllm.models.cache.kv_dtype` on ``device``: float32 on the CPU, float16
-    on CUDA; sliding-window layers read their ring of window + slack cells)."""
+    (K and V of :func:`localllm.models.cache.kv_dtype` on ``device``: float32 on the CPU's
+    torch backend, float16 on CUDA and with ``half``, the native backend's caches;
+    sliding-window layers read their ring of window + slack cells)."""
     from ..models import cache_layout
     from ..models.cache import kv_dtype
 
     layout = cache_layout(args)
-    item = kv_dtype(device).itemsize
+    item = kv_dtype(device, half=half).itemsize
     total = 0
     for pos in range(start, start + n_gen):
         for c in layout:
@@ -284,7 +286,8 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
     else:
         res["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     w_bytes = weight_bytes_per_token(llm.loaded)
-    kv_bytes = kv_bytes_per_token(llm.args, TG_PROMPT, n_gen, RING_SLACK, llm.device)
+    kv_bytes = kv_bytes_per_token(llm.args, TG_PROMPT, n_gen, RING_SLACK, llm.device,
+                                  half=llm.loaded.model.ops.kv_half)
     res["weight_bytes_per_token"] = w_bytes
     res["kv_bytes_per_token"] = kv_bytes
     res["achieved_gbps"] = (w_bytes + kv_bytes) * res["tg"] / 1e9

@@ -314,7 +314,8 @@ class BaseModel:
         """The per-layer KV caches of ``cache_layout(args)`` at ``ctx_size`` tokens."""
         from . import cache_layout
 
-        return make_caches(cache_layout(self.args), ctx_size, slack=slack, device=self.device)
+        return make_caches(cache_layout(self.args), ctx_size, slack=slack, device=self.device,
+                           half=self.ops.kv_half)
 
 
 def bind(model: BaseModel, gguf, device, *, dtype: torch.dtype = torch.float16,
@@ -345,7 +346,8 @@ def bind(model: BaseModel, gguf, device, *, dtype: torch.dtype = torch.float16,
     loader = Loader(gguf, device, dtype, quantized=quantized, native=native,
                     progress=progress)
     model.device = torch.device(device)
-    model.ops = ops if ops is not None else default_ops(device, native=native)
+    model.ops = ops if ops is not None else default_ops(device, native=native,
+                                                        kv_half=dtype != torch.float32)
     present = [s for s in specs if s.name in gguf.tensors]
     for s in sorted(present, key=lambda s: s.name.endswith(".bias")):  # weights first
         i, stem, suffix = layer_of(s.name)

@@ -20,8 +20,9 @@ the whole buffer is returned (positions past ``pos`` are masked), so the step ha
 shapes and addresses at every position and issues no host read. The caller records the
 new length with :meth:`KVCache.set_length`, which the int path does itself.
 
-On CUDA the caches hold float16 (llama.cpp's default KV type, half the bytes read per
-decoded token); on the CPU float32.
+On CUDA and with the native CPU kernels the caches hold float16 (llama.cpp's default KV
+type: half the memory, and half the bytes read per decoded token); on the CPU's torch
+backend float32.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ import torch
 RING_SLACK = 256
 
 
-def kv_dtype(device) -> torch.dtype:
-    """The KV cache element type on ``device``: float16 on CUDA, float32 elsewhere."""
-    return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+def kv_dtype(device, *, half: bool = False) -> torch.dtype:
+    """The KV cache element type on ``device``: float16 on CUDA, and with ``half`` (the
+    native CPU backend's caches, which ``localllm/cpu/csrc/ops.cpp`` reads); else float32."""
+    return torch.float16 if half or torch.device(device).type == "cuda" else torch.float32
 
 
 class KVCache:
@@ -166,6 +168,7 @@ class RingKVCache:
             self.positions[slot] = pos
             self.n = pos + 1
             return self.k, self.v, self.positions
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)  # rounded as the cells will hold them
         old_pos = torch.where(self.positions < pos, self.positions, -1)
         new_pos = torch.arange(pos, pos + t, device=device)
         keys = torch.cat([self.k, k], dim=1)
@@ -240,21 +243,22 @@ class RingKVCache:
 
 
 def make_cache(
-    ctx_size: int, window: int | None, n_kv_heads: int, head_dim: int, *, slack: int, device
+    ctx_size: int, window: int | None, n_kv_heads: int, head_dim: int, *, slack: int, device,
+    half: bool = False,
 ) -> KVCache | RingKVCache:
     """The cache of one layer (:func:`kv_dtype` elements): a ring of ``window + slack`` cells
     when the layer uses sliding-window attention with a window smaller than the context,
     else the full context."""
-    dtype = kv_dtype(device)
+    dtype = kv_dtype(device, half=half)
     if window and window < ctx_size:
         return RingKVCache(window, n_kv_heads, head_dim, slack=slack, dtype=dtype, device=device)
     return KVCache(ctx_size, n_kv_heads, head_dim, dtype=dtype, device=device)
 
 
-def make_caches(layout: list, ctx_size: int, *, slack: int, device) -> list:
+def make_caches(layout: list, ctx_size: int, *, slack: int, device, half: bool = False) -> list:
     """One cache per ``base.LayerCache`` of an architecture's ``cache_layout(args)``."""
-    return [make_cache(ctx_size, c.window, c.n_kv_heads, c.head_dim, slack=slack, device=device)
-            for c in layout]
+    return [make_cache(ctx_size, c.window, c.n_kv_heads, c.head_dim, slack=slack, device=device,
+                       half=half) for c in layout]
 
 
 def layout_cells(layout: list, ctx_size: int, slack: int) -> list[int]:

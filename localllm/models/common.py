@@ -477,6 +477,7 @@ class TorchOps:
     rms_norm = staticmethod(rms_norm)
     rope_angles = staticmethod(rope_angles)
     rotate = staticmethod(rotate)
+    kv_half = False  # float16 KV caches on the CPU too (models.cache.kv_dtype)
 
     def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, angles, *,
                   neox: bool) -> torch.Tensor:
@@ -651,7 +652,9 @@ class NativeOps(TorchOps):
     ACT: ClassVar[dict[str, int]] = {"silu": 0, "gelu_tanh": 1}  # the kernel's codes
     FEW = 8  # steps of up to this many tokens attend natively (decode, small batches)
 
-    def __init__(self) -> None:
+    def __init__(self, *, kv_half: bool = True) -> None:
+        """``kv_half``: float16 KV caches (llama.cpp's default type, half the memory), which
+        the native step reads; False keeps them float32 (exact checks)."""
         from ..cpu import available
 
         if not available():
@@ -662,6 +665,7 @@ class NativeOps(TorchOps):
         self._gated, self._norm_rope = ops.gated.default, ops.norm_rope.default
         self._attn_decode = ops.attn_decode.default
         self._no_positions = torch.empty(0, dtype=torch.long)
+        self.kv_half = kv_half
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2:
@@ -683,7 +687,8 @@ class NativeOps(TorchOps):
                        head_dim, neox, scale, softcap=None):
         t = q.shape[0]
         where = None
-        if t <= self.FEW and isinstance(pos, int) and cache.k.dtype == torch.float32:
+        if t <= self.FEW and isinstance(pos, int) and cache.k.dtype in (torch.float32,
+                                                                        torch.float16):
             where = cache.decode_slot(pos, t)
         if where is None:  # prefill, static decode, or a wrapped ring: the torch attention
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
@@ -696,11 +701,12 @@ class NativeOps(TorchOps):
                                  pos, cache.window or 0, scale, softcap or 0.0)
 
 
-def default_ops(device, *, native: bool = False) -> TorchOps:
+def default_ops(device, *, native: bool = False, kv_half: bool = True) -> TorchOps:
     """The ops for ``device``: the native CPU kernels when ``native`` (matrices bound for
-    them), the Triton kernels on CUDA when Triton is importable, else torch."""
+    them; float16 KV caches with ``kv_half``), the Triton kernels on CUDA when Triton is
+    importable, else torch."""
     if native:
-        return NativeOps()
+        return NativeOps(kv_half=kv_half)
     if torch.device(device).type == "cuda":
         from localllm.kernels import triton_available
 

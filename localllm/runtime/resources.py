@@ -105,20 +105,23 @@ def stored_bytes(info, quantized: bool, dtype: torch.dtype = torch.float16) -> i
     return info.n_elements * torch.empty((), dtype=dtype).element_size()
 
 
-def kv_cell_bytes(args, device: torch.device | str = "cpu") -> int:
+def kv_cell_bytes(args, device: torch.device | str = "cpu", *, half: bool = False) -> int:
     """Bytes of one cache cell of one layer on ``device``: K and V of every KV head (of the
-    first layer of ``cache_layout(args)``; the families here have one geometry per model)."""
+    first layer of ``cache_layout(args)``; the families here have one geometry per model);
+    ``half``: float16 on the CPU too (the native backend's caches)."""
     from ..models import cache_layout
     from ..models.cache import kv_dtype
 
     c = cache_layout(args)[0]
-    return 2 * c.n_kv_heads * c.head_dim * kv_dtype(device).itemsize
+    return 2 * c.n_kv_heads * c.head_dim * kv_dtype(device, half=half).itemsize
 
 
-def kv_cache_bytes(args, ctx_size: int, device: torch.device | str = "cpu") -> int:
+def kv_cache_bytes(args, ctx_size: int, device: torch.device | str = "cpu", *,
+                   half: bool = False) -> int:
     """Bytes of one session's KV cache at ``ctx_size`` tokens (capped at the model's context)
     on ``device``, from the architecture's ``cache_layout(args)`` (full layers hold the
-    context, sliding-window layers ``window + RING_SLACK`` cells when that is less).
+    context, sliding-window layers ``window + RING_SLACK`` cells when that is less);
+    ``half``: float16 on the CPU too (the native backend's caches).
 
     ``args``: a model's validated ModelArgs.
     """
@@ -127,7 +130,7 @@ def kv_cache_bytes(args, ctx_size: int, device: torch.device | str = "cpu") -> i
 
     ctx = max(1, min(ctx_size, args.context_length))
     layout = cache_layout(args)
-    item = kv_dtype(device).itemsize
+    item = kv_dtype(device, half=half).itemsize
     return sum(2 * c.n_kv_heads * c.head_dim * item * cells
                for c, cells in zip(layout, layout_cells(layout, ctx, RING_SLACK)))
 
@@ -139,7 +142,9 @@ def estimate_memory(gguf, args, ctx_size: int | None, device: torch.device,
     0 means the model's context length)."""
     if ctx_size == 0:
         ctx_size = args.context_length
-    kv = kv_cache_bytes(args, ctx_size, device) if ctx_size else 0
+    # The native backend (quantized on the CPU) keeps float16 caches unless dtype is float32.
+    half = bool(quantized) and device.type == "cpu" and dtype != torch.float32
+    kv = kv_cache_bytes(args, ctx_size, device, half=half) if ctx_size else 0
     return MemoryEstimate(weight_bytes(gguf, device, dtype, quantized), kv, ctx_size,
                           runtime_bytes(gguf, args, bool(quantized)) if device.type == "cpu"
                           else 0)

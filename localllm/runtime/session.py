@@ -86,7 +86,8 @@ def load_model(
 
     Args:
         dtype: storage dtype of dequantized weight matrices (float16 by default; float32 for
-            exact checks).
+            exact checks, which also keeps the native backend's KV cache float32 instead of
+            float16).
         backend: "torch" dequantizes every matrix at load; "triton" keeps matrices in their
             ggml blocks and multiplies with the Triton kernels (on the CPU they run in
             Triton's interpreter: for tests only); "native" keeps them in their blocks on the
@@ -130,7 +131,8 @@ def load_gguf(gguf: GGUFFile, *, device: str = "auto", progress: bool | None = N
     model = arch.Model(args)
     # The Triton element-wise kernels on CUDA, and wherever the Triton backend was asked for
     # (on the CPU: Triton's interpreter, for tests); the native CPU ops with the native backend.
-    ops = KernelOps() if quantized else default_ops(dev, native=native)
+    ops = KernelOps() if quantized else default_ops(dev, native=native,
+                                                    kv_half=dtype != torch.float32)
     with _load_progress(gguf, enabled=progress) as advance:
         fallbacks = bind(model, gguf, dev, dtype=dtype, quantized=quantized, native=native,
                          ops=ops, progress=advance)

@@ -12,7 +12,8 @@
 //       tokens): QK-norm + RoPE of q and k, k and v written into cache cells slot ..
 //       slot+T-1 (and their positions into k_pos), then grouped-query attention of each
 //       query over the first `live` cells (masked by their positions: empty, after the
-//       query, or outside the window).
+//       query, or outside the window). The caches hold float32 or float16 (the native
+//       backend's, as llama.cpp's default KV type); new cells are rounded to nearest.
 //
 // They replace the torch compositions of localllm.models.common.TorchOps (rms_norm,
 // residual_norm, gated, norm_rope, attention) operation for operation: element-wise
@@ -46,6 +47,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -97,6 +99,25 @@ inline vf vexp2i(vf y, vf n) {  // n integral in [-126, 127]
 }
 inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 #define LOCALLLM_VEC 1
+#endif
+
+// A KV-cache row's values as floats: the cache holds float32 or float16 (half the memory,
+// as llama.cpp's default f16 cache; converted on load, F16C's vcvtph2ps).
+inline float kv_value(float x) { return x; }
+inline float kv_value(at::Half x) { return static_cast<float>(x); }
+#ifdef LOCALLLM_VEC
+inline vf vload_kv(const float* p) { return vload(p); }
+inline vf vload_kv(const at::Half* p) {
+#if defined(__AVX512F__)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float tmp[VW];
+  for (int i = 0; i < VW; ++i) tmp[i] = static_cast<float>(p[i]);
+  return vload(tmp);
+#endif
+}
 #endif
 
 #ifdef LOCALLLM_VEC
@@ -224,39 +245,39 @@ inline void norm_rope_head(const float* x, const float* w, float eps, const floa
 constexpr float TINY = 1e-30f;
 
 // out[i] = q[i] . k (d values) for NB query heads: each key vector is loaded once for all.
-template <int NB>
-inline void head_dots(const float* const* q, const float* k, int64_t d, float* out) {
+template <int NB, typename KT>
+inline void head_dots(const float* const* q, const KT* k, int64_t d, float* out) {
   int64_t c = 0;
   for (int i = 0; i < NB; ++i) out[i] = 0.0f;
 #ifdef LOCALLLM_VEC
   vf acc[NB];
   for (int i = 0; i < NB; ++i) acc[i] = vset(0.0f);
   for (; c + VW <= d; c += VW) {
-    const vf kv = vload(k + c);
+    const vf kv = vload_kv(k + c);
     for (int i = 0; i < NB; ++i) acc[i] = vfma(vload(q[i] + c), kv, acc[i]);
   }
   for (int i = 0; i < NB; ++i) out[i] = vsum(acc[i]);
 #endif
   for (; c < d; ++c)
-    for (int i = 0; i < NB; ++i) out[i] += q[i][c] * k[c];
+    for (int i = 0; i < NB; ++i) out[i] += q[i][c] * kv_value(k[c]);
 }
 
 #ifdef LOCALLLM_VEC
 // o[i][c0 .. c0 + B*VW) = sum_j w[i * live + j] * v[j * d + c0 ..] for NB heads, the
 // NB * B sums held in registers over all cells j (each value vector loaded once).
-template <int NB, int B>
-inline void weighted_block(const float* w, int64_t live, const float* v, int64_t d, int64_t c0,
+template <int NB, int B, typename KT>
+inline void weighted_block(const float* w, int64_t live, const KT* v, int64_t d, int64_t c0,
                            float* const* o) {
   vf acc[NB][B];
   for (int i = 0; i < NB; ++i)
     for (int b = 0; b < B; ++b) acc[i][b] = vset(0.0f);
   for (int64_t j = 0; j < live; ++j) {
-    const float* vj = v + j * d + c0;
+    const KT* vj = v + j * d + c0;
     for (int i = 0; i < NB; ++i) {
       const float wij = w[i * live + j];
       if (wij <= TINY) continue;
       const vf p = vset(wij);
-      for (int b = 0; b < B; ++b) acc[i][b] = vfma(p, vload(vj + b * VW), acc[i][b]);
+      for (int b = 0; b < B; ++b) acc[i][b] = vfma(p, vload_kv(vj + b * VW), acc[i][b]);
     }
   }
   for (int i = 0; i < NB; ++i)
@@ -265,15 +286,15 @@ inline void weighted_block(const float* w, int64_t live, const float* v, int64_t
 #endif
 
 // o[i][0 .. d) = sum_j w[i * live + j] * v[j * d ..] for NB heads.
-template <int NB>
-inline void weighted_values(const float* w, int64_t live, const float* v, int64_t d,
+template <int NB, typename KT>
+inline void weighted_values(const float* w, int64_t live, const KT* v, int64_t d,
                             float* const* o) {
   int64_t c0 = 0;
 #ifdef LOCALLLM_VEC
   constexpr int ACC = VW == 16 ? 16 : 8;  // accumulator registers (of 32 zmm / 16 ymm)
   constexpr int B = ACC / NB;
-  for (; c0 + B * VW <= d; c0 += B * VW) weighted_block<NB, B>(w, live, v, d, c0, o);
-  for (; c0 + VW <= d; c0 += VW) weighted_block<NB, 1>(w, live, v, d, c0, o);
+  for (; c0 + B * VW <= d; c0 += B * VW) weighted_block<NB, B, KT>(w, live, v, d, c0, o);
+  for (; c0 + VW <= d; c0 += VW) weighted_block<NB, 1, KT>(w, live, v, d, c0, o);
 #endif
   for (int i = 0; i < NB; ++i)
     for (int64_t c = c0; c < d; ++c) o[i][c] = 0.0f;
@@ -282,7 +303,7 @@ inline void weighted_values(const float* w, int64_t live, const float* v, int64_
       for (int i = 0; i < NB; ++i) {
         const float wij = w[i * live + j];
         if (wij > TINY)
-          for (int64_t c = c0; c < d; ++c) o[i][c] += wij * v[j * d + c];
+          for (int64_t c = c0; c < d; ++c) o[i][c] += wij * kv_value(v[j * d + c]);
       }
 }
 
@@ -444,10 +465,12 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& k_pos,
                        int64_t slot, int64_t live, int64_t pos, int64_t window, double scale,
                        double softcap) {
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.dim() == 3 &&
+  const bool half_kv = k_cache.scalar_type() == at::kHalf;
+  TORCH_CHECK((half_kv || k_cache.scalar_type() == at::kFloat) && k_cache.dim() == 3 &&
                   k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "localllm_cpu.attn_decode: the caches must be (n_kv, size, D) contiguous float32");
+                  v_cache.scalar_type() == k_cache.scalar_type() && v_cache.is_contiguous(),
+              "localllm_cpu.attn_decode: the caches must be (n_kv, size, D) contiguous float32 "
+              "or float16");
   const int64_t nkv = k_cache.size(0), size = k_cache.size(1), d = k_cache.size(2);
   check_rows(q, "attn_decode", "q");
   check_rows(k, "attn_decode", "k");
@@ -472,34 +495,45 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const float* kw = vec_or_null(k_norm, d, "attn_decode");
   const float e = float(eps), sc = float(scale), cap = float(softcap);
   const float *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
   const int64_t half = d / 2;
+  at::Tensor out = at::empty({nt, q.size(1)}, q.options());
+  // The same steps over a float32 or a float16 cache (KT: its element type).
+  auto step = [&](auto* kc, auto* vc) {
+    using KT = std::remove_pointer_t<decltype(kc)>;
 
-  // The new keys and values into cells slot .. slot + T - 1, the rotated queries into qr.
-  std::vector<float> tmp(d), qr(nt * nh * d);
-  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *qp = q.data_ptr<float>();
-  const int64_t ldq = q.stride(0), ldk = k.stride(0), ldv = v.stride(0);
-  int64_t* kpw = has_pos ? k_pos.data_ptr<int64_t>() : nullptr;
-  for (int64_t t = 0; t < nt; ++t) {
-    const float *ct = cp + t * half, *st = sp + t * half;
-    for (int64_t g = 0; g < nkv; ++g) {
-      const int64_t cell = (g * size + slot + t) * d;
-      norm_rope_head(kp + t * ldk + g * d, kw, e, ct, st, neox, kc + cell, tmp.data(), d);
-      std::memcpy(vc + cell, vp + t * ldv + g * d, d * sizeof(float));
+    // The new keys and values into cells slot .. slot + T - 1, the rotated queries into qr.
+    std::vector<float> tmp(d), row(d), qr(nt * nh * d);
+    const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *qp = q.data_ptr<float>();
+    const int64_t ldq = q.stride(0), ldk = k.stride(0), ldv = v.stride(0);
+    int64_t* kpw = has_pos ? k_pos.data_ptr<int64_t>() : nullptr;
+    for (int64_t t = 0; t < nt; ++t) {
+      const float *ct = cp + t * half, *st = sp + t * half;
+      for (int64_t g = 0; g < nkv; ++g) {
+        const int64_t cell = (g * size + slot + t) * d;
+        if constexpr (std::is_same_v<KT, float>) {
+          norm_rope_head(kp + t * ldk + g * d, kw, e, ct, st, neox, kc + cell, tmp.data(), d);
+          std::memcpy(vc + cell, vp + t * ldv + g * d, d * sizeof(float));
+        } else {  // rounded to nearest as torch's float16 copy of the prefill's rows
+          norm_rope_head(kp + t * ldk + g * d, kw, e, ct, st, neox, row.data(), tmp.data(), d);
+          const float* vr = vp + t * ldv + g * d;
+          for (int64_t c = 0; c < d; ++c) {
+            kc[cell + c] = static_cast<KT>(row[c]);
+            vc[cell + c] = static_cast<KT>(vr[c]);
+          }
+        }
+      }
+      for (int64_t h = 0; h < nh; ++h)
+        norm_rope_head(qp + t * ldq + h * d, qw, e, ct, st, neox, qr.data() + (t * nh + h) * d,
+                       tmp.data(), d);
+      if (kpw) kpw[slot + t] = pos + t;
     }
-    for (int64_t h = 0; h < nh; ++h)
-      norm_rope_head(qp + t * ldq + h * d, qw, e, ct, st, neox, qr.data() + (t * nh + h) * d,
-                     tmp.data(), d);
-    if (kpw) kpw[slot + t] = pos + t;
-  }
-  const int64_t* kpos = kpw;
+    const int64_t* kpos = kpw;
 
-  at::Tensor out = at::empty({nt, nh * d}, q.options());
-  float* op = out.data_ptr<float>();
-  const float ninf = -std::numeric_limits<float>::infinity();
-  auto visible = [&](int64_t j, int64_t qpos) {  // cell j for the query at position qpos
-    const int64_t p = kpos ? kpos[j] : j;
-    return p >= 0 && p <= qpos && (window <= 0 || qpos - p < window);
+    float* op = out.data_ptr<float>();
+    const float ninf = -std::numeric_limits<float>::infinity();
+    auto visible = [&](int64_t j, int64_t qpos) {  // cell j for the query at position qpos
+      const int64_t p = kpos ? kpos[j] : j;
+      return p >= 0 && p <= qpos && (window <= 0 || qpos - p < window);
   };
   // Threads take ranges of (token, query head) pairs; the heads of a range that share a
   // token and a KV head go together, so each key and value row is read once for all of
@@ -511,8 +545,8 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       const int64_t t = ua / nh, ha = ua % nh, g = ha / group;
       const int64_t hb = std::min({u1 - t * nh, (g + 1) * group, nh}), n = hb - ha;
       const int64_t qpos = pos + t;
-      const float* kg = kc + g * size * d;
-      const float* vg = vc + g * size * d;
+      const KT* kg = kc + g * size * d;
+      const KT* vg = vc + g * size * d;
       float* sa = s.data() + (ua - u0) * live;  // scores of head ha + i at sa[i * live + j]
       const float* qa = qr.data() + (t * nh + ha) * d;
       float* oa = op + (t * nh + ha) * d;
@@ -527,12 +561,14 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
             for (int i = 0; i < nb; ++i) sa[(i0 + i) * live + j] = ninf;
             continue;
           }
-          const float* kj = kg + j * d;
+          const KT* kj = kg + j * d;
           switch (nb) {
             case 4: head_dots<4>(qs, kj, d, x); break;
             case 3: head_dots<3>(qs, kj, d, x); break;
             case 2: head_dots<2>(qs, kj, d, x); break;
-            default: x[0] = dot(qs[0], kj, d);
+            default:
+              if constexpr (std::is_same_v<KT, float>) x[0] = dot(qs[0], kj, d);
+              else head_dots<1>(qs, kj, d, x);
           }
           for (int i = 0; i < nb; ++i) {
             float xi = x[i] * sc;
@@ -578,6 +614,11 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       ua += n;
     }
   });
+  };
+  if (half_kv)
+    step(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+  else
+    step(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   return out;
 }
 

@@ -5,6 +5,9 @@
 //   gemv_q8(x, w, qtype, rows, cols, out)     the same with x quantized to int8 per 32 values
 //                                             (AVX512-VNNI builds; q8_available() says so)
 //   dequant_rows(w, qtype, r0, cols, out)     out[i, :] = W[r0 + i, :] as float32
+//   moe_ffn_q8(x, chosen, weights, gate, up, down, ..., out)
+//                                             a prompt's SwiGLU experts (MoE), int8
+//                                             activations (AVX512-VNNI builds; see below)
 //
 // W is a (rows, cols) matrix stored as ggml blocks, row after row (llama.cpp
 // ggml/src/ggml-common.h block_q*); the per-block dequantizers follow dequantize_row_q* in

@@ -1252,6 +1252,7 @@ void moe_ffn_q8(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor&
   g.reset();
   u.reset();
   const Q8Act hq(h.get(), n_ff, ns, n_ff, 0);
+  h.reset();  // quantized: the down products hold y (T * k, d) as their one float32 buffer
   std::vector<int64_t> positions(ns);
   for (int64_t p = 0; p < ns; ++p) positions[p] = p;
   dynamic_for(nb, [&](int64_t b) {

@@ -5,6 +5,9 @@
 //   gemv_q8(x, w, qtype, rows, cols, out)     the same with x quantized to int8 per 32 values
 //                                             (AVX512-VNNI or AVX2 builds; q8_available())
 //   dequant_rows(w, qtype, r0, cols, out)     out[i, :] = W[r0 + i, :] as float32
+//   moe_ffn_q8(x, chosen, weights, gate, up, down, ..., out)
+//                                             a prompt's SwiGLU experts (MoE), int8
+//                                             activations (AVX512-VNNI builds; see below)
 //
 // W is a (rows, cols) matrix stored as ggml blocks, row after row (llama.cpp
 // ggml/src/ggml-common.h block_q*); the per-block dequantizers follow dequantize_row_q* in
@@ -1642,6 +1645,7 @@ void moe_ffn_q8(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor&
   g.reset();
   u.reset();
   const Q8Act hq(h.get(), n_ff, ns, n_ff, 0);
+  h.reset();  // quantized: the down products hold y (T * k, d) as their one float32 buffer
   std::vector<int64_t> positions(ns);
   for (int64_t p = 0; p < ns; ++p) positions[p] = p;
   dynamic_for(nb, [&](int64_t b) {

@@ -380,3 +380,31 @@ def test_moe_ffn_q8_errors():
                                     (n_exp * n_ff, d))
     with pytest.raises(UnsupportedError, match="quantized experts"):
         cpu.moe_ffn_q8(x, torch.zeros(3, 2, dtype=torch.long), w, f, f, dn)
+
+
+@needs_q8
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1, T.Q3_K],
+                         ids=lambda v: v.name)
+def test_gemv_experts_equals_one_gemv_per_expert(qtype):
+    """One token's experts of a stacked matrix in one call (MoE decode) give exactly the
+    per-expert GEMV's result: shared input (gate/up) and one input per expert (down),
+    repeated and unordered experts, rows not a multiple of the thread grain; an expert id
+    out of range is refused."""
+    n_exp, rows, cols = 5, 37, 512
+    raw = weight_bytes(qtype, n_exp * rows, cols, 7)
+    stacked = cpu.PackedWeight.from_bytes(raw, qtype, (n_exp * rows, cols), q8=True)
+    row_bytes = raw.size // (n_exp * rows)
+    per_expert = [cpu.PackedWeight.from_bytes(raw[e * rows * row_bytes:(e + 1) * rows * row_bytes],
+                                              qtype, (rows, cols), q8=True)
+                  for e in range(n_exp)]
+    experts = torch.tensor([3, 0, 4, 3])
+    gen = torch.Generator().manual_seed(3)
+    x1 = torch.randn(1, cols, generator=gen)
+    xk = torch.randn(len(experts), cols, generator=gen)
+    for x in (x1, xk):
+        got = cpu.gemv_experts(x, stacked, experts, rows)
+        for j, e in enumerate(experts.tolist()):
+            want = cpu.qmatmul(x[j if x.shape[0] > 1 else 0][None], per_expert[e])[0]
+            assert torch.equal(got[j], want), (j, e)
+    with pytest.raises(RuntimeError, match="expert 5 out of range"):
+        cpu.gemv_experts(x1, stacked, torch.tensor([5]), rows)

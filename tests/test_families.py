@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from families import FAMILIES, sha256, write_family
 
 from localllm.runtime.session import Session, load_model
@@ -59,7 +60,10 @@ def test_moe_prefill_kernel_matches_llama_cpp(family_dir, monkeypatch):
     assert calls and min(calls) > 1
 
 
-def check_family(family: str, device: str, family_dir: Path) -> None:
+def check_family(family: str, device: str, family_dir: Path, *, steps: bool = False) -> None:
+    """The family's file against llama.cpp's recorded logits (module docstring); ``steps``:
+    the recorded positions evaluated one token at a time (decode steps) after a prefill of
+    the rest."""
     ref = np.load(DATA / f"{family}.npz")
     path = family_dir / f"{family}.gguf"
     if not path.exists():
@@ -71,8 +75,14 @@ def check_family(family: str, device: str, family_dir: Path) -> None:
     kls = []
     for i in range(theirs.shape[0]):
         ids = ref[f"prompt{i}"].tolist()
-        ours = Session(loaded, ctx_size=64).eval(ids, all_logits=True,
-                                                 logits_start=len(ids) - n_last)
+        session = Session(loaded, ctx_size=64)
+        start = len(ids) - n_last
+        if steps:
+            ours = [session.eval(ids[:start + 1])]
+            ours += [session.eval([tok]) for tok in ids[start + 1:]]
+            ours = torch.stack([o.reshape(-1) for o in ours])
+        else:
+            ours = session.eval(ids, all_logits=True, logits_start=start)
         ours = ours.float().cpu().numpy()
         lt, lo = _log_softmax(theirs[i]), _log_softmax(ours)
         kls.append((np.exp(lt) * (lt - lo)).sum(-1))
@@ -102,3 +112,10 @@ def test_info_run_perplexity_on_each_family(family, family_dir, monkeypatch, cap
                              "-c", "16", "-b", "16")
     assert code == 0, err
     assert "PPL" in out + err or "perplexity" in (out + err).lower()
+
+
+def test_moe_decode_steps_match_llama_cpp(family_dir):
+    """The qwen3moe fixture's positions as one-token decode steps: the MoE decode path (one
+    token's k experts; on the native int8 backend one :func:`localllm.cpu.gemv_experts` call
+    per matrix) against llama.cpp's logits."""
+    check_family("qwen3moe", "cpu", family_dir, steps=True)

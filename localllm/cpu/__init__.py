@@ -206,6 +206,30 @@ def qmatmul(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor | None = No
     return out
 
 
+def gemv_experts(x: torch.Tensor, weight: PackedWeight, experts: torch.Tensor,
+                 rows: int) -> torch.Tensor:
+    """One token through the experts it selected (llama.cpp's ``ggml_mul_mat_id`` for one
+    token): ``out[j] = x_j @ W_e.T`` with ``e = experts[j]``, W_e rows ``e * rows ..
+    (e + 1) * rows`` of the stacked ``weight`` (n_expert * rows, cols), ``x_j = x[0]`` when x
+    has one row (gate and up) or ``x[j]`` (down: one input per expert); int8 activations as
+    :func:`qmatmul`'s GEMV. One native call instead of one per expert.
+
+    x: (1 or k, cols) float32; experts: (k,) int64 -> (k, rows) float32.
+
+    Raises:
+        UnsupportedError: no int8 kernels (:func:`q8_activations`), or a float type.
+        RuntimeError: an expert id out of range (from the kernel).
+    """
+    if not weight.q8:
+        raise UnsupportedError("gemv_experts needs the int8 kernels and a quantized matrix")
+    experts = experts.long().contiguous()
+    out = torch.empty(experts.shape[0], rows)
+    torch.ops.localllm_cpu.gemv_q8_experts(_check_x(x, weight.shape[1]), weight.data,
+                                           int(weight.qtype), rows, weight.shape[1], experts,
+                                           out)
+    return out
+
+
 def moe_ffn_q8(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
                gate: PackedWeight, up: PackedWeight, down: PackedWeight) -> torch.Tensor:
     """The SwiGLU experts of a mixture-of-experts layer over a prompt, after the routing

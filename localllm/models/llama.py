@@ -199,7 +199,9 @@ def moe_ffn(layer, x: torch.Tensor, n_used: int, norm: bool, ops) -> torch.Tenso
     ``build_moe_ffn`` with softmax gating and SwiGLU experts). Tokens are grouped by expert:
     each selected expert multiplies the rows routed to it, and no other expert is read. One
     token (decode) runs its k experts directly, without the grouping's gathers and scatters
-    (a third of a decode step's MoE time on the CPU). Native CPU experts with int8
+    (a third of a decode step's MoE time on the CPU); with native int8 experts, one
+    :func:`localllm.cpu.gemv_experts` call per matrix for all k (a call per expert and
+    matrix spent most of a MoE decode step in Python). Native CPU experts with int8
     activations (``PackedWeight.q8``) run a prompt of at least :data:`MOE_MIN_ROWS` rows
     per expert on average in one call, :func:`localllm.cpu.moe_ffn_q8` (the per-expert loop
     spent most of a MoE prefill in small products and Python)."""
@@ -215,6 +217,14 @@ def moe_ffn(layer, x: torch.Tensor, n_used: int, norm: bool, ops) -> torch.Tenso
 
         if cpu.moe_q8():
             return cpu.moe_ffn_q8(x, chosen, weights, *stacked)
+    if x.shape[0] == 1 and all(w is not None and w.q8 for w in stacked):
+        from .. import cpu
+
+        n_ff = stacked[0].shape[0] // probs.shape[1]
+        h = ops.gated(cpu.gemv_experts(x, stacked[0], chosen[0], n_ff),
+                      cpu.gemv_experts(x, stacked[1], chosen[0], n_ff), "silu",
+                      overwrite=True)  # (k, n_ff)
+        return weights @ cpu.gemv_experts(h, stacked[2], chosen[0], x.shape[1])  # (1, d)
     out = torch.zeros_like(x)
     if x.shape[0] == 1:
         for w, e in zip(weights[0].tolist(), chosen[0].tolist()):

@@ -3,6 +3,8 @@
 // Registered as torch operators under torch.ops.localllm_cpu (loaded by localllm/cpu/build.py):
 //   gemv(x, w, qtype, rows, cols, out)        out[t, r] = sum_k x[t, k] * W[r, k], T <= 8 rows
 //   gemv_q8(x, w, qtype, rows, cols, out)     the same with x quantized to int8 per 32 values
+//   gemv_q8_experts(x, w, qtype, rows, cols, experts, out)
+//                                             out[j] = W_experts[j] x_j, one token's experts
 //                                             (AVX512-VNNI or AVX2 builds; q8_available())
 //   dequant_rows(w, qtype, r0, cols, out)     out[i, :] = W[r0 + i, :] as float32
 //   moe_ffn_q8(x, chosen, weights, gate, up, down, ..., out)
@@ -1335,6 +1337,59 @@ void gemv_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t ro
 #endif
 }
 
+// One token through the k experts it selected of a stacked matrix W (n_expert * rows, cols):
+// out[j, :] = W_e x_j for e = experts[j], x_j = x[0] (x of one row: the gate and up
+// products) or x[j] (one input per expert: the down product), with x quantized as gemv_q8
+// does. Only the selected experts' rows are read; one call per matrix instead of one per
+// expert (llama.cpp's ggml_mul_mat_id for one token).
+void gemv_q8_experts(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t rows,
+                     int64_t cols, const at::Tensor& experts, at::Tensor& out) {
+#if defined(LOCALLLM_Q8)
+  const Format f = format_of(qtype);
+  TORCH_CHECK(f.unpack != nullptr, "localllm_cpu.gemv_q8_experts: float weights take gemv");
+  TORCH_CHECK(rows > 0 && cols > 0 && cols % f.block == 0,
+              "localllm_cpu.gemv_q8_experts: bad shape (", rows, ", ", cols, ")");
+  const int64_t row_bytes = (cols / f.block) * f.bytes;
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.numel() % (rows * row_bytes) == 0,
+              "localllm_cpu.gemv_q8_experts: weight must hold whole (", rows, ", ", cols,
+              ") experts as contiguous uint8");
+  const int64_t n_expert = w.numel() / (rows * row_bytes);
+  TORCH_CHECK(experts.dim() == 1 && experts.scalar_type() == at::kLong && experts.is_contiguous(),
+              "localllm_cpu.gemv_q8_experts: experts must be (k,) int64");
+  const int64_t k = experts.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == cols &&
+                  x.stride(1) == 1 && (x.size(0) == 1 || x.size(0) == k),
+              "localllm_cpu.gemv_q8_experts: x must be (1, cols) or (k, cols) float32");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == k &&
+                  out.size(1) >= rows && out.stride(1) == 1,
+              "localllm_cpu.gemv_q8_experts: out must be (k, rows) float32");
+  const int64_t* ex = experts.data_ptr<int64_t>();
+  for (int64_t j = 0; j < k; ++j)
+    TORCH_CHECK(ex[j] >= 0 && ex[j] < n_expert, "localllm_cpu.gemv_q8_experts: expert ", ex[j],
+                " out of range [0, ", n_expert, ")");
+  std::vector<std::unique_ptr<Q8Act>> acts;
+  for (int64_t i = 0; i < x.size(0); ++i)
+    acts.emplace_back(new Q8Act(x.data_ptr<float>() + i * x.stride(0), x.stride(0), 1, cols,
+                                q8_offset(qtype), K4_ORDER && (qtype == Q4_K || qtype == Q5_K)));
+  const GemvQ8Fn fn = gemv_q8_of(qtype, 1);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldo = out.stride(0);
+  // The k experts' rows as one range [0, k * rows), split over the threads.
+  at::parallel_for(0, k * rows, grain_of(row_bytes), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e;) {
+      const int64_t j = i / rows, r0 = i % rows, r1 = std::min(rows, r0 + (e - i));
+      fn(wp + ex[j] * rows * row_bytes, row_bytes, *acts[acts.size() == 1 ? 0 : j], op + j * ldo,
+         ldo, r0, r1);
+      i += r1 - r0;
+    }
+  });
+#else
+  TORCH_CHECK(false, "localllm_cpu.gemv_q8_experts: built without AVX2 or AVX512-VNNI");
+#endif
+}
+
 bool q8_available() {
 #if defined(LOCALLLM_Q8)
   return true;
@@ -1687,6 +1742,8 @@ TORCH_LIBRARY(localllm_cpu, m) {
   m.def("gemv(Tensor x, Tensor w, int qtype, int rows, int cols, Tensor(a!) out) -> ()");
   m.def("dequant_rows(Tensor w, int qtype, int r0, int cols, Tensor(a!) out) -> ()");
   m.def("gemv_q8(Tensor x, Tensor w, int qtype, int rows, int cols, Tensor(a!) out) -> ()");
+  m.def("gemv_q8_experts(Tensor x, Tensor w, int qtype, int rows, int cols, Tensor experts, "
+        "Tensor(a!) out) -> ()");
   m.def("q8_available() -> bool", q8_available);
   m.def("moe_available() -> bool", moe_available);
   m.def("moe_ffn_q8(Tensor x, Tensor chosen, Tensor weights, Tensor gate, Tensor up, Tensor down, "
@@ -1697,6 +1754,7 @@ TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {
   m.impl("gemv", gemv);
   m.impl("dequant_rows", dequant_rows);
   m.impl("gemv_q8", gemv_q8);
+  m.impl("gemv_q8_experts", gemv_q8_experts);
 #if LOCALLLM_Q8 + 0 == 512
   m.impl("moe_ffn_q8", moe_ffn_q8);
 #endif

@@ -236,10 +236,10 @@ def moe_ffn_q8(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     (llama.cpp's ``build_moe_ffn``, ``src/llama-graph.cpp``, from its ``ggml_mul_mat_id``):
     ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``,
     ``e = chosen[t, j]``, in one native call: each expert's tokens pass through its matrices
-    in batches of up to 8 rows with int8 activations (as :func:`qmatmul`'s GEMV: one scale
-    per 32 values; llama.cpp quantizes them to ``block_q8_K``), each tile of an expert's
-    rows read once from memory for all of them; contributions are summed in increasing
-    expert order.
+    in batches of 16 tokens (AVX512-VNNI, one int32 lane per token) with int8 activations
+    (as :func:`qmatmul`'s GEMV: one scale per 32 values; llama.cpp quantizes them to
+    ``block_q8_K``), each tile of an expert's rows unpacked once for all of them;
+    contributions are summed in increasing expert order.
 
     x: (T, d) float32; chosen: (T, k) int64 expert ids; weights: (T, k) float32;
     gate, up: the stacked ``ffn_{gate,up}_exps`` (n_expert * n_ff, d), down:

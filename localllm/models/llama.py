@@ -211,20 +211,17 @@ def moe_ffn(layer, x: torch.Tensor, n_used: int, norm: bool, ops) -> torch.Tenso
         weights = weights / weights.sum(-1, keepdim=True)
     stacked = [layer.ffn_gate_exps.stacked, layer.ffn_up_exps.stacked,
                layer.ffn_down_exps.stacked]
-    if (x.shape[0] * n_used >= MOE_MIN_ROWS * probs.shape[1]
-            and all(w is not None and w.q8 for w in stacked)):
+    if all(w is not None and w.q8 for w in stacked):  # native CPU experts, int8 activations
         from .. import cpu
 
-        if cpu.moe_q8():
+        if x.shape[0] == 1:
+            n_ff = stacked[0].shape[0] // probs.shape[1]
+            h = ops.gated(cpu.gemv_experts(x, stacked[0], chosen[0], n_ff),
+                          cpu.gemv_experts(x, stacked[1], chosen[0], n_ff), "silu",
+                          overwrite=True)  # (k, n_ff)
+            return weights @ cpu.gemv_experts(h, stacked[2], chosen[0], x.shape[1])  # (1, d)
+        if x.shape[0] * n_used >= MOE_MIN_ROWS * probs.shape[1] and cpu.moe_q8():
             return cpu.moe_ffn_q8(x, chosen, weights, *stacked)
-    if x.shape[0] == 1 and all(w is not None and w.q8 for w in stacked):
-        from .. import cpu
-
-        n_ff = stacked[0].shape[0] // probs.shape[1]
-        h = ops.gated(cpu.gemv_experts(x, stacked[0], chosen[0], n_ff),
-                      cpu.gemv_experts(x, stacked[1], chosen[0], n_ff), "silu",
-                      overwrite=True)  # (k, n_ff)
-        return weights @ cpu.gemv_experts(h, stacked[2], chosen[0], x.shape[1])  # (1, d)
     out = torch.zeros_like(x)
     if x.shape[0] == 1:
         for w, e in zip(weights[0].tolist(), chosen[0].tolist()):

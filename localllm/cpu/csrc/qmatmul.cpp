@@ -679,6 +679,8 @@ constexpr int Q8_0_OFFSET = LOCALLLM_Q8 == 512 ? 128 : 0;
 // xsum16 term), AVX2 starts its dot products from the offset correction.
 constexpr int Q6_K_OFFSET = LOCALLLM_Q8 == 512 ? 0 : 32;
 constexpr bool K4_ORDER = LOCALLLM_Q8 == 512;
+// Whether the activations of a product with a `qtype` matrix are quantized in k4 order.
+constexpr bool k4_order(int64_t qtype) { return K4_ORDER && (qtype == Q4_K || qtype == Q5_K); }
 
 // The constant offset o of a type stored as w = a * (u - o), else 0.
 constexpr int q8_offset(int64_t qtype) {
@@ -1324,8 +1326,7 @@ void gemv_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t ro
   check_weight(w, f, rows, cols);
   const int64_t nt = check_io("gemv_q8", x, out, rows, cols);
   const GemvQ8Fn fn = gemv_q8_of(qtype, nt);
-  const Q8Act xa(x.data_ptr<float>(), x.stride(0), nt, cols, q8_offset(qtype),
-                 K4_ORDER && (qtype == Q4_K || qtype == Q5_K));
+  const Q8Act xa(x.data_ptr<float>(), x.stride(0), nt, cols, q8_offset(qtype), k4_order(qtype));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = (cols / f.block) * f.bytes, ldo = out.stride(0);
@@ -1368,10 +1369,11 @@ void gemv_q8_experts(const at::Tensor& x, const at::Tensor& w, int64_t qtype, in
   for (int64_t j = 0; j < k; ++j)
     TORCH_CHECK(ex[j] >= 0 && ex[j] < n_expert, "localllm_cpu.gemv_q8_experts: expert ", ex[j],
                 " out of range [0, ", n_expert, ")");
-  std::vector<std::unique_ptr<Q8Act>> acts;
+  std::vector<Q8Act> acts;  // one per input row
+  acts.reserve(x.size(0));
   for (int64_t i = 0; i < x.size(0); ++i)
-    acts.emplace_back(new Q8Act(x.data_ptr<float>() + i * x.stride(0), x.stride(0), 1, cols,
-                                q8_offset(qtype), K4_ORDER && (qtype == Q4_K || qtype == Q5_K)));
+    acts.emplace_back(x.data_ptr<float>() + i * x.stride(0), x.stride(0), 1, cols,
+                      q8_offset(qtype), k4_order(qtype));
   const GemvQ8Fn fn = gemv_q8_of(qtype, 1);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
@@ -1380,7 +1382,7 @@ void gemv_q8_experts(const at::Tensor& x, const at::Tensor& w, int64_t qtype, in
   at::parallel_for(0, k * rows, grain_of(row_bytes), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e;) {
       const int64_t j = i / rows, r0 = i % rows, r1 = std::min(rows, r0 + (e - i));
-      fn(wp + ex[j] * rows * row_bytes, row_bytes, *acts[acts.size() == 1 ? 0 : j], op + j * ldo,
+      fn(wp + ex[j] * rows * row_bytes, row_bytes, acts[acts.size() == 1 ? 0 : j], op + j * ldo,
          ldo, r0, r1);
       i += r1 - r0;
     }

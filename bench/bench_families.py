@@ -118,7 +118,7 @@ def run_side(python: str, path: Path, side: str, threads: int, n_prompt: int, n_
     b0, _ = _cpu_busy()
     w0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     wall = time.perf_counter() - w0
@@ -194,15 +194,15 @@ def markdown(rows: dict, meta: dict) -> str:
     stat = "best" if meta.get("stat") == "max" else "median"
     clock = ("tok/s per second of process CPU time (all threads)"
              if meta.get("clock") == "cpu" else "tok/s of wall time")
-    out = [f"Machine: {meta['machine']}; {meta['threads']} threads; {meta['rounds']} round(s), "
+    out = [(f"Machine: {meta['machine']}; {meta['threads']} threads; {meta['rounds']} round(s), "
            f"{stat} of the rounds; {clock}; localllm backend native, llama.cpp "
-           f"{meta.get('llama_version', '—')}; {meta['quant']}; {meta['date']}.", "",
-           f"| family | geometry | file MB | weights MB/token | pp{n_p} localllm | "
+           f"{meta.get('llama_version', '—')}; {meta['quant']}; {meta['date']}."), "",
+           (f"| family | geometry | file MB | weights MB/token | pp{n_p} localllm | "
            f"pp{n_p} llama.cpp | ratio | tg{n_g} localllm | tg{n_g} llama.cpp | ratio | "
            "per weight byte vs llama, localllm: pp / tg | same, llama.cpp: pp / tg | "
-           "ratio vs llama's ratio: pp / tg | other load, cores: localllm / llama.cpp |",
-           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-           "| ---: | ---: |"]
+           "ratio vs llama's ratio: pp / tg | other load, cores: localllm / llama.cpp |"),
+           ("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+           "| ---: | ---: |")]
     for fam, r in rows.items():
         out.append(
             f"| {fam} | {r['geometry']} | {r['file_mb']:.0f} | {r['active_mb']:.0f} | "
@@ -232,7 +232,7 @@ def checks(rows: dict) -> list[str]:
     slow = [f"{fam} ({f} {r[f'norm_{f}']:.2f})" for fam, r in rows.items()
             for f in ("pp", "tg") if r.get(f"norm_{f}") is not None
             and r[f"norm_{f}"] < MIN_RELATIVE]
-    lines.append(f"Against llama.cpp on the same file (the geometry's own cost cancelled): "
+    lines.append("Against llama.cpp on the same file (the geometry's own cost cancelled): "
                  + ("no family's ratio is below " + f"{MIN_RELATIVE}x llama's."
                     if not slow else "below " + f"{MIN_RELATIVE}x llama's ratio: "
                     + ", ".join(slow) + "."))

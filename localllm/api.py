@@ -471,8 +471,13 @@ class LLM:
             ContextOverflowError, GrammarError: see :meth:`stream`.
         """
         from .chat.template import template_for
-        from .chat.tools import (check_tools, fallback_messages, forced_tool_schema,
-                                 template_knows_tools, template_messages)
+        from .chat.tools import (
+            check_tools,
+            fallback_messages,
+            forced_tool_schema,
+            template_knows_tools,
+            template_messages,
+        )
 
         if n != 1:
             raise ParameterError(f"n must be 1 (one sequence at a time), got {n}")

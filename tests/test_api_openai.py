@@ -18,8 +18,13 @@ from tiny_model import write_tiny_gguf
 
 from localllm import LLM
 from localllm.chat.template import select_template
-from localllm.chat.tools import (fallback_messages, forced_tool_schema, parse_tool_calls,
-                                 template_knows_tools, template_messages)
+from localllm.chat.tools import (
+    fallback_messages,
+    forced_tool_schema,
+    parse_tool_calls,
+    template_knows_tools,
+    template_messages,
+)
 from localllm.errors import LocalLLMError, ParameterError
 from localllm.grammar.budget import shortest_completion, strict_schema
 from localllm.grammar.constraint import GrammarConstraint
@@ -172,8 +177,8 @@ def test_session_load_refuses_other_models_and_geometry(tiny, paths, tmp_path):
     other = LLM(paths[1], device="cpu", ctx_size=512)
     with pytest.raises(LocalLLMError, match="another model"):
         other.session().load(tmp_path / "a.st")
-    from safetensors.torch import load_file, save_file
     from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
     with safe_open(str(tmp_path / "a.st"), framework="pt") as f:
         meta = f.metadata()

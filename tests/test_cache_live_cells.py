@@ -14,10 +14,10 @@ def _kv(t: int, fill: float):
 
 def test_ring_returns_live_prefix_until_it_wraps():
     ring = RingKVCache(4, 2, 4, slack=4, dtype=torch.float32, device="cpu")  # 8 cells
-    keys, values, pos = ring.update(0, *_kv(3, 1.0))  # prefill 0..2
+    keys, _values, pos = ring.update(0, *_kv(3, 1.0))  # prefill 0..2
     assert keys.shape[1] == 3 and pos.tolist() == [0, 1, 2]
     for p in range(3, 8):  # decode up to the last cell
-        keys, values, pos = ring.update(p, *_kv(1, float(p)))
+        keys, _values, pos = ring.update(p, *_kv(1, float(p)))
         assert keys.shape[1] == p + 1 and pos.tolist() == list(range(p + 1))
         assert torch.equal(keys[:, p], torch.full((2, 4), float(p)))
     ring.truncate(6)  # rollback inside the prefix: still live cells only

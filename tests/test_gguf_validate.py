@@ -27,8 +27,8 @@ from gguf_craft import (
     minimal,
 )
 
-from localllm.gguf import validate as gguf_validate
 from localllm.errors import GGUFError
+from localllm.gguf import validate as gguf_validate
 from localllm.gguf.validate import (
     check_tensor_shape,
     check_tensor_shapes,

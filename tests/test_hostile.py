@@ -27,9 +27,9 @@ from tiny_model import spm_vocab, write_tiny_gguf
 
 from localllm.chat.template import MAX_TEMPLATE_CHARS, ChatTemplate
 from localllm.errors import GGUFError, GrammarError, LocalLLMError, ParameterError, TemplateError
+from localllm.gguf.validate import validate_vocab
 from localllm.grammar.constraint import MAX_SCHEMA_DEPTH, GrammarConstraint
 from localllm.grammar.gbnf import MAX_GRAMMAR_CHARS
-from localllm.gguf.validate import validate_vocab
 from localllm.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def cli(*args: str, env: dict | None = None, timeout: float = 120,
         kw.setdefault("stdin", subprocess.DEVNULL)
     if "stdout" not in kw and "stderr" not in kw:
         kw["capture_output"] = True
-    return subprocess.run([sys.executable, "-c", code, *args], env=env, timeout=timeout, **kw)
+    return subprocess.run([sys.executable, "-c", code, *args], check=False, env=env, timeout=timeout, **kw)
 
 
 def assert_cli_error(res: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -196,7 +196,7 @@ def vocab_patched_gguf(path: Path, monkeypatch, **replace) -> Path:
 @pytest.mark.parametrize("command", ["info", "tokenize"])
 def test_info_and_tokenize_check_the_vocabulary_as_run_does(tmp_path, monkeypatch, capsys,
                                                             command):
-    tokens, types, _ = spm_vocab()
+    tokens, _types, _ = spm_vocab()
     tokens[10] = "<0xZZ>"
     path = vocab_patched_gguf(tmp_path / "bad-vocab.gguf", monkeypatch, add_token_list=tokens)
     args = [command, str(path)] + (["the"] if command == "tokenize" else [])
@@ -256,7 +256,7 @@ def grammar_outcome(text: str, sample: str = "") -> str:
     """Compile ``text`` in a subprocess; its first output line. The timeout is generous:
     these inputs took from 40 s to minutes before, and take about a second now."""
     res = subprocess.run([sys.executable, "-c", GRAMMAR_CASE, str(REPO / "tests"), sample],
-                         input=text, capture_output=True, text=True, timeout=60,
+                         check=False, input=text, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     return res.stdout.strip()
@@ -712,7 +712,8 @@ def test_memory_estimate_is_honest(ctx=4096):
     from localllm.registry import load_registry
 
     path = str(load_registry().resolve(DEFAULT_MODEL)[0])
-    res = subprocess.run([sys.executable, "-c", PEAK_PROBE, path, str(ctx)], capture_output=True,
+    res = subprocess.run([sys.executable, "-c", PEAK_PROBE, path, str(ctx)], check=False,
+                         capture_output=True,
                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout.strip().splitlines()[-1])

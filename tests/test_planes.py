@@ -22,8 +22,7 @@ kernels = pytest.importorskip("localllm.kernels")
 if not kernels.triton_available():
     pytest.skip("Triton is not installed", allow_module_level=True)
 
-import triton.language as tl  # noqa: E402
-
+import triton.language as tl
 from localllm.kernels import PLANES, QuantWeight, plane_offsets, quant_linear
 from localllm.kernels._jit import kernel
 from localllm.kernels.decode import MMVQ32_TYPES, prmt
@@ -128,7 +127,7 @@ def test_gemv_one_vector_from_planes(qtype, n, bpr, device):
 
 def test_gemv_split_k_from_planes(device):
     """A launch shape with the key axis split over programs (partial sums added after)."""
-    w, p, ref = weight(T.Q4_0, 3, 32, seed=5)  # few rows, K = 1024: split to fill the GPU
+    _w, p, ref = weight(T.Q4_0, 3, 32, seed=5)  # few rows, K = 1024: split to fill the GPU
     assert mmvq_config(T.Q4_0, 3, 1024, layout="planes")["SPLIT"] > 1
     x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(5))
     y = gemv(p.data.to(device), T.Q4_0, 3, x.to(device), layout="planes").cpu()

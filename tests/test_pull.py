@@ -157,11 +157,11 @@ def test_corrupted_cache_is_refused_then_repulled_on_request(env, payload, monke
 
 
 def test_run_pulls_on_first_use_with_a_notice(env, payload, monkeypatch, capsys):
-    code, out, err = run_cli(monkeypatch, capsys, "run", "tiny", "hello", "-n", "2")
+    code, _out, err = run_cli(monkeypatch, capsys, "run", "tiny", "hello", "-n", "2")
     assert code == 0, err
     assert err.splitlines()[0].startswith("pulling tiny (tiny-llm-weights==1.0.0")
     assert hub.cached_path(source()).read_bytes() == payload
-    code, out, err = run_cli(monkeypatch, capsys, "run", "tiny", "hello", "-n", "2")
+    code, _out, err = run_cli(monkeypatch, capsys, "run", "tiny", "hello", "-n", "2")
     assert code == 0 and "pulling" not in err
 
 

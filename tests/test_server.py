@@ -104,7 +104,7 @@ class Server:
 
     def metric(self, name: str) -> float:
         text = self.get("/metrics")[1]
-        m = re.search(rf"^{name} (\S+)$", text, re.M)
+        m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
         assert m, text
         return float(m.group(1))
 
@@ -158,7 +158,7 @@ def test_chat_non_streaming(server):
 
 def test_chat_streaming_matches_non_streaming(server):
     client = server.client()
-    kw = dict(model="tiny", messages=HI, max_tokens=8, temperature=0)
+    kw = {"model": "tiny", "messages": HI, "max_tokens": 8, "temperature": 0}
     whole = client.chat.completions.create(**kw).choices[0].message.content
     chunks = list(client.chat.completions.create(stream=True, **kw))
     assert all(isinstance(c, ChatCompletionChunk) for c in chunks)
@@ -318,9 +318,9 @@ def test_wrong_api_key_is_401(server):
     (b'{"messages": [{"role": "user", "content": "x"}], "top_p": 2, "max_tokens": 1}', "top_p"),
     (b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}',
      "response_format"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+    ((b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
      b'"function": {"name": "f"}}], "tool_choice": {"type": "function", "function": '
-     b'{"name": "g"}}}', "'g'"),
+     b'{"name": "g"}}}'), "'g'"),
 ])
 def test_malformed_body_is_400_error_object(server, body, fragment):
     status, _, reply = server.post("/v1/chat/completions", body)

@@ -17,7 +17,6 @@ from localllm.models import synthetic
 from localllm.models.synthetic import GEOMETRIES, synthetic_model, tensor_types
 from localllm.runtime.session import Session, load_model
 
-
 # Small models with the real families' layouts and vocabulary kinds (fast to write and load).
 TINY = {
     "tiny-llama": dataclasses.replace(

@@ -23,8 +23,8 @@ from typing import Any
 
 from ..errors import ParameterError
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
-_FENCED = re.compile(r"```tool_call\s*\n(.*?)\n?```", re.S)
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_FENCED = re.compile(r"```tool_call\s*\n(.*?)\n?```", re.DOTALL)
 _MISTRAL = "[TOOL_CALLS]"
 _PYTHON_TAG = "<|python_tag|>"
 

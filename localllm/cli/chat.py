@@ -39,8 +39,8 @@ def chat_command(
 
     with step_progress("starting: importing torch"):  # seconds of a blank screen otherwise
         from ..api import LLM
-        from ..cpu.threads import set_threads
         from ..chat.template import template_for
+        from ..cpu.threads import set_threads
         from .repl import ChatREPL
 
     set_threads(threads)

@@ -76,10 +76,9 @@ def perplexity_command(
     """Perplexity of a text with llama-perplexity's method; KL divergence; quant comparison."""
     import numpy as np
 
+    from ..cpu.threads import set_threads
     from ..eval import kld as K
     from ..eval.perplexity import chunk_token_ranges, evaluate, load_for_eval
-
-    from ..cpu.threads import set_threads
 
     set_threads(threads)
     models = list(models or [])

@@ -31,7 +31,7 @@ def pull_command(
     """Download a registry model's GGUF into the cache, verified by size and sha256."""
     from .. import hub
 
-    entry, source = _pulled_entry(name)
+    _entry, source = _pulled_entry(name)
     if not force and hub.state(source) == "pulled":
         print(f"{name}: already pulled ({hub.cached_path(source)})")
         return

@@ -102,7 +102,7 @@ def load_native() -> bool:
             _load()
             torch.ops.localllm_cpu.gemv  # noqa: B018 (raises when the library did not register)
             ok = True
-        except Exception as e:  # no compiler, no ninja, a failed build: fall back
+        except Exception as e:  # noqa: BLE001 (no compiler, no ninja, a failed build: fall back
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             print(f"notice: native CPU kernels unavailable ({reason[:160]}); using the torch "
                   "path (weights dequantized to float16 at load)", file=sys.stderr)

@@ -12,6 +12,7 @@ the same library with ``-DLLAMA_LLGUIDANCE=ON``. GBNF is parsed and checked by o
 from __future__ import annotations
 
 import json
+import math
 import re
 import weakref
 from pathlib import Path
@@ -142,7 +143,7 @@ def check_schema(schema: Any, source: str = "<json-schema>") -> None:
                 if not -MAX_SCHEMA_INT <= kid <= MAX_SCHEMA_INT:
                     raise GrammarError(f"{source}: an integer in the schema is beyond ±2^64")
             elif isinstance(kid, float):
-                if kid != kid or kid in (float("inf"), float("-inf")):
+                if not math.isfinite(kid):
                     raise GrammarError(f"{source}: a number in the schema is not finite")
             elif not isinstance(kid, (dict, list)):
                 raise GrammarError(

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -76,7 +76,6 @@ class Layer:
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        return None
 
 
 class HParams:
@@ -264,14 +263,14 @@ def common_hparams(hp: HParams, n_vocab: int, *, eps_key: str = "attention.layer
     if rope_dims != hd:
         raise UnsupportedError(f"{hp.pre}metadata {hp.key('rope.dimension_count')} = {rope_dims}: "
                                f"partial RoPE (head size {hd}) is not supported")
-    return dict(
-        arch=hp.arch, n_vocab=n_vocab,
-        n_layers=hp.int("block_count", REQUIRED, hi=MAX_LAYERS),
-        d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd,
-        context_length=hp.int("context_length", context_length, hi=MAX_CONTEXT),
-        norm_eps=hp.float(eps_key, eps, hi=1.0),
-        rope_base=hp.float("rope.freq_base", 10_000.0),
-    )
+    return {
+        "arch": hp.arch, "n_vocab": n_vocab,
+        "n_layers": hp.int("block_count", REQUIRED, hi=MAX_LAYERS),
+        "d_model": d_model, "n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": hd,
+        "context_length": hp.int("context_length", context_length, hi=MAX_CONTEXT),
+        "norm_eps": hp.float(eps_key, eps, hi=1.0),
+        "rope_base": hp.float("rope.freq_base", 10_000.0),
+    }
 
 
 class BaseModel:
@@ -287,7 +286,7 @@ class BaseModel:
     """
 
     # Projections of one input fused at bind time: fused name -> part stems.
-    FUSE: dict[str, tuple[str, ...]] = {
+    FUSE: ClassVar[dict[str, tuple[str, ...]]] = {
         "attn_qkv": ("attn_q", "attn_k", "attn_v"),
         "ffn_gate_up": ("ffn_gate", "ffn_up"),
     }
@@ -305,7 +304,6 @@ class BaseModel:
         # Optional top-level tensors (rope_freqs, rope_factors_long ...) read as None.
         if name.startswith("__") or name in ("args", "layers"):
             raise AttributeError(name)
-        return None
 
     def prepare(self) -> None:
         """Called by :func:`bind` once weights are on ``self.device`` (RoPE tables ...)."""

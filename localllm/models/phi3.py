@@ -15,6 +15,7 @@ rotated Q and K scaled by ``rope.scaling.attn_factor`` (so the scores by its squ
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -98,7 +99,7 @@ def cache_layout(a: ModelArgs) -> list[LayerCache]:
 class Model(BaseModel):
     """A Phi-3 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
-    FUSE: dict = {}  # the file's tensors are fused already
+    FUSE: ClassVar[dict] = {}  # the file's tensors are fused already
 
     def prepare(self) -> None:
         self._set_factors(self.args.context_length)

@@ -321,8 +321,8 @@ class Session:
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as e:  # safetensors raises its own error types and OSError
+                tensors = {k: f.get_tensor(k) for k in f}
+        except Exception as e:  # noqa: BLE001 (safetensors raises its own error types and OSError
             raise LocalLLMError(f"{where}: cannot read: {' '.join(str(e).split())[:200]}") from None
         if meta.get("format") != SESSION_FORMAT:
             raise LocalLLMError(f"{where}: not a localllm session file")

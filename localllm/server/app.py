@@ -379,7 +379,7 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
             except LocalLLMError as e:
                 code = "context_length_exceeded" if isinstance(e, ContextOverflowError) else None
                 put((400, error_body(str(e), code=code)))
-            except Exception as e:  # a bug: answer without a traceback, keep serving
+            except Exception as e:  # noqa: BLE001 (a bug: answer without a traceback, keep serving
                 put((500, error_body(f"internal error ({type(e).__name__})", "server_error")))
             finally:
                 if stream and hasattr(result, "close"):

@@ -6,8 +6,17 @@
 """
 
 from .pretokenizers import PRE_TOKENIZERS, PreTokenizer, pre_tokenizer
-from .vocab import (BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, StreamDecoder,
-                    Tokenizer, _byte_decoder)  # noqa: F401  (record scripts use it)
+from .vocab import (
+    BYTE,
+    CONTROL,
+    NORMAL,
+    UNKNOWN,
+    UNUSED,
+    USER_DEFINED,
+    StreamDecoder,
+    Tokenizer,
+    _byte_decoder,  # noqa: F401  (record scripts use it)
+)
 
-__all__ = ["BYTE", "CONTROL", "NORMAL", "PRE_TOKENIZERS", "PreTokenizer", "StreamDecoder",
-           "Tokenizer", "UNKNOWN", "UNUSED", "USER_DEFINED", "pre_tokenizer"]
+__all__ = ["BYTE", "CONTROL", "NORMAL", "PRE_TOKENIZERS", "UNKNOWN", "UNUSED", "USER_DEFINED",
+           "PreTokenizer", "StreamDecoder", "Tokenizer", "pre_tokenizer"]

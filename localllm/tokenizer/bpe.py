@@ -43,7 +43,7 @@ def build_byte_bpe(tokens: list[str], merges: list[str], pre_name: str, pre: Pre
     for regex in pre.regexes:
         try:
             splits.append(pre_tokenizers.Split(Regex(regex), behavior="isolated"))
-        except Exception as e:  # tokenizers raises a bare Exception for a bad pattern
+        except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception for a bad pattern
             raise UnsupportedError(f"tokenizer.ggml.pre {pre_name!r}: the regex {regex!r} does "
                                    f"not compile: {e}") from None
     bpe.pre_tokenizer = pre_tokenizers.Sequence(

@@ -40,3 +40,12 @@ class TemplateError(LocalLLMError):
 
 class GrammarError(LocalLLMError):
     """A GBNF grammar or JSON schema is invalid (the message gives the location)."""
+
+
+class PullError(LocalLLMError):
+    """A model could not be fetched (no network, no such repository, package or file, a hash
+    mismatch, an unwritable cache)."""
+
+
+class CorruptModelError(LocalLLMError):
+    """A cached or stored model file does not match its recorded size or sha256."""

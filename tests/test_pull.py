@@ -66,7 +66,8 @@ def env(tmp_path, monkeypatch, payload):
 
 
 def cache_files(env: Path) -> list[Path]:
-    root = env / "cache"
+    """The files under the cache's models/ (locks/ holds the pulls' lock files)."""
+    root = env / "cache" / "models"
     return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
 
 

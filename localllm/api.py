@@ -482,6 +482,7 @@ class LLM:
         if n != 1:
             raise ParameterError(f"n must be 1 (one sequence at a time), got {n}")
         _check_messages(messages)
+        messages = with_default_system(self.entry, messages)
         tools = check_tools(tools)
         if tool_choice is not None and not tools and tool_choice != "none":
             raise ParameterError("tool_choice needs tools")
@@ -671,6 +672,15 @@ def _stop_list(stop: str | Sequence[str] | None) -> list[str]:
     if not all(isinstance(s, str) for s in stops):
         raise ParameterError("stop must be a string or a list of strings")
     return [s for s in stops if s]
+
+
+def with_default_system(entry: ModelEntry | None, messages: list) -> list:
+    """``messages`` with the model's default system prompt (models.toml ``system``, Ollama's
+    ``SYSTEM``) first when none of them is a system or developer message, as Ollama does."""
+    system = entry.system if entry is not None else None
+    if not system or any(m.get("role") in ("system", "developer") for m in messages):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
 
 
 def _check_messages(messages) -> None:

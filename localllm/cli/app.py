@@ -27,7 +27,8 @@ app = typer.Typer(
 )
 
 ModelArg = Annotated[
-    str | None, typer.Argument(help="models.toml name or .gguf path (default: gemma3-270m)")
+    str | None, typer.Argument(help="models.toml name, .gguf path or store name "
+                               "(hf.co/ORG/REPO:TAG, ollama:NAME ...; default: gemma3-270m)")
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu or cuda")]
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", help="context size in tokens")]
@@ -182,7 +183,9 @@ def _run(
     if chat:
         from ..chat.template import apply_chat
 
-        ids = apply_chat(llm, text, system=system, template=chat_template)
+        default = llm.entry.system if llm.entry is not None else None
+        ids = apply_chat(llm, text, system=system if system is not None else default,
+                         template=chat_template)
     else:
         ids = llm.encode_prompt(text, special=special)
     constraint = None
@@ -345,7 +348,8 @@ def tokenize(
 
 @app.command()
 def models() -> None:
-    """List the models of models.toml: present or pulled, size and where."""
+    """List the models of models.toml (present or pulled, size, where) and those Hugging
+    Face's cache, Ollama, llama.cpp and LM Studio keep on this machine."""
     from .pull import print_models
 
     print_models()
@@ -401,6 +405,10 @@ app.command("perplexity")(__import__("localllm.cli.perplexity", fromlist=["_"]).
 app.command("pull", no_args_is_help=True)(__import__("localllm.cli.pull", fromlist=["_"]).pull_command)
 app.command("rm", no_args_is_help=True)(__import__("localllm.cli.pull", fromlist=["_"]).rm_command)
 app.command("serve")(__import__("localllm.cli.serve", fromlist=["_"]).serve_command)
+_manage = __import__("localllm.cli.manage", fromlist=["_"])
+app.command("show", no_args_is_help=True)(_manage.show_command)
+app.command("create", no_args_is_help=True)(_manage.create_command)
+app.command("cp", no_args_is_help=True)(_manage.cp_command)
 
 
 def _click_exceptions() -> list:

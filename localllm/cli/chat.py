@@ -58,6 +58,8 @@ def chat_command(
     else:
         params = llm.sampling_params(sampling)
     template = template_for(llm, chat_template)
+    if system is None and llm.entry is not None:
+        system = llm.entry.system  # the model's default (models.toml `system`, Ollama's)
     console = Console(highlight=False)
     repl = ChatREPL(llm, console=console, template=template, params=params, system=system,
                     keep=keep, context_shift=not no_context_shift, stop=stop or (),

@@ -49,3 +49,7 @@ class PullError(LocalLLMError):
 
 class CorruptModelError(LocalLLMError):
     """A cached or stored model file does not match its recorded size or sha256."""
+
+
+class InsufficientMemoryError(LocalLLMError):
+    """A model does not fit in the memory the device has free (weights + KV cache)."""

@@ -269,23 +269,25 @@ class Registry:
     models: dict[str, ModelEntry]
     chat_default: str | None = None  # `localllm chat`'s model (default: ``default``)
 
-    def resolve(self, model: str | os.PathLike | None, *,
-                pull: bool = True) -> tuple[Path, ModelEntry | None]:
+    def resolve(self, model: str | os.PathLike | None, *, pull: bool = True,
+                paths: bool = True) -> tuple[Path, ModelEntry | None]:
         """MODEL (a registry name, a path, a store name, or None for the default) ->
         (path of the GGUF file or of a split model's first part, entry).
 
         Args:
             pull: pull a Hugging Face model that is not cached (else it is not found).
+            paths: MODEL may be a file path (False for names a network client sent: the
+                server opens only registry and store models for them).
         Raises:
             ModelNotFoundError: neither a known name, an existing file nor a store's model.
             ParameterError: a malformed store name (``..``, control characters ...).
             LocalLLMError: entries built ``from`` each other in a cycle; see also
                 :func:`localllm.stores.find` (PullError, CorruptModelError).
         """
-        return self._resolve(self.default if model is None else str(model), (), pull)
+        return self._resolve(self.default if model is None else str(model), (), pull, paths)
 
-    def _resolve(self, text: str, chain: tuple[str, ...],
-                 pull: bool) -> tuple[Path, ModelEntry | None]:
+    def _resolve(self, text: str, chain: tuple[str, ...], pull: bool,
+                 paths: bool = True) -> tuple[Path, ModelEntry | None]:
         if text in self.models:
             entry = self.models[text]
             if entry.base is None:
@@ -296,7 +298,7 @@ class Registry:
             path, base = self._resolve(entry.base, (*chain, text), pull)
             return path, entry.over(base, path)
         path = Path(text).expanduser()
-        if path.is_file():
+        if paths and path.is_file():
             return path, None
         from . import stores
 

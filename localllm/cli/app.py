@@ -409,6 +409,7 @@ _manage = __import__("localllm.cli.manage", fromlist=["_"])
 app.command("show", no_args_is_help=True)(_manage.show_command)
 app.command("create", no_args_is_help=True)(_manage.create_command)
 app.command("cp", no_args_is_help=True)(_manage.cp_command)
+app.command("ps")(_manage.ps_command)
 
 
 def _click_exceptions() -> list:

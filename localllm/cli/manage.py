@@ -147,4 +147,44 @@ def cp_command(
     print(f"copied {source} to {destination} in {path}")
 
 
-__all__ = ["cp_command", "create_command", "show_command"]
+def ps_command(
+    host: Annotated[str, typer.Option("--host", help="the server's address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="the server's port")] = 8080,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", help="the server's key", envvar="LOCALLLM_API_KEY")] = None,
+) -> None:
+    """What a running `localllm serve` has loaded: model, memory, device, context, until when
+    (Ollama's ps, from the server's /api/ps)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from ..errors import LocalLLMError
+    from ..hub import human_size
+
+    url = f"http://{host}:{port}/api/ps"
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"}
+                                     if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            rows = json.loads(r.read(1 << 20))["models"]
+    except urllib.error.HTTPError as e:
+        raise LocalLLMError(f"{url}: HTTP {e.code}" + (" (give --api-key)" if e.code == 401
+                                                         else "")) from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise LocalLLMError(f"no localllm server at {host}:{port} ({reason})") from None
+    except (ValueError, KeyError, TypeError):
+        raise LocalLLMError(f"{url}: not a localllm server's answer") from None
+    print(f"{'NAME':<40} {'SIZE':>9}  {'PROCESSOR':<9} {'CONTEXT':>7}  UNTIL")
+    for m in rows:
+        if not isinstance(m, dict):
+            continue
+        size = human_size(m["size"]) if isinstance(m.get("size"), int) else "-"
+        until = ("loading" if m.get("state") == "loading" else
+                 "in use" if m.get("in_use") else m.get("expires_at") or "forever")
+        print(f"{_line(m.get('name'), 40):<40} {size:>9}  {_line(m.get('device') or '-', 9):<9} "
+              f"{m.get('context_length') or '-'!s:>7}  {_line(until, 40)}")
+
+
+__all__ = ["cp_command", "create_command", "ps_command", "show_command"]

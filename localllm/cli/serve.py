@@ -30,10 +30,19 @@ def serve_command(
         "--max-body", help="largest request body in bytes (more get 413)")] = 8 << 20,
     threads: Annotated[int | None, typer.Option(
         "--threads", "-t", help="CPU threads (default: physical cores)")] = None,
+    max_models: Annotated[int, typer.Option(
+        "--max-models", help="models loaded at once (the least recently used is unloaded "
+        "to load another)")] = 3,
+    keep_alive: Annotated[str, typer.Option(
+        "--keep-alive", help="unload a model after this long without a request (30s, 5m, "
+        "1h; -1: never), as Ollama's keep_alive; not the model started with")] = "5m",
+    alias: Annotated[str | None, typer.Option(
+        "--alias", help="another name requests may use for MODEL")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log requests")] = False,
 ) -> None:
     """Serve MODEL over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions,
-    /v1/models, /health, /metrics."""
+    /v1/models, /health, /metrics, /api/ps. A request's model may name another model of
+    models.toml or the stores (`localllm models`): it is loaded on first use."""
     if not 0 <= port <= 65535:
         raise ParameterError(f"--port must be 0..65535, got {port}")
     if max_queue < 0:
@@ -42,6 +51,15 @@ def serve_command(
         raise ParameterError(f"--max-body must be >= 1, got {max_body}")
     if api_key == "":
         raise ParameterError("--api-key must not be empty")
+    if max_models < 1:
+        raise ParameterError(f"--max-models must be >= 1, got {max_models}")
+    from ..server.models import for_server, parse_duration
+
+    try:
+        keep = parse_duration(keep_alive)
+    except ValueError:
+        raise ParameterError(f"--keep-alive: {keep_alive!r} is not a duration (30s, 5m, 1h, "
+                             "-1)") from None
 
     import torch
 
@@ -59,10 +77,16 @@ def serve_command(
         template_for(llm, chat_template)  # a broken template is an error now, not per request
         llm.chat_template = chat_template
 
+    name = llm.model_name
+
     def ready(bound: int) -> None:
-        print(f"localllm: serving {llm.model_name} on http://{host}:{bound}/v1 "
+        print(f"localllm: serving {name} on http://{host}:{bound}/v1 "
               f"({n_threads} CPU thread{'s' if n_threads > 1 else ''}; Ctrl-C stops)",
               file=sys.stderr, flush=True)
 
-    serve(llm, host=host, port=port, api_key=api_key, max_queue=max_queue, max_body=max_body,
-          log_level="info" if verbose else "warning", on_ready=ready)
+    models = for_server(llm, model, device=device, ctx_size=ctx_size, batch_size=batch_size,
+                        max_models=max_models, keep_alive=keep, chat_template=chat_template,
+                        aliases=(alias,) if alias else ())
+    del llm  # the manager holds the only reference: an eviction frees its memory
+    serve(None, host=host, port=port, api_key=api_key, max_queue=max_queue, max_body=max_body,
+          log_level="info" if verbose else "warning", on_ready=ready, models=models)

@@ -61,14 +61,16 @@ class LoadedModel:
     _sha256: str | None = None
 
     def sha256(self) -> str:
-        """Hex SHA-256 of the model file (computed once, about 1 s per GB)."""
+        """Hex SHA-256 of the model file, of all its parts in order for a split model
+        (computed once, about 1 s per GB)."""
         if self._sha256 is None:
             import hashlib
 
             h = hashlib.sha256()
-            with open(self.gguf.path, "rb") as f:
-                while chunk := f.read(1 << 22):
-                    h.update(chunk)
+            for path in self.gguf.files:
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 22):
+                        h.update(chunk)
             self._sha256 = h.hexdigest()
         return self._sha256
 

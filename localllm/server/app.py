@@ -4,7 +4,12 @@
   (extra llama.cpp sampler fields accepted by their llama-server names), answered by
   :meth:`LLM.create_chat_completion` / :meth:`LLM.create_completion`; ``"stream": true``
   answers with server-sent events (``data: {chunk}`` lines, then ``data: [DONE]``).
-* ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format).
+* ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format),
+  ``GET /api/ps`` (Ollama's: the models loaded, their memory and expiry).
+
+The request's ``model`` picks the model among those a :class:`~localllm.server.models.
+ModelManager` serves (loaded on first use, evicted least-recently-used, unloaded when idle);
+an unknown model is a 404 with code ``model_not_found``.
 
 The runtime holds one sequence, so requests run one at a time, in the order they arrived, on
 one worker thread; at most ``max_queue`` wait (then 503 with ``Retry-After``). A client that
@@ -22,6 +27,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -31,7 +37,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import ContextOverflowError, LocalLLMError
+from ..errors import (
+    ContextOverflowError,
+    InsufficientMemoryError,
+    LocalLLMError,
+    ModelNotFoundError,
+)
+from .models import ModelManager
 
 _END = object()
 # OpenAI request fields that have no effect here (accepted so that clients need no change).
@@ -239,7 +251,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"].startswith("/v1/"):
+        if self.api_key is not None and scope["path"].startswith(("/v1/", "/api/")):
             given = headers.get(b"authorization", b"").decode("latin-1")
             if given != f"Bearer {self.api_key}":
                 return await self._reply(send, 401, error_body(
@@ -281,32 +293,39 @@ class Guard:
 
 # ---- the app ------------------------------------------------------------------------------------
 def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
-               max_body: int = 8 << 20) -> Guard:
-    """The ASGI app serving ``llm``.
+               max_body: int = 8 << 20, models: ModelManager | None = None) -> Guard:
+    """The ASGI app serving ``llm`` (and, with ``models``, the models it serves).
 
     Args:
-        llm: a loaded :class:`localllm.LLM`.
+        llm: a loaded :class:`localllm.LLM`, the default model (or None with ``models``).
+        models: which models requests may name (default: ``llm`` alone).
         api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
         max_queue: requests that may wait while one generates (more get 503).
         max_body: largest request body in bytes (more get 413).
     """
     metrics = Metrics()
+    if models is None:
+        models = ModelManager(llm, max_models=1, keep_alive=None)
     scheduler = Scheduler(max_queue)
+    started = int(time.time())
     active: set[threading.Event] = set()  # cancel flags of the requests not finished
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        models.start()
         yield
         for cancel in list(active):  # shutting down: stop the generation in progress
             cancel.set()
         scheduler.shutdown()
+        models.stop()
 
     app = FastAPI(title="localllm", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
-    app.state.llm = llm
+    app.state.models = models
     app.state.metrics = metrics
     app.state.scheduler = scheduler
-    llm._shared_session()  # allocate the KV cache now, not inside the first request
+    if llm is not None:
+        llm._shared_session()  # allocate the KV cache now, not inside the first request
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -335,26 +354,32 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
 
     @app.get("/metrics")
     async def prometheus():
-        text = metrics.text(scheduler.running, scheduler.waiting)
+        text = metrics.text(scheduler.running, scheduler.waiting) + models.metrics_text()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{
-            "id": llm.model_name, "object": "model", "created": int(llm.path.stat().st_mtime),
-            "owned_by": "localllm"}]}
+    async def list_models():
+        names = await asyncio.get_running_loop().run_in_executor(None, models.available)
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": started, "owned_by": "localllm"}
+            for name in names]}
+
+    @app.get("/api/ps")
+    async def ps():
+        return {"models": models.status()}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        return await _answer(request, "/v1/chat/completions", llm.create_chat_completion,
-                             body.arguments(), body.stream)
+        return await _answer(request, "/v1/chat/completions", "create_chat_completion",
+                             body.arguments(), body.stream, body.model)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await _answer(request, "/v1/completions", llm.create_completion,
-                             body.arguments(), body.stream)
+        return await _answer(request, "/v1/completions", "create_completion",
+                             body.arguments(), body.stream, body.model)
 
-    async def _answer(request: Request, endpoint: str, method, args: dict, stream: bool):
+    async def _answer(request: Request, endpoint: str, method: str, args: dict, stream: bool,
+                      model: str | None):
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
@@ -366,25 +391,32 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
         def job() -> None:
             if cancel.is_set():
                 return put(_END)
-            result = None
+            result = used = None
             try:
-                result = method(**args, stream=stream, _cancel=cancel)
-                if stream:
-                    for chunk in result:
-                        put(chunk)
-                        if cancel.is_set():
-                            break
-                else:
-                    put(result)
+                with models.use(model) as used:  # loads it on first use
+                    result = getattr(used, method)(**args, stream=stream, _cancel=cancel)
+                    try:
+                        if stream:
+                            for chunk in result:
+                                put(chunk)
+                                if cancel.is_set():
+                                    break
+                        else:
+                            put(result)
+                    finally:
+                        if stream and hasattr(result, "close"):
+                            result.close()  # releases the LLM's lock if the client went away
+            except ModelNotFoundError as e:
+                put((404, error_body(str(e), param="model", code="model_not_found")))
+            except InsufficientMemoryError as e:
+                put((503, error_body(str(e), "unavailable_error", code="insufficient_memory")))
             except LocalLLMError as e:
                 code = "context_length_exceeded" if isinstance(e, ContextOverflowError) else None
                 put((400, error_body(str(e), code=code)))
             except Exception as e:  # noqa: BLE001 (a bug: answer without a traceback, keep serving
                 put((500, error_body(f"internal error ({type(e).__name__})", "server_error")))
             finally:
-                if stream and hasattr(result, "close"):
-                    result.close()  # releases the LLM's lock if the client went away
-                metrics.add_timings(llm.last_timings if result is not None else None)
+                metrics.add_timings(used.last_timings if result is not None else None)
                 active.discard(cancel)
                 put(_END)
 
@@ -469,7 +501,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(llm, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           max_queue: int = 64, max_body: int = 8 << 20, log_level: str = "warning",
-          on_ready=None) -> None:
+          on_ready=None, models: ModelManager | None = None) -> None:
     """Serve ``llm`` with uvicorn until interrupted (Ctrl-C, SIGTERM).
 
     Args:
@@ -480,7 +512,8 @@ def serve(llm, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None
     import uvicorn
 
     sock = bind(host, port)
-    app = create_app(llm, api_key=api_key, max_queue=max_queue, max_body=max_body)
+    app = create_app(llm, api_key=api_key, max_queue=max_queue, max_body=max_body,
+                     models=models)
     config = uvicorn.Config(app, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)

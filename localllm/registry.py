@@ -89,7 +89,7 @@ class ModelEntry:
         if self.size is not None and (isinstance(self.size, bool) or not isinstance(self.size, int)):
             raise LocalLLMError(f"{where}: size must be an integer, got {_kind(self.size)}")
         if self.path is None and self.assembler is None and self.file is None and self.base is None:
-            raise LocalLLMError(f"{where}: needs 'from', 'path', or 'package' and 'assembler', "
+            raise LocalLLMError(f"{where}: needs 'path', 'from', or 'package' and 'assembler', "
                                 "or 'package', 'version', 'file', 'sha256' and 'size'")
         if self.assembler is not None:
             m = _ASSEMBLER.fullmatch(self.assembler)
@@ -300,6 +300,8 @@ class Registry:
         path = Path(text).expanduser()
         if paths and path.is_file():
             return path, None
+        if paths and path.is_dir():
+            raise ModelNotFoundError(f"{text} is a directory, not a .gguf file")
         from . import stores
 
         if stores.store_for(text) is not None:

@@ -320,3 +320,10 @@ def test_entries_built_from_each_other_in_a_cycle(home, monkeypatch, capsys, tmp
     config.write_text('[models.a]\nfrom = "b"\n[models.b]\nfrom = "a"\n')
     code, _, err = run_cli(monkeypatch, capsys, "run", "a", "the")
     assert_one_line_error(code, err, "a -> b -> a", "cycle")
+
+
+def test_a_directory_is_not_a_model(home, tmp_path, monkeypatch, capsys):
+    (tmp_path / "org" / "repo").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(monkeypatch, capsys, "run", "org/repo", "the")  # not tried on the Hub
+    assert_one_line_error(code, err, "org/repo is a directory")

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -320,20 +321,31 @@ def pull_model(ref: HFRef, *, force: bool = False, progress: bool = True) -> Loc
         return _pull(ref, force, progress)
 
 
+_quiet = {"depth": 0, "level": logging.NOTSET}
+_quiet_lock = threading.Lock()
+
+
 @contextmanager
 def _quiet_client():
     """huggingface_hub's warnings (a retried chunk, a tree cache it could not write) stay
-    off stderr while it works for us: the outcome is one line, or the model."""
+    off stderr while it works for us: the outcome is one line, or the model. (Pulls in
+    several threads share it: the first in sets the level, the last out restores it.)"""
     import huggingface_hub.file_download
     import huggingface_hub.hf_api  # noqa: F401 - configures its loggers on first import
 
     logger = logging.getLogger("huggingface_hub")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    with _quiet_lock:
+        if _quiet["depth"] == 0:
+            _quiet["level"] = logger.level
+            logger.setLevel(logging.ERROR)
+        _quiet["depth"] += 1
     try:
         yield
     finally:
-        logger.setLevel(level)
+        with _quiet_lock:
+            _quiet["depth"] -= 1
+            if _quiet["depth"] == 0:
+                logger.setLevel(_quiet["level"])
 
 
 def _pull(ref: HFRef, force: bool, progress: bool) -> LocalModel:

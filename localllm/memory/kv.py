@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .recurrent import Checkpoints
+from .recurrent import Appendable, Checkpoints
 
 # Extra cells kept by sliding-window caches so that a rollback of up to this many tokens
 # (a chat turn re-rendered by its template) needs no recomputation.
@@ -60,7 +60,7 @@ def _check_float(name: str, t: torch.Tensor | None, shape: tuple[int, ...]) -> t
     return t
 
 
-class KVCache:
+class KVCache(Appendable):
     """Keys and values of positions ``0 .. size-1``.
 
     Args:
@@ -123,30 +123,8 @@ class KVCache:
 
     # ---- the runtime's side (memory.LayerMemory) ------------------------------------------
     @property
-    def seq_len(self) -> int:
-        return self.n
-
-    @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
-
-    def set_length(self, n: int) -> None:
-        self.n = n
-
-    def restorable(self, n: int) -> int:
-        return min(n, self.n)
-
-    def truncate(self, n: int) -> None:
-        self.n = min(self.n, n)
-
-    def checkpoint(self) -> None:
-        """Nothing to keep: any prefix is restorable."""
-
-    def wants_checkpoints(self, upto: int) -> bool:
-        return False
-
-    def reset(self) -> None:
-        self.n = 0
 
     def describe(self) -> str:
         return "full"

@@ -13,6 +13,35 @@ from __future__ import annotations
 import torch
 
 
+class Appendable:
+    """The runtime side of a memory that holds every position it was given (a full KV cache,
+    a latent cache): any prefix is restorable by forgetting the rest; ``n`` positions held."""
+
+    n: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.n
+
+    def set_length(self, n: int) -> None:
+        self.n = n
+
+    def restorable(self, n: int) -> int:
+        return min(n, self.n)
+
+    def truncate(self, n: int) -> None:
+        self.n = min(self.n, n)
+
+    def checkpoint(self) -> None:
+        """Nothing to keep: any prefix is restorable."""
+
+    def wants_checkpoints(self, upto: int) -> bool:
+        return False
+
+    def reset(self) -> None:
+        self.n = 0
+
+
 class Checkpoints:
     """At most ``limit`` copies of a memory's tensors, by the position they were taken at."""
 

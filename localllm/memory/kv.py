@@ -50,6 +50,11 @@ def attention_mask(
     return mask
 
 
+def _heads(cache) -> str:
+    """``{kv heads}x{key size}x{value size}`` of a cache, for :meth:`describe`."""
+    return f"{cache.k.shape[0]}x{cache.k.shape[2]}x{cache.v.shape[2]}"
+
+
 def _check_float(name: str, t: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
     if t is None:
         raise ValueError(f"no tensor {name!r}")
@@ -127,7 +132,7 @@ class KVCache(Appendable):
         return self.k.nbytes + self.v.nbytes
 
     def describe(self) -> str:
-        return "full"
+        return f"full:{_heads(self)}"
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"k": self.k[:, : self.n], "v": self.v[:, : self.n]}
@@ -150,6 +155,8 @@ class RingKVCache:
     ``positions[i]`` is the absolute position held by cell ``i`` (-1 when empty). At most
     ``checkpoints`` copies of a wrapped ring are kept by :meth:`checkpoint`.
     """
+
+    cheap_rewind = True  # see memory.LayerMemory
 
     def __init__(self, window: int, n_kv_heads: int, head_dim: int, *, slack: int,
                  dtype: torch.dtype, device, head_dim_v: int | None = None,
@@ -318,7 +325,7 @@ class RingKVCache:
         self.checkpoints.clear()
 
     def describe(self) -> str:
-        return f"ring{self.size}"
+        return f"ring{self.size}:{_heads(self)}"
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"k": self.k, "v": self.v, "positions": self.positions}

@@ -17,6 +17,8 @@ class Appendable:
     """The runtime side of a memory that holds every position it was given (a full KV cache,
     a latent cache): any prefix is restorable by forgetting the rest; ``n`` positions held."""
 
+    cheap_rewind = True  # see memory.LayerMemory
+
     n: int
 
     @property
@@ -85,6 +87,8 @@ class RecurrentState:
     The layer's mixer reads and writes the tensors in place (``state["conv"]`` ...) and the
     runtime counts positions through :meth:`set_length` / :meth:`advance`.
     """
+
+    cheap_rewind = False  # see memory.LayerMemory
 
     window: int | None = None
 

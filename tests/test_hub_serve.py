@@ -50,14 +50,21 @@ class Server:
         self.port = _port()
         env = {k: v for k, v in os.environ.items()
                if k not in ("OLLAMA_MODELS", "LLAMA_CACHE", "HF_HUB_CACHE", "HF_HOME")}
+        # HOME without other tools' stores; the user cache dir kept (XDG_CACHE_HOME) where
+        # the native CPU kernels are already built, the stores that live there moved away
+        from platformdirs import user_cache_dir
+
         env.update(LOCALLLM_MODELS=str(setup["registry"]), HOME=str(setup["home"]),
-                   XDG_CONFIG_HOME=str(setup["home"] / "config"), PYTHONUNBUFFERED="1")
+                   XDG_CONFIG_HOME=str(setup["home"] / "config"), PYTHONUNBUFFERED="1",
+                   XDG_CACHE_HOME=str(Path(user_cache_dir()).expanduser()),
+                   HF_HUB_CACHE=str(setup["home"] / "hf"),
+                   LLAMA_CACHE=str(setup["home"] / "llama.cpp"))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from localllm.cli import main; main()", "serve",
              str(setup["paths"]["alpha"]), "--port", str(self.port), "--device", "cpu",
              "-t", "1", "-c", "256", "--api-key", KEY, *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # a loaded machine
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(self.proc.stderr.read().decode())

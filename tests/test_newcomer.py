@@ -82,7 +82,9 @@ def test_usage_errors_from_the_issue(monkeypatch, capsys, args, fragment):
 
 
 def test_no_arguments_prints_help_and_succeeds(monkeypatch, capsys):
-    code, out, err = run_cli(monkeypatch, capsys, "run")
+    # `localllm` alone; a command without its arguments is a usage error
+    # (tests/test_hostile_files.py)
+    code, out, err = run_cli(monkeypatch, capsys)
     assert code == 0 and "Usage" in out + err and "Traceback" not in err
 
 

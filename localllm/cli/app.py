@@ -17,7 +17,7 @@ import typer
 import typer.main
 
 from ..errors import LocalLLMError, ParameterError
-from .options import ThreadsBatchOpt, ThreadsOpt, apply_threads
+from .options import ThreadsBatchOpt, ThreadsOpt, apply_threads, prefer_passive_openmp_wait
 from .terminal import guard_standard_streams, restore_standard_streams, say
 
 app = typer.Typer(
@@ -487,9 +487,12 @@ def main(args: list[str] | None = None) -> None:
     never a traceback); 130 Ctrl-C; 128 + the signal's number for SIGTERM (143), SIGHUP,
     SIGUSR1/2, SIGALRM. Error lines show control characters escaped. A standard stream
     closed at start-up reads as ``/dev/null``; diagnostics that stderr cannot take (closed,
-    full) are dropped without changing the exit status.
+    full) are dropped without changing the exit status. Idle OpenMP threads sleep
+    instead of spinning unless ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` says otherwise
+    (:func:`localllm.cli.options.prefer_passive_openmp_wait`).
     """
     _exit_on_signals()
+    prefer_passive_openmp_wait()  # before torch is imported
     saved = guard_standard_streams()
     try:
         _main(args)

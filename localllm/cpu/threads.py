@@ -4,7 +4,10 @@ element-wise ops all use.
 
 Counts are clamped to :data:`MAX_THREADS` (llama.cpp's ``GGML_MAX_N_THREADS``, 512): a
 thread pool of 100,000 OpenMP threads crashed the process (SIGSEGV), and 10,000 took 51 s
-for two tokens. Waiting threads sleep instead of spinning when OpenMP's wait policy allows
+for two tokens. ``torch.set_num_threads(n)`` sizes two pools, each ``n - 1`` workers plus
+the caller: OpenMP's (started by the first parallel loop) and torch's pthreadpool (started
+at once, used by XNNPACK/QNNPACK only; its workers sleep) — so ``-t 10000`` was 20,000
+threads, and ``-t 512`` is at most 1,022 besides the interpreter's own. Waiting threads sleep instead of spinning when OpenMP's wait policy allows
 it (``OMP_WAIT_POLICY=PASSIVE``, set by the command line before torch loads), so that a decode on a machine whose cores are taken by
 another process is not slowed down by our own idle threads.
 """

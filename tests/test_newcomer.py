@@ -275,7 +275,8 @@ def test_assembled_path_is_remembered_until_the_file_changes(monkeypatch, tmp_pa
         f"    return Path({str(model)!r})\n")
     dist = tmp_path / "assembler_probe-1.0.dist-info"  # an installed distribution owns it
     dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: assembler-probe\nVersion: 1.0\n")
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: assembler-probe\nVersion: 1.0\n"
+                                   "Keywords: llm,gguf\n")  # it ships a GGUF model
     (dist / "RECORD").write_text("assembler_probe.py,,\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -9,9 +9,12 @@ from typing import Annotated
 
 import typer
 
-# Control characters but newline and tab, C1 controls and bidi overrides: a template or a
-# license printed whole must not drive the terminal.
-_UNPRINTABLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+from .terminal import printable
+
+# Control characters but newline and tab, C1 controls, separators and bidi overrides: a
+# template or a license printed whole (--template, --license) must not drive the terminal.
+_UNPRINTABLE = re.compile(
+    r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def _text(s: object) -> str:
@@ -19,7 +22,7 @@ def _text(s: object) -> str:
 
 
 def _line(s: object, most: int = 100) -> str:
-    t = " ".join(_text(s).split())
+    t = " ".join(printable(s).split())
     return t if len(t) <= most else t[: most - 1] + "…"
 
 

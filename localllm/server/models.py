@@ -328,9 +328,6 @@ def for_server(llm, source: str | None, *, device: str = "auto", ctx_size: int =
 
 def servable() -> list[str]:
     """Registry names whose file is there (nothing hashed) and the stores' models."""
-    import importlib.util
-    from pathlib import Path
-
     from .. import hub, stores
     from ..registry import load_registry
 
@@ -341,11 +338,8 @@ def servable() -> list[str]:
             ok = True
         elif source is not None:
             ok = hub.cached_path(source).is_file()
-        elif e.path:
-            ok = Path(e.path).expanduser().is_file()
         else:
-            module = (e.assembler or "").split(":")[0]
-            ok = bool(module) and importlib.util.find_spec(module) is not None
+            ok = e.status() == "present"  # a path, or an installed package: nothing imported
         if ok:
             names.append(name)
     return names + [m.name for m in stores.list_local()]

@@ -88,7 +88,9 @@ class ModelEntry:
             value = getattr(self, key)
             if value is not None and not isinstance(value, str):
                 raise LocalLLMError(f"{where}: {key} must be a string, got {_kind(value)}")
-            if value is not None and _CONTROL.search(value):
+            # a system prompt and an inline Jinja template are text: lines and tabs allowed
+            control = _TEXT_CONTROL if key in ("chat_template", "system") else _CONTROL
+            if value is not None and control.search(value):
                 raise LocalLLMError(f"{where}: {key} holds a control character: {value!r}")
         if self.package is not None and not _PACKAGE.fullmatch(self.package):
             raise LocalLLMError(f"{where}: package must be a distribution name (letters, "
@@ -282,6 +284,7 @@ _ASSEMBLER = re.compile(r"([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*):
 # PEP 508 distribution names; control characters (C0, DEL, C1) in any string of an entry.
 _PACKAGE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_TEXT_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # but \t \n \r
 
 
 def _installed_module(package: str, assembler: str):

@@ -155,11 +155,16 @@ def write_entry(name: str, table: dict | None) -> Path:
             registry's checks, or it cannot be written.
     """
     from .data import MODELS_TOML
-    from .registry import load_registry
+    from .registry import ModelEntry, load_registry
 
     path = user_file()
     if table is not None and name in load_registry([MODELS_TOML]).models:
         raise LocalLLMError(f"{name!r} is a packaged model's name: choose another")
+    if table is not None:  # the registry's checks of the entry, before any file is touched
+        try:
+            ModelEntry(name=name, **{("base" if k == "from" else k): v for k, v in table.items()})
+        except TypeError as e:
+            raise LocalLLMError(f"[models.{name}]: {e}") from None
     text = path.read_text(encoding="utf-8") if path.is_file() else ""
     before = _read(path)
     kept = _without(text, name)

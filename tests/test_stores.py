@@ -302,6 +302,7 @@ def test_create_cp_show_rm(home, gguf, tmp_path, monkeypatch, capsys):
     (("create", "x", "--from", "MODEL", "--temp", "nan"), "--temp"),
     (("create", "x", "--from", "MODEL", "--template", "TEMPLATE"), "syntax error"),
     (("cp", "no-such-model", "x"), "neither a name"),
+    (("create", "x", "--from", "MODEL", "--system", "a\x1b[2Jb"), "control character"),
 ])
 def test_create_and_cp_refusals_are_one_line(home, gguf, tmp_path, monkeypatch, capsys, args,
                                              fragment):

@@ -3,13 +3,15 @@
 Unit tests use a fake model: a real SentencePiece tokenizer over a tiny vocabulary and a
 fake session whose "logits" spell out a scripted reply after each ``<start_of_turn>model``
 header, so every behaviour (streaming, KV reuse, Ctrl-C, context shift, stop strings) is
-checked exactly and fast.
+checked exactly and fast. The fake model is an :class:`LLM` without weights: replies go
+through the LLM's own ``prepare``/``stream`` (its lock included).
 """
 
 from __future__ import annotations
 
 import io
 import json
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -17,8 +19,10 @@ import torch
 from rich.console import Console
 from tiny_model import spm_vocab
 
+from localllm.api import LLM
 from localllm.cli.repl import ChatREPL
 from localllm.errors import ParameterError
+from localllm.runtime.session import Session
 from localllm.tokenizer import Tokenizer
 
 
@@ -39,11 +43,12 @@ def fake_metadata() -> dict:
     }
 
 
-class FakeSession:
+class FakeSession(Session):
     """Session stand-in: after the last ``<start_of_turn>model\\n`` the next token is the
     next token of ``reply``, then ``<end_of_turn>``."""
 
-    def __init__(self, llm, ctx_size: int):
+    def __init__(self, llm, ctx_size: int):  # no model: nothing of Session's own state
+
         self.llm = llm
         self.loaded = llm  # generate_tokens reads session.loaded.tokenizer
         self.ctx_size = ctx_size
@@ -114,11 +119,13 @@ class ArgmaxSampler:
         self.accepted.append(token)
 
 
-class FakeLLM:
+class FakeLLM(LLM):
     entry = None
     path = "fake.gguf"
 
-    def __init__(self, reply: str = "the tale", ctx_size: int = 512):
+    def __init__(self, reply: str = "the tale", ctx_size: int = 512):  # no weights
+        self._lock, self._lock_owner, self._session = threading.RLock(), None, None
+        self.chat_template = None
         self.metadata = fake_metadata()
         self.tokenizer = Tokenizer(self.metadata)
         self.header = self.tokenizer.encode("<start_of_turn>model\n", add_bos=False, special=True)
@@ -133,8 +140,8 @@ class FakeLLM:
         self.sessions.append(FakeSession(self, self.ctx_size))
         return self.sessions[-1]
 
-    def sampling_params(self):
-        return FakeParams()
+    def sampling_params(self, params=None, **overrides):
+        return params if params is not None else FakeParams()
 
 
 def make_repl(reply="the tale", ctx_size=512, **kw):

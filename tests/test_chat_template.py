@@ -234,7 +234,7 @@ def test_compiled_templates_are_a_bounded_cache():
 
     compiled.cache_clear()
     for i in range(MAX_CACHED_TEMPLATES * 3):
-        select_template(metadata(), "{{ 'x%d' }}" % i)
+        select_template(metadata(), f"{{{{ 'x{i}' }}}}")
     info = compiled.cache_info()
     assert info.currsize == MAX_CACHED_TEMPLATES and info.misses == MAX_CACHED_TEMPLATES * 3
     first = select_template(metadata(), "{{ 'again' }}")

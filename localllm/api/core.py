@@ -448,7 +448,8 @@ class LLM:
                 self._lock_owner = None
 
     # ---- the OpenAI-shaped API (localllm.api.completions) ------------------------------------
-    def create_completion(self, prompt: str | Sequence[int], **kwargs: Any) -> dict | Iterator[dict]:
+    def create_completion(self, prompt: str | Sequence[int] | None = None, /,
+                          **kwargs: Any) -> dict | Iterator[dict]:
         """A text completion shaped as OpenAI's ``Completion`` (``CompletionChunk`` dicts when
         ``stream=True``), as llama-cpp-python's ``Llama.create_completion``: see
         :func:`localllm.api.completions.create_completion` for the keywords (OpenAI's and
@@ -461,9 +462,10 @@ class LLM:
         from .completions import create_completion
         from .schema import CompletionParams, parse
 
-        return create_completion(self, parse(CompletionParams, {"prompt": prompt, **kwargs}))
+        return create_completion(self, parse(CompletionParams, _with(kwargs, prompt=prompt)))
 
-    def create_chat_completion(self, messages: Sequence[dict], **kwargs: Any) -> dict | Iterator[dict]:
+    def create_chat_completion(self, messages: Sequence[dict] | None = None, /,
+                               **kwargs: Any) -> dict | Iterator[dict]:
         """A chat reply shaped as OpenAI's ``ChatCompletion`` (``ChatCompletionChunk`` dicts
         when ``stream=True``), as llama-cpp-python's ``Llama.create_chat_completion``: see
         :func:`localllm.api.completions.create_chat_completion` for the keywords (tools,
@@ -478,4 +480,16 @@ class LLM:
         from .completions import create_chat_completion
         from .schema import ChatParams, parse
 
-        return create_chat_completion(self, parse(ChatParams, {"messages": messages, **kwargs}))
+        return create_chat_completion(self, parse(ChatParams, _with(kwargs, messages=messages)))
+
+
+def _with(kwargs: dict, **positional: Any) -> dict:
+    """The keywords of an OpenAI-shaped call with its positional argument (given either way;
+    keywords are positional-only-safe: a body field named ``self`` is just an unknown one)."""
+    out = dict(kwargs)
+    for name, value in positional.items():
+        if value is not None:
+            if name in out:
+                raise ParameterError(f"{name} given twice (positionally and by keyword)")
+            out[name] = value
+    return out

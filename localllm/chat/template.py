@@ -688,12 +688,15 @@ def read_template_file(path: str | Path, flag: str = "--chat-template") -> str:
         raise TemplateError(f"{where}: cannot read: {e.strerror or e}") from None
     finally:
         os.close(fd)
+    too_large = TemplateError(f"{where}: larger than the limit of {MAX_TEMPLATE_CHARS} characters")
+    if len(data) > 4 * MAX_TEMPLATE_CHARS:
+        raise too_large
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise TemplateError(f"{where}: not UTF-8 text (byte {e.start})") from None
-    if len(text) > MAX_TEMPLATE_CHARS or len(data) > 4 * MAX_TEMPLATE_CHARS:
-        raise TemplateError(f"{where}: larger than the limit of {MAX_TEMPLATE_CHARS} characters")
+    if len(text) > MAX_TEMPLATE_CHARS:
+        raise too_large
     return text
 
 

@@ -92,8 +92,10 @@ def _parse_body(body: bytes, model: type) -> Any:
     """The request's parameters, validated (runs on a thread: large bodies take a moment)."""
     try:
         data = json.loads(body)
-    except (ValueError, RecursionError):  # JSONDecodeError, bad UTF-8, nested too deep
+    except ValueError:  # JSONDecodeError, bad UTF-8
         raise InvalidRequest("the request body is not valid JSON") from None
+    except RecursionError:
+        raise InvalidRequest("the request body is nested too deeply to parse") from None
     return parse(model, data)
 
 
@@ -240,14 +242,25 @@ def _stderr_line(text: str) -> None:
 class Guard:
     """Pure ASGI middleware: bearer-token check on ``/v1/*``, a request body size limit (the
     body is read here, at most ``max_body + 1`` bytes, then replayed to the app) and one log
-    line per request (``log``: a function of the line, or None)."""
+    line per request (``log``: a function of the line, or None).
+
+    ``stop()`` (``on_stop``) ends the generations in progress: the server calls it when it
+    begins to shut down, so that streams end by themselves within the graceful period.
+    """
 
     def __init__(self, app, *, api_key: str | None, max_body: int,
-                 log: Callable[[str], None] | None = _stderr_line) -> None:
+                 log: Callable[[str], None] | None = _stderr_line,
+                 on_stop: Callable[[], None] | None = None) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body = max_body
         self.log = log
+        self._on_stop = on_stop
+
+    def stop(self) -> None:
+        """End the generations in progress and refuse new ones (shutting down)."""
+        if self._on_stop is not None:
+            self._on_stop()
 
     async def _reply(self, send, status: int, body: dict, headers=()) -> None:
         data = json.dumps(body).encode()
@@ -355,15 +368,20 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
     metrics = Metrics()
     scheduler = Scheduler(max_queue)
     active: set[threading.Event] = set()  # cancel flags of the requests not finished
+    closing = threading.Event()  # shutting down: every request in progress ends now
     # A generation past `timeout` stops at its next token; one whose step never returns is
     # given up `grace` seconds later (the worker is then reported stuck).
     grace = min(30.0, max(1.0, timeout / 10))
 
+    def stop() -> None:
+        closing.set()
+        for cancel in list(active):
+            cancel.set()
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        for cancel in list(active):  # shutting down: stop the generation in progress
-            cancel.set()
+        stop()
         scheduler.shutdown()
 
     app = FastAPI(title="localllm", docs_url=None, redoc_url=None, openapi_url=None,
@@ -501,8 +519,6 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
                     item = await _next_item(request, items, future, ticket)
                 if item is not None:
                     yield "data: [DONE]\n\n"
-            except asyncio.CancelledError:  # the server is shutting down mid-stream
-                return
             finally:  # also on disconnect: Starlette cancels this generator
                 ticket.cancel.set()
                 future.cancel()
@@ -524,6 +540,10 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
                     ticket.cancel.set()
                     future.cancel()
                     return None
+                if closing.is_set():  # a stuck job would hold the shutdown: leave it
+                    future.cancel()
+                    return (503, error_body("the server is shutting down", "unavailable_error",
+                                            code="shutting_down"))
                 started = ticket.started
                 if started is not None and time.monotonic() - started > timeout + grace:
                     ticket.cancel.set()
@@ -534,7 +554,7 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
             if not getter.done():
                 getter.cancel()
 
-    return Guard(app, api_key=api_key, max_body=max_body, log=log)
+    return Guard(app, api_key=api_key, max_body=max_body, log=log, on_stop=stop)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -580,6 +600,15 @@ def serve(llm, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None
     config = uvicorn.Config(app, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
+    shutdown = server.shutdown
+
+    async def stop_then_shutdown(sockets=None):
+        # End the streams first: uvicorn waits for open responses, then cancels them (a
+        # CancelledError traceback) and asyncio.run cancels what is left.
+        app.stop()
+        await shutdown(sockets=sockets)
+
+    server.shutdown = stop_then_shutdown
     if on_ready is not None:
         original = server.startup
 

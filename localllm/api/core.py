@@ -75,7 +75,7 @@ class GenerationRequest:
     cancel: threading.Event | None = None
     on_context_full: Callable[[list[int]], Sequence[int] | None] | None = None
     sampler: Any = None
-    _used: bool = field(default=False, repr=False)
+    _used: bool = field(default=False, init=False, repr=False)
 
 
 class Generation:

@@ -706,3 +706,50 @@ def test_http_client_sees_json_errors_for_everything(server):
         assert r.status == 405 and "error" in json.loads(r.read())
     finally:
         c.close()
+
+
+# ---- the chat REPL interrupted while a reply streams -----------------------------------------------
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_chat_signal_while_a_reply_streams(tiny_path, sig):
+    """Ctrl-C stops the reply and the REPL goes on (the next line is answered); SIGTERM exits
+    143. Neither prints a traceback. The reply is held mid-way (test_signals' wrapper: the
+    6th Session.eval stalls) so that the signal lands while it streams."""
+    import os
+    import subprocess
+
+    from test_signals import REPO as ROOT
+    from test_signals import WRAPPER
+
+    env = {**os.environ, "STALL_AT": "localllm.runtime.session:Session.eval", "STALL_AFTER": "6",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", WRAPPER, "chat", str(tiny_path), "-n", "40",
+                             "-c", "512", "--temp", "1", "--seed", "1", "-t", "1"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    err = b""
+    try:
+        proc.stdin.write(b"hello\n")
+        proc.stdin.flush()
+        for line in iter(proc.stderr.readline, b""):
+            err += line
+            if line.strip() == b"STALLED":
+                break
+        proc.send_signal(sig)
+        if sig == signal.SIGINT:
+            time.sleep(0.5)
+            proc.stdin.write(b"and again\n")
+        proc.stdin.close()
+        out = proc.stdout.read()  # small: no need to read both pipes at once
+        err += proc.stderr.read()
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert b"Traceback" not in err, err.decode(errors="replace")
+    if sig == signal.SIGINT:
+        assert proc.returncode == 0, err
+        assert b"[interrupted]" in out and out.count(b" tokens, ") == 2  # two replies' stats
+    else:
+        assert proc.returncode == 143

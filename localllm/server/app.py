@@ -46,6 +46,7 @@ from ..api.schema import ChatParams, CompletionParams, InvalidRequest, parse
 from ..errors import ContextOverflowError, LocalLLMError
 
 _END = object()
+_INLINE_BODY = 64 << 10  # bodies up to this size are checked on the event loop
 
 
 def error_body(message: str, kind: str = "invalid_request_error", *, param: str | None = None,
@@ -437,8 +438,12 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
 
     async def _answer(request: Request, endpoint: str, model: type, call):
         record = request.scope.get("localllm.log") or {}
+        body = await request.body()
         try:
-            params = await asyncio.to_thread(_parse_body, await request.body(), model)
+            # A large body takes a moment to check: off the event loop, which keeps
+            # answering (/health among others); a small one is not worth a thread hop.
+            params = (_parse_body(body, model) if len(body) < _INLINE_BODY
+                      else await asyncio.to_thread(_parse_body, body, model))
         except InvalidRequest as e:
             metrics.count(endpoint, 400)
             return _error(400, str(e), param=e.param)

@@ -161,3 +161,15 @@ def test_front_ends_use_public_names_of_the_llm(path):
             if name == "llm":
                 private.append(f"line {node.lineno}: llm.{node.attr}")
     assert not private, private
+
+
+def test_a_drafter_goes_through_the_request(tiny):
+    """Speculative decoding (runtime/speculative.py) is one more field of the request: the
+    same tokens, some of them drafted."""
+    from localllm.runtime.speculative import NgramDrafter
+
+    prompt = "the and of the and of the"
+    plain = [s.token for s in tiny.stream(prompt, n_predict=30, temp=0.0)]
+    gen = tiny.stream(prompt, n_predict=30, temp=0.0, drafter=NgramDrafter())
+    assert [s.token for s in gen] == plain
+    assert gen.timings.extra["draft_tokens"] > 0

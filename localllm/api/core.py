@@ -62,6 +62,8 @@ class GenerationRequest:
         on_context_full: the context shift hook of
             :func:`~localllm.runtime.generate.generate_tokens`.
         sampler: a ready sampler chain to use instead of one built from ``params``.
+        drafter: speculative decoding (:mod:`localllm.runtime.speculative`): guessed tokens
+            verified in one forward; the output is the same.
     """
 
     ids: list[int]
@@ -75,6 +77,7 @@ class GenerationRequest:
     cancel: threading.Event | None = None
     on_context_full: Callable[[list[int]], Sequence[int] | None] | None = None
     sampler: Any = None
+    drafter: Any = None
     _used: bool = field(default=False, init=False, repr=False)
 
 
@@ -313,6 +316,7 @@ class LLM:
         cancel: threading.Event | None = None,
         on_context_full: Callable[[list[int]], Sequence[int] | None] | None = None,
         sampler: Any = None,
+        drafter: Any = None,
         **sampling: Any,
     ) -> GenerationRequest:
         """Check a generation's arguments once and build its :class:`GenerationRequest`.
@@ -331,7 +335,7 @@ class LLM:
             session / cache_prompt: see :class:`GenerationRequest`.
             time_limit: seconds from now after which the generation stops with
                 :class:`GenerationTimeout` (None: no limit).
-            cancel / on_context_full / sampler: see :class:`GenerationRequest`.
+            cancel / on_context_full / sampler / drafter: see :class:`GenerationRequest`.
         Raises:
             ContextOverflowError: the prompt leaves no room to generate in the context.
             ParameterError: a sampling parameter is out of range or of the wrong type, a
@@ -375,7 +379,7 @@ class LLM:
             ids=ids, params=params, n_predict=n_predict, stop=tuple(s for s in stop if s),
             constraint=constraint, session=session, cache_prompt=bool(cache_prompt),
             deadline=None if time_limit is None else time.monotonic() + time_limit,
-            cancel=cancel, on_context_full=on_context_full, sampler=sampler)
+            cancel=cancel, on_context_full=on_context_full, sampler=sampler, drafter=drafter)
 
     def stream(self, prompt: str | Sequence[int] | GenerationRequest, **kwargs: Any) -> Generation:
         """Generate, yielding a :class:`~localllm.runtime.generate.Step` per token (token,
@@ -433,7 +437,8 @@ class LLM:
                 gen.sampler = sampler
                 steps = generate_tokens(session, req.ids, sampler, n_predict=req.n_predict,
                                         stop=req.stop, constraint=req.constraint,
-                                        timings=gen.timings, on_context_full=req.on_context_full)
+                                        timings=gen.timings, on_context_full=req.on_context_full,
+                                        drafter=req.drafter)
                 for step in steps:
                     if req.deadline is not None and time.monotonic() > req.deadline:
                         raise GenerationTimeout(

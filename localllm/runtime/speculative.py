@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 
 from ..errors import ParameterError
+from .session import prefill
 
 # llama.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE: a draft model's vocabulary may be this much
 # larger or smaller than the target's (padding), no more.
@@ -143,8 +144,6 @@ class ModelDrafter:
         self.n_vocab = n_vocab if n_vocab is not None else session.loaded.tokenizer.n_vocab
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
-        from .generate import prefill
-
         s = self.session
         k = min(k, s.ctx_size - len(context))
         if k <= 0 or not context:

@@ -17,12 +17,14 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import LocalLLMError, ParameterError
 from ..runtime.generate import Step, Timings
-from .core import LLM, Generation
 from .schema import ChatParams, CompletionParams, JsonObjectFormat, JsonSchemaFormat, TextFormat
+
+if TYPE_CHECKING:  # core imports this module in LLM.create_completion
+    from .core import LLM, Generation
 
 _FINISH = {"eog": "stop", "stop": "stop", "grammar": "stop", "length": "length", "ctx": "length",
            "cancelled": "stop"}

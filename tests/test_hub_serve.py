@@ -208,7 +208,7 @@ class Stub:
     def __init__(self, name: str, memory: int) -> None:
         self.model_name, self.memory, self.path = name, memory, Path(f"/{name}.gguf")
 
-    def _shared_session(self) -> None:
+    def reserve(self) -> None:
         pass
 
 

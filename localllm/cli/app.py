@@ -213,7 +213,7 @@ def _run(
                        constraint=constraint, session=session)
     first = next(steps, None)  # builds the sampler chain and evaluates the prompt
     if verbose:
-        print_sampler(llm.last_sampler)
+        print_sampler(steps.sampler)
     try:
         for step in itertools.chain([first] if first is not None else [], steps):
             if params.n_probs > 0 and step.trace is not None:
@@ -242,9 +242,9 @@ def _run(
     out.flush()
     if verbose:
         if session is not None:
-            reused = llm.last_timings.reused_tokens
+            reused = steps.timings.reused_tokens
             _err(f"prompt cache: {reused} of {len(ids)} prompt tokens reused")
-        print_timings(llm, llm.last_timings, finish)
+        print_timings(llm, steps.timings, finish)
 
 
 def _same_file(a, b) -> bool:

@@ -96,7 +96,7 @@ class ModelManager:
             self.default_aliases = tuple(dict.fromkeys(a for a in (name, *aliases) if a))
             self.sources[name] = default_source or name
             now = clock()
-            default._shared_session()  # the KV cache now, not inside the first request
+            default.reserve()  # the KV cache now, not inside the first request
             self.loaded[name] = Loaded(name, default, _memory(default), now, now, None,
                                        pinned=True, aliases=self.default_aliases)
             self.default_name = name
@@ -173,7 +173,7 @@ class ModelManager:
                     except InsufficientMemoryError:
                         if not self._evict("memory"):
                             raise
-                llm._shared_session()  # the KV cache now, not inside the first request
+                llm.reserve()  # the KV cache now, not inside the first request
                 seconds = time.monotonic() - start
             finally:
                 with self._lock:
@@ -297,10 +297,10 @@ class ModelManager:
 
 def for_server(llm, source: str | None, *, device: str = "auto", ctx_size: int = 4096,
                batch_size: int = 512, max_models: int = 3, keep_alive: float | None = 300.0,
-               chat_template: str | None = None,
+               chat_template=None,
                aliases: tuple[str, ...] = ()) -> ModelManager:
     """The manager ``localllm serve`` runs: ``llm`` (started from MODEL ``source``, with
-    ``--chat-template`` ``chat_template``) answers to its name, its file's name and stem, and
+    the compiled ``--chat-template`` ``chat_template``, kept if it is reloaded) answers to its name, its file's name and stem, and
     ``aliases``; other models load as :class:`localllm.LLM` with the same device and sizes,
     by registry or store name.
     """

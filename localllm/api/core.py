@@ -31,6 +31,7 @@ from ..grammar.budget import BudgetedConstraint
 from ..registry import ModelEntry, load_registry
 from ..runtime.generate import Step, Timings, generate_tokens
 from ..runtime.session import Session, load_model
+from ..runtime.speculative import Speculation
 from ..sampling.chain import SamplingParams, build_sampler
 from .schema import parse_options
 
@@ -145,6 +146,12 @@ class LLM:
         progress: a progress bar while loading (None: when stderr is a terminal).
         dtype: storage dtype of dequantized weights on the torch backend (float32 for an
             exact evaluation; twice the memory of the float16 default).
+        draft_model, spec_ngram, draft_max, draft_min, draft_p_min: speculative decoding
+            (:mod:`localllm.runtime.speculative`, llama.cpp's ``--model-draft``,
+            ``--draft-max``, ``--draft-min``, ``--draft-p-min``; ``--spec-ngram N``: prompt
+            lookup with n-grams of up to N tokens): a draft model (name or path, same
+            vocabulary) or n-gram lookup guesses tokens that one batched forward verifies;
+            the output is the same as without it.
     Raises:
         ParameterError: an unknown keyword, or an argument of the wrong type or range.
         ModelNotFoundError, GGUFError, UnsupportedError: see :func:`load_model`.
@@ -185,6 +192,15 @@ class LLM:
         # The chat template create_chat_completion uses by default: a built-in name, a
         # metadata variant's name, Jinja text or a ChatTemplate (the CLI's --chat-template).
         self.chat_template: Any = None
+        draft = None
+        if options.draft_model is not None:
+            draft = load_model(load_registry().resolve(options.draft_model)[0],
+                               device=options.device, progress=options.progress,
+                               ctx_size=options.ctx_size, dtype=dtype)
+        self.speculation = Speculation(
+            self.loaded, self.ctx_size, draft=draft, ngram=options.spec_ngram,
+            draft_max=options.draft_max, draft_min=options.draft_min,
+            p_min=options.draft_p_min)
         self._session: Session | None = None
         self._lock = threading.RLock()  # one generation (or forward) at a time
         self._lock_owner: int | None = None
@@ -435,10 +451,12 @@ class LLM:
                                                        constraint=req.constraint,
                                                        n_ctx=session.ctx_size)
                 gen.sampler = sampler
+                spec = self.speculation
                 steps = generate_tokens(session, req.ids, sampler, n_predict=req.n_predict,
                                         stop=req.stop, constraint=req.constraint,
                                         timings=gen.timings, on_context_full=req.on_context_full,
-                                        drafter=req.drafter)
+                                        drafter=req.drafter or spec.drafter(),
+                                        draft_max=spec.draft_max, draft_min=spec.draft_min)
                 for step in steps:
                     if req.deadline is not None and time.monotonic() > req.deadline:
                         raise GenerationTimeout(

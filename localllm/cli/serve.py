@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from ..errors import ParameterError
+from .options import ThreadsBatchOpt, ThreadsOpt, apply_threads
 
 
 def serve_command(
@@ -35,8 +36,8 @@ def serve_command(
         "--max-queue", help="requests that may wait (more get 503)")] = 64,
     max_body: Annotated[int, typer.Option(
         "--max-body", help="largest request body in bytes (more get 413)")] = 8 << 20,
-    threads: Annotated[int | None, typer.Option(
-        "--threads", "-t", help="CPU threads (default: physical cores)")] = None,
+    threads: ThreadsOpt = None,
+    threads_batch: ThreadsBatchOpt = None,
     max_models: Annotated[int, typer.Option(
         "--max-models", help="models loaded at once (the least recently used is unloaded "
         "to load another)")] = 3,
@@ -46,6 +47,7 @@ def serve_command(
     alias: Annotated[str | None, typer.Option(
         "--alias", help="another name requests may use for MODEL")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="uvicorn's own log")] = False,
+    speculative=None,
 ) -> None:
     """Serve MODEL over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics, /api/ps. A request's model may name another model of
@@ -77,14 +79,13 @@ def serve_command(
 
     import torch
 
-    from ..cpu.threads import set_threads
-
-    set_threads(threads)
+    apply_threads(threads, threads_batch)
     n_threads = torch.get_num_threads()  # as in effect (OMP_NUM_THREADS without -t)
     from ..api import LLM
     from ..server import serve
 
-    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None)
+    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None,
+              **(speculative or {}))
     if chat_template is not None:
         from ..chat.template import template_for
 
@@ -101,7 +102,8 @@ def serve_command(
 
     models = for_server(llm, model, device=device, ctx_size=ctx_size, batch_size=batch_size,
                         max_models=max_models, keep_alive=keep,
-                        chat_template=llm.chat_template, aliases=(alias,) if alias else ())
+                        chat_template=llm.chat_template, options=speculative,
+                        aliases=(alias,) if alias else ())
     del llm  # the manager holds the only reference: an eviction frees its memory
     serve(None, host=host, port=port, api_key=api_key, max_queue=max_queue, max_body=max_body,
           n_predict=n_predict, timeout=timeout, log_level="info" if verbose else "warning",

@@ -297,10 +297,11 @@ class ModelManager:
 
 def for_server(llm, source: str | None, *, device: str = "auto", ctx_size: int = 4096,
                batch_size: int = 512, max_models: int = 3, keep_alive: float | None = 300.0,
-               chat_template=None,
+               chat_template=None, options: dict | None = None,
                aliases: tuple[str, ...] = ()) -> ModelManager:
     """The manager ``localllm serve`` runs: ``llm`` (started from MODEL ``source``, with
-    the compiled ``--chat-template`` ``chat_template``, kept if it is reloaded) answers to its name, its file's name and stem, and
+    the compiled ``--chat-template`` ``chat_template`` and the LLM keywords ``options``
+    (speculative decoding), both kept if it is reloaded) answers to its name, its file's name and stem, and
     ``aliases``; other models load as :class:`localllm.LLM` with the same device and sizes,
     by registry or store name.
     """
@@ -314,9 +315,10 @@ def for_server(llm, source: str | None, *, device: str = "auto", ctx_size: int =
         return entry.name  # never None: paths are not resolved for requests
 
     def load(name: str):
+        started = name == source  # the started model, reloaded after an eviction
         loaded = LLM(name, device=device, ctx_size=ctx_size, batch_size=batch_size,
-                     progress=None)
-        if chat_template is not None and name == source:  # the started model, reloaded
+                     progress=None, **(options or {} if started else {}))
+        if chat_template is not None and started:
             loaded.chat_template = chat_template
         return loaded
 

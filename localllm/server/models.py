@@ -314,8 +314,10 @@ def for_server(llm, source: str | None, *, device: str = "auto", ctx_size: int =
         _, entry = load_registry().resolve(name, pull=False, paths=False)
         return entry.name  # never None: paths are not resolved for requests
 
+    started_as = source or llm.model_name
+
     def load(name: str):
-        started = name == source  # the started model, reloaded after an eviction
+        started = name == started_as  # the started model, reloaded after an eviction
         loaded = LLM(name, device=device, ctx_size=ctx_size, batch_size=batch_size,
                      progress=None, **(options or {} if started else {}))
         if chat_template is not None and started:

@@ -131,6 +131,9 @@ STD = {"gemma2": 0.05, "gemma3": 0.05, "gemma3-linear": 0.05,
 # Mamba2's input projection smaller than the other matrices: its time steps (dt) stay small,
 # as a trained model's do, and the states it accumulates stay in range without a norm.
 STEM_STD = {"ssm_in": 0.05}
+# A router with a smaller spread: its probabilities spread over the experts, so that the
+# k-th and the next are seldom at a near-tie (fewer prompts lost to them).
+ROUTER_STD = {"ffn_gate_inp": 0.05}
 
 
 def write_family(family: str, directory: str | Path) -> Path:
@@ -139,7 +142,8 @@ def write_family(family: str, directory: str | Path) -> Path:
     g = dataclasses.replace(g, name=f"tiny-{family}")
     return write_synthetic(Path(directory) / f"{family}.gguf", g, quant, seed=SEED,
                            weight_std=STD.get(family, WEIGHT_STD),
-                           stem_std=STEM_STD if family in RECURRENT else None)
+                           stem_std={**STEM_STD, **ROUTER_STD} if family == "granitehybrid-moe"
+                           else STEM_STD if family in RECURRENT else None)
 
 
 def sha256(path: str | Path) -> str:

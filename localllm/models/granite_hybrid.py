@@ -24,6 +24,7 @@ import torch
 from ..backends import ExpertMatrix
 from ..errors import UnsupportedError
 from ..memory import KVSpec
+from . import llama
 from .base import (
     MAX_CONTEXT,
     MAX_EXPERTS,
@@ -36,7 +37,6 @@ from .base import (
 )
 from .common import Linear, Split, positions_of, rope_inv_freq
 from .hybrid import AttentionWeights, HeadArgs, attention, attention_specs, head_args, layer_heads
-from .llama import moe_ffn
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
 
 
@@ -187,7 +187,7 @@ class Model(BaseModel):
         if not a.n_expert:
             gate, up = b.ffn_gate_up(n)
             return b.ffn_down(ops.gated(gate, up, "silu", overwrite=True))
-        f = moe_ffn(b, n, a.n_expert_used, True, ops)
+        f = llama.moe_ffn(b, n, a.n_expert_used, True, ops)
         if b.ffn_gate_up_shexp is not None:
             gate, up = b.ffn_gate_up_shexp(n)
             f = f + b.ffn_down_shexp(ops.gated(gate, up, "silu", overwrite=True))

@@ -140,3 +140,43 @@ def ssm_scan(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, a: torch.
         BLOCK_P=block_p, BLOCK_N=block_n,
     )  # fmt: skip
     return y
+
+
+def conv_case(channels: int, d_conv: int, *, bias: bool = True, silu: bool = True,
+              arch: int = 90):
+    """:func:`short_conv`'s kernel as it launches for ``channels`` channels of ``d_conv`` taps,
+    for ahead-of-time compilation (:mod:`._aot`: tests/test_kernel_compile.py,
+    bench/kernel_profile.py); and its launch figures: grid, bytes one program reads per
+    token (``d_conv`` rows of its channels, the taps and the bias from cache)."""
+    from ._aot import Case
+
+    block = min(256, triton.next_power_of_2(channels))
+    case = Case(_short_conv_kernel,
+                {"x": "*fp32", "w": "*fp32", "bias": "*fp32", "state": "*fp32", "y": "*fp32",
+                 "T": "i32", "C": "i32", "stride_x": "i32"},
+                {"K": d_conv, "HAS_BIAS": bias, "SILU": silu, "BLOCK_C": block}, arch=arch,
+                aligned=("x", "w", "bias", "state", "y", "C", "stride_x"))
+    return case, {"grid": (triton.cdiv(channels, block), 1), "bytes_per_step": 4 * d_conv * block,
+                  "marker": None, "variant": f"C{block}K{d_conv}"}
+
+
+def scan_case(heads: int, head_dim: int, d_state: int, *, with_d: bool = True,
+              arch: int = 90):
+    """:func:`ssm_scan`'s kernel as it launches for ``heads`` heads of ``head_dim`` rows and
+    state size ``d_state`` (see :func:`conv_case`); bytes per token: a program's rows of x,
+    and B and C."""
+    from ._aot import Case
+
+    block_n = triton.next_power_of_2(d_state)
+    block_p = max(1, min(triton.next_power_of_2(head_dim), 4096 // block_n))
+    case = Case(_ssm_scan_kernel,
+                {"x": "*fp32", "dt": "*fp32", "dt_bias": "*fp32", "a": "*fp32", "b": "*fp32",
+                 "c": "*fp32", "d": "*fp32", "state": "*fp32", "y": "*fp32", "T": "i32",
+                 "P": "i32", "N": "i32", "stride_xt": "i32", "stride_xh": "i32",
+                 "stride_dt": "i32", "stride_bt": "i32", "HPG": "i32"},
+                {"HAS_D": with_d, "BLOCK_P": block_p, "BLOCK_N": block_n}, arch=arch,
+                aligned=("x", "dt", "dt_bias", "a", "b", "c", "d", "state", "y", "P", "N",
+                         "stride_xt", "stride_xh", "stride_bt"))
+    return case, {"grid": (heads, triton.cdiv(head_dim, block_p)),
+                  "bytes_per_step": 4 * (block_p + 2 * d_state), "marker": None,
+                  "variant": f"P{block_p}N{block_n}"}

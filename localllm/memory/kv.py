@@ -148,6 +148,9 @@ class KVCache:
     def reset(self) -> None:
         self.n = 0
 
+    def rewritten(self) -> list[torch.Tensor]:
+        return []  # a step writes only the cells of its own positions
+
     def describe(self) -> str:
         return "full"
 
@@ -338,6 +341,9 @@ class RingKVCache:
         self.n = 0
         self.linear = True
         self.checkpoints.clear()
+
+    def rewritten(self) -> list[torch.Tensor]:
+        return []  # a step writes only the cells of its own positions
 
     def describe(self) -> str:
         return f"ring{self.size}"

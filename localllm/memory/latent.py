@@ -60,6 +60,9 @@ class LatentCache:
     def reset(self) -> None:
         self.n = 0
 
+    def rewritten(self) -> list[torch.Tensor]:
+        return []  # a step writes only the cells of its own positions
+
     def describe(self) -> str:
         return f"latent{self.c.shape[1]}"
 

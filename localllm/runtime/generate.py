@@ -70,12 +70,13 @@ def prefill(session: Session, prompt_ids: Sequence[int]) -> tuple[torch.Tensor, 
     """Bring the session's cache to exactly ``prompt_ids`` and return the next-token logits.
 
     Tokens already in the cache are reused (at least the last prompt token is recomputed,
-    for its logits). Returns (logits (n_vocab,) float32, number of reused tokens).
+    for its logits; a recurrent state goes back to its nearest checkpoint and recomputes
+    from there). Returns (logits (n_vocab,) float32, number of reused tokens: those not
+    recomputed).
     """
     keep = min(common_prefix(session.tokens, prompt_ids), len(prompt_ids) - 1)
-    session.truncate(keep)
-    reused = session.n_past
-    return session.eval(prompt_ids[reused:]), reused
+    reused = session.truncate(keep)
+    return session.eval(prompt_ids[session.n_past:]), reused
 
 
 def generate_tokens(

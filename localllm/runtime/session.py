@@ -261,19 +261,21 @@ class Session:
         logits = torch.cat(outs) if all_logits else outs[-1][-1]
         return logits.float()
 
-    def truncate(self, n: int) -> None:
+    def truncate(self, n: int) -> int:
         """Keep the first ``n`` tokens: the memory goes back to the longest prefix it can
         restore (any, for KV caches; a checkpoint, for recurrent states and wrapped rings)
-        and the rest up to ``n`` is recomputed."""
+        and the rest up to ``n`` is recomputed. Returns how many tokens were kept without
+        recomputation."""
         n = max(0, min(n, self.n_past))
         if n == self.n_past:
-            return
+            return n
         keep = self.tokens[:n]
         m = self.memory.restorable(n)
         self.memory.truncate(m)
         del self.tokens[m:]
         if m < n:
             self.eval(keep[m:])
+        return m
 
     def reset(self) -> None:
         """Forget every token."""
@@ -289,7 +291,8 @@ class Session:
 
         Tensors: ``tokens`` int64 (n,); per layer ``{i}.{name}``, its memory's ``state()``
         (``{i}.k`` / ``{i}.v`` (n_kv_heads, n, head_dim) for full caches, the whole ring and
-        ``{i}.positions`` for sliding-window layers, the state tensors of recurrent layers).
+        ``{i}.positions`` for sliding-window layers, the state tensors of recurrent layers and
+        those of their latest checkpoint, ``{i}.{name}@{position}``).
         Metadata: the model file's SHA-256, its name, the geometry and ``ctx_size``.
         Raises:
             LocalLLMError: the file cannot be written.

@@ -115,7 +115,7 @@ def test_memory_restorable_is_a_fixed_point_over_layers():
     assert mem.seq_len == 6
     layout = [KVSpec(2, 4), KVSpec(2, 4, window=4), RecurrentSpec((("s", (3,)),))]
     made = make_memory(layout, 64, dtype=torch.float16, device="cpu", slack=2, checkpoints=1)
-    assert [m.describe() for m in made] == ["full", "ring6", "recurrent-s3"]
+    assert [m.describe() for m in made] == ["full:2x4x4", "ring6:2x4x4", "recurrent-s3"]
 
 
 @pytest.fixture(scope="module")

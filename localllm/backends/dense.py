@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from ..memory import attention_mask
-from . import Backend as _Backend
 from . import ssm
+from .base import Backend as _Backend
 
 # Above this many rows a CPU product takes the float32 GEMM path (see the module docstring).
 GEMV_MAX_ROWS = 8
@@ -57,9 +57,16 @@ class DenseMatrix:
 
 
 class Backend(_Backend):
-    """Every matrix dequantized at load (:class:`DenseMatrix`), ops in torch."""
+    """Every matrix dequantized at load (:class:`DenseMatrix`), ops in torch; the other
+    backends fall back to these dense matrices for the types their kernels lack."""
 
     name = "torch"
+
+    def make_ops(self) -> TorchOps:
+        return TorchOps()
+
+    def dense_matrix_of(self, w: torch.Tensor) -> DenseMatrix:
+        return DenseMatrix(w)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

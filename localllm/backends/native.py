@@ -14,8 +14,8 @@ import torch
 
 from .. import cpu
 from ..errors import UnsupportedError
-from . import Backend as _Backend
-from . import ExpertList
+from .base import ExpertList
+from .dense import Backend as _Backend
 from .dense import TorchOps
 
 # From this many rows per expert on average, a prompt's native experts run as one

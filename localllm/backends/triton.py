@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 
 from .. import kernels
-from . import Backend as _Backend
-from . import ExpertList
+from .base import ExpertList
+from .dense import Backend as _Backend
 from .dense import TorchOps, prefill_attention, store_kv
 
 

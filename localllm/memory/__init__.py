@@ -68,6 +68,8 @@ class LayerMemory(Protocol):
     @property
     def nbytes(self) -> int: ...
 
+    cheap_rewind: bool  # forgets a few just-appended positions without recomputation
+
     def set_length(self, n: int) -> None:
         """Record that positions ``0 .. n-1`` are held (after a static-shape decode step,
         whose write the device computed)."""
@@ -226,6 +228,13 @@ class Memory(Sequence):
     @property
     def nbytes(self) -> int:
         return sum(m.nbytes for m in self.layers)
+
+    @property
+    def cheap_rewind(self) -> bool:
+        """Whether every layer forgets a few just-appended positions without recomputation
+        (KV, ring and latent caches; not recurrent states): what speculative decoding's
+        rejected guesses need."""
+        return all(m.cheap_rewind for m in self.layers)
 
     def set_length(self, n: int) -> None:
         for m in self.layers:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .recurrent import Checkpoints
+from .recurrent import Appendable, Checkpoints
 
 # Extra cells kept by sliding-window caches so that a rollback of up to this many tokens
 # (a chat turn re-rendered by its template) needs no recomputation.
@@ -50,6 +50,11 @@ def attention_mask(
     return mask
 
 
+def _heads(cache) -> str:
+    """``{kv heads}x{key size}x{value size}`` of a cache, for :meth:`describe`."""
+    return f"{cache.k.shape[0]}x{cache.k.shape[2]}x{cache.v.shape[2]}"
+
+
 def _check_float(name: str, t: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
     if t is None:
         raise ValueError(f"no tensor {name!r}")
@@ -60,7 +65,7 @@ def _check_float(name: str, t: torch.Tensor | None, shape: tuple[int, ...]) -> t
     return t
 
 
-class KVCache:
+class KVCache(Appendable):
     """Keys and values of positions ``0 .. size-1``.
 
     Args:
@@ -123,36 +128,11 @@ class KVCache:
 
     # ---- the runtime's side (memory.LayerMemory) ------------------------------------------
     @property
-    def seq_len(self) -> int:
-        return self.n
-
-    @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def set_length(self, n: int) -> None:
-        self.n = n
-
-    def restorable(self, n: int) -> int:
-        return min(n, self.n)
-
-    def truncate(self, n: int) -> None:
-        self.n = min(self.n, n)
-
-    def checkpoint(self) -> None:
-        """Nothing to keep: any prefix is restorable."""
-
-    def wants_checkpoints(self, upto: int) -> bool:
-        return False
-
-    def reset(self) -> None:
-        self.n = 0
-
-    def rewritten(self) -> list[torch.Tensor]:
-        return []  # a step writes only the cells of its own positions
-
     def describe(self) -> str:
-        return "full"
+        return f"full:{_heads(self)}"
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"k": self.k[:, : self.n], "v": self.v[:, : self.n]}
@@ -175,6 +155,8 @@ class RingKVCache:
     ``positions[i]`` is the absolute position held by cell ``i`` (-1 when empty). At most
     ``checkpoints`` copies of a wrapped ring are kept by :meth:`checkpoint`.
     """
+
+    cheap_rewind = True  # see memory.LayerMemory
 
     def __init__(self, window: int, n_kv_heads: int, head_dim: int, *, slack: int,
                  dtype: torch.dtype, device, head_dim_v: int | None = None,
@@ -346,7 +328,7 @@ class RingKVCache:
         return []  # a step writes only the cells of its own positions
 
     def describe(self) -> str:
-        return f"ring{self.size}"
+        return f"ring{self.size}:{_heads(self)}"
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"k": self.k, "v": self.v, "positions": self.positions}

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from .recurrent import Appendable
 
-class LatentCache:
+
+class LatentCache(Appendable):
     """``c`` (size, dim): the latent vector of positions ``0 .. size-1``."""
 
     window: int | None = None
@@ -35,33 +37,8 @@ class LatentCache:
         return self.c
 
     @property
-    def seq_len(self) -> int:
-        return self.n
-
-    @property
     def nbytes(self) -> int:
         return self.c.nbytes
-
-    def set_length(self, n: int) -> None:
-        self.n = n
-
-    def restorable(self, n: int) -> int:
-        return min(n, self.n)
-
-    def truncate(self, n: int) -> None:
-        self.n = min(self.n, n)
-
-    def checkpoint(self) -> None:
-        """Nothing to keep: any prefix is restorable."""
-
-    def wants_checkpoints(self, upto: int) -> bool:
-        return False
-
-    def reset(self) -> None:
-        self.n = 0
-
-    def rewritten(self) -> list[torch.Tensor]:
-        return []  # a step writes only the cells of its own positions
 
     def describe(self) -> str:
         return f"latent{self.c.shape[1]}"

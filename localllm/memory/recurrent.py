@@ -13,6 +13,40 @@ from __future__ import annotations
 import torch
 
 
+class Appendable:
+    """The runtime side of a memory that holds every position it was given (a full KV cache,
+    a latent cache): any prefix is restorable by forgetting the rest; ``n`` positions held."""
+
+    cheap_rewind = True  # see memory.LayerMemory
+
+    n: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.n
+
+    def set_length(self, n: int) -> None:
+        self.n = n
+
+    def restorable(self, n: int) -> int:
+        return min(n, self.n)
+
+    def truncate(self, n: int) -> None:
+        self.n = min(self.n, n)
+
+    def checkpoint(self) -> None:
+        """Nothing to keep: any prefix is restorable."""
+
+    def wants_checkpoints(self, upto: int) -> bool:
+        return False
+
+    def reset(self) -> None:
+        self.n = 0
+
+    def rewritten(self) -> list[torch.Tensor]:
+        return []  # a step writes only the cells of its own positions
+
+
 class Checkpoints:
     """At most ``limit`` copies of a memory's tensors, by the position they were taken at."""
 
@@ -56,6 +90,8 @@ class RecurrentState:
     The layer's mixer reads and writes the tensors in place (``state["conv"]`` ...) and the
     runtime counts positions through :meth:`set_length` / :meth:`advance`.
     """
+
+    cheap_rewind = False  # see memory.LayerMemory
 
     window: int | None = None
 

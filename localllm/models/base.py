@@ -70,6 +70,24 @@ class TensorSpec:
     parts: tuple[int, ...] | None = None
 
 
+@dataclass(kw_only=True)
+class DecoderArgs:
+    """The hyperparameters every decoder here has (``common_hparams`` reads them); a
+    family's ``ModelArgs`` extends it (keyword-only fields)."""
+
+    arch: str  # general.architecture
+    n_vocab: int
+    n_layers: int  # block_count
+    d_model: int  # embedding_length
+    n_heads: int  # attention.head_count
+    n_kv_heads: int  # attention.head_count_kv
+    head_dim: int  # attention.key_length
+    context_length: int
+    norm_eps: float = 1e-5  # attention.layer_norm_rms_epsilon
+    rope_base: float = 10_000.0  # rope.freq_base
+    rope_scale: float = 1.0  # linear RoPE scaling: 1 / rope.scaling.factor
+
+
 @dataclass
 class Weights:
     """The top-level tensors of a decoder; a family's ``Weights`` adds its own (RoPE factor

@@ -33,6 +33,7 @@ from .base import (
     MAX_CONTEXT,
     REQUIRED,
     BaseModel,
+    DecoderArgs,
     HParams,
     TensorSpec,
     common_hparams,
@@ -43,23 +44,13 @@ SWA_PATTERN = {"gemma": 0, "gemma2": 2, "gemma3": 6}  # every n-th layer global;
 LAYERS_27B = {"gemma2": 46, "gemma3": 62}
 
 
-@dataclass
-class ModelArgs:
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     """Hyperparameters from ``{gemma,gemma2,gemma3}.*`` metadata keys."""
 
-    arch: str
-    n_vocab: int
-    n_layers: int  # block_count
-    d_model: int  # embedding_length
-    n_heads: int  # attention.head_count
-    n_kv_heads: int  # attention.head_count_kv
-    head_dim: int  # attention.key_length
     ffn_dim: int  # feed_forward_length
-    context_length: int
     norm_eps: float = 1e-6
-    rope_base: float = 10_000.0  # global layers
     rope_base_swa: float = 10_000.0  # sliding-window layers (gemma3)
-    rope_scale: float = 1.0  # linear scaling of global layers: 1 / rope.scaling.factor
     sliding_window: int | None = None
     swa_pattern: int = 0
     attn_softcap: float | None = None  # gemma2

@@ -39,6 +39,7 @@ from .base import (
     MAX_EXPERTS,
     REQUIRED,
     BaseModel,
+    DecoderArgs,
     HParams,
     TensorSpec,
     Weights,
@@ -51,22 +52,11 @@ QKV_BIAS = frozenset({"qwen2"})  # required Q/K/V biases (llama: optional biases
 QK_NORM = frozenset({"qwen3", "qwen3moe"})
 
 
-@dataclass
-class ModelArgs:
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     """Hyperparameters from ``{arch}.*`` metadata keys."""
 
-    arch: str
-    n_vocab: int
-    n_layers: int  # block_count
-    d_model: int  # embedding_length
-    n_heads: int  # attention.head_count
-    n_kv_heads: int  # attention.head_count_kv
-    head_dim: int  # attention.key_length
     ffn_dim: int  # feed_forward_length (0 for MoE files without it)
-    context_length: int
-    norm_eps: float = 1e-5
-    rope_base: float = 10_000.0
-    rope_scale: float = 1.0  # linear scaling: 1 / rope.scaling.factor
     rope_yarn: dict | None = None  # YaRN: common.yarn_rope's arguments
     sliding_window: int | None = None  # mistral-style SWA on every layer, when given
     n_expert: int = 0  # expert_count

@@ -16,26 +16,16 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import REQUIRED, BaseModel, HParams, TensorSpec, common_hparams
+from .base import REQUIRED, BaseModel, DecoderArgs, HParams, TensorSpec, common_hparams
 from .common import Linear, Split, positions_of, rope_inv_freq
 
 
-@dataclass
-class ModelArgs:
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     """Hyperparameters from ``olmo2.*`` metadata keys."""
 
-    arch: str
-    n_vocab: int
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
     ffn_dim: int
-    context_length: int
     norm_eps: float = 1e-6
-    rope_base: float = 10_000.0
-    rope_scale: float = 1.0
 
     @classmethod
     def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:

@@ -24,6 +24,7 @@ from .base import (
     MAX_CONTEXT,
     REQUIRED,
     BaseModel,
+    DecoderArgs,
     HParams,
     TensorSpec,
     Weights,
@@ -32,22 +33,11 @@ from .base import (
 from .common import Linear, positions_of, rope_inv_freq
 
 
-@dataclass
-class ModelArgs:
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     """Hyperparameters from ``phi3.*`` metadata keys."""
 
-    arch: str
-    n_vocab: int
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
     ffn_dim: int
-    context_length: int
-    norm_eps: float = 1e-5
-    rope_base: float = 10_000.0
-    rope_scale: float = 1.0
     rope_orig_context: int = 0  # rope.scaling.original_context_length
     rope_attn_factor: float = 1.0  # rope.scaling.attn_factor
     attention_scale: float = 0.0

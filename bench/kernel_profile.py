@@ -165,8 +165,8 @@ def decode_gemv_case(qtype: T, n: int, k: int, arch: int) -> tuple[Case, dict]:
 
 
 def other_cases(arch: int) -> dict[str, tuple[Case, dict]]:
-    """Prefill GEMM, dequantize, activation quantization and decode attention (one shape
-    each: their code does not depend on the matrix shape)."""
+    """Prefill GEMM, dequantize, activation quantization, decode attention (one shape each:
+    their code does not depend on the matrix shape) and the state-space recurrences."""
     from localllm.kernels import PLANES
     from localllm.kernels.attention import attention_case, default_block_s
     from localllm.kernels.decode import GROUP_SIZES
@@ -215,6 +215,14 @@ def other_cases(arch: int) -> dict[str, tuple[Case, dict]]:
             attention_case(group, d, ring=ring, arch=arch),
             {"bytes_per_step": 2 * bs * d * 2, "marker": None, "loop_op": "HMMA",
              "variant": f"G{group}D{d}S{bs}{'R' if ring else ''}"})  # fmt: skip
+    # State-space models' recurrences (Granite-4.0-H-1B's Mamba2: 48 heads x 64, state 128,
+    # 3328 convolution channels; LFM2-1.2B's gated convolution: 2048 channels, 3 taps):
+    # the main loop is the one over tokens; bytes per step are what a program reads a token.
+    from localllm.kernels.ssm import conv_case, scan_case
+
+    out["short_conv/granite4-1b"] = conv_case(3328, 4, arch=arch)
+    out["short_conv/lfm2-1.2b"] = conv_case(2048, 3, bias=False, silu=False, arch=arch)
+    out["ssm_scan/granite4-1b"] = scan_case(48, 64, 128, arch=arch)
     return out
 
 

@@ -11,7 +11,8 @@ decode them on the fly:
 - :mod:`.norm_rope`: RMSNorm and RoPE;
 - :mod:`.fused`: fused element-wise work of a layer (``rms_norm_rope``, ``norm_rope_kv``,
   ``residual_rms_norm``, ``gated_act``): fewer launches per decode step;
-- :mod:`.attention`: decode attention over the KV cache (flash-decoding, split-K).
+- :mod:`.attention`: decode attention over the KV cache (flash-decoding, split-K);
+- :mod:`.ssm`: the short convolution and Mamba2's selective scan of state-space models.
 
 Every kernel also runs on CPU tensors through Triton's interpreter (slowly: for tests);
 :mod:`._aot` compiles them for NVIDIA GPUs without one (``bench/kernel_profile.py``).
@@ -68,6 +69,8 @@ __all__ = [
     "rms_norm",
     "rms_norm_rope",
     "rope",
+    "short_conv",
+    "ssm_scan",
     "supports",
     "triton_available",
 ]
@@ -84,6 +87,8 @@ _LAZY = {
     "rms_norm": ".norm_rope",
     "rms_norm_rope": ".fused",
     "rope": ".norm_rope",
+    "short_conv": ".ssm",
+    "ssm_scan": ".ssm",
 }
 
 

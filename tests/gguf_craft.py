@@ -341,7 +341,12 @@ EXTRA_KEYS = ["rope.scaling.type", "rope.scaling.factor", "attention.sliding_win
               "expert_count", "expert_used_count", "expert_feed_forward_length",
               "rope.dimension_count", "attention.scale", "embedding_scale", "logit_scale",
               "attn_logit_softcapping", "final_logit_softcapping", "expert_weights_norm",
-              "rope.scaling.attn_factor", "rope.scaling.original_context_length"]
+              "rope.scaling.attn_factor", "rope.scaling.original_context_length",
+              # hybrid and state-space models (issue #27)
+              "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank",
+              "ssm.group_count", "shortconv.l_cache", "rope.scaling.finetuned",
+              "expert_shared_feed_forward_length", "attention.layer_norm_epsilon",
+              "residual_scale"]
 
 
 def mutate_metadata(md: dict, rng) -> dict:
@@ -374,7 +379,9 @@ def mutate_metadata(md: dict, rng) -> dict:
 
 
 def metadata_fuzz_seeds(directory) -> list:
-    """Small valid models of several families (opened ``GGUFFile``s) for the metadata fuzzer."""
+    """Small valid models of several families (opened ``GGUFFile``s) for the metadata fuzzer;
+    the hybrid and state-space ones are their llama.cpp fixtures (tests/families.py), whose
+    per-layer arrays the mutations cut, zero and retype."""
     from pathlib import Path
 
     from tiny_model import write_tiny_gguf
@@ -384,8 +391,11 @@ def metadata_fuzz_seeds(directory) -> list:
     moe = {"expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32}
     cases = [("llama", {}), ("qwen2", {}), ("gemma3", {"n_layers": 6}), ("gemma2", {}),
              ("qwen3moe", {"extra": moe}), ("phi3", {}), ("olmo2", {}), ("granite", {})]
+    from families import write_family
+
+    hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2"]
     return [open_gguf(write_tiny_gguf(Path(directory) / f"seed-{arch}.gguf", arch, **kw))
-            for arch, kw in cases]
+            for arch, kw in cases] + [open_gguf(write_family(f, directory)) for f in hybrids]
 
 
 def load_with_metadata(f, md: dict, rng) -> str:

@@ -45,6 +45,7 @@ from localllm.kernels.gemv import (
     mmvq_case,
 )
 from localllm.kernels.norm_rope import _rms_norm_kernel
+from localllm.kernels.ssm import _short_conv_kernel, _ssm_scan_kernel, conv_case, scan_case
 
 from localllm.gguf.quants import BLOCK_FORMATS
 
@@ -271,6 +272,10 @@ CASES = {
     "gated_act-gelu_tanh-2048-q8": _gated_act("gelu_tanh", 2048, q8=True),
     "gated_act-gelu_tanh-2048": _gated_act("gelu_tanh", 2048),
     "gated_act-silu-14336": _gated_act("silu", 14336),
+    "short_conv-granite4-k4": conv_case(3328, 4)[0],
+    "short_conv-lfm2-k3-nobias": conv_case(2048, 3, bias=False, silu=False)[0],
+    "ssm_scan-granite4-p64-n128": scan_case(48, 64, 128)[0],
+    "ssm_scan-n16-nod": scan_case(8, 64, 16, with_d=False)[0],
 }
 
 
@@ -303,7 +308,7 @@ def test_every_kernel_type_is_covered():
     launched = {_dequant_kernel, _gemv_kernel, _gemv1_kernel, _gemm_kernel, _rms_norm_kernel,
                 _rms_norm_rope_kernel, _residual_rms_norm_kernel, _gated_act_kernel,
                 _norm_rope_kv_kernel, _mmvq_kernel, _mmvq32_kernel, _quantize_q8_kernel,
-                _decode_attention_kernel}  # fmt: skip
+                _decode_attention_kernel, _short_conv_kernel, _ssm_scan_kernel}  # fmt: skip
     assert {c.kernel for c in cases} == launched
 
 

@@ -95,10 +95,14 @@ class KernelOps(TorchOps):
     (:func:`localllm.kernels.decode_attention`), which reads only the visible part of a
     cache; a decode token's QK-norm, RoPE and cache write are one more launch
     (:func:`localllm.kernels.norm_rope_kv`). Prefill attention is torch's fused SDPA in the
-    cache's dtype (:func:`prefill_attention`), :func:`attend` only with soft-capping."""
+    cache's dtype (:func:`prefill_attention`), :func:`attend` only with soft-capping. The
+    short convolution and Mamba2's scan are one launch each, for a token or a prompt
+    (:mod:`localllm.kernels.ssm`)."""
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if weight.dim() != 1:  # a weight per group of rows (Mamba2's grouped norm): torch
+            return TorchOps.rms_norm(x, weight, eps)
         return kernels.rms_norm(x, weight, eps)
 
     @staticmethod
@@ -139,6 +143,14 @@ class KernelOps(TorchOps):
                                else cache.written(pos))
         return kernels.decode_attention(q1, keys, values, positions, k_positions=k_pos,
                                 window=cache.window, scale=scale, softcap=softcap)
+
+    @staticmethod
+    def short_conv(x, weight, bias, state, *, silu):
+        return kernels.short_conv(x, weight, bias, state, silu=silu)
+
+    @staticmethod
+    def ssm_scan(x, dt, dt_bias, a, b, c, d, state):
+        return kernels.ssm_scan(x, dt, dt_bias, a, b, c, d, state)
 
     def attention(self, q, k, v, cache, pos, positions, *, scale: float,
                   softcap: float | None = None) -> torch.Tensor:

@@ -186,6 +186,57 @@ GEOMETRIES: dict[str, Geometry] = {
         1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
         n_pad_tokens=290, extra={"qwen3moe.expert_count": 64, "qwen3moe.expert_used_count": 8,
                                  "qwen3moe.expert_feed_forward_length": 256}),
+    # ---- hybrid and state-space models (issue #27) ------------------------------------------
+    # Mamba2-370m (state-spaces): 48 Mamba2 layers, GPT-NeoX vocabulary padded to 16
+    "mamba2-370m": Geometry(
+        "mamba2-370m", "mamba2", 50288, 48, 1024, 0, 0, 0, 0, 1 << 20, 10000.0, 1e-5,
+        "gpt2", "gpt-2", specials=("<|endoftext|>",), tied_output=True,
+        extra={"mamba2.ssm.conv_kernel": 4, "mamba2.ssm.inner_size": 2048,
+               "mamba2.ssm.state_size": 128, "mamba2.ssm.time_step_rank": 32,
+               "mamba2.ssm.group_count": 1}),
+    # Granite-4.0-H-1B's proportions: 40 layers, 4 of them attention (9:1), no positions,
+    # Mamba2 of 48 heads x 64, SwiGLU 4096, tied output
+    "granite4-1b": Geometry(
+        "granite4-1b", "granitehybrid", 100352, 40, 1536, 12, 4, 128, 4096, 131072, 10000.0,
+        1e-5, "gpt2", "dbrx", specials=("<|end_of_text|>", "<|start_of_role|>",
+                                        "<|end_of_role|>"),
+        tied_output=True, optional=("ssm_conv1d.bias",),
+        extra={"granitehybrid.attention.head_count_kv": [4 if i % 10 == 9 else 0
+                                                          for i in range(40)],
+               "granitehybrid.ssm.conv_kernel": 4, "granitehybrid.ssm.inner_size": 3072,
+               "granitehybrid.ssm.state_size": 128, "granitehybrid.ssm.time_step_rank": 48,
+               "granitehybrid.ssm.group_count": 1, "granitehybrid.rope.scaling.finetuned": False,
+               "granitehybrid.embedding_scale": 12.0, "granitehybrid.residual_scale": 0.246,
+               "granitehybrid.attention.scale": 0.0078125, "granitehybrid.logit_scale": 6.0}),
+    # LFM2-1.2B: 16 layers, attention at 2, 5, 8, 10, 12, 14, short convolutions of 3 taps
+    "lfm2-1.2b": Geometry(
+        "lfm2-1.2b", "lfm2", 65536, 16, 2048, 32, 8, 64, 8192, 128000, 1000000.0, 1e-5,
+        "gpt2", "lfm2", specials=("<|startoftext|>", "<|im_end|>", "<|pad|>"),
+        tied_output=True,
+        extra={"lfm2.attention.head_count_kv": [8 if i in (2, 5, 8, 10, 12, 14) else 0
+                                                 for i in range(16)],
+               "lfm2.shortconv.l_cache": 3}),
+    # Falcon-H1-0.5B's proportions: 36 layers, each attention (8 heads, 2 KV) beside a
+    # Mamba2 (24 heads x 64)
+    "falcon-h1-0.5b": Geometry(
+        "falcon-h1-0.5b", "falcon-h1", 32784, 36, 1024, 8, 2, 64, 2048, 16384, 100000000000.0,
+        1e-5, "gpt2", "falcon-h1", specials=("<|end_of_text|>", "<|begin_of_text|>"),
+        optional=("ssm_conv1d.bias",),
+        extra={"falcon-h1.ssm.conv_kernel": 4, "falcon-h1.ssm.inner_size": 1536,
+               "falcon-h1.ssm.state_size": 128, "falcon-h1.ssm.time_step_rank": 24,
+               "falcon-h1.ssm.group_count": 1}),
+    # Nemotron-H-4B's proportions: 52 layers alternating Mamba2 (112 heads x 64, 8 groups)
+    # or attention with a squared-ReLU FFN; 4 attention layers
+    "nemotron-h-4b": Geometry(
+        "nemotron-h-4b", "nemotron_h", 131072, 52, 3072, 32, 8, 128, 12288, 8192, 10000.0,
+        1e-5, "gpt2", "llama-bpe", specials=("<s>", "</s>"), optional=("ssm_conv1d.bias",),
+        extra={"nemotron_h.attention.head_count_kv": [8 if i in (14, 22, 34, 44) else 0
+                                                       for i in range(52)],
+               "nemotron_h.feed_forward_length": [12288 if i % 2 else 0 for i in range(52)],
+               "nemotron_h.attention.layer_norm_epsilon": 1e-5,
+               "nemotron_h.ssm.conv_kernel": 4, "nemotron_h.ssm.inner_size": 7168,
+               "nemotron_h.ssm.state_size": 128, "nemotron_h.ssm.time_step_rank": 112,
+               "nemotron_h.ssm.group_count": 8}),
 }
 
 
@@ -198,8 +249,22 @@ def tensor_shapes(g: Geometry) -> list[tuple[str, tuple[int, ...]]]:
     args = model_args(_hparams(g), g.n_vocab)
     return [(s.name, s.shape) for s in tensor_specs(args)
             if not s.optional or (s.name == "output.weight" and not g.tied_output)
-            or s.name in g.optional or (g.qkv_bias and ".bias" in s.name
-                                       and "attn_output" not in s.name)]
+            or s.name in g.optional or _unlayered(s.name) in g.optional
+            or (g.qkv_bias and ".bias" in s.name and "attn_output" not in s.name)]
+
+
+def _unlayered(name: str) -> str:
+    """``blk.3.ssm_conv1d.bias`` -> ``ssm_conv1d.bias`` (a per-layer optional tensor in
+    ``Geometry.optional`` names every layer's)."""
+    return name.split(".", 2)[2] if name.startswith("blk.") else name
+
+
+def _stored_f32(name: str, shape: tuple[int, ...]) -> bool:
+    """Vectors and the state-space parameters (``models.base.DENSE_TENSORS``: llama.cpp's
+    SSM kernels read them as F32) are written F32; other matrices F16 before the recipe."""
+    from .base import DENSE_TENSORS, layer_of
+
+    return len(shape) == 1 or layer_of(name)[1] in DENSE_TENSORS
 
 
 def tensor_types(g: Geometry, quant: str) -> dict[str, GGMLQuantizationType]:
@@ -207,7 +272,7 @@ def tensor_types(g: Geometry, quant: str) -> dict[str, GGMLQuantizationType]:
     from ..quantize.recipe import parse_file_type, plan
 
     ftype = parse_file_type(quant)
-    tensors = [(n, s, Q.F16 if len(s) > 1 else Q.F32) for n, s in tensor_shapes(g)]
+    tensors = [(n, s, Q.F32 if _stored_f32(n, s) else Q.F16) for n, s in tensor_shapes(g)]
     return plan(tensors, _hparams(g), ftype)
 
 
@@ -329,6 +394,24 @@ _SCALE_LAYOUT: dict[GGMLQuantizationType, tuple[int, int | None, float]] = {
 _UNIT_STD: dict[GGMLQuantizationType, float] = {}
 
 
+def _ssm_values(name: str, x: np.ndarray, rng: np.random.Generator) -> np.ndarray | None:
+    """Values of a state-space tensor in the ranges of Mamba2's initialization (Dao & Gu
+    2024), from standard normals ``x``; None for other tensors. ``ssm_a``: A = -exp(U(0,
+    ln 16)) (the converter stores -exp(A_log)); ``ssm_d``: D = 1 + N(0, 0.1);
+    ``ssm_dt.bias``: softplus^-1 of dt log-uniform in [0.001, 0.1]; convolution kernels
+    (``ssm_conv1d``, LFM2's ``shortconv.conv``): N(0, 0.5)."""
+    if name.endswith(".ssm_a"):
+        return -np.exp(rng.uniform(0.0, np.log(16.0), x.size)).astype(np.float32)
+    if name.endswith(".ssm_d"):
+        return (1.0 + 0.1 * x).astype(np.float32)
+    if name.endswith("ssm_dt.bias"):
+        dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), x.size))
+        return (dt + np.log(-np.expm1(-dt))).astype(np.float32)
+    if name.endswith(("ssm_conv1d.weight", "shortconv.conv.weight")):
+        return (0.5 * x).astype(np.float32)
+    return None
+
+
 def _random_blocks(qtype: GGMLQuantizationType, n_blocks: int, d: float,
                    rng: np.random.Generator) -> np.ndarray:
     """``n_blocks`` random blocks of ``qtype`` with scales ``d`` x U(0.75, 1.25): uint8
@@ -364,13 +447,17 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
     """Random data of one tensor as the bytes GGUF stores: uint8 (n_bytes,).
 
     Norm weights are 1 + N(0, 0.02) (Gemma's GGUF norms already include its +1); RoPE
-    frequency factors (``rope_freqs``, ``rope_factors_*``) 1 + |N(0, 2)|; biases and
-    float matrices are N(0, ``std``); quantized matrices dequantize to std ~``std``.
+    frequency factors (``rope_freqs``, ``rope_factors_*``) 1 + |N(0, 2)|; state-space
+    parameters as :func:`_ssm_values` makes them; biases and float matrices are
+    N(0, ``std``); quantized matrices dequantize to std ~``std``.
     """
     n = int(np.prod(shape))
     if qtype in (Q.F32, Q.F16, Q.BF16):
         x = rng.standard_normal(n, dtype=np.float32)
-        if "norm" in name:
+        ssm = _ssm_values(name, x, rng)
+        if ssm is not None:
+            x = ssm
+        elif "norm" in name:
             x *= WEIGHT_STD
             x += 1.0
         elif name.startswith("rope_f"):
@@ -444,11 +531,13 @@ def cache_path(name: str, quant: str) -> Path:
 
 
 def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: int = 0,
-                    weight_std: float = WEIGHT_STD,
+                    weight_std: float = WEIGHT_STD, stem_std: dict[str, float] | None = None,
                     progress: Callable[[int, int], None] | None = None) -> Path:
     """Write a random-weights GGUF of ``geometry`` with the tensor types of recipe ``quant``.
 
-    ``weight_std``: standard deviation of the matrices (larger: a more peaked next-token
+    ``stem_std``: another standard deviation for the tensors of some stems (``{"ssm_in":
+    0.05}``: a state-space input projection whose time steps stay small, as trained ones
+    do). ``weight_std``: standard deviation of the matrices (larger: a more peaked next-token
     distribution, as the llama.cpp comparison fixtures use). The file is a deterministic
     function of the arguments.
 
@@ -463,6 +552,7 @@ def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: i
         LocalLLMError: not enough disk space, or the file cannot be written.
     """
     from ..quantize.recipe import FILE_TYPES
+    from .base import layer_of
 
     path = Path(path)
     quant = quant.upper()
@@ -498,7 +588,8 @@ def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: i
         w.write_ti_data_to_file()
         done = 0
         for name, shape in shapes:
-            data = random_tensor(name, shape, types[name], rng, weight_std)
+            std = (stem_std or {}).get(layer_of(name)[1], weight_std)
+            data = random_tensor(name, shape, types[name], rng, std)
             w.write_tensor_data(data)  # straight to the file: one tensor in memory at a time
             done += data.nbytes
             del data

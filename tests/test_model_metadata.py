@@ -158,4 +158,4 @@ def test_cli_names_the_key_in_one_line(monkeypatch, capsys, workdir):
 def test_valid_values_still_load(tiny_model_path):
     m = _load(tiny_model_path("llama"), **{"llama.context_length": 128,
                                            "llama.rope.freq_base": 500000.0})
-    assert m.args.context_length == 128 and np.isclose(m.args.rope_base, 500000.0)
+    assert m.args.context_length == 128 and np.isclose(m.args.rope.base, 500000.0)

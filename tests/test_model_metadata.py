@@ -67,7 +67,9 @@ BAD_VALUES = [
     ("llama.attention.sliding_window", -1, "llama.attention.sliding_window"),
     ("llama.expert_count", 4, "llama.expert_used_count"),  # MoE without its other keys
     ("llama.attention.value_length", 32, "llama.attention.value_length"),
-    ("llama.rope.dimension_count", 8, "llama.rope.dimension_count"),
+    ("llama.rope.dimension_count", 18, "llama.rope.dimension_count"),  # above the head size
+    ("llama.rope.dimension_count", 7, "llama.rope.dimension_count"),  # odd
+    ("llama.rope.scaling.factor", 0.0, "llama.rope.scaling.factor"),
     ("general.architecture", "gemma3", "gemma3.embedding_length"),  # keys of another arch
     ("general.architecture", "mamba9", "mamba9"),
     ("general.architecture", 7, "architecture"),
@@ -85,7 +87,7 @@ def test_bad_hyperparameter_is_one_error_naming_it(tiny_model_path, no_weights, 
     assert "\n" not in msg and named in msg
 
 
-@pytest.mark.parametrize("kind", ["longrope", "llama4", 5])
+@pytest.mark.parametrize("kind", ["dynamic", "llama4", 5])
 def test_unsupported_rope_scaling_names_the_key(tiny_model_path, no_weights, kind):
     with pytest.raises(LocalLLMError, match=r"llama\.rope\.scaling\.type"):
         _load(tiny_model_path("llama"), **{"llama.rope.scaling.type": kind,
@@ -146,13 +148,13 @@ def test_memory_estimate_is_bounded_by_validated_values(tiny_model_path, no_weig
 def test_cli_names_the_key_in_one_line(monkeypatch, capsys, workdir):
     from tiny_model import write_tiny_gguf
 
-    f = write_tiny_gguf(workdir / "longrope.gguf", "llama",
-                        extra={"rope.scaling.type": "longrope", "rope.scaling.factor": 4.0})
+    f = write_tiny_gguf(workdir / "dynamic.gguf", "llama",
+                        extra={"rope.scaling.type": "dynamic", "rope.scaling.factor": 4.0})
     for cmd in ("run", "info"):
         args = [cmd, str(f)] + (["hello"] if cmd == "run" else [])
         code, _, err = run_cli(monkeypatch, capsys, *args)
         assert code == 1
-        assert_one_line_error(code, err, "llama.rope.scaling.type", "longrope")
+        assert_one_line_error(code, err, "llama.rope.scaling.type", "dynamic")
 
 
 def test_valid_values_still_load(tiny_model_path):

@@ -216,6 +216,18 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def xielu(x: torch.Tensor, alpha_n: float, alpha_p: float, beta: float, eps: float) -> torch.Tensor:
+    """xIELU (Huang & Schlag 2025, "Deriving Activation Functions Using Integration"), as
+    ggml's ``op_xielu`` computes it (``ggml/src/ggml-cpu/unary-ops.cpp``), element-wise on
+    float32 x: ``alpha_p x^2 + beta x`` where x > 0, else
+    ``alpha_n (expm1(min(x, eps)) - x) + beta x``. The parameters are the effective ones
+    (``ggml_xielu``: alpha_p = softplus(a_p), alpha_n = beta + softplus(a_n) of the file's
+    ``xielu.*`` values)."""
+    pos = x * (x * alpha_p + beta)
+    neg = (torch.expm1(torch.clamp(x, max=eps)) - x) * alpha_n + x * beta
+    return torch.where(x > 0, pos, neg)
+
+
 # Gate activations of gated FFNs (GEGLU, SwiGLU: Shazeer 2020) by name.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_tanh": gelu_tanh,
@@ -239,6 +251,7 @@ class TorchOps:
     rms_norm = staticmethod(rms_norm)
     rope_angles = staticmethod(rope_angles)
     rotate = staticmethod(rotate)
+    xielu = staticmethod(xielu)  # Apertus' FFN activation (not gated)
 
     def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, angles, *,
                   neox: bool) -> torch.Tensor:

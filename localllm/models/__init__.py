@@ -34,7 +34,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import UnsupportedError
-from . import gemma, llama, olmo2, phi3
+from . import apertus, exaone4, gemma, llama, olmo2, phi3
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "llama": llama,
@@ -43,6 +43,13 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "qwen2": llama,
     "qwen3": llama,
     "qwen3moe": llama,
+    "mistral3": llama,
+    "smollm3": llama,
+    "ernie4_5": llama,
+    "seed_oss": llama,
+    "hunyuan-dense": llama,
+    "apertus": apertus,
+    "exaone4": exaone4,
     "gemma": gemma,
     "gemma2": gemma,
     "gemma3": gemma,

@@ -268,7 +268,7 @@ class Model(BaseModel):
                 b.ffn_norm, b.post_attention_norm = b.post_attention_norm, None
             if var.output_bias == "ignored":
                 b.attn_output.bias = None
-            if var.qk_norm == "before":
+            if var.qk_norm:
                 b.attn_q_norm = self.rope.arrange_weight(b.attn_q_norm)
                 b.attn_k_norm = self.rope.arrange_weight(b.attn_k_norm)
 

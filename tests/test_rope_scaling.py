@@ -100,7 +100,7 @@ def test_partial_rope_loads_and_is_applied_in_every_family(arch, tmp_path, plain
 BAD = [
     ("llama", {"rope.scaling.type": "dynamic"}, "llama.rope.scaling.type"),
     ("exaone4", {"rope.scaling.type": "llama4"}, "exaone4.rope.scaling.type"),
-    ("gemma3", {"rope.scaling.type": ""}, "gemma3.rope.scaling.type"),
+    ("gemma3", {"rope.scaling.type": "Linear"}, "gemma3.rope.scaling.type"),
     ("phi3", {"rope.scaling.type": 5}, "phi3.rope.scaling.type"),
     ("qwen2", {"rope.scaling.type": "yarn", "rope.scaling.factor": 0.0},
      "qwen2.rope.scaling.factor"),

@@ -267,6 +267,10 @@ GEOMETRIES: dict[str, Geometry] = {
         "hunyuan-1b", "hunyuan-dense", 120818, 16, 2048, 16, 4, 128, 6144, 262144, 10000.0,
         1e-5, "gpt2", "hunyuan-dense", specials=_HUNYUAN_SPECIALS, tied_output=True,
         extra={"hunyuan-dense.rope.scaling.alpha": 1000.0}),
+    # ERNIE-4.5-0.3B's vocabulary, head size and GQA ratio at 1B
+    "ernie4.5-1b": Geometry(
+        "ernie4.5-1b", "ernie4_5", 103424, 16, 2048, 32, 4, 64, 6144, 131072, 500000.0,
+        1e-5, "llama", "default", specials=("<unk>", "<s>", "</s>", "<pad>"), tied_output=True),
     # Qwen3-30B-A3B's proportions at 1B: 64 experts, 8 used (0.3B active), expert FFN 256
     "qwen3moe-1b": Geometry(
         "qwen3moe-1b", "qwen3moe", 151936, 16, 1024, 16, 4, 128, 3072, 40960, 1000000.0,

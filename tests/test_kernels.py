@@ -247,7 +247,7 @@ def test_rope(neox, device):
     from localllm.kernels.norm_rope import rope
 
     from localllm.backends.dense import apply_rope
-    from localllm.models.common import rope_inv_freq
+    from localllm.models.rope import rope_inv_freq
 
     head_dim = 24  # half = 12: not a power of two
     x = torch.randn(3, 5, head_dim)

@@ -149,16 +149,17 @@ class NativeOps(TorchOps):
         return self._gated(gate, up, self.ACT[act], gate if overwrite else None)
 
     def self_attention(self, q, k, v, q_norm, k_norm, eps, angles, cache, pos, positions, *,
-                       head_dim, neox, scale, softcap=None):
+                       head_dim, neox, scale, softcap=None, norm_after_rope=False):
         t = q.shape[0]
         where = None
-        if t <= self.FEW and isinstance(pos, int) and cache.k.dtype in (torch.float32,
-                                                                        torch.float16):
+        if (t <= self.FEW and isinstance(pos, int) and not norm_after_rope
+                and cache.k.dtype in (torch.float32, torch.float16)):
             where = cache.decode_slot(pos, t)
-        if where is None:  # prefill, static decode, or a wrapped ring: the torch attention
+        if where is None:  # prefill, static decode, a wrapped ring, a norm after the rotation
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
                                           positions, head_dim=head_dim, neox=neox,
-                                          scale=scale, softcap=softcap)
+                                          scale=scale, softcap=softcap,
+                                          norm_after_rope=norm_after_rope)
         slot, live, k_pos = where
         cos, sin = angles
         return self._attn_decode(q, k, v, q_norm, k_norm, eps, cos, sin, neox, cache.k, cache.v,

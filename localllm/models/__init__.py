@@ -36,7 +36,8 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import UnsupportedError
-from . import falcon_h1, gemma, granite_hybrid, lfm2, llama, mamba2, nemotron_h, olmo2, phi3
+from . import (apertus, exaone4, falcon_h1, gemma, granite_hybrid, lfm2, llama, mamba2,
+               nemotron_h, olmo2, phi3)
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "llama": llama,
@@ -45,6 +46,13 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "qwen2": llama,
     "qwen3": llama,
     "qwen3moe": llama,
+    "mistral3": llama,
+    "smollm3": llama,
+    "ernie4_5": llama,
+    "seed_oss": llama,
+    "hunyuan-dense": llama,
+    "apertus": apertus,
+    "exaone4": exaone4,
     "gemma": gemma,
     "gemma2": gemma,
     "gemma3": gemma,

@@ -26,6 +26,7 @@ from ..data import GRAMMARS_DIR  # the ready grammars (package data)
 from ..errors import GrammarError, LocalLLMError, ParameterError
 from ..tokenizer import USER_DEFINED
 from .gbnf import gbnf_to_lark
+from .schema import check_sizes
 
 # Resource limits handed to llguidance (its defaults, made explicit, a little tighter on
 # grammar size): compile time and memory stay bounded whatever grammar a user passes.
@@ -326,6 +327,7 @@ class GrammarConstraint:
         if isinstance(schema, bool):
             schema = {} if schema else {"not": {}}
         check_schema(schema, source)
+        check_sizes(schema, source)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
         except (ValueError, TypeError, RecursionError) as e:

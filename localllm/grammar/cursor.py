@@ -20,6 +20,7 @@ import math
 from typing import Any
 
 from .schema import (
+    FORMATS,
     Schemas,
     dump,
     finish_number,
@@ -38,10 +39,6 @@ _NUMBER_BYTES = frozenset(b"0123456789.eE+-")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _ESCAPES = frozenset(b'"\\/bfnrtu')
 _LITERALS = {ord("t"): b"true", ord("f"): b"false", ord("n"): b"null"}
-_FORMATS = {
-    "date-time": "2000-01-01T00:00:00Z", "date": "2000-01-01", "time": "00:00:00Z",
-    "uuid": "00000000-0000-0000-0000-000000000000",
-}
 
 
 class _Frame:
@@ -429,10 +426,10 @@ def _finish_scalar(sc: _Scalar) -> list[bytes]:
     seal = _seal(sc)
     out = []
     fmt = s.get("format")
-    if isinstance(fmt, str) and fmt in _FORMATS:
+    if isinstance(fmt, str) and fmt in FORMATS:
         # Follow the template from where the text is (a prefix of another value of the
         # format usually continues as the template does: "2024-0" + "1-01T...").
-        template = _FORMATS[fmt].encode()
+        template = FORMATS[fmt].encode()
         written = len(sc.raw) + len(seal)
         if written <= len(template):
             out.append(seal + template[written:] + b'"')

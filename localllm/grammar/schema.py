@@ -30,12 +30,11 @@ from ..errors import GrammarError
 MAX_SCHEMA_SIZE = 10_000
 # The longest smallest value computed (bytes), whatever the token budget.
 MAX_MINIMAL_BYTES = 256 * 1024
-_SIZE_KEYWORDS = ("minItems", "minLength", "minProperties", "maxItems", "maxLength",
-                  "maxProperties")
+_SIZE_KEYWORDS = ("minItems", "minLength", "minProperties")
 _MAX_ALTERNATIVES = 64  # branches of nested anyOf/oneOf followed at once
 
 # Smallest strings of the formats llguidance implements (a value the format accepts).
-_FORMATS = {
+FORMATS = {
     "date-time": "2000-01-01T00:00:00Z", "date": "2000-01-01", "time": "00:00:00Z",
     "email": "a@a.aa", "uuid": "00000000-0000-0000-0000-000000000000", "uri": "a:",
     "hostname": "a", "ipv4": "0.0.0.0", "ipv6": "::", "duration": "P0D",
@@ -222,9 +221,14 @@ class Schemas:
             value = number_in_range(s, integer="number" not in kinds)
             return None if value is None else value.encode()
         if "string" in kinds:
-            if isinstance(s.get("format"), str) and s["format"] in _FORMATS:
-                return dump(_FORMATS[s["format"]]).encode()
+            if isinstance(s.get("format"), str) and s["format"] in FORMATS:
+                return dump(FORMATS[s["format"]]).encode()
             n = _int(s, "minLength")
+            if isinstance(s.get("pattern"), str):  # its length at least (the text is a guess)
+                try:
+                    n = max(n, pattern_min_length(s["pattern"]))
+                except ValueError:
+                    raise TooLarge(blame(self.root, "pattern")) from None
             self._check(n, s, "minLength")
             return b'"' + b"a" * n + b'"'
         if "array" in kinds:
@@ -453,39 +457,51 @@ def _digits(v: Fraction, base: int, k: int | None, j: int | None, frac: str | No
 
 # ---- size limits --------------------------------------------------------------------------------
 def check_sizes(schema: Any, source: str) -> None:
-    """Refuse size keywords beyond :data:`MAX_SCHEMA_SIZE` (``minItems``, ``minLength``,
-    ``minProperties`` and their ``max`` forms, repetition counts in ``pattern``), with the
-    keyword and its JSON pointer named. Iterative, linear in the schema's size (which
+    """Refuse, before llguidance compiles ``schema``: size keywords (``minItems``,
+    ``minLength``, ``minProperties``) above :data:`MAX_SCHEMA_SIZE`, a ``pattern`` whose
+    repetition counts or shortest match exceed it, and strings (keys too) holding a lone
+    surrogate, which have no UTF-8 form. Iterative, linear in the schema's size (which
     ``constraint.check_schema`` bounds first).
 
     Raises:
-        GrammarError: ``source: minItems 100000 at /properties/a is above the limit of
-            10000``, or a ``pattern`` that is not a regular expression we can bound.
+        GrammarError: one line naming the keyword and its JSON pointer, e.g. ``source:
+            minItems 100000 at /properties/a is above the limit of 10000``.
     """
-    todo: list[tuple[Any, str]] = [(schema, "")]
+    todo: list[tuple[Any, str, bool]] = [(schema, "", False)]
     while todo:
-        node, path = todo.pop()
+        node, path, literal = todo.pop()  # literal: inside const/enum/default/examples
+        if isinstance(node, str):
+            _check_text(node, path, source)
+            continue
         if isinstance(node, list):
-            todo.extend((v, f"{path}/{i}") for i, v in enumerate(node))
+            todo.extend((v, f"{path}/{i}", literal) for i, v in enumerate(node))
             continue
         if not isinstance(node, dict):
             continue
         for key, value in node.items():
             where = f"{path}/{key.replace('~', '~0').replace('/', '~1')}"
-            if key in ("const", "enum", "default", "examples"):
-                continue
-            if key in _SIZE_KEYWORDS and not isinstance(value, bool) \
-                    and isinstance(value, (int, float)) and key.startswith("min") \
-                    and value > MAX_SCHEMA_SIZE:
-                raise GrammarError(f"{source}: {key} {_show(value)} at {path or '/'} is above "
+            _check_text(key, where, source)
+            here = path or "/"
+            if not literal and key in _SIZE_KEYWORDS and not isinstance(value, bool) \
+                    and isinstance(value, (int, float)) and value > MAX_SCHEMA_SIZE:
+                raise GrammarError(f"{source}: {key} {_show(value)} at {here} is above "
                                    f"the limit of {MAX_SCHEMA_SIZE}")
-            if key == "pattern" and isinstance(value, str):
+            if not literal and key == "pattern" and isinstance(value, str):
                 try:
                     pattern_min_length(value)
                 except ValueError as e:
-                    raise GrammarError(f"{source}: pattern at {path or '/'}: {e}") from None
-            if isinstance(value, (dict, list)):
-                todo.append((value, where))
+                    raise GrammarError(f"{source}: pattern at {here}: {e}") from None
+            if isinstance(value, (dict, list, str)):
+                todo.append((value, where, literal or key in ("const", "enum", "default",
+                                                               "examples")))
+
+
+def _check_text(text: str, where: str, source: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GrammarError(f"{source}: a string at {where or '/'} holds a lone surrogate "
+                           f"(\\u{ord(text[e.start]):04x}), which UTF-8 cannot encode") from None
 
 
 def _show(v: float) -> str:

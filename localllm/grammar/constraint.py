@@ -403,8 +403,14 @@ class GrammarConstraint:
         """
         # Checked first so that a refused token leaves the matcher usable (llguidance's own
         # errors are sticky).
-        if not (self.is_allowed(token) and self._matcher.consume_token(token)):
+        if not self.is_allowed(token):
             raise GrammarError(f"{self.source}: token {token} is not allowed by the grammar here")
+        if not self._matcher.consume_token(token):
+            # An allowed token that fails: llguidance hit one of its limits while matching
+            # (("a"{1000}){1000} builds too many lexer expressions on the first token).
+            why = self._matcher.get_error() if self._matcher.is_error() else "refused"
+            raise GrammarError(f"{self.source}: the grammar is too large to match: "
+                               f"{_first_line(why.replace('<non-verbose/>', ''))}")
 
     def reset(self) -> None:
         """Back to the start of the grammar."""

@@ -229,7 +229,7 @@ class Schemas:
                     n = max(n, pattern_min_length(s["pattern"]))
                 except ValueError:
                     raise TooLarge(blame(self.root, "pattern")) from None
-            self._check(n, s, "minLength")
+            self._check(n, s, "minLength" if n == _int(s, "minLength") else "pattern")
             return b'"' + b"a" * n + b'"'
         if "array" in kinds:
             return self._minimal_array(s)
@@ -291,7 +291,14 @@ def blame(schema: Any, keyword: str) -> str:
         node, path = todo.pop()
         if isinstance(node, dict):
             value = node.get(keyword)
-            if keyword != "properties" and isinstance(value, (int, float)) \
+            if isinstance(value, str):  # a pattern: by the length of its shortest match
+                try:
+                    size = pattern_min_length(value)
+                except ValueError:
+                    size = MAX_SCHEMA_SIZE + 1
+                if best is None or size > best[0]:
+                    best = (size, f"{keyword} at {path or '/'}")
+            elif keyword != "properties" and isinstance(value, (int, float)) \
                     and not isinstance(value, bool) and (best is None or value > best[0]):
                 best = (value, f"{keyword} {_show(value)} at {path or '/'}")
             todo.extend((v, f"{path}/{k}") for k, v in node.items()

@@ -363,4 +363,3 @@ def register_quants_backend() -> bool:
     return True
 
 
-register_quants_backend()

@@ -17,6 +17,7 @@ import typer
 import typer.main
 
 from ..errors import LocalLLMError, ParameterError
+from . import chat, perplexity, pull, quantize, serve
 
 app = typer.Typer(
     add_completion=False,
@@ -393,14 +394,13 @@ def bench(
         print_figures(figures)
 
 
-# --- commands registered by other modules ---
-app.command("chat")(_attach_sampling(__import__("localllm.cli.chat", fromlist=["_"]).chat_command))
-app.command("quantize", no_args_is_help=True)(
-    __import__("localllm.cli.quantize", fromlist=["_"]).quantize_command)
-app.command("perplexity")(__import__("localllm.cli.perplexity", fromlist=["_"]).perplexity_command)
-app.command("pull", no_args_is_help=True)(__import__("localllm.cli.pull", fromlist=["_"]).pull_command)
-app.command("rm", no_args_is_help=True)(__import__("localllm.cli.pull", fromlist=["_"]).rm_command)
-app.command("serve")(__import__("localllm.cli.serve", fromlist=["_"]).serve_command)
+# --- commands defined in their own modules ---
+app.command("chat")(_attach_sampling(chat.chat_command))
+app.command("quantize", no_args_is_help=True)(quantize.quantize_command)
+app.command("perplexity")(perplexity.perplexity_command)
+app.command("pull", no_args_is_help=True)(pull.pull_command)
+app.command("rm", no_args_is_help=True)(pull.rm_command)
+app.command("serve")(serve.serve_command)
 
 
 def _click_exceptions() -> list:

@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 from ..errors import ParameterError
+from ..memory import RING_SLACK
+from ..models import memory_layout
 
 TG_PROMPT = 8  # tokens evaluated before the timed generation
 
@@ -178,24 +180,14 @@ def weight_bytes_per_token(loaded) -> int:
                for name, t in tensors.items() if tied or name != "token_embd.weight")
 
 
-def kv_bytes_per_token(args, start: int, n_gen: int, ring_slack: int, device="cpu", *,
-                       half: bool = False) -> int:
-    """Mean KV-cache bytes a decode step reads over positions ``start .. start+n_gen-1``
-    (K and V of :func:`localllm.models.cache.kv_dtype` on ``device``: float32 on the CPU's
-    torch backend, float16 on CUDA and with ``half``, the native backend's caches;
-    sliding-window layers read their ring of window + slack cells)."""
-    from ..models import cache_layout
-    from ..models.cache import kv_dtype
-
-    layout = cache_layout(args)
-    item = kv_dtype(device, half=half).itemsize
-    total = 0
-    for pos in range(start, start + n_gen):
-        for c in layout:
-            cells = pos + 1
-            if c.window is not None:
-                cells = min(cells, c.window + ring_slack)
-            total += cells * 2 * c.n_kv_heads * c.head_dim * item
+def kv_bytes_per_token(args, start: int, n_gen: int, ring_slack: int, itemsize: int) -> int:
+    """Mean memory bytes a decode step reads over positions ``start .. start+n_gen-1``: per
+    layer its ``memory_layout`` spec's ``step_bytes`` (K and V of ``itemsize``-byte elements
+    over the live cells, sliding-window layers at most their ring of window + slack cells;
+    recurrent layers their state)."""
+    layout = memory_layout(args)
+    total = sum(spec.step_bytes(pos, itemsize, ring_slack)
+                for pos in range(start, start + n_gen) for spec in layout)
     return total // max(n_gen, 1)
 
 
@@ -241,7 +233,6 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
             progress(step, completed, total)
 
     from ..api import LLM
-    from ..models.cache import RING_SLACK
 
     if n_prompt < TG_PROMPT or n_gen < 1 or repetitions < 1:
         raise ParameterError(f"--n-prompt must be >= {TG_PROMPT}, --n-gen and --repetitions "
@@ -286,8 +277,8 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
     else:
         res["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     w_bytes = weight_bytes_per_token(llm.loaded)
-    kv_bytes = kv_bytes_per_token(llm.args, TG_PROMPT, n_gen, RING_SLACK, llm.device,
-                                  half=llm.loaded.model.ops.kv_half)
+    kv_bytes = kv_bytes_per_token(llm.args, TG_PROMPT, n_gen, RING_SLACK,
+                                  llm.loaded.kv_dtype.itemsize)
     res["weight_bytes_per_token"] = w_bytes
     res["kv_bytes_per_token"] = kv_bytes
     res["achieved_gbps"] = (w_bytes + kv_bytes) * res["tg"] / 1e9

@@ -27,10 +27,11 @@ from tiny_model import write_tiny_gguf
 
 from localllm import LLM
 from localllm.chat.tools import forced_tool_schema
+from localllm.errors import GrammarError
 from localllm.grammar.budget import BudgetedConstraint, shortest_completion
 from localllm.grammar.constraint import GrammarConstraint
 from localllm.grammar.cursor import OK, JsonCursor
-from localllm.grammar.schema import Schemas, finish_number, number_in_range
+from localllm.grammar.schema import Schemas, finish_number, numbers_in_range
 
 # The order-like schema of the issue: no additionalProperties, so the model may add any.
 ORDER = {"type": "object", "properties": {
@@ -173,26 +174,30 @@ def test_shortest_completion_example():
 
 
 @settings(max_examples=300, deadline=None)
-@given(lo=st.one_of(st.none(), st.integers(-300, 300), st.floats(-50, 50).map(lambda x: round(x, 2))),
-       width=st.one_of(st.none(), st.floats(0.05, 500).map(lambda x: round(x, 2))),
-       integer=st.booleans(), xlo=st.booleans(), xhi=st.booleans(), prefix=st.text("-0123456789.", max_size=5))
+@given(lo=st.one_of(st.none(), st.integers(-300, 300), st.decimals(-50, 50, places=2)),
+       width=st.one_of(st.none(), st.decimals("0.01", 500, places=2)),
+       integer=st.booleans(), xlo=st.booleans(), xhi=st.booleans(),
+       prefix=st.text("-0123456789.", max_size=5))
 def test_numbers_within_bounds(tok, lo, width, integer, xlo, xhi, prefix):
+    # Bounds as a schema writes them: decimal literals.
     s = {"type": "integer" if integer else "number"}
     if lo is not None:
-        s["exclusiveMinimum" if xlo else "minimum"] = lo
+        s["exclusiveMinimum" if xlo else "minimum"] = float(lo) if not isinstance(lo, int) else lo
     if width is not None:
-        s["exclusiveMaximum" if xhi else "maximum"] = (lo or 0) + width
+        s["exclusiveMaximum" if xhi else "maximum"] = float((lo or 0) + width)
     try:
         grammar = GrammarConstraint.from_json_schema(s, tok)
-    except Exception:  # noqa: BLE001 - bounds llguidance cannot express (an empty range)
+    except GrammarError:  # bounds llguidance cannot express (an empty integer range)
         return
-    smallest = number_in_range(s, integer=integer)
-    if smallest is not None:
-        assert grammar.matches(smallest) and check_output(smallest, s) is None, smallest
-    if not prefix or not grammar.is_prefix(prefix):
-        return
-    tails = finish_number(prefix, s, integer=integer)
-    assert any(grammar.matches(prefix + t) for t in tails), (prefix, tails)
+    options = numbers_in_range(s, integer=integer)
+    taken = [o for o in options if grammar.matches(o)]
+    assert taken or (integer and not options), (s, options)
+    assert all(check_output(o, s) is None for o in taken), (s, taken)
+    assert Schemas(s, accepts=lambda _, text: grammar.matches(text)).minimal(s) == (
+        taken[0].encode() if taken else None)
+    if prefix and grammar.is_prefix(prefix):
+        tails = finish_number(prefix, s, integer=integer, n=6)
+        assert any(grammar.matches(prefix + t) for t in tails), (prefix, tails)
 
 
 # ---- the key and number rules ----------------------------------------------------------------

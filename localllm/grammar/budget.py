@@ -20,12 +20,14 @@ declared name spelled with escapes, and a number whose fraction or exponent over
 
 from __future__ import annotations
 
+import json
 import weakref
 from typing import Any
 
 import torch
 
 from ..errors import GrammarError
+from .constraint import GrammarConstraint
 from .cursor import OK, REFUSED, JsonCursor
 from .schema import MAX_MINIMAL_BYTES, Schemas, TooLarge, strict_schema
 
@@ -107,7 +109,8 @@ class BudgetedConstraint:
         self._lltok = inner._lltok
         self._vocab = _vocab(inner.tokenizer)
         cap = min(MAX_MINIMAL_BYTES, max(budget, 1) * self._vocab.longest)
-        self._nav = Schemas(schema, max_bytes=cap)
+        self._ranges: dict[str, Any] = {}
+        self._nav = Schemas(schema, max_bytes=cap, accepts=self._number_fits)
         try:
             smallest = self._nav.minimal(schema)
             self.margin = self._margin()
@@ -117,6 +120,24 @@ class BudgetedConstraint:
                 f"in {budget} tokens") from None
         self.smallest = None if smallest is None else len(self._tokens(smallest))
         self.reset_budget()
+
+    def _number_fits(self, s: dict, text: str) -> bool:
+        """Whether llguidance takes ``text`` for a number under ``s``'s type and bounds (its
+        range expressions refuse a few values inside them): one small grammar per range."""
+        keys = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                "multipleOf")
+        part = {k: s[k] for k in keys if k in s}
+        if len(part) == ("type" in part):
+            return True  # no bounds: any number the search writes is plain JSON
+        key = json.dumps(part, sort_keys=True)
+        grammar = self._ranges.get(key)
+        if grammar is None:
+            try:
+                grammar = GrammarConstraint.from_json_schema(part, self.inner.tokenizer)
+            except GrammarError:
+                grammar = False
+            self._ranges[key] = grammar
+        return bool(grammar) and grammar.matches(text)
 
     def _tokens(self, data: bytes) -> list[int]:
         return self._lltok.tokenize_bytes(data) if data else []

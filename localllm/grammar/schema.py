@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
@@ -110,11 +111,16 @@ class Schemas:
     Args:
         root: the JSON schema (a dict; ``{}`` for any JSON value).
         max_bytes: the longest smallest value :meth:`minimal` may build.
+        accepts: ``accepts(schema, text)``, whether the grammar takes ``text`` for a number
+            under ``schema`` (llguidance's number ranges refuse a few values inside their
+            bounds); None takes the first candidate.
     """
 
-    def __init__(self, root: Any, max_bytes: int = MAX_MINIMAL_BYTES) -> None:
+    def __init__(self, root: Any, max_bytes: int = MAX_MINIMAL_BYTES,
+                 accepts: Callable[[dict, str], bool] | None = None) -> None:
         self.root = root if isinstance(root, dict) else {}
         self.max_bytes = max_bytes
+        self.accepts = accepts
         self._minimal: dict[int, tuple[Any, bytes | None]] = {}
         self._alts: dict[int, tuple[Any, list[dict]]] = {}
 
@@ -218,7 +224,9 @@ class Schemas:
         if "boolean" in kinds:
             return b"false"
         if "integer" in kinds or "number" in kinds:
-            value = number_in_range(s, integer="number" not in kinds)
+            options = numbers_in_range(s, integer="number" not in kinds)
+            value = next((o for o in options if self.accepts is None or self.accepts(s, o)),
+                         None)
             return None if value is None else value.encode()
         if "string" in kinds:
             if isinstance(s.get("format"), str) and s["format"] in FORMATS:
@@ -369,22 +377,43 @@ def _fits(v: Fraction, b: tuple) -> bool:
 def number_in_range(s: dict, *, integer: bool) -> str | None:
     """The shortest number text within ``s``'s bounds, the one closest to zero (an
     integer ``multipleOf`` respected for integers); None when nothing fits."""
+    options = numbers_in_range(s, integer=integer)
+    return options[0] if options else None
+
+
+def numbers_in_range(s: dict, *, integer: bool) -> list[str]:
+    """A few short number texts within ``s``'s bounds, preferred first (see
+    :func:`number_in_range`): llguidance's range expressions refuse some values inside
+    their bounds (1.8 between 1.75 and 1.87, where 1.80 passes), so callers that can check
+    try them in order."""
     b = _bounds(s)
+    low, low_x, high, high_x = b
     step = s.get("multipleOf")
     if integer and isinstance(step, int) and not isinstance(step, bool) and step > 1:
-        low, _, high, _ = b
-        v = 0 if _fits(Fraction(0), b) else (
-            math.ceil(low / step) * step if low is not None and low > 0 else
-            math.floor(high / step) * step if high is not None else None)
-        while v is not None and not _fits(Fraction(v), b) and (low is None or v >= low):
-            v += step if low is not None and low > 0 else -step
-        return str(v) if v is not None and _fits(Fraction(v), b) else None
+        if _fits(Fraction(0), b):
+            return ["0"]
+        if low is not None and low >= 0:
+            v = math.ceil(low / step) * step
+            v += step if low_x and v == low else 0
+        elif high is not None:
+            v = math.floor(high / step) * step
+            v -= step if high_x and v == high else 0
+        else:
+            return []
+        return [str(v)] if _fits(Fraction(v), b) else []
     if _fits(Fraction(0), b):
-        return "0"
-    low = b[0]
-    neg = not (low is not None and low > 0)
-    tail = _complete(neg, None, None, b, integer)
-    return ("-" if neg else "") + tail[0] if tail else None
+        return ["0"]
+    neg = not (low is not None and low >= 0)  # 0 does not fit: the side of the range
+    sign = "-" if neg else ""
+    tails = [sign + t for t in _complete(neg, None, None, b, integer, n=8)]
+    near, near_x = (high, high_x) if neg else (low, low_x)
+    if near is None or near.denominator == 1:
+        return tails
+    # The bound itself when inclusive, then values with as many fraction digits as it has.
+    text = repr(float(near))
+    places = len(text.partition(".")[2])
+    alike = [t for t in tails if len(t.partition(".")[2]) == places]
+    return ([text] if not near_x else []) + alike + [t for t in tails if t not in alike]
 
 
 _NUMBER = re.compile(r"(-?)(\d*)(?:(\.)(\d*))?(?:([eE])([+-]?)(\d*))?")

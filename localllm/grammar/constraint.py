@@ -317,7 +317,9 @@ class GrammarConstraint:
 
         Raises:
             GrammarError: the text is not JSON (``source:line:col``), the schema is not an
-                object, or it uses a keyword llguidance does not implement.
+                object, it uses a keyword llguidance does not implement, or a size keyword
+                or ``pattern`` count is above :data:`~localllm.grammar.schema.MAX_SCHEMA_SIZE`
+                (:func:`~localllm.grammar.schema.check_sizes`).
         """
         if isinstance(schema, str):
             schema = _loads(schema, source)

@@ -24,6 +24,7 @@ import json
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import GrammarError
@@ -39,21 +40,36 @@ _VOCAB_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _Vocab:
-    """Per-tokenizer tables: the longest token (bytes), the tokens holding a quote, the
-    tokens that may continue a number."""
+    """Per-tokenizer tables: the longest token (bytes); the tokens holding one, two, three
+    or more quotes (those that may close a key, depending on where the text is); the
+    tokens starting a run of number bytes, and those whose run holds a point or an exponent
+    (the only ones that can overflow a number without one)."""
 
     def __init__(self, tokenizer: Any) -> None:
-        quotes, numbers, longest = [], [], 1
+        quotes: list[list[int]] = [[], [], []]
+        numbers, floats, longest = [], [], 1
         for i in range(tokenizer.n_vocab):
             data = tokenizer.token_bytes(i)
             longest = max(longest, len(data))
-            if 0x22 in data:
-                quotes.append(i)
+            n = data.count(0x22)
+            if n:
+                quotes[min(n, 3) - 1].append(i)
             if data and data[0] in _NUMBER_START:
                 numbers.append(i)
+                run = data[: next((j for j, b in enumerate(data) if b not in _NUMBER_START),
+                                  len(data))]
+                if any(c in run for c in b".eE"):
+                    floats.append(i)
         self.longest = longest
-        self.quotes = torch.tensor(quotes, dtype=torch.long)
-        self.numbers = torch.tensor(numbers, dtype=torch.long)
+
+        def ids(values: list[int]) -> np.ndarray:
+            return np.array(sorted(values), dtype=np.int64)
+
+        # quotes[k]: tokens with at least k + 1 quotes.
+        self.quotes = [ids(quotes[0] + quotes[1] + quotes[2]), ids(quotes[1] + quotes[2]),
+                       ids(quotes[2])]
+        self.numbers = ids(numbers)
+        self.floats = ids(floats)
 
 
 def _vocab(tokenizer: Any) -> _Vocab:
@@ -216,6 +232,10 @@ class BudgetedConstraint:
         checked completion within the tokens left after it. llguidance has allowed it."""
         self._now()
         cached = self._after.get(token)
+        if cached is None and not tight:
+            quick = self.cursor.closes_refused_key(self.inner.tokenizer.token_bytes(token))
+            if quick is not None:
+                return not quick
         if cached is None:
             cursor = self.cursor.copy()
             verdict = cursor.feed(self.inner.tokenizer.token_bytes(token))
@@ -247,15 +267,26 @@ class BudgetedConstraint:
             return
         tight = self._tight()
         n = min(logits.shape[-1], self.inner.n_vocab)
-        for ids, active in ((self._vocab.quotes, self.cursor.in_key()),
-                            (self._vocab.numbers, self.cursor.in_number())):
-            if active:
-                ids = ids.to(logits.device)
-                ids = ids[ids < n]
-                live = ids[torch.isfinite(logits[..., ids])].tolist()
-                for token in live:
-                    if not self._judge(token, False):
-                        logits[..., token] = float("-inf")
+        # Tokens that may break a key or number rule, by where the text is: closing a key
+        # takes one quote inside it, two from between members, three from inside a value
+        # string; overflowing a number without a point or exponent yet takes a token with one.
+        quotes, number = self.cursor.risks()
+        checks = []
+        if quotes:
+            checks.append(self._vocab.quotes[quotes - 1])
+        if number:
+            checks.append(self._vocab.numbers if number == "float" else self._vocab.floats)
+        for ids in checks:
+            ids = ids[: np.searchsorted(ids, n)]
+            if not len(ids):
+                continue
+            # numpy on the CPU: torch's indexing of a few thousand entries woke its thread
+            # pool, tens of milliseconds on a busy machine.
+            values = logits[..., ids].cpu().numpy() if logits.device.type != "cpu" \
+                or logits.dim() != 1 else logits.numpy()[ids]
+            for token in ids[np.isfinite(values)].tolist():
+                if not self._judge(token, False):
+                    logits[..., token] = float("-inf")
         if not tight:
             return
         self.steered = True

@@ -147,13 +147,53 @@ class JsonCursor:
             self.paths = paths[: self.MAX_PATHS]
         return OK
 
-    def in_key(self) -> bool:
-        """Whether an object key is being written (the duplicate-key rule may refuse a
-        closing quote)."""
-        return any(p.scalar is not None and p.scalar.kind == "key" for p in self.paths)
+    def risks(self) -> tuple[int, str]:
+        """Which tokens may break a rule next: (the fewest quotes a token needs to close a key,
+        0 when no object is open; "float" when a number with a point or exponent is being
+        written, "plain" for one without, "" for none)."""
+        quotes, number = 0, ""
+        for p in self.paths:
+            sc = p.scalar
+            if any(f.kind == "obj" for f in p.stack):
+                need = 1 if sc is not None and sc.kind == "key" else \
+                    3 if sc is not None and sc.kind == "string" else 2
+                quotes = need if not quotes else min(quotes, need)
+            if sc is not None and sc.kind == "number":
+                big = any(c in sc.raw for c in b".eE") or len(sc.raw) > 300
+                number = "float" if big or number == "float" else "plain"
+        return quotes, number
 
-    def in_number(self) -> bool:
-        return any(p.scalar is not None and p.scalar.kind == "number" for p in self.paths)
+    def closes_refused_key(self, data: bytes) -> bool | None:
+        """A quick :meth:`feed` verdict for a token while a key is being written: whether
+        ``data`` closes it into a key the rules refuse on every path; None when this needs
+        the full :meth:`feed` (not in a key, or a second quote follows)."""
+        refused = []
+        for p in self.paths:
+            sc = p.scalar
+            if sc is None or sc.kind != "key":
+                return None
+            esc, hexes, raw, end = sc.esc, sc.hex, bytearray(sc.raw), None
+            for i, b in enumerate(data):
+                if hexes:
+                    hexes -= 1
+                elif esc:
+                    esc, hexes = False, 4 if b == 0x75 else 0
+                elif b == 0x5C:
+                    esc = True
+                elif b == 0x22:
+                    end = i
+                    break
+                raw.append(b)
+            if end is None:
+                return False
+            if 0x22 in data[end + 1:]:
+                return None
+            try:
+                key = json.loads(b'"' + bytes(raw) + b'"')
+            except ValueError:
+                return None
+            refused.append(_key_refused(p.stack[-1], bytes(raw), key))
+        return all(refused) if refused else None
 
     def completions(self) -> list[bytes]:
         """The shortest completions known, shortest first (b"" when the value is complete;
@@ -265,12 +305,10 @@ def _key_done(path: _Path, raw: bytes) -> list[_Path] | str:
         key = json.loads(b'"' + raw + b'"')
     except ValueError:
         return []
-    names = ordered(f.schema)
-    if key in f.written or (key == "" and "" not in names):
+    if _key_refused(f, raw, key):
         return REFUSED
+    names = ordered(f.schema)
     if key in names:
-        if raw != dump(key)[1:-1].encode():
-            return REFUSED  # a declared name spelled with escapes: llguidance's extra
         i = names.index(key)
         if i < f.pos:
             return []
@@ -282,6 +320,15 @@ def _key_done(path: _Path, raw: bytes) -> list[_Path] | str:
     f.key = key
     f.state = "colon"
     return [path]
+
+
+def _key_refused(f: _Frame, raw: bytes, key: str) -> bool:
+    """The key rules: no key twice in an object, no empty key unless the schema names it,
+    no declared name spelled with escapes (llguidance would take it for an extra one)."""
+    names = ordered(f.schema)
+    if key in f.written or (key == "" and "" not in names):
+        return True
+    return key in names and raw != dump(key)[1:-1].encode()
 
 
 def _overflows(raw: bytearray) -> bool:

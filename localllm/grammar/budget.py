@@ -34,7 +34,9 @@ from .schema import MAX_MINIMAL_BYTES, Schemas, TooLarge, strict_schema
 
 __all__ = ["BudgetedConstraint", "shortest_completion", "strict_schema"]
 
-_TOP_K = 16  # candidates checked against the budget per step, once steering has begun
+_TOP_K = 16
+# Keywords whose value maps names to subschemas (not a schema itself).
+_MAPPINGS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # candidates checked against the budget per step, once steering has begun
 _NUMBER_START = frozenset(b"0123456789.eE+-")
 _VOCAB_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -177,8 +179,12 @@ class BudgetedConstraint:
                     return max(self.budget, 0)
                 if value is not None and len(value) > len(longest):
                     longest = value
-                todo.extend(v for k, v in node.items()
-                            if isinstance(v, (dict, list)) and k not in ("const", "enum"))
+                for k, v in node.items():
+                    if k in _MAPPINGS and isinstance(v, dict):  # name -> subschema
+                        todo.extend(x for x in v.values() if isinstance(x, (dict, list)))
+                    elif isinstance(v, (dict, list)) and k not in ("const", "enum", "default",
+                                                                   "examples"):
+                        todo.append(v)
             elif isinstance(node, list):
                 todo.extend(v for v in node if isinstance(v, (dict, list)))
         return len(self._tokens(longest)) + 6

@@ -297,7 +297,7 @@ def test_model_native_bf16_prefill_is_close(tiny_model_path, monkeypatch):
     path = tiny_model_path("gemma3", qtype=T.Q8_0)
     fast = load_model(path, device="cpu", progress=False, backend="native")
     exact = load_model(path, device="cpu", progress=False, backend="torch", dtype=torch.float32)
-    assert fast.model.layers[0].ffn_down.weight.prefill_dtype == torch.bfloat16
+    assert fast.model.layers[0].ffn_down.weight.w.prefill_dtype == torch.bfloat16
     ids = list(range(4, 40))
     got = Session(fast, ctx_size=64).eval(ids, all_logits=True)
     want = Session(exact, ctx_size=64).eval(ids, all_logits=True)

@@ -41,7 +41,7 @@ constexpr int G = 16;  // weights per scale group
 // The 32 weights of a legacy block: low nibbles (weights 0..15) and high nibbles (16..31),
 // plus a fifth bit per weight from qh (Q5_0/Q5_1), minus `bias`.
 #if defined(__SSE2__)
-inline void nibbles(const uint8_t* qs, uint32_t qh, bool five, int bias, int8_t* q) {
+LOCALLLM_INLINE void nibbles(const uint8_t* qs, uint32_t qh, bool five, int bias, int8_t* q) {
   const __m128i v = _mm_loadu_si128((const __m128i*)qs);
   const __m128i mask = _mm_set1_epi8(0x0F);
   __m128i lo = _mm_and_si128(v, mask);
@@ -56,7 +56,7 @@ inline void nibbles(const uint8_t* qs, uint32_t qh, bool five, int bias, int8_t*
   _mm_storeu_si128((__m128i*)(q + 16), _mm_sub_epi8(hi, b));
 }
 #else
-inline void nibbles(const uint8_t* qs, uint32_t qh, bool five, int bias, int8_t* q) {
+LOCALLLM_INLINE void nibbles(const uint8_t* qs, uint32_t qh, bool five, int bias, int8_t* q) {
   for (int j = 0; j < 16; ++j) {
     const int h0 = five ? ((qh >> j) << 4) & 0x10 : 0;
     const int h1 = five ? (qh >> (j + 12)) & 0x10 : 0;
@@ -66,25 +66,25 @@ inline void nibbles(const uint8_t* qs, uint32_t qh, bool five, int bias, int8_t*
 }
 #endif
 
-inline void unpack_q4_0(const uint8_t* b, int8_t* q, float* d, float*) {  // d, qs[16]
+LOCALLLM_INLINE void unpack_q4_0(const uint8_t* b, int8_t* q, float* d, float*) {  // d, qs[16]
   nibbles(b + 2, 0, false, 8, q);
   d[0] = d[1] = f16(b);
 }
 
-inline void unpack_q4_1(const uint8_t* b, int8_t* q, float* d, float* m) {  // d, m, qs[16]
+LOCALLLM_INLINE void unpack_q4_1(const uint8_t* b, int8_t* q, float* d, float* m) {  // d, m, qs[16]
   nibbles(b + 4, 0, false, 0, q);
   d[0] = d[1] = f16(b);
   m[0] = m[1] = -f16(b + 2);
 }
 
-inline void unpack_q5_0(const uint8_t* b, int8_t* q, float* d, float*) {  // d, qh[4], qs[16]
+LOCALLLM_INLINE void unpack_q5_0(const uint8_t* b, int8_t* q, float* d, float*) {  // d, qh[4], qs[16]
   uint32_t qh;
   std::memcpy(&qh, b + 2, 4);
   nibbles(b + 6, qh, true, 16, q);
   d[0] = d[1] = f16(b);
 }
 
-inline void unpack_q5_1(const uint8_t* b, int8_t* q, float* d, float* m) {  // d, m, qh, qs
+LOCALLLM_INLINE void unpack_q5_1(const uint8_t* b, int8_t* q, float* d, float* m) {  // d, m, qh, qs
   uint32_t qh;
   std::memcpy(&qh, b + 4, 4);
   nibbles(b + 8, qh, true, 0, q);
@@ -92,12 +92,12 @@ inline void unpack_q5_1(const uint8_t* b, int8_t* q, float* d, float* m) {  // d
   m[0] = m[1] = -f16(b + 2);
 }
 
-inline void unpack_q8_0(const uint8_t* b, int8_t* q, float* d, float*) {  // d, qs[32]
+LOCALLLM_INLINE void unpack_q8_0(const uint8_t* b, int8_t* q, float* d, float*) {  // d, qs[32]
   d[0] = d[1] = f16(b);
   std::memcpy(q, b + 2, QK);
 }
 
-inline void unpack_q2_k(const uint8_t* b, int8_t* q, float* d, float* m) {
+LOCALLLM_INLINE void unpack_q2_k(const uint8_t* b, int8_t* q, float* d, float* m) {
   // scales[16], qs[64], d, dmin; groups in storage order
   const uint8_t* sc = b;
   const uint8_t* qs = b + 16;
@@ -113,7 +113,7 @@ inline void unpack_q2_k(const uint8_t* b, int8_t* q, float* d, float* m) {
 
 // Q3_K's 16 six-bit scales, packed in 12 bytes at offset 96, as 16 bytes (0..63; the
 // scale is the value - 32) in aux (llama.cpp dequantize_row_q3_K's kmask unpacking).
-inline void q3_k_scales(const uint8_t* b, uint32_t aux[4]) {
+LOCALLLM_INLINE void q3_k_scales(const uint8_t* b, uint32_t aux[4]) {
   std::memcpy(aux, b + 96, 12);
   const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f, tmp = aux[2];
   aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
@@ -122,7 +122,7 @@ inline void q3_k_scales(const uint8_t* b, uint32_t aux[4]) {
   aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
 }
 
-inline void unpack_q3_k(const uint8_t* b, int8_t* q, float* d, float*) {
+LOCALLLM_INLINE void unpack_q3_k(const uint8_t* b, int8_t* q, float* d, float*) {
   // hmask[32], qs[64], scales[12], d
   const uint8_t* hm = b;
   const uint8_t* qs = b + 32;
@@ -141,7 +141,7 @@ inline void unpack_q3_k(const uint8_t* b, int8_t* q, float* d, float*) {
     }
 }
 
-inline void scale_min_k4(int j, const uint8_t* q, int* d, int* m) {
+LOCALLLM_INLINE void scale_min_k4(int j, const uint8_t* q, int* d, int* m) {
   if (j < 4) {
     *d = q[j] & 63;
     *m = q[j + 4] & 63;
@@ -151,7 +151,7 @@ inline void scale_min_k4(int j, const uint8_t* q, int* d, int* m) {
   }
 }
 
-inline void k4_scales(const uint8_t* b, float* d, float* m) {  // 8 sub-blocks of 32
+LOCALLLM_INLINE void k4_scales(const uint8_t* b, float* d, float* m) {  // 8 sub-blocks of 32
   const float dd = f16(b), dmin = f16(b + 2);
   for (int s = 0; s < 8; ++s) {
     int sc, mn;
@@ -161,7 +161,7 @@ inline void k4_scales(const uint8_t* b, float* d, float* m) {  // 8 sub-blocks o
   }
 }
 
-inline void unpack_q4_k(const uint8_t* b, int8_t* q, float* d, float* m) {
+LOCALLLM_INLINE void unpack_q4_k(const uint8_t* b, int8_t* q, float* d, float* m) {
   // d, dmin, scales[12], qs[128]
   k4_scales(b, d, m);
   const uint8_t* qs = b + 16;
@@ -172,7 +172,7 @@ inline void unpack_q4_k(const uint8_t* b, int8_t* q, float* d, float* m) {
     }
 }
 
-inline void unpack_q5_k(const uint8_t* b, int8_t* q, float* d, float* m) {
+LOCALLLM_INLINE void unpack_q5_k(const uint8_t* b, int8_t* q, float* d, float* m) {
   // d, dmin, scales[12], qh[32], qs[128]
   k4_scales(b, d, m);
   const uint8_t* qh = b + 16;
@@ -184,7 +184,7 @@ inline void unpack_q5_k(const uint8_t* b, int8_t* q, float* d, float* m) {
     }
 }
 
-inline void unpack_q6_k(const uint8_t* b, int8_t* q, float* d, float*) {
+LOCALLLM_INLINE void unpack_q6_k(const uint8_t* b, int8_t* q, float* d, float*) {
   // ql[128], qh[64], scales[16] int8, d
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;

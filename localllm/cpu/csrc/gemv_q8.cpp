@@ -25,11 +25,11 @@ namespace {
 
 constexpr int FL = Q8W / 4;  // int32 / float lanes of a register
 
-// The constant offset o of a type stored as w = a * (u - o), else 0 (the kernels start
-// their dot products from Q8Act::corr).
+// The constant offset o of a type stored as w = a * (u - o) whose kernel starts its dot
+// products from Q8Act::corr, else 0 (Q6_K's -32 is applied once per block with the
+// activation sums instead: decode_q6_k's b).
 constexpr int q8_offset(int64_t qtype) {
-  return qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : qtype == Q8_0 ? Q8_0_OFFSET : qtype == Q6_K ? Q6_K_OFFSET
-       : qtype == Q3_K ? 4 : 0;
+  return qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : qtype == Q8_0 ? Q8_0_OFFSET : qtype == Q3_K ? 4 : 0;
 }
 
 // Whether the activations of a product with a `qtype` matrix are quantized as Q8Act's k4.
@@ -92,26 +92,28 @@ struct KBlock {
   fvec a[NF], b[NF];
 };
 
-inline void decode_q6_k(const uint8_t* p, KBlock& o) {
+LOCALLLM_INLINE void decode_q6_k(const uint8_t* p, KBlock& o) {
   // ql[128], qh[64], scales[16] int8, d; weight 128n + 32k + l = d * sc * (u - 32),
   // u = (nibble k / 2 of ql[64n + 32 (k % 2) + l]) | ((qh[32n + l] >> 2k) & 3) << 4
   const fvec dd = vset1<fvec>(f16(p + 208));
   for (int h = 0; h < NF; ++h) {
     o.a[h] = vmul(dd, vcvt(widen_i8(p + 192 + FL * h)));
-    if constexpr (Q6_K_OFFSET == 0) o.b[h] = vmul(o.a[h], vset1<fvec>(32.f));  // with xsum16
+    o.b[h] = vmul(o.a[h], vset1<fvec>(32.f));  // the offset, applied with xsum16
   }
   const ivec m4 = iset8(0x0F), m30 = iset8(0x30);
   for (int n = 0; n < 2; ++n) {
     const ivec hh = spread(load256(p + 128 + 32 * n), 2);  // lane l: qh[l % 32] >> 2 (l / 32)
-    for (int c = 0; c < PH; ++c) {
-      const ivec ql = iload(p + 64 * n + Q8W * c % 64);
-      const ivec lo = Q8W * c / 64 % 2 ? isrl16(ql, 4) : ql;
-      o.u[PH * n + c] = ior(iand(lo, m4), iand(bits_to_4(hh, 2 * (Q8W / 32) * c), m30));
+    for (int j = 0; j < 64 / Q8W; ++j) {  // ql[64n + Q8W j ..]: registers j and j + 64 / Q8W
+      const ivec ql = iload(p + 64 * n + Q8W * j);
+      for (int c = j; c < PH; c += 64 / Q8W) {
+        const ivec lo = c == j ? ql : isrl16(ql, 4);
+        o.u[PH * n + c] = ior(iand(lo, m4), iand(bits_to_4(hh, 2 * (Q8W / 32) * c), m30));
+      }
     }
   }
 }
 
-inline void decode_q2_k(const uint8_t* p, KBlock& o) {
+LOCALLLM_INLINE void decode_q2_k(const uint8_t* p, KBlock& o) {
   // scales[16], qs[64], d, dmin; weight 128n + 32k + l = d * (sc & 15) * u - dmin * (sc >> 4),
   // u = (qs[32n + l] >> 2k) & 3
   const fvec dd = vset1<fvec>(f16(p + 80)), dmin = vset1<fvec>(f16(p + 82));
@@ -127,14 +129,16 @@ inline void decode_q2_k(const uint8_t* p, KBlock& o) {
   }
 }
 
-inline void decode_q3_k(const uint8_t* p, KBlock& o) {
+LOCALLLM_INLINE void decode_q3_k(const uint8_t* p, KBlock& o) {
   // hmask[32], qs[64], scales[12], d; weight 128n + 32k + l = d * (sc - 32) * (u - 4),
   // u = (qs[32n + l] >> 2k) & 3 | ((hmask[l] >> (4n + k)) & 1) << 2
   const fvec dd = vset1<fvec>(f16(p + 108));
   uint32_t aux[4];
   q3_k_scales(p, aux);
+  // from registers: a 16-byte load of aux just stored would stall on store forwarding
+  const __m128i sc = _mm_set_epi32(int(aux[3]), int(aux[2]), int(aux[1]), int(aux[0]));
   for (int h = 0; h < NF; ++h)
-    o.a[h] = vmul(dd, vcvt(isub32(widen_u8(reinterpret_cast<const uint8_t*>(aux) + FL * h), iset32(32))));
+    o.a[h] = vmul(dd, vcvt(isub32(widen_u8(h == 0 ? sc : _mm_srli_si128(sc, 8)), iset32(32))));
   const ivec m3 = iset8(0x03), one = iset8(1);
   const ivec hm = spread(load256(p), 1);  // lane l: hmask[l % 32] >> (l / 32)
   for (int n = 0; n < 2; ++n) {
@@ -199,7 +203,7 @@ constexpr int KB = Q8W / 16;  // blocks whose scales unpack together, one per 12
 // lane i = block i's sc_0..7 then m_0..7 (bytes), and dd, float lanes [d_0, dmin_0, d_1,
 // dmin_1, ...].
 template <int BYTES>
-inline void k4_scales(const uint8_t* p, int n, ivec& sm, fvec& dd) {
+LOCALLLM_INLINE void k4_scales(const uint8_t* p, int n, ivec& sm, fvec& dd) {
   const ivec v = load_heads(p, BYTES, n);
   // a: q[0..7] & 63 (bytes 4-11), q[8..11] & 15 (bytes 12-15)
   const ivec a = iand(v, broadcast128(_mm_setr_epi8(0, 0, 0, 0, 63, 63, 63, 63, 63, 63, 63, 63, 15, 15, 15, 15)));
@@ -218,16 +222,20 @@ inline void k4_scales(const uint8_t* p, int n, ivec& sm, fvec& dd) {
 // b = Q8W (c / 2) + l (the order of Q8Act's k4 activations); Q5_K's fifth bit of weight
 // 64j + 32i + l is bit 2j + i of qh[l].
 template <bool FIVE>
-inline void k4_runs(const uint8_t* p, ivec* u) {
+LOCALLLM_INLINE void k4_runs(const uint8_t* p, ivec* u) {
   const uint8_t* qs = p + (FIVE ? 48 : 16);
   const ivec m4 = iset8(0x0F), one = iset8(1);
   ivec hb = izero();
   if constexpr (FIVE) hb = spread(load256(p + 16), 2);  // lane l: qh[l % 32] >> 2 (l / 32)
-  for (int c = 0; c < NC; ++c) {
-    const ivec v = iload(qs + Q8W * (c / 2));
-    u[c] = iand(c % 2 ? isrl16(v, 4) : v, m4);
-    if constexpr (FIVE)
-      u[c] = ior(u[c], isll16(iand(isrl16(hb, 2 * (Q8W / 32) * (c / 2) + c % 2), one), 4));
+  for (int c = 0; c < NC; c += 2) {
+    const ivec v = iload(qs + Q8W * c / 2);
+    u[c] = iand(v, m4);
+    u[c + 1] = iand(isrl16(v, 4), m4);
+    if constexpr (FIVE) {
+      const int s = Q8W / 32 * c;  // the bit of register c; c + 1's is the next
+      u[c] = ior(u[c], isll16(iand(isrl16(hb, s), one), 4));
+      u[c + 1] = ior(u[c + 1], isll16(iand(isrl16(hb, s + 1), one), 4));
+    }
   }
 }
 
@@ -298,7 +306,7 @@ constexpr int LB = Q8W / 32;  // blocks per register
 // Q5_1 (d, m, qh[4], qs[16]); Q8_0 (d, qs[32] int8): weights 0-15 are the low nibbles of
 // qs, 16-31 the high ones (Q5_*: plus bit j of qh as weight j's 0x10).
 template <int BYTES>
-inline ivec legacy_runs(const uint8_t* const* p) {
+LOCALLLM_INLINE ivec legacy_runs(const uint8_t* const* p) {
   const uint8_t* qs[LB];
   if constexpr (BYTES == 34) {
     for (int k = 0; k < LB; ++k) qs[k] = p[k] + 2;
@@ -381,7 +389,7 @@ GemvQ8Fn gemv_q8_for(int64_t qtype) {
     case Q3_K: return gemv_q8_kquant<NT, 110, decode_q3_k, q8_offset(Q3_K)>;
     case Q4_K: return gemv_q8_k4<NT, 144>;
     case Q5_K: return gemv_q8_k4<NT, 176>;
-    case Q6_K: return gemv_q8_kquant<NT, 210, decode_q6_k, q8_offset(Q6_K)>;
+    case Q6_K: return gemv_q8_kquant<NT, 210, decode_q6_k, 0>;
     default: TORCH_CHECK(false, "localllm_cpu.gemv_q8: no int8 kernel for ggml type ", qtype);
   }
 }

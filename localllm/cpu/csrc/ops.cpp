@@ -62,7 +62,7 @@ inline vf vload_kv(const at::Half* p) { return vload_f16(p); }
 
 // exp(x), Cephes expf's reduction and polynomial (relative error within 2 ulp), inputs
 // clamped to [-87, 88] (exp(-87) ~ 1.6e-38: the callers only add or divide by it).
-inline vf vexp(vf x) {
+LOCALLLM_INLINE vf vexp(vf x) {
   x = vmin(vmax(x, vset1(-87.0f)), vset1(88.0f));
   const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
   vf r = vfma(n, vset1(-0.693359375f), x);

@@ -24,7 +24,7 @@
 namespace {
 
 // 16 values of a float format as float32 lanes.
-inline vf vflt(const uint8_t* p, Flt f) {
+LOCALLLM_INLINE vf vflt(const uint8_t* p, Flt f) {
   switch (f) {
     case Flt::F16: return vload_f16(p);
     case Flt::BF16: return vload_bf16(p);
@@ -34,7 +34,7 @@ inline vf vflt(const uint8_t* p, Flt f) {
 
 // Group g (16 weights) of an unpacked block as float32 lanes (bit-exact dequantization).
 template <bool ASYM>
-inline vf group_weights(const int8_t* q, const float* d, const float* m, int g) {
+LOCALLLM_INLINE vf group_weights(const int8_t* q, const float* d, const float* m, int g) {
   vf w = vmul(vload_i8(q + G * g), vset1(d[g]));
   if (ASYM) w = vsub(w, vset1(m[g]));
   return w;

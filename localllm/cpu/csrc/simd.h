@@ -35,6 +35,14 @@
 #define LOCALLLM_Q8 256
 #endif
 
+// Forces inlining where GCC's heuristics would not (the unpackers and decoders in the
+// kernels' inner loops, vexp; the wider AVX2 vf makes them look costly to inline).
+#if defined(__GNUC__)
+#define LOCALLLM_INLINE inline __attribute__((always_inline))
+#else
+#define LOCALLLM_INLINE inline
+#endif
+
 namespace {
 
 inline float f16(const uint8_t* p) {
@@ -143,18 +151,27 @@ inline float vsum(float a) { return a; }
 inline float vround(float x) { return std::nearbyint(x); }
 inline float vexp2i(float y, float n) { return std::ldexp(y, int(n)); }
 
+// N registers R as one vector of N * Reg<R>::lanes lanes.
+template <class R, int N>
+struct Parts {
+  R p[N];
+};
+
+// Reg<Parts<R, N>>::load_i8, part by part; an instruction set may overload it for its Parts
+// (simd_avx2.h: one 16-byte load for both halves).
+template <class R, int N>
+inline Parts<R, N> load_i8_parts(const int8_t* q, const Parts<R, N>*) {
+  Parts<R, N> v;
+  for (int i = 0; i < N; ++i) v.p[i] = Reg<R>::load_i8(q + i * Reg<R>::lanes);
+  return v;
+}
+
 }  // namespace
 
 #include "simd_avx512.h"
 #include "simd_avx2.h"
 
 namespace {
-
-// N registers R as one vector of N * Reg<R>::lanes lanes.
-template <class R, int N>
-struct Parts {
-  R p[N];
-};
 
 template <class R, int N>
 struct Reg<Parts<R, N>> {
@@ -172,9 +189,7 @@ struct Reg<Parts<R, N>> {
   static void store(float* p, V v) {
     for (int i = 0; i < N; ++i) Reg<R>::store(p + i * Reg<R>::lanes, v.p[i]);
   }
-  static V load_i8(const int8_t* q) {
-    return each([q](int i) { return Reg<R>::load_i8(q + i * Reg<R>::lanes); });
-  }
+  static V load_i8(const int8_t* q) { return load_i8_parts(q, static_cast<const V*>(nullptr)); }
   static V load_f16(const void* p) {
     return each([p](int i) { return Reg<R>::load_f16(static_cast<const uint8_t*>(p) + 2 * i * Reg<R>::lanes); });
   }

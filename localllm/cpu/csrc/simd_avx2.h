@@ -20,6 +20,13 @@ struct Reg<__m256> {
 };
 LOCALLLM_FLOAT_OPS(__m256, _mm256)
 
+// 16 int8 as two __m256 from one load (two 8-byte loads cost a move each when the bytes
+// are still in a register, as after the unpackers).
+inline Parts<__m256, 2> load_i8_parts(const int8_t* q, const Parts<__m256, 2>*) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)q);
+  return {{_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))}};
+}
+
 inline float vsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -54,9 +61,8 @@ using ivec = __m256i;
 using fvec = __m256;
 LOCALLLM_INT_OPS(__m256i, __m256, _mm256, si256)
 
-// Q8_0 is read signed (dot4_q8_0); Q6_K's -32 is started from in the dot products (q8_offset).
+// Q8_0 is read signed (dot4_q8_0): no offset.
 constexpr int Q8_0_OFFSET = 0;
-constexpr int Q6_K_OFFSET = 32;
 
 // acc + (lane i: sum_{j<4} u[4i + j] * x[4i + j]), u unsigned 8-bit, |x| <= 127; without
 // AVX-VNNI u <= 63, or u <= 128 (Q8_0's |w|), so that no int16 pair sum saturates.

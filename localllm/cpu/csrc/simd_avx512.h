@@ -32,10 +32,9 @@ using ivec = __m512i;
 using fvec = __m512;
 LOCALLLM_INT_OPS(__m512i, __m512, _mm512, si512)
 
-// Q8_0's int8 weights are read as u = q + 128 (the kernels add -128 * sum(x), q8_offset);
-// Q6_K's -32 is applied once per block with the activation sums (xsum16).
+// Q8_0's int8 weights are read as u = q + 128 (dot4_q8_0; the kernels start from
+// -128 * sum(x): q8_offset in gemv_q8.cpp).
 constexpr int Q8_0_OFFSET = 128;
-constexpr int Q6_K_OFFSET = 0;
 
 // acc + (lane i: sum_{j<4} u[4i + j] * x[4i + j]), u unsigned 8-bit, x signed (vpdpbusd).
 inline ivec dot4(ivec acc, ivec u, ivec x) { return _mm512_dpbusd_epi32(acc, u, x); }

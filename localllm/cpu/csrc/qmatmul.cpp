@@ -147,7 +147,13 @@ bool q8_available() {
 
 // moe_ffn_q8 is written for AVX512-VNNI (16 tokens per vpdpbusd); AVX2 builds keep the
 // per-expert products.
-bool moe_available() { return LOCALLLM_Q8 + 0 == 512; }
+bool moe_available() {
+#if LOCALLLM_Q8 + 0 == 512  // (LOCALLLM_Q8 is undefined in portable builds)
+  return true;
+#else
+  return false;
+#endif
+}
 
 // Rows r0 .. r0 + out.size(0) - 1 of W dequantized into out (n, cols), float32 or bfloat16.
 void dequant_rows(const at::Tensor& w, int64_t qtype, int64_t r0, int64_t cols, at::Tensor& out) {

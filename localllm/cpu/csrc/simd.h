@@ -86,30 +86,43 @@ inline __m128i bit_mask16(uint32_t bits) {
 template <class R>
 struct Reg;
 
-// The members of Reg<R> that are one intrinsic PFX##_name_ps.
-#define LOCALLLM_REG_MEMBERS(R, PFX, LANES)                \
-  static constexpr int lanes = LANES;                      \
-  static R zero() { return PFX##_setzero_ps(); }           \
-  static R set1(float v) { return PFX##_set1_ps(v); }      \
-  static R load(const float* p) { return PFX##_loadu_ps(p); } \
-  static void store(float* p, R v) { PFX##_storeu_ps(p, v); }
-
-// The lane-wise arithmetic of a register type R, one intrinsic PFX##_name_ps each
-// (vfnma(a, b, c) = c - a b).
-#define LOCALLLM_FLOAT_OPS(R, PFX)                                           \
-  inline R vadd(R a, R b) { return PFX##_add_ps(a, b); }                     \
-  inline R vsub(R a, R b) { return PFX##_sub_ps(a, b); }                     \
-  inline R vmul(R a, R b) { return PFX##_mul_ps(a, b); }                     \
-  inline R vdiv(R a, R b) { return PFX##_div_ps(a, b); }                     \
-  inline R vmin(R a, R b) { return PFX##_min_ps(a, b); }                     \
-  inline R vmax(R a, R b) { return PFX##_max_ps(a, b); }                     \
-  inline R vfma(R a, R b, R c) { return PFX##_fmadd_ps(a, b, c); }           \
+// Reg<R> and the lane-wise arithmetic of a register type R of LANES floats whose intrinsics
+// are PFX##_name_ps (SI: the suffix of its integer casts, si256 / si512); HALF and QUARTER
+// are the integer registers of LANES 16-bit and 8-bit values, LOAD_HALF and LOAD_QUARTER
+// their loads. vfnma(a, b, c) = c - a b.
+#define LOCALLLM_FLOAT_REG(R, PFX, SI, LANES, HALF, LOAD_HALF, QUARTER, LOAD_QUARTER)            \
+  template <>                                                                                   \
+  struct Reg<R> {                                                                               \
+    static constexpr int lanes = LANES;                                                         \
+    static R zero() { return PFX##_setzero_ps(); }                                              \
+    static R set1(float v) { return PFX##_set1_ps(v); }                                         \
+    static R load(const float* p) { return PFX##_loadu_ps(p); }                                 \
+    static void store(float* p, R v) { PFX##_storeu_ps(p, v); }                                 \
+    static R load_i8(const int8_t* q) {                                                         \
+      return PFX##_cvtepi32_ps(PFX##_cvtepi8_epi32(LOAD_QUARTER((const QUARTER*)q)));           \
+    }                                                                                           \
+    static R load_f16(const void* p) { return PFX##_cvtph_ps(LOAD_HALF((const HALF*)p)); }      \
+    static R load_bf16(const void* p) {                                                         \
+      const auto h = PFX##_cvtepu16_epi32(LOAD_HALF((const HALF*)p));                           \
+      return PFX##_cast##SI##_ps(PFX##_slli_epi32(h, 16));                                      \
+    }                                                                                           \
+  };                                                                                            \
+  inline R vadd(R a, R b) { return PFX##_add_ps(a, b); }                                        \
+  inline R vsub(R a, R b) { return PFX##_sub_ps(a, b); }                                        \
+  inline R vmul(R a, R b) { return PFX##_mul_ps(a, b); }                                        \
+  inline R vdiv(R a, R b) { return PFX##_div_ps(a, b); }                                        \
+  inline R vmin(R a, R b) { return PFX##_min_ps(a, b); }                                        \
+  inline R vmax(R a, R b) { return PFX##_max_ps(a, b); }                                        \
+  inline R vfma(R a, R b, R c) { return PFX##_fmadd_ps(a, b, c); }                              \
   inline R vfnma(R a, R b, R c) { return PFX##_fnmadd_ps(a, b, c); }
 
 // The integer register I of the int8 GEMV and its float counterpart F: the operations that
 // are one intrinsic PFX##_name (SI: the suffix of the bitwise ones, si256 / si512). Shift
 // counts are immediates once the kernels are inlined (a shift by 0 is no instruction).
 #define LOCALLLM_INT_OPS(I, F, PFX, SI)                                        \
+  using ivec = I;                                                            \
+  using fvec = F;                                                            \
+  constexpr int Q8W = sizeof(I); /* bytes of an integer register */         \
   inline I izero() { return PFX##_setzero_##SI(); }                          \
   inline I iload(const void* p) { return PFX##_loadu_##SI((const I*)p); }    \
   inline void istore(void* p, I v) { PFX##_storeu_##SI((I*)p, v); }          \
@@ -165,6 +178,12 @@ inline Parts<R, N> load_i8_parts(const int8_t* q, const Parts<R, N>*) {
   for (int i = 0; i < N; ++i) v.p[i] = Reg<R>::load_i8(q + i * Reg<R>::lanes);
   return v;
 }
+
+#if LOCALLLM_Q8 + 0 == 512
+LOCALLLM_INT_OPS(__m512i, __m512, _mm512, si512)
+#elif LOCALLLM_Q8 + 0 == 256
+LOCALLLM_INT_OPS(__m256i, __m256, _mm256, si256)
+#endif
 
 }  // namespace
 

@@ -6,19 +6,7 @@
 namespace {
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-template <>
-struct Reg<__m256> {
-  LOCALLLM_REG_MEMBERS(__m256, _mm256, 8)
-  static __m256 load_i8(const int8_t* q) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q)));
-  }
-  static __m256 load_f16(const void* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-  static __m256 load_bf16(const void* p) {
-    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-  }
-};
-LOCALLLM_FLOAT_OPS(__m256, _mm256)
+LOCALLLM_FLOAT_REG(__m256, _mm256, si256, 8, __m128i, _mm_loadu_si128, __m128i, _mm_loadl_epi64)
 
 // 16 int8 as two __m256 from one load (two 8-byte loads cost a move each when the bytes
 // are still in a register, as after the unpackers).
@@ -55,12 +43,8 @@ inline __m256 vexp2i(__m256 y, __m256 n) {  // y * 2^n, n integral in [-126, 127
 // The int16 pair sums are exact while 2 * u * 127 <= 32767: u <= 63 holds for every format
 // read as unsigned (Q2_K 3, Q3_K 7, Q4_* 15, Q5_* 31, Q6_K 63); Q8_0 (-128..127) is
 // multiplied as |w| times x with w's sign (vpsignb, as llama.cpp mul_sum_i8_pairs_float),
-// 2 * 128 * 127 < 32768. With AVX-VNNI the whole product is one vpdpbusd.
-constexpr int Q8W = 32;
-using ivec = __m256i;
-using fvec = __m256;
-LOCALLLM_INT_OPS(__m256i, __m256, _mm256, si256)
-
+// 2 * 128 * 127 < 32768. With AVX-VNNI the whole product is one vpdpbusd. (ivec, fvec:
+// simd.h.)
 // Q8_0 is read signed (dot4_q8_0): no offset.
 constexpr int Q8_0_OFFSET = 0;
 

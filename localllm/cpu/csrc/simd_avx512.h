@@ -6,18 +6,7 @@
 namespace {
 
 #if defined(__AVX512F__)
-template <>
-struct Reg<__m512> {
-  LOCALLLM_REG_MEMBERS(__m512, _mm512, 16)
-  static __m512 load_i8(const int8_t* q) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
-  }
-  static __m512 load_f16(const void* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-  static __m512 load_bf16(const void* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-  }
-};
-LOCALLLM_FLOAT_OPS(__m512, _mm512)
+LOCALLLM_FLOAT_REG(__m512, _mm512, si512, 16, __m256i, _mm256_loadu_si256, __m128i, _mm_loadu_si128)
 inline float vsum(__m512 a) { return _mm512_reduce_add_ps(a); }
 inline float vmax_all(__m512 a) { return _mm512_reduce_max_ps(a); }
 inline __m512 vabs(__m512 a) { return _mm512_abs_ps(a); }
@@ -26,12 +15,7 @@ inline __m512 vexp2i(__m512 y, __m512 n) { return _mm512_scalef_ps(y, n); }  // 
 #endif
 
 #if LOCALLLM_Q8 + 0 == 512
-// The int8 GEMV reads 64 weights per vpdpbusd.
-constexpr int Q8W = 64;
-using ivec = __m512i;
-using fvec = __m512;
-LOCALLLM_INT_OPS(__m512i, __m512, _mm512, si512)
-
+// The int8 GEMV reads 64 weights per vpdpbusd (ivec, fvec: simd.h).
 // Q8_0's int8 weights are read as u = q + 128 (dot4_q8_0; the kernels start from
 // -128 * sum(x): q8_offset in gemv_q8.cpp).
 constexpr int Q8_0_OFFSET = 128;

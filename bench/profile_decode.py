@@ -47,7 +47,7 @@ def main() -> None:
         path = str(load_registry().resolve("gemma3-270m")[0])
     m = load_model(path, device="cpu", progress=False)
     if a.ops == "torch":
-        from localllm.models.common import TorchOps
+        from localllm.backends.dense import TorchOps
 
         m.model.ops = TorchOps()
     n_ctx = a.n_prompt + (a.rounds + 2) * a.steps + 8

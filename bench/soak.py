@@ -60,12 +60,12 @@ def rss_bytes() -> int:
 def cache_identity(session) -> list[tuple[int, int, int]]:
     """(id, k.data_ptr(), v.data_ptr()) of each layer's KV cache: equal lists mean that no
     cache was replaced or reallocated."""
-    return [(id(c), c.k.data_ptr(), c.v.data_ptr()) for c in session.caches]
+    return [(id(c), c.k.data_ptr(), c.v.data_ptr()) for c in session.memory]
 
 
 def cache_bytes(session) -> int:
     """Bytes of the session's preallocated K and V tensors (all layers)."""
-    return sum(t.numel() * t.element_size() for c in session.caches for t in (c.k, c.v))
+    return sum(t.numel() * t.element_size() for c in session.memory for t in (c.k, c.v))
 
 
 @dataclass

@@ -341,4 +341,3 @@ def register_quants_backend() -> bool:
     return True
 
 
-register_quants_backend()

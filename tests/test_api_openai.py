@@ -91,7 +91,7 @@ def test_completion_echo_and_logprobs(tiny):
     ({"frobnicate": 1}, "'frobnicate'"),
     ({"max_tokens": 2, "top_p": 0}, "top_p"),
     ({"max_tokens": 2, "logit_bias": {"x": 1}}, "logit_bias"),
-    ({"max_tokens": 2, "n": 2}, "n must be 1"),
+    ({"max_tokens": 2, "n": 2}, "n: must be 1"),
     ({"max_tokens": 2, "response_format": {"type": "xml"}}, "response_format"),
     ({"max_tokens": 2, "stop": [1]}, "stop"),
 ])
@@ -183,7 +183,7 @@ def test_session_load_refuses_other_models_and_geometry(tiny, paths, tmp_path):
     with safe_open(str(tmp_path / "a.st"), framework="pt") as f:
         meta = f.metadata()
     save_file(load_file(str(tmp_path / "a.st")), str(tmp_path / "g.st"),
-              metadata={**meta, "n_head_kv": "7"})
+              metadata={**meta, "caches": meta["caches"].replace("x", "x7", 1)})
     with pytest.raises(LocalLLMError, match="geometry"):
         tiny.session().load(tmp_path / "g.st")
     (tmp_path / "junk.st").write_bytes(b"\x00" * 100)

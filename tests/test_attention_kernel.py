@@ -15,7 +15,7 @@ import pytest
 import torch
 from kernel_checks import HOST_READS, NoLaunch, OpRecorder
 
-from localllm.models.common import attend
+from localllm.backends.dense import attend
 
 kernels = pytest.importorskip("localllm.kernels")
 if not kernels.triton_available():

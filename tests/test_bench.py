@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from localllm.errors import ParameterError
 from localllm.eval import bench
-from localllm.runtime.session import RING_SLACK, load_model
+from localllm.memory import RING_SLACK
+from localllm.runtime.session import load_model
 
 
 @pytest.mark.parametrize("name, gbps", [
@@ -29,10 +30,9 @@ def test_bytes_per_token_by_hand(tiny_model_path):
     vectors = 64 + 2 * 2 * 64
     assert bench.weight_bytes_per_token(loaded) == 2 * matrices + 4 * vectors
     # positions 8..11 attend over 9..12 cells: K and V, 2 KV heads x 16 x float32, 2 layers
-    assert bench.kv_bytes_per_token(loaded.args, 8, 4, RING_SLACK) == 2 * 256 * 42 // 4
-    # float16 on CUDA
-    assert bench.kv_bytes_per_token(loaded.args, 8, 4, RING_SLACK, "cuda") == 256 * 42 // 4
-    assert bench.kv_bytes_per_token(loaded.args, 8, 4, RING_SLACK, half=True) == 256 * 42 // 4
+    assert bench.kv_bytes_per_token(loaded.args, 8, 4, RING_SLACK, 4) == 2 * 256 * 42 // 4
+    # float16 (CUDA, the native backend)
+    assert bench.kv_bytes_per_token(loaded.args, 8, 4, RING_SLACK, 2) == 256 * 42 // 4
 
 
 def test_tied_embedding_is_read_and_windows_cap_kv(tiny_model_path):
@@ -40,7 +40,7 @@ def test_tied_embedding_is_read_and_windows_cap_kv(tiny_model_path):
     assert bench.weight_bytes_per_token(loaded) == 186752  # every tensor (see test_resources)
     window = loaded.args.sliding_window + RING_SLACK  # both layers slide (window 8)
     per_cell = 2 * loaded.args.n_kv_heads * loaded.args.head_dim * 4
-    far = bench.kv_bytes_per_token(loaded.args, 10_000, 2, RING_SLACK)
+    far = bench.kv_bytes_per_token(loaded.args, 10_000, 2, RING_SLACK, 4)
     assert far == 2 * window * per_cell
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from localllm.models.cache import KVCache, RingKVCache
+from localllm.memory import KVCache, RingKVCache
 
 
 def _kv(t: int, fill: float):

@@ -19,8 +19,10 @@ import torch
 from families import FAMILIES, sha256, write_family
 
 from localllm import cpu
-from localllm.models.cache import KVCache, RingKVCache
-from localllm.models.common import NativeOps, TorchOps, rope_inv_freq
+from localllm.backends.dense import TorchOps
+from localllm.backends.native import NativeOps
+from localllm.memory import KVCache, RingKVCache
+from localllm.models.common import rope_inv_freq
 from localllm.runtime.session import Session, load_model
 
 if not cpu.available():

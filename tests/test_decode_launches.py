@@ -137,14 +137,13 @@ def test_kernel_ops_match_torch_ops_across_ring_wrap(tiny_model_path, monkeypatc
     the same float32 weights, token by token, in the static step (what CUDA graphs capture)
     and eagerly, while gemma's rings (12 cells, window 8) wrap; gemma2 adds soft-capping and
     float16 caches (CUDA's KV type)."""
-    from localllm.models import cache as cache_mod
-    from localllm.models.common import KernelOps, TorchOps
-
+    from localllm.backends.dense import TorchOps
+    from localllm.backends.triton import KernelOps
     monkeypatch.setattr(runtime, "RING_SLACK", 4)
-    monkeypatch.setattr(cache_mod, "kv_dtype", lambda device, half=False: kv)
     path = tiny_model_path(arch, n_layers=2)
     ref = load_model(path, device=device.type, progress=False, dtype=torch.float32,
                      backend="torch")
+    ref.kv_dtype = kv  # the sessions' caches
     ref.model.ops = TorchOps()
     ids = [(7 * i + 3) % (ref.tokenizer.n_vocab - 4) + 4 for i in range(20)]
     s = Session(ref, ctx_size=64)

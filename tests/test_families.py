@@ -43,7 +43,7 @@ def test_moe_prefill_kernel_matches_llama_cpp(family_dir, monkeypatch):
     fixture, however short (its prompts are below the rows per expert from which the model
     takes it)."""
     from localllm import cpu
-    from localllm.models import llama
+    from localllm.backends import native
 
     if not cpu.moe_q8():
         pytest.skip("the native MoE prefill needs the AVX512-VNNI int8 kernels")
@@ -55,7 +55,7 @@ def test_moe_prefill_kernel_matches_llama_cpp(family_dir, monkeypatch):
 
     moe_ffn_q8 = cpu.moe_ffn_q8
     monkeypatch.setattr(cpu, "moe_ffn_q8", spy)
-    monkeypatch.setattr(llama, "MOE_MIN_ROWS", 0)
+    monkeypatch.setattr(native, "MOE_MIN_ROWS", 0)
     check_family("qwen3moe", "cpu", family_dir)
     assert calls and min(calls) > 1
 

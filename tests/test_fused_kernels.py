@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from kernel_checks import HOST_READS, NoLaunch, OpRecorder
 
-from localllm.models.common import gelu_tanh, rms_norm, rope_angles, rope_inv_freq, rotate
+from localllm.backends.dense import gelu_tanh, rms_norm, rope_angles, rotate
+from localllm.models.common import rope_inv_freq
 
 kernels = pytest.importorskip("localllm.kernels")
 if not kernels.triton_available():

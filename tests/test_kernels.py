@@ -232,7 +232,7 @@ def test_triton_unavailable(monkeypatch):
 def test_rms_norm(dtype, device):
     from localllm.kernels.norm_rope import rms_norm
 
-    from localllm.models.common import rms_norm as torch_rms_norm
+    from localllm.backends.dense import rms_norm as torch_rms_norm
 
     x = (torch.randn(2, 3, 100) * 3).to(dtype)  # D = 100: not a power of two
     w = torch.randn(100)
@@ -248,7 +248,8 @@ def test_rms_norm(dtype, device):
 def test_rope(neox, device):
     from localllm.kernels.norm_rope import rope
 
-    from localllm.models.common import apply_rope, rope_inv_freq
+    from localllm.backends.dense import apply_rope
+    from localllm.models.common import rope_inv_freq
 
     head_dim = 24  # half = 12: not a power of two
     x = torch.randn(3, 5, head_dim)

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from localllm.memory import attention_mask
 from localllm.models import common
-from localllm.models.cache import attention_mask
 
 
 @pytest.mark.parametrize("n_kv,group,t,s", [(8, 4, 512, 512), (1, 4, 512, 512), (2, 2, 37, 4096),
@@ -83,7 +83,7 @@ s = Session(m, ctx_size=int(sys.argv[2]), batch_size=128)
 tok = int(s.eval([(1000 + 7 * i) % m.tokenizer.n_vocab for i in range(128)]).argmax())
 for _ in range(8):
     tok = int(s.eval([tok]).argmax())
-kv = sum(c.k.nbytes + c.v.nbytes for c in s.caches)
+kv = sum(c.k.nbytes + c.v.nbytes for c in s.memory)
 # VmHWM, not getrusage's ru_maxrss: that one keeps the peak of the process image before exec,
 # which a child started with vfork shares with its parent (pytest, holding loaded models).
 print(json.dumps({"base": base, "peak": status_mb("VmHWM:"),

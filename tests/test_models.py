@@ -72,7 +72,7 @@ def test_ring_cache_wraps_many_times(tiny_model_path, monkeypatch):
     ids = _tokens(m.tokenizer.n_vocab, 100, seed=5)
     full = Session(m, ctx_size=128).eval(ids, all_logits=True)[-1]
     s = Session(m, ctx_size=128, batch_size=7)
-    assert s.caches[0].size == 12
+    assert s.memory[0].size == 12
     s.eval(ids[:50])
     for t in ids[50:-1]:
         s.eval([t])
@@ -132,7 +132,7 @@ def test_static_decode_equals_dynamic(tiny_model_path, arch, monkeypatch):
     # Full-buffer vs sliced attention sum in different orders: float32 noise reaches ~2e-5.
     for t in ids[5:50]:
         torch.testing.assert_close(sta.eval([t]), dyn.eval([t]), rtol=1e-4, atol=1e-4)
-    assert sta.tokens == dyn.tokens and all(c.n == 50 for c in sta.caches)
+    assert sta.tokens == dyn.tokens and all(c.seq_len == 50 for c in sta.memory)
     for s in (dyn, sta):
         s.truncate(44)  # inside the ring's slack: positions 44.. are forgotten in place
         assert s.n_past == 44
@@ -172,7 +172,7 @@ def test_static_decode_step_is_capturable(tiny_model_path, arch, monkeypatch):
     s = Session(m, ctx_size=48, static_decode=True)
     s.eval(ids[:3])
     first = _op_trace(lambda: s.decoder.step(ids[3], 3))
-    for c in s.caches:
+    for c in s.memory:
         c.set_length(4)
     s.tokens.append(ids[3])
     for t in ids[4:30]:

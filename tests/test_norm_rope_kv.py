@@ -10,8 +10,9 @@ import pytest
 import torch
 from kernel_checks import HOST_READS, NoLaunch, OpRecorder
 
-from localllm.models.cache import KVCache, RingKVCache
-from localllm.models.common import rms_norm, rope_angles, rope_inv_freq, rotate
+from localllm.backends.dense import rms_norm, rope_angles, rotate
+from localllm.memory import KVCache, RingKVCache
+from localllm.models.common import rope_inv_freq
 
 kernels = pytest.importorskip("localllm.kernels")
 if not kernels.triton_available():

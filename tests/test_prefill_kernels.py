@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from localllm.models.common import Linear, attend, prefill_attention
+from localllm.backends.dense import attend, prefill_attention
+from localllm.models.common import Linear
 
 kernels = pytest.importorskip("localllm.kernels")
+TritonMatrix = pytest.importorskip("localllm.backends.triton").TritonMatrix
 
 
 def _qkv(n_heads, n_kv, t, s, d, dtype, seed=0):
@@ -73,10 +75,10 @@ def test_bf16_prefill_passes_float32_tiles(monkeypatch):
 
     monkeypatch.setattr(gemm_mod, "_gemm_kernel", Recorder())
     qw, _ = _q8_weight(np.random.default_rng(0))
-    lin = Linear(qw)
+    lin = Linear(TritonMatrix(qw))
     x = torch.full((9, 64), 1e5)
     lin(x)
-    lin.bf16 = True
+    lin.weight.bf16 = True
     lin(x)
     lin(x[:2])  # decode rows: the GEMV, unchanged
     assert seen == [(torch.float16, False), (torch.float32, True)]
@@ -91,9 +93,9 @@ def test_bf16_prefill_product_does_not_overflow(device):
     qw, dense = _q8_weight(rng)
     x = torch.from_numpy(rng.standard_normal((9, 64)).astype(np.float32)) * 3e5
     want = x.double() @ dense.double().T
-    lin = Linear(qw.to(device))
+    lin = Linear(TritonMatrix(qw.to(device)))
     assert not torch.isfinite(lin(x.to(device))).all()  # float16 tiles: inf
-    lin.bf16 = True
+    lin.weight.bf16 = True
     y = lin(x.to(device)).cpu()
     assert torch.isfinite(y).all()
     assert 1e-4 < _rel(y.double(), want) < 1e-2  # bfloat16's 8-bit mantissa, no more
@@ -126,8 +128,9 @@ def test_gemma_prefills_in_bf16(tiny_model_path):
     path = tiny_model_path("gemma3", qtype=gguf.GGMLQuantizationType.Q8_0, n_layers=1)
     m = load_model(path, device="cpu", progress=False, backend="triton").model
     linears = [v for v in vars(m.layers[0]).values() if isinstance(v, Linear)]
-    assert len(linears) == 4 and all(lin.bf16 for lin in linears)
-    assert m.output.bf16
+    assert len(linears) == 4 and all(lin.weight.bf16 for lin in linears)
+    assert m.output.weight.bf16
     llama = load_model(tiny_model_path("llama", qtype=gguf.GGMLQuantizationType.Q8_0),
                        device="cpu", progress=False, backend="triton").model  # fmt: skip
-    assert not any(v.bf16 for v in vars(llama.layers[0]).values() if isinstance(v, Linear))
+    assert not any(v.weight.bf16 for v in vars(llama.layers[0]).values()
+                   if isinstance(v, Linear))

@@ -55,8 +55,8 @@ def test_estimate_equals_what_a_session_allocates(tiny_model_path, arch, ctx):
     path = tiny_model_path(arch)
     loaded = load_model(path, device="cpu", progress=False)
     session = Session(loaded, ctx_size=ctx)
-    allocated = sum(c.k.nbytes + c.v.nbytes for c in session.caches)
-    assert kv_cache_bytes(loaded.args, ctx, half=loaded.model.ops.kv_half) == allocated
+    allocated = sum(c.k.nbytes + c.v.nbytes for c in session.memory)
+    assert kv_cache_bytes(loaded.args, ctx, half=loaded.kv_dtype == torch.float16) == allocated
     weights = _tensor_bytes(loaded.model)
     assert estimate_memory(loaded.gguf, loaded.args, ctx, CPU).weights == weights
 
@@ -76,7 +76,8 @@ def _tensor_bytes(obj) -> int:
                 walk(y, depth)
         elif hasattr(x, "__dict__") and depth < 6:
             for k, y in vars(x).items():
-                if k not in ("args", "inv_freq", "inv_freq_global", "inv_freq_local"):
+                if k not in ("args", "inv_freq", "inv_freq_global", "inv_freq_local",
+                             "inv_freq_long", "inv_freq_short"):
                     walk(y, depth + 1)
 
     walk(obj)
@@ -131,6 +132,6 @@ def test_estimate_equals_allocation_for_other_families(tiny_model_path, arch):
                     ("expert_feed_forward_length", 32))} if arch == "qwen3moe" else {}
     loaded = load_model(tiny_model_path(arch, **kw), device="cpu", progress=False)
     session = Session(loaded, ctx_size=100)
-    allocated = sum(c.k.nbytes + c.v.nbytes for c in session.caches)
-    assert kv_cache_bytes(loaded.args, 100, half=loaded.model.ops.kv_half) == allocated
+    allocated = sum(c.k.nbytes + c.v.nbytes for c in session.memory)
+    assert kv_cache_bytes(loaded.args, 100, half=loaded.kv_dtype == torch.float16) == allocated
     assert estimate_memory(loaded.gguf, loaded.args, 100, CPU).weights == _tensor_bytes(loaded.model)

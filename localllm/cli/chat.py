@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from ..errors import ParameterError
+
 
 def chat_command(
     model: Annotated[str | None, typer.Argument(
@@ -25,7 +27,9 @@ def chat_command(
     stop: Annotated[list[str] | None, typer.Option(
         "--stop", "-r", help="stop string (repeatable)")] = None,
     n_predict: Annotated[int, typer.Option(
-        "--n-predict", "-n", help="most tokens per reply (-1: no limit)")] = -1,
+        "--n-predict", "-n", help="most tokens per reply (-1: no limit)")] = 1024,  # repl.DEFAULT_REPLY_TOKENS
+    no_loop_guard: Annotated[bool, typer.Option(
+        "--no-loop-guard", help="let a reply that repeats itself go on")] = False,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda")] = "auto",
     threads: Annotated[int | None, typer.Option(
         "--threads", "-t", help="CPU threads (default: physical cores)")] = None,
@@ -57,11 +61,13 @@ def chat_command(
         params = llm.sampling_params(**sampling.overrides)
     else:
         params = llm.sampling_params(sampling)
-    template = template_for(llm, chat_template)
+    if n_predict < -1:
+        raise ParameterError(f"--n-predict must be -1 (no limit) or >= 0, got {n_predict}")
+    template = template_for(llm, chat_template, files=True)
     console = Console(highlight=False)
     repl = ChatREPL(llm, console=console, template=template, params=params, system=system,
                     keep=keep, context_shift=not no_context_shift, stop=stop or (),
-                    n_predict=n_predict)
+                    n_predict=n_predict, loop_guard=not no_loop_guard)
     if verbose:
         console.print(f"model {llm.path}, template {template.name}, device {llm.device}",
                       style="dim", markup=False)

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import defaultdict
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from ..gguf.file import open_gguf
@@ -17,6 +15,7 @@ from ..models import architecture
 from ..models.base import check_tensors
 from ..registry import load_registry
 from ..tokenizer import Tokenizer
+from .terminal import shown
 
 
 def file_type_name(value) -> str:
@@ -35,23 +34,6 @@ def file_type_name(value) -> str:
     return name
 
 
-# C0/C1 control characters (escape sequences start with ESC or CSI) and the bidirectional
-# overrides that reorder what a terminal shows.
-_UNPRINTABLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-
-
-def printable(text: object) -> str:
-    """``text`` safe for a terminal: control and bidi-override characters are dropped, tabs
-    and newlines become spaces (a model's name or notes must not move the cursor, recolour
-    or retitle the terminal)."""
-    return _UNPRINTABLE.sub("", str(text)).replace("\t", " ").replace("\n", " ")
-
-
-def shown(text: object) -> str:
-    """:func:`printable` and escaped for rich markup (``[bold]`` in a name stays text)."""
-    return escape(printable(text))
-
-
 def print_info(model: str | None, console: Console | None = None) -> None:
     """Architecture, hyperparameters, tokenizer, and tensor bytes per quant type."""
     console = console or Console()
@@ -65,7 +47,7 @@ def print_info(model: str | None, console: Console | None = None) -> None:
     check_tensors(arch.tensor_specs(args), gguf.tensors, path.name)
     console.print(f"[bold]{shown(md.get('general.name', path.name))}[/bold]  {shown(path)}")
     console.print(f"GGUF v{gguf.version}, architecture {shown(gguf.architecture)}, "
-                  f"file type {file_type_name(md.get('general.file_type'))}", highlight=False)
+                  f"file type {shown(file_type_name(md.get('general.file_type')))}", highlight=False)
     hp = Table("hyperparameter", "value", title="model")
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)

@@ -60,7 +60,7 @@ def print_models() -> None:
 
     from .. import hub
     from ..registry import load_registry
-    from .info import shown
+    from .terminal import shown
 
     reg = load_registry()
     table = Table("name", "source", "status", "size", "where", "notes")

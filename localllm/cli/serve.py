@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated
 
@@ -21,6 +22,12 @@ def serve_command(
     ctx_size: Annotated[int, typer.Option(
         "--ctx-size", "-c", help="context size in tokens")] = 4096,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="prefill chunk")] = 512,
+    n_predict: Annotated[int, typer.Option(
+        "--n-predict", "-n", help="most tokens one request may generate; caps max_tokens "
+        "(-1: the context)")] = -1,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", help="seconds one request may generate before it is stopped with an "
+        "error")] = 600.0,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda")] = "auto",
     chat_template: Annotated[str | None, typer.Option(
         "--chat-template", help="template NAME or FILE")] = None,
@@ -30,10 +37,10 @@ def serve_command(
         "--max-body", help="largest request body in bytes (more get 413)")] = 8 << 20,
     threads: Annotated[int | None, typer.Option(
         "--threads", "-t", help="CPU threads (default: physical cores)")] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log requests")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="uvicorn's own log")] = False,
 ) -> None:
     """Serve MODEL over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions,
-    /v1/models, /health, /metrics."""
+    /v1/models, /health, /metrics. One line per request goes to stderr."""
     if not 0 <= port <= 65535:
         raise ParameterError(f"--port must be 0..65535, got {port}")
     if max_queue < 0:
@@ -42,6 +49,12 @@ def serve_command(
         raise ParameterError(f"--max-body must be >= 1, got {max_body}")
     if api_key == "":
         raise ParameterError("--api-key must not be empty")
+    if n_predict < -1 or n_predict == 0:
+        raise ParameterError(f"--n-predict must be -1 (the context) or >= 1, got {n_predict}")
+    if not 0 < timeout < float("inf"):
+        raise ParameterError(f"--timeout must be a number of seconds > 0, got {timeout}")
+    if sys.stderr is None:  # started with stderr closed: the log goes nowhere, not to a crash
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives until exit
 
     import torch
 
@@ -56,8 +69,9 @@ def serve_command(
     if chat_template is not None:
         from ..chat.template import template_for
 
-        template_for(llm, chat_template)  # a broken template is an error now, not per request
-        llm.chat_template = chat_template
+        # Read and compiled now (a broken template is an error here, not per request); the
+        # server then holds the template itself, never a path.
+        llm.chat_template = template_for(llm, chat_template, files=True)
 
     def ready(bound: int) -> None:
         print(f"localllm: serving {llm.model_name} on http://{host}:{bound}/v1 "
@@ -65,4 +79,5 @@ def serve_command(
               file=sys.stderr, flush=True)
 
     serve(llm, host=host, port=port, api_key=api_key, max_queue=max_queue, max_body=max_body,
-          log_level="info" if verbose else "warning", on_ready=ready)
+          n_predict=n_predict, timeout=timeout, log_level="info" if verbose else "warning",
+          on_ready=ready)

@@ -7,20 +7,24 @@ How to add an architecture (see :mod:`localllm.models.base` for the pieces):
    * ``ModelArgs``: a dataclass with at least ``arch``, ``n_vocab``, ``n_layers``,
      ``context_length``; ``ModelArgs.from_gguf(metadata, n_vocab)`` reads every
      hyperparameter through ``base.HParams`` (typed, finite, in range, consistent: one
-     ``GGUFError`` naming the key otherwise; ``base.common_hparams`` reads the usual ones) and
-     refuses what it does not implement (a RoPE scaling type ...) with ``UnsupportedError``;
+     ``GGUFError`` naming the key otherwise; ``base.common_hparams`` reads the usual ones);
    * ``tensor_specs(args)``: every tensor as ``base.TensorSpec(gguf_name, torch_shape,
      optional)``, with llama.cpp's names (``gguf.constants.MODEL_TENSORS``);
-   * ``cache_layout(args)``: one ``base.LayerCache`` per layer (full, or a sliding window);
-   * ``Model(base.BaseModel)``: built from ``args`` alone; ``forward(tokens, pos, caches, *,
-     all_logits=False, logits_start=0)`` reads the tensors :func:`base.bind` attached
-     (``self.layers[i].attn_norm``, the fused ``attn_qkv`` / ``ffn_gate_up`` ...) and computes
-     with ``self.ops`` (``common.TorchOps`` / ``KernelOps``), as llama.cpp's
-     ``src/models/NAME.cpp`` graph does.
+   * ``memory_layout(args)``: per layer what it remembers (:mod:`localllm.memory`:
+     ``KVSpec`` full or sliding-window, ``LatentSpec``, ``RecurrentSpec``);
+   * ``Layer`` (and, for top-level tensors beyond ``base.Weights``, a ``Weights``
+     subclass): dataclasses whose fields are the GGUF stems (``attn_norm`` ...; fused
+     projections by their fused name, ``attn_qkv``, ``ffn_gate_up``), optional ones
+     ``= None``;
+   * ``Model(base.BaseModel)`` with ``LAYER = Layer`` (``WEIGHTS = ...``), built from
+     ``args`` alone; ``forward(tokens, pos, memory, *, all_logits=False, logits_start=0)``
+     composes the bound weights (each ``Linear`` multiplies itself, whatever the backend
+     holds) with ``self.ops`` (the backend's norms, RoPE, attention over a layer's memory,
+     activations, experts), as llama.cpp's ``src/models/NAME.cpp`` graph does.
 
 2. Add one line to :data:`ARCHITECTURES` (several GGUF names may share a module).
 
-Loading, memory estimate, shape checks, KV caches, synthetic files (``synthetic.py``,
+Loading, memory estimate, shape checks, memories, synthetic files (``synthetic.py``,
 ``bench --synthetic``) and the tiny test models then follow from the declaration. Check the
 new family against llama.cpp with a fixture in ``tests/data/families/`` (``record.py`` there).
 """
@@ -78,6 +82,6 @@ def tensor_specs(args) -> list:
     return architecture(args.arch).tensor_specs(args)
 
 
-def cache_layout(args) -> list:
-    """The KV cache plan (``base.LayerCache`` per layer) of a model's ``args``."""
-    return architecture(args.arch).cache_layout(args)
+def memory_layout(args) -> list:
+    """The memory plan (one :mod:`localllm.memory` spec per layer) of a model's ``args``."""
+    return architecture(args.arch).memory_layout(args)

@@ -1,6 +1,6 @@
 """What every architecture declares, and what is derived from the declaration.
 
-An architecture module (``llama.py``, ``gemma.py`` ...) declares three things:
+An architecture module (``llama.py``, ``gemma.py`` ...) declares:
 
 * ``ModelArgs.from_gguf(metadata, n_vocab)``: the hyperparameters, every one read through
   :class:`HParams`, which validates type, finiteness and range and raises one
@@ -8,24 +8,28 @@ An architecture module (``llama.py``, ``gemma.py`` ...) declares three things:
 * ``tensor_specs(args)``: every tensor the model may read, as :class:`TensorSpec`
   (GGUF name, shape in torch order, optional or not): the tensor declaration, as gguf-py's
   ``MODEL_TENSORS`` table and llama.cpp's ``llama_model::load_tensors`` are;
-* ``cache_layout(args)``: per layer, a :class:`LayerCache` (a full cache, or a ring of
-  ``window`` cells for sliding-window attention).
+* ``memory_layout(args)``: per layer, what it remembers between forward passes
+  (:mod:`localllm.memory`: a KV cache, a sliding-window ring, a latent cache, a recurrent
+  state);
+* ``Layer`` and ``Weights`` dataclasses: the tensors of one block (``blk.{i}.{stem}``) and
+  the top-level ones (``{stem}``) as typed fields named by their GGUF stem (fused
+  projections by their fused name), optional ones defaulting to None.
 
 From these alone follow: the check of a file's tensors before any weight is read
-(:func:`check_tensors`), the memory estimate (``runtime/resources.py``), the KV caches
-(``cache.make_caches``), the synthetic-model writer (``synthetic.py``) and the tiny test
-models. The ``Model`` is built from ``args`` alone (its layers are empty
-:class:`Layer` namespaces) and :func:`bind` attaches the weights afterwards: a tensor
-``blk.{i}.{stem}.weight`` becomes attribute ``stem`` of ``model.layers[i]``, a tensor
-``{stem}.weight`` attribute ``stem`` of the model; matrices become one
-:class:`~localllm.models.common.Linear` (dense or quantized), 3-D expert tensors
-:class:`~localllm.models.common.Experts`, vectors float32 tensors, ``.bias`` tensors the bias
-of the ``Linear`` of the same stem. Projections of one input (``model.FUSE``: Q/K/V,
-gate/up) are fused into one product where the bound types allow it.
+(:func:`check_tensors`), the memory estimate (``runtime/resources.py``), the memories
+(``memory.make_memory``), the synthetic-model writer (``synthetic.py``) and the tiny test
+models. The ``Model`` is built from ``args`` alone and :func:`bind` attaches the weights the
+backend loads: matrices become one :class:`~localllm.models.common.Linear`, 3-D expert
+tensors an :class:`~localllm.backends.ExpertMatrix`, vectors float32 tensors, ``.bias``
+tensors the bias of the ``Linear`` of the same stem; projections of one input
+(``model.FUSE``: Q/K/V, gate/up) are fused into one product where the backend can stack
+them. A tensor without a field, or a required field without a tensor, fails at bind time
+naming the GGUF tensor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -33,8 +37,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import GGUFError, UnsupportedError
-from .cache import make_caches
-from .common import Embedding, Linear, Loader, TorchOps, default_ops, fuse
+from .common import Embedding, Linear, fuse
 
 # Bounds on hyperparameters (llama.cpp: LLAMA_MAX_LAYERS = 512, LLAMA_MAX_EXPERTS = 512).
 MAX_LAYERS = 512
@@ -50,32 +53,43 @@ FLOAT32_MATRICES = ("ffn_gate_inp",)
 @dataclass(frozen=True)
 class TensorSpec:
     """One tensor of an architecture: GGUF ``name``, ``shape`` in torch order (GGUF's ``ne``
-    reversed: (rows, cols) for a matrix, (n_expert, rows, cols) for experts) and whether a
-    file may omit it (``optional``: a tied output, biases, RoPE factors)."""
+    reversed: (rows, cols) for a matrix, (n_expert, rows, cols) for experts), whether a
+    file may omit it (``optional``: a tied output, biases, RoPE factors), and for a matrix
+    holding several projections stacked by rows (a file's fused ``attn_qkv``) their sizes
+    (``parts``: its ``Linear`` returns one output each)."""
 
     name: str
     shape: tuple[int, ...]
     optional: bool = False
+    parts: tuple[int, ...] | None = None
 
 
-@dataclass(frozen=True)
-class LayerCache:
-    """The KV cache of one layer: ``window`` None = every position up to the context size;
-    an int = sliding-window attention over the last ``window`` positions (a ring of
-    ``window + slack`` cells when that is smaller than the context)."""
+@dataclass(kw_only=True)
+class DecoderArgs:
+    """The hyperparameters every decoder here has (``common_hparams`` reads them); a
+    family's ``ModelArgs`` extends it (keyword-only fields)."""
 
-    n_kv_heads: int
-    head_dim: int
-    window: int | None = None
+    arch: str  # general.architecture
+    n_vocab: int
+    n_layers: int  # block_count
+    d_model: int  # embedding_length
+    n_heads: int  # attention.head_count
+    n_kv_heads: int  # attention.head_count_kv
+    head_dim: int  # attention.key_length
+    context_length: int
+    norm_eps: float = 1e-5  # attention.layer_norm_rms_epsilon
+    rope_base: float = 10_000.0  # rope.freq_base
+    rope_scale: float = 1.0  # linear RoPE scaling: 1 / rope.scaling.factor
 
 
-class Layer:
-    """The tensors of one block, as attributes named by their GGUF stem (``attn_q`` ...);
-    filled by :func:`bind`. Tensors a file does not have stay None."""
+@dataclass
+class Weights:
+    """The top-level tensors of a decoder; a family's ``Weights`` adds its own (RoPE factor
+    tensors ...). ``output`` is the embedding's tied head when the file has none."""
 
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
+    token_embd: Embedding
+    output_norm: torch.Tensor
+    output: Linear | None = None
 
 
 class HParams:
@@ -278,98 +292,111 @@ class BaseModel:
 
     Attributes:
         args: the architecture's ModelArgs.
-        layers: one :class:`Layer` per block (``args.n_layers``).
-        token_embd, output_norm, output: set by :func:`bind` (``output`` is the embedding's
-            tied head when the file has no ``output.weight``).
-        ops: :class:`~localllm.models.common.TorchOps`, ``KernelOps`` (Triton) or
-            ``NativeOps`` (native CPU kernels), from the device and backend.
+        layers: one ``LAYER`` per block (``args.n_layers``), set by :func:`bind`.
+        weights: the top-level tensors (a ``WEIGHTS``), set by :func:`bind`; its fields
+            are also attributes of the model (``self.token_embd`` ...).
+        ops: the backend's layer operations (:class:`~localllm.backends.dense.TorchOps` or
+            a subclass), set by :func:`bind`.
     """
 
+    LAYER: ClassVar[type]  # the family's per-block dataclass
+    WEIGHTS: ClassVar[type] = Weights
     # Projections of one input fused at bind time: fused name -> part stems.
     FUSE: ClassVar[dict[str, tuple[str, ...]]] = {
         "attn_qkv": ("attn_q", "attn_k", "attn_v"),
         "ffn_gate_up": ("ffn_gate", "ffn_up"),
     }
+    # Products over many rows in bfloat16 where the backend has the choice (Triton's GEMM):
+    # models whose activations outgrow float16's 65504 (Gemma's unnormalized FFN product).
+    PREFILL_BF16: ClassVar[bool] = False
+
+    token_embd: Embedding
+    output_norm: torch.Tensor
+    output: Linear
 
     def __init__(self, args) -> None:
         self.args = args
-        self.layers = [Layer() for _ in range(args.n_layers)]
-        self.token_embd: Embedding | None = None
-        self.output_norm: torch.Tensor | None = None
-        self.output: Linear | None = None
+        self.layers: list = []
         self.device = torch.device("cpu")
-        self.ops = TorchOps()
-
-    def __getattr__(self, name: str):
-        # Optional top-level tensors (rope_freqs, rope_factors_long ...) read as None.
-        if name.startswith("__") or name in ("args", "layers"):
-            raise AttributeError(name)
+        self.ops = None
 
     def prepare(self) -> None:
         """Called by :func:`bind` once weights are on ``self.device`` (RoPE tables ...)."""
 
-    def make_caches(self, ctx_size: int, *, slack: int) -> list:
-        """The per-layer KV caches of ``cache_layout(args)`` at ``ctx_size`` tokens."""
-        from . import cache_layout
 
-        return make_caches(cache_layout(self.args), ctx_size, slack=slack, device=self.device,
-                           half=self.ops.kv_half)
-
-
-def bind(model: BaseModel, gguf, device, *, dtype: torch.dtype = torch.float16,
-         quantized: bool = False, native: bool = False, ops=None,
+def bind(model: BaseModel, gguf, backend, specs: list[TensorSpec], *,
          progress=None) -> list[str]:
-    """Attach the weights of ``gguf`` to ``model`` on ``device``.
+    """Attach the weights of ``gguf`` to ``model``, loaded by ``backend``.
 
-    The file's tensors are first checked against ``tensor_specs(model.args)``
-    (:func:`check_tensors`), so nothing is read from a file that contradicts its metadata.
+    The file's tensors must have been checked against ``specs`` (the architecture's
+    ``tensor_specs(model.args)``) by :func:`check_tensors`, so nothing is read from a file
+    that contradicts its metadata.
 
     Args:
-        dtype: dtype of dequantized matrices (float16; float32 for exact checks).
-        quantized: keep matrices in their ggml blocks for the Triton kernels.
-        native: keep matrices in their ggml blocks (a view of the file) for the native CPU
-            kernels (:mod:`localllm.cpu`).
-        ops: the op backend (default: :func:`~localllm.models.common.default_ops` of device).
+        backend: a :class:`~localllm.backends.Backend` (its device, weight kinds and ops).
         progress: called with the bytes of each tensor read.
     Returns:
         the tensors that stayed dequantized for lack of a kernel (``"name (TYPE)"``).
     Raises:
-        GGUFError: a tensor is missing, mis-shaped or foreign to the architecture.
+        GGUFError: a tensor has no field in the family's ``Layer`` / ``Weights``, or a
+            required field has no tensor.
         UnsupportedError: a tensor's type cannot be dequantized.
     """
-    from . import tensor_specs
-
-    specs = tensor_specs(model.args)
-    check_tensors(specs, gguf.tensors, gguf.path.name)
-    loader = Loader(gguf, device, dtype, quantized=quantized, native=native,
-                    progress=progress)
-    model.device = torch.device(device)
-    model.ops = ops if ops is not None else default_ops(device, native=native,
-                                                        kv_half=dtype != torch.float32)
+    backend.source = gguf.path.name
+    if progress is not None:
+        backend.progress = progress
+    model.device, model.ops = backend.device, backend.ops
+    top: dict[str, Any] = {}
+    blocks: list[dict[str, Any]] = [{} for _ in range(model.args.n_layers)]
+    names: dict[tuple[int | None, str], str] = {}  # (layer, stem) -> GGUF name, for errors
     present = [s for s in specs if s.name in gguf.tensors]
     for s in sorted(present, key=lambda s: s.name.endswith(".bias")):  # weights first
         i, stem, suffix = layer_of(s.name)
-        owner = model if i is None else model.layers[i]
+        owner = top if i is None else blocks[i]
+        info = gguf.tensor(s.name)
         if suffix == "bias":
-            getattr(owner, stem).bias = loader.dense(s.name)
-        elif stem == "token_embd":
-            owner.token_embd = Embedding(loader.matrix(s.name))
+            owner[stem].bias = backend.dense(info)
+            continue
+        names[(i, stem)] = s.name
+        if stem == "token_embd":
+            owner[stem] = Embedding(backend.matrix(info))
         elif stem in FLOAT32_MATRICES:
-            setattr(owner, stem, Linear(loader.dense(s.name, torch.float32)))
+            owner[stem] = Linear(backend.dense_matrix(info, torch.float32))
         elif len(s.shape) == 3:
-            setattr(owner, stem, loader.experts(s.name))
+            owner[stem] = backend.experts(info)
         elif len(s.shape) == 2:
-            setattr(owner, stem, Linear(loader.matrix(s.name)))
+            owner[stem] = Linear(backend.matrix(info), sizes=s.parts)
         else:
-            setattr(owner, stem, loader.dense(s.name))
-    for layer in model.layers:
+            owner[stem] = backend.dense(info)
+    for i, fields in enumerate(blocks):
         for fused, stems in model.FUSE.items():
-            parts = [getattr(layer, st) for st in stems]
-            if all(isinstance(p, Linear) for p in parts):
-                setattr(layer, fused, fuse(parts))
-                for st in stems:
-                    delattr(layer, st)
-    if model.output is None:
-        model.output = model.token_embd.head
+            if all(isinstance(fields.get(st), Linear) for st in stems):
+                fields[fused] = fuse([fields.pop(st) for st in stems])
+                names[(i, fused)] = f"blk.{i}.{stems[0]}.weight"
+    top.setdefault("output", None)
+    model.weights = _typed(model.WEIGHTS, top, None, names, gguf.path.name)
+    if model.weights.output is None:
+        model.weights.output = model.weights.token_embd.head
+    for f in dataclasses.fields(model.weights):
+        setattr(model, f.name, getattr(model.weights, f.name))
+    model.layers = [_typed(model.LAYER, fields, i, names, gguf.path.name)
+                    for i, fields in enumerate(blocks)]
     model.prepare()
-    return loader.fallbacks
+    return backend.fallbacks
+
+
+def _typed(cls: type, values: dict[str, Any], layer: int | None,
+           names: dict[tuple[int | None, str], str], source: str):
+    """``cls(**values)``, a family's ``Layer`` or ``Weights`` dataclass, or one GGUFError
+    naming the tensor without a field or the field without a tensor."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for stem in values:
+        if stem not in fields:
+            raise GGUFError(f"{source}: tensor {names.get((layer, stem), stem)!r} has no "
+                            f"place in the model's {cls.__name__} (a declaration error)")
+    for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and name not in values:
+            where = f"blk.{layer}.{name}" if layer is not None else name
+            raise GGUFError(f"{source}: tensor {where!r} is missing")
+    return cls(**values)

@@ -28,38 +28,29 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memory import KVSpec
 from .base import (
     MAX_CONTEXT,
     REQUIRED,
     BaseModel,
+    DecoderArgs,
     HParams,
-    LayerCache,
     TensorSpec,
     common_hparams,
 )
-from .common import positions_of, prefill_in_bf16, rope_inv_freq
+from .common import Linear, Split, positions_of, rope_inv_freq
 
 SWA_PATTERN = {"gemma": 0, "gemma2": 2, "gemma3": 6}  # every n-th layer global; 0: no SWA
 LAYERS_27B = {"gemma2": 46, "gemma3": 62}
 
 
-@dataclass
-class ModelArgs:
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     """Hyperparameters from ``{gemma,gemma2,gemma3}.*`` metadata keys."""
 
-    arch: str
-    n_vocab: int
-    n_layers: int  # block_count
-    d_model: int  # embedding_length
-    n_heads: int  # attention.head_count
-    n_kv_heads: int  # attention.head_count_kv
-    head_dim: int  # attention.key_length
     ffn_dim: int  # feed_forward_length
-    context_length: int
     norm_eps: float = 1e-6
-    rope_base: float = 10_000.0  # global layers
     rope_base_swa: float = 10_000.0  # sliding-window layers (gemma3)
-    rope_scale: float = 1.0  # linear scaling of global layers: 1 / rope.scaling.factor
     sliding_window: int | None = None
     swa_pattern: int = 0
     attn_softcap: float | None = None  # gemma2
@@ -134,26 +125,44 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
     return specs
 
 
-def cache_layout(a: ModelArgs) -> list[LayerCache]:
-    return [LayerCache(a.n_kv_heads, a.head_dim, a.sliding_window if a.is_sliding(i) else None)
+def memory_layout(a: ModelArgs) -> list[KVSpec]:
+    return [KVSpec(a.n_kv_heads, a.head_dim, a.sliding_window if a.is_sliding(i) else None)
             for i in range(a.n_layers)]
+
+
+@dataclass
+class Layer:
+    """The tensors of one block (``blk.{i}.*``)."""
+
+    attn_norm: torch.Tensor
+    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v
+    attn_output: Linear
+    ffn_norm: torch.Tensor
+    ffn_gate_up: Linear | Split  # fused ffn_gate, ffn_up
+    ffn_down: Linear
+    attn_q_norm: torch.Tensor | None = None  # gemma3: QK-norm
+    attn_k_norm: torch.Tensor | None = None
+    post_attention_norm: torch.Tensor | None = None  # gemma2/3
+    post_ffw_norm: torch.Tensor | None = None
 
 
 class Model(BaseModel):
     """A Gemma-family decoder; weights attached by :func:`localllm.models.base.bind`."""
+
+    LAYER = Layer
+    PREFILL_BF16 = True  # Gemma's activations outgrow float16
 
     def prepare(self) -> None:
         a = self.args
         self.inv_freq_global = rope_inv_freq(a.head_dim, a.rope_base, device=self.device)
         base_swa = a.rope_base_swa if a.arch == "gemma3" else a.rope_base
         self.inv_freq_local = rope_inv_freq(a.head_dim, base_swa, device=self.device)
-        prefill_in_bf16(self)  # Gemma's activations outgrow float16
 
     def forward(
         self,
         tokens: torch.Tensor,
         pos: int | torch.Tensor,
-        caches: list,
+        memory,
         *,
         all_logits: bool = False,
         logits_start: int = 0,
@@ -177,7 +186,7 @@ class Model(BaseModel):
         # fused with its residual add.
         nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
         n = ops.rms_norm(x, self.layers[0].attn_norm, a.norm_eps)
-        for i, (b, cache, next_norm) in enumerate(zip(self.layers, caches, nexts)):
+        for i, (b, cache, next_norm) in enumerate(zip(self.layers, memory, nexts)):
             x, n = self._block(b, cache, x, n, next_norm, pos, positions,
                                rope[a.is_sliding(i)])
         logits = self.output(n[logits_start:] if all_logits else n[-1:])

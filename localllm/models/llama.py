@@ -31,45 +31,32 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends import ExpertMatrix
 from ..errors import UnsupportedError
+from ..memory import KVSpec
 from .base import (
     MAX_CONTEXT,
     MAX_EXPERTS,
     REQUIRED,
     BaseModel,
+    DecoderArgs,
     HParams,
-    LayerCache,
     TensorSpec,
+    Weights,
     common_hparams,
 )
-from .common import positions_of, rope_inv_freq, yarn_rope
+from .common import Linear, Split, positions_of, rope_inv_freq, yarn_rope
 
 NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3", "qwen3moe"})
 QKV_BIAS = frozenset({"qwen2"})  # required Q/K/V biases (llama: optional biases)
 QK_NORM = frozenset({"qwen3", "qwen3moe"})
-# From this many rows per expert on average, a prompt's native CPU experts run as one
-# moe_ffn_q8 call (which unpacks every selected expert's matrices once; with fewer rows the
-# per-expert int8 GEMV / tiled products read less: qwen3moe-1b, 64 experts, 8 used, one
-# thread: 32 tokens 16 vs 12 ms per layer, 64 tokens 19 vs 30 ms).
-MOE_MIN_ROWS = 8
 
 
-@dataclass
-class ModelArgs:
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     """Hyperparameters from ``{arch}.*`` metadata keys."""
 
-    arch: str
-    n_vocab: int
-    n_layers: int  # block_count
-    d_model: int  # embedding_length
-    n_heads: int  # attention.head_count
-    n_kv_heads: int  # attention.head_count_kv
-    head_dim: int  # attention.key_length
     ffn_dim: int  # feed_forward_length (0 for MoE files without it)
-    context_length: int
-    norm_eps: float = 1e-5
-    rope_base: float = 10_000.0
-    rope_scale: float = 1.0  # linear scaling: 1 / rope.scaling.factor
     rope_yarn: dict | None = None  # YaRN: common.yarn_rope's arguments
     sliding_window: int | None = None  # mistral-style SWA on every layer, when given
     n_expert: int = 0  # expert_count
@@ -190,54 +177,52 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
     return specs
 
 
-def cache_layout(a: ModelArgs) -> list[LayerCache]:
-    return [LayerCache(a.n_kv_heads, a.head_dim, a.sliding_window)] * a.n_layers
+def memory_layout(a: ModelArgs) -> list[KVSpec]:
+    return [KVSpec(a.n_kv_heads, a.head_dim, a.sliding_window)] * a.n_layers
 
 
-def moe_ffn(layer, x: torch.Tensor, n_used: int, norm: bool, ops) -> torch.Tensor:
+@dataclass
+class Layer:
+    """The tensors of one block (``blk.{i}.*``)."""
+
+    attn_norm: torch.Tensor
+    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v (with their biases)
+    attn_output: Linear
+    ffn_norm: torch.Tensor
+    attn_q_norm: torch.Tensor | None = None  # qwen3*: per-head QK-norm
+    attn_k_norm: torch.Tensor | None = None
+    ffn_gate_up: Linear | Split | None = None  # dense FFN: fused ffn_gate, ffn_up
+    ffn_down: Linear | None = None
+    ffn_gate_inp: Linear | None = None  # MoE: the router (float32)
+    ffn_gate_exps: ExpertMatrix | None = None
+    ffn_up_exps: ExpertMatrix | None = None
+    ffn_down_exps: ExpertMatrix | None = None
+
+
+@dataclass
+class LlamaWeights(Weights):
+    rope_freqs: torch.Tensor | None = None  # Llama 3.x RoPE factors (head_dim/2,)
+
+
+def moe_ffn(layer: Layer, x: torch.Tensor, n_used: int, norm: bool, ops) -> torch.Tensor:
     """Mixture of experts on x (T, d) float32 -> (T, d) float32 (llama.cpp's
-    ``build_moe_ffn`` with softmax gating and SwiGLU experts). Tokens are grouped by expert:
-    each selected expert multiplies the rows routed to it, and no other expert is read. One
-    token (decode) runs its k experts directly, without the grouping's gathers and scatters
-    (a third of a decode step's MoE time on the CPU); with native int8 experts, one
-    :func:`localllm.cpu.gemv_experts` call per matrix for all k (a call per expert and
-    matrix spent most of a MoE decode step in Python). Native CPU experts with int8
-    activations (``PackedWeight.q8``) run a prompt of at least :data:`MOE_MIN_ROWS` rows
-    per expert on average in one call, :func:`localllm.cpu.moe_ffn_q8` (the per-expert loop
-    spent most of a MoE prefill in small products and Python)."""
+    ``build_moe_ffn`` with softmax gating and SwiGLU experts): router ``ffn_gate_inp`` ->
+    softmax -> top ``n_used`` experts (weights renormalised to sum 1 when ``norm``), then the
+    backend's ``ops.experts``."""
     probs = torch.softmax(layer.ffn_gate_inp(x), dim=-1)  # (T, E)
     weights, chosen = probs.topk(n_used, dim=-1)  # (T, k)
     if norm:
         weights = weights / weights.sum(-1, keepdim=True)
-    stacked = [layer.ffn_gate_exps.stacked, layer.ffn_up_exps.stacked,
-               layer.ffn_down_exps.stacked]
-    if all(w is not None and w.q8 for w in stacked):  # native CPU experts, int8 activations
-        from .. import cpu
-
-        if x.shape[0] == 1:
-            n_ff = stacked[0].shape[0] // probs.shape[1]
-            h = ops.gated(cpu.gemv_experts(x, stacked[0], chosen[0], n_ff),
-                          cpu.gemv_experts(x, stacked[1], chosen[0], n_ff), "silu",
-                          overwrite=True)  # (k, n_ff)
-            return weights @ cpu.gemv_experts(h, stacked[2], chosen[0], x.shape[1])  # (1, d)
-        if x.shape[0] * n_used >= MOE_MIN_ROWS * probs.shape[1] and cpu.moe_q8():
-            return cpu.moe_ffn_q8(x, chosen, weights, *stacked)
-    out = torch.zeros_like(x)
-    if x.shape[0] == 1:
-        for w, e in zip(weights[0].tolist(), chosen[0].tolist()):
-            h = ops.gated(layer.ffn_gate_exps(x, e), layer.ffn_up_exps(x, e), "silu")
-            out += layer.ffn_down_exps(h, e) * w
-        return out
-    for e in chosen.unique().tolist():
-        rows, slot = (chosen == e).nonzero(as_tuple=True)
-        xe = x[rows]
-        h = ops.gated(layer.ffn_gate_exps(xe, e), layer.ffn_up_exps(xe, e), "silu")
-        out.index_add_(0, rows, layer.ffn_down_exps(h, e) * weights[rows, slot, None])
-    return out
+    return ops.experts(x, chosen, weights, layer.ffn_gate_exps, layer.ffn_up_exps,
+                       layer.ffn_down_exps, "silu")
 
 
 class Model(BaseModel):
     """A Llama-family decoder; weights attached by :func:`localllm.models.base.bind`."""
+
+    LAYER = Layer
+    WEIGHTS = LlamaWeights
+    rope_freqs: torch.Tensor | None
 
     def prepare(self) -> None:
         a = self.args
@@ -250,13 +235,14 @@ class Model(BaseModel):
         self,
         tokens: torch.Tensor,
         pos: int | torch.Tensor,
-        caches: list,
+        memory,
         *,
         all_logits: bool = False,
         logits_start: int = 0,
     ) -> torch.Tensor:
         """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
         (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits.
+        ``memory``: the sequence's :class:`~localllm.memory.Memory` (one KV cache per layer).
 
         ``pos`` may be a (1,) int64 tensor on the model's device for a one-token step with
         static shapes and no host reads (CUDA graphs, :mod:`localllm.runtime.graphs`)."""
@@ -274,7 +260,7 @@ class Model(BaseModel):
         n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         # Each intermediate is dropped as soon as it is used (del), before the next large
         # one is allocated: a prefill's peak memory holds one layer's products, not two.
-        for b, cache, next_norm in zip(self.layers, caches, nexts):
+        for b, cache, next_norm in zip(self.layers, memory, nexts):
             q, k, v = b.attn_qkv(n)
             attn = ops.self_attention(q, k, v, b.attn_q_norm, b.attn_k_norm, eps, rope, cache,
                                       pos, positions, head_dim=a.head_dim, neox=a.neox,

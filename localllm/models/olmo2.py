@@ -15,26 +15,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import REQUIRED, BaseModel, HParams, LayerCache, TensorSpec, common_hparams
-from .common import positions_of, rope_inv_freq
+from ..memory import KVSpec
+from .base import REQUIRED, BaseModel, DecoderArgs, HParams, TensorSpec, common_hparams
+from .common import Linear, Split, positions_of, rope_inv_freq
 
 
-@dataclass
-class ModelArgs:
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     """Hyperparameters from ``olmo2.*`` metadata keys."""
 
-    arch: str
-    n_vocab: int
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
     ffn_dim: int
-    context_length: int
     norm_eps: float = 1e-6
-    rope_base: float = 10_000.0
-    rope_scale: float = 1.0
 
     @classmethod
     def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
@@ -74,18 +65,34 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
     return specs
 
 
-def cache_layout(a: ModelArgs) -> list[LayerCache]:
-    return [LayerCache(a.n_kv_heads, a.head_dim)] * a.n_layers
+def memory_layout(a: ModelArgs) -> list[KVSpec]:
+    return [KVSpec(a.n_kv_heads, a.head_dim)] * a.n_layers
+
+
+@dataclass
+class Layer:
+    """The tensors of one block (``blk.{i}.*``)."""
+
+    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v
+    attn_q_norm: torch.Tensor  # over all heads (n_heads * head_dim,)
+    attn_k_norm: torch.Tensor
+    attn_output: Linear
+    post_attention_norm: torch.Tensor
+    ffn_gate_up: Linear | Split  # fused ffn_gate, ffn_up
+    ffn_down: Linear
+    post_ffw_norm: torch.Tensor
 
 
 class Model(BaseModel):
     """An OLMo 2 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
+    LAYER = Layer
+
     def prepare(self) -> None:
         a = self.args
         self.inv_freq = rope_inv_freq(a.head_dim, a.rope_base, device=self.device)
 
-    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, caches: list, *,
+    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
                 all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
         """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
         (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits."""
@@ -95,7 +102,7 @@ class Model(BaseModel):
         x = self.token_embd(tokens)
         rope = ops.rope_angles(positions, self.inv_freq, a.rope_scale)
         eps = a.norm_eps
-        for b, cache in zip(self.layers, caches):
+        for b, cache in zip(self.layers, memory):
             q, k, v = b.attn_qkv(x)
             # The QK-norm spans all heads: applied here, before the per-head RoPE.
             q = ops.rms_norm(q, b.attn_q_norm, eps)

@@ -19,34 +19,25 @@ from typing import ClassVar
 
 import torch
 
+from ..memory import KVSpec
 from .base import (
     MAX_CONTEXT,
     REQUIRED,
     BaseModel,
+    DecoderArgs,
     HParams,
-    LayerCache,
     TensorSpec,
+    Weights,
     common_hparams,
 )
-from .common import positions_of, rope_inv_freq
+from .common import Linear, positions_of, rope_inv_freq
 
 
-@dataclass
-class ModelArgs:
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
     """Hyperparameters from ``phi3.*`` metadata keys."""
 
-    arch: str
-    n_vocab: int
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
     ffn_dim: int
-    context_length: int
-    norm_eps: float = 1e-5
-    rope_base: float = 10_000.0
-    rope_scale: float = 1.0
     rope_orig_context: int = 0  # rope.scaling.original_context_length
     rope_attn_factor: float = 1.0  # rope.scaling.attn_factor
     attention_scale: float = 0.0
@@ -82,40 +73,62 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
     for i in range(a.n_layers):
         p = f"blk.{i}."
         specs += [TensorSpec(p + "attn_norm.weight", (d,)),
-                  TensorSpec(p + "attn_qkv.weight", (nq + 2 * nkv, d)),
+                  TensorSpec(p + "attn_qkv.weight", (nq + 2 * nkv, d), parts=(nq, nkv, nkv)),
                   TensorSpec(p + "attn_output.weight", (d, nq)),
                   TensorSpec(p + "ffn_norm.weight", (d,)),
-                  TensorSpec(p + "ffn_up.weight", (2 * a.ffn_dim, d)),
+                  TensorSpec(p + "ffn_up.weight", (2 * a.ffn_dim, d),
+                             parts=(a.ffn_dim, a.ffn_dim)),
                   TensorSpec(p + "ffn_down.weight", (d, a.ffn_dim))]
     specs += [TensorSpec("output_norm.weight", (d,)),
               TensorSpec("output.weight", (v, d), optional=True)]
     return specs
 
 
-def cache_layout(a: ModelArgs) -> list[LayerCache]:
-    return [LayerCache(a.n_kv_heads, a.head_dim)] * a.n_layers
+def memory_layout(a: ModelArgs) -> list[KVSpec]:
+    return [KVSpec(a.n_kv_heads, a.head_dim)] * a.n_layers
+
+
+@dataclass
+class Layer:
+    """The tensors of one block (``blk.{i}.*``)."""
+
+    attn_norm: torch.Tensor
+    attn_qkv: Linear  # the file's fused Q/K/V: returns (q, k, v)
+    attn_output: Linear
+    ffn_norm: torch.Tensor
+    ffn_up: Linear  # gate and up stacked: returns (gate, up)
+    ffn_down: Linear
+
+
+@dataclass
+class Phi3Weights(Weights):
+    rope_factors_long: torch.Tensor | None = None  # LongRoPE factors (head_dim/2,)
+    rope_factors_short: torch.Tensor | None = None
 
 
 class Model(BaseModel):
     """A Phi-3 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
+    LAYER = Layer
+    WEIGHTS = Phi3Weights
     FUSE: ClassVar[dict] = {}  # the file's tensors are fused already
+    rope_factors_long: torch.Tensor | None
+    rope_factors_short: torch.Tensor | None
 
     def prepare(self) -> None:
-        self._set_factors(self.args.context_length)
-
-    def _set_factors(self, ctx_size: int) -> None:
         a = self.args
-        factors = (self.rope_factors_long if ctx_size > a.rope_orig_context
-                   else self.rope_factors_short)
-        self.inv_freq = rope_inv_freq(a.head_dim, a.rope_base, factors, device=self.device)
+        self.inv_freq_long = rope_inv_freq(a.head_dim, a.rope_base, self.rope_factors_long,
+                                           device=self.device)
+        self.inv_freq_short = rope_inv_freq(a.head_dim, a.rope_base, self.rope_factors_short,
+                                            device=self.device)
 
-    def make_caches(self, ctx_size: int, *, slack: int) -> list:
-        # llama.cpp picks the long or short factors from the context size of the sequence.
-        self._set_factors(ctx_size)
-        return super().make_caches(ctx_size, slack=slack)
+    def inv_freq(self, ctx_size: int) -> torch.Tensor:
+        """llama.cpp's ``get_rope_factors``: the long factors when the sequence's context
+        exceeds the original one (a per-session choice: read from its memory)."""
+        return self.inv_freq_long if ctx_size > self.args.rope_orig_context \
+            else self.inv_freq_short  # fmt: skip
 
-    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, caches: list, *,
+    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
                 all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
         """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
         (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits."""
@@ -123,16 +136,16 @@ class Model(BaseModel):
         t = tokens.shape[0]
         positions = positions_of(pos, t, self.device)
         x = self.token_embd(tokens)
-        rope = ops.rope_angles(positions, self.inv_freq, a.rope_scale)
+        rope = ops.rope_angles(positions, self.inv_freq(memory.ctx_size), a.rope_scale)
         nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
-        eps, nq, nkv = a.norm_eps, a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        eps = a.norm_eps
         n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
-        for b, cache, next_norm in zip(self.layers, caches, nexts):
-            q, k, v = b.attn_qkv(n).split([nq, nkv, nkv], dim=-1)
+        for b, cache, next_norm in zip(self.layers, memory, nexts):
+            q, k, v = b.attn_qkv(n)
             attn = ops.self_attention(q, k, v, None, None, eps, rope, cache, pos, positions,
                                       head_dim=a.head_dim, neox=True, scale=a.attention_scale)
             h, n = ops.residual_norm(x, b.attn_output(attn), None, b.ffn_norm, eps)
-            gate, up = b.ffn_up(n).chunk(2, dim=-1)
+            gate, up = b.ffn_up(n)
             x, n = ops.residual_norm(h, b.ffn_down(ops.gated(gate, up, "silu")), None,
                                      next_norm, eps)
         return self.output(n[logits_start:] if all_logits else n[-1:])

@@ -3,7 +3,9 @@
 ``generate_tokens`` prefills the prompt (reusing whatever prefix the session's cache
 already holds), then samples, yields and feeds back one token at a time until an
 end-of-generation token, ``n_predict`` tokens, a full context, a stop string, or the
-constraint (grammar) completes.
+constraint (grammar) completes. With a drafter (:mod:`localllm.runtime.speculative`) each
+fed-back token goes with the tokens guessed to follow it, all evaluated in one forward; the
+guesses the sampler agrees with are then taken without another forward.
 """
 
 from __future__ import annotations
@@ -15,8 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..tokenizer import StreamDecoder
-from .session import Session
+from .session import Session, prefill
+from .speculative import Drafter
 from .stop import StopMatcher
+
+# Most tokens drafted per step (llama.cpp's --draft-max default is 16; on the CPU the native
+# GEMV reads the weights once for up to 8 rows, the token and 7 guesses).
+DRAFT_MAX = 7
 
 
 @dataclass
@@ -58,26 +65,6 @@ class Timings:
     extra: dict = field(default_factory=dict)
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def prefill(session: Session, prompt_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
-    """Bring the session's cache to exactly ``prompt_ids`` and return the next-token logits.
-
-    Tokens already in the cache are reused (at least the last prompt token is recomputed,
-    for its logits). Returns (logits (n_vocab,) float32, number of reused tokens).
-    """
-    keep = min(common_prefix(session.tokens, prompt_ids), len(prompt_ids) - 1)
-    session.truncate(keep)
-    reused = session.n_past
-    return session.eval(prompt_ids[reused:]), reused
-
-
 def generate_tokens(
     session: Session,
     prompt_ids: Sequence[int],
@@ -88,6 +75,9 @@ def generate_tokens(
     constraint=None,
     timings: Timings | None = None,
     on_context_full: Callable[[list[int]], Sequence[int] | None] | None = None,
+    drafter: Drafter | None = None,
+    draft_max: int = DRAFT_MAX,
+    draft_min: int = 0,
 ) -> Iterator[Step]:
     """Generate from ``prompt_ids``; yields one :class:`Step` per token.
 
@@ -104,6 +94,14 @@ def generate_tokens(
             with the tokens generated so far and returns the ids the cache should hold
             instead (a shorter prompt followed by those tokens; the common prefix is reused),
             or None to finish with "ctx". Without it a full context finishes with "ctx".
+        drafter: speculative decoding (llama.cpp's ``--model-draft`` / lookup decoding):
+            after each token, up to ``draft_max`` guessed next tokens (none when fewer than
+            ``draft_min`` are proposed) are evaluated with it in one forward, and each
+            position is sampled from those logits while the samples agree with the guesses.
+            The sampler sees exactly the logits and history of plain decoding, so the
+            output is the same (see :mod:`localllm.runtime.speculative`); memories that
+            cannot forget rejected guesses cheaply (recurrent states) are not drafted for.
+            ``timings.extra`` gets ``draft_tokens`` and ``draft_accepted``.
     Raises:
         ContextOverflowError: the prompt does not fit in the context.
     """
@@ -128,10 +126,25 @@ def generate_tokens(
     t1 = time.perf_counter()
     n = 0
     generated: list[int] = []
+    # Drafted tokens the session holds beyond the last sampled token, each with the logits
+    # that follow it (row j of the verifying forward).
+    queue: list[tuple[int, torch.Tensor]] = []
+    if drafter is not None and not session.memory.cheap_rewind:
+        drafter = None
+    if drafter is not None:
+        timings.extra.update(draft_tokens=0, draft_accepted=0)
+    context = list(prompt_ids)
+
+    def drop_queue() -> None:
+        if queue:
+            session.truncate(session.n_past - len(queue))
+            queue.clear()
+
     while True:
         token = sampler.sample(logits)
         sampler.accept(token)
         generated.append(token)
+        context.append(token)
         n += 1
         timings.generated_tokens = n
         if n == 1:
@@ -140,10 +153,12 @@ def generate_tokens(
         trace = sampler.last_trace
         if token in tok.eog_ids:  # --ignore-eos masks these in the sampler
             tail = remaining_text()  # may complete a stop string held back for a longer one
+            drop_queue()
             yield Step(token, tail, logprob, "stop" if stopper.stopped else "eog", trace)
             break
         text, stopped = stopper.push(decoder.push(token))
         if stopped:
+            drop_queue()
             yield Step(token, text, logprob, "stop", trace)
             break
         finish = refill = None
@@ -151,20 +166,34 @@ def generate_tokens(
             finish = "grammar"
         elif n_predict >= 0 and n >= n_predict:
             finish = "length"
-        elif session.n_past + 1 > session.ctx_size:
+        elif session.n_past - len(queue) + 1 > session.ctx_size:
             refill = on_context_full(list(generated)) if on_context_full is not None else None
             finish = None if refill else "ctx"
         if finish:
             text += remaining_text()
+            drop_queue()
             yield Step(token, text, logprob, "stop" if stopper.stopped else finish, trace)
             break
         yield Step(token, text, logprob, None, trace)
         if refill:  # context shift: recompute what changed, go on from the new last token
+            drop_queue()
             logits, reused = prefill(session, refill)
             timings.reused_tokens += reused
             timings.prompt_tokens += len(refill) - reused
+            context = list(refill)
+        elif queue and queue[0][0] == token:  # the guess was right: its logits are computed
+            logits = queue.pop(0)[1]
+            timings.extra["draft_accepted"] += 1
         else:
-            logits = session.eval([token])
+            drop_queue()
+            room = session.ctx_size - session.n_past - 1
+            drafts = drafter.propose(context, min(draft_max, room)) if drafter else []
+            if drafts and len(drafts) >= max(draft_min, 1):
+                rows = session.eval([token, *drafts], all_logits=True)
+                logits = rows[0]
+                queue = list(zip(drafts, rows[1:]))
+                timings.extra["draft_tokens"] += len(drafts)
+            else:
+                logits = session.eval([token])
         timings.generate_seconds = time.perf_counter() - t1
     timings.generate_seconds = time.perf_counter() - t1
-

@@ -6,7 +6,7 @@ graph for the same reason). :class:`DecodeGraph` runs the model's one-token forw
 token and its position held in device tensors (``Model.forward`` with a tensor ``pos``), so
 every step has the same shapes and buffer addresses and reads nothing back to the host: the
 KV caches write through ``index_copy_`` at device-computed slots and mask by position (see
-:mod:`localllm.models.cache`). That step is captured once with ``torch.cuda.graph`` and then
+:mod:`localllm.memory.kv`). That step is captured once with ``torch.cuda.graph`` and then
 replayed, one launch per token.
 
 On the CPU there is nothing to capture: the same static step runs eagerly, which is how the
@@ -34,17 +34,17 @@ def graphs_enabled(device: torch.device) -> bool:
 
 
 class DecodeGraph:
-    """One-token forward of ``model`` over ``caches`` with static shapes.
+    """One-token forward of ``model`` over ``memory`` with static shapes.
 
     Args:
-        model: an architecture's ``Model`` (``forward(tokens, pos, caches)``).
-        caches: the session's per-layer caches; their tensors are captured by address, so
-            they must be preallocated and never replaced (both cache kinds are).
+        model: an architecture's ``Model`` (``forward(tokens, pos, memory)``).
+        memory: the session's :class:`~localllm.memory.Memory`; its tensors are captured by
+            address, so they must be preallocated and never replaced (every kind is).
         device: where the model runs; CUDA graphs are used when :func:`graphs_enabled`.
     """
 
-    def __init__(self, model, caches: list, device: torch.device) -> None:
-        self.model, self.caches = model, caches
+    def __init__(self, model, memory, device: torch.device) -> None:
+        self.model, self.memory = model, memory
         self.token = torch.zeros(1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.capture = graphs_enabled(device)
@@ -58,7 +58,7 @@ class DecodeGraph:
     def step(self, token: int, pos: int) -> torch.Tensor:
         """Run ``token`` at position ``pos``; returns its next-token logits (n_vocab,) float32.
 
-        The caller records the caches' new length (``set_length(pos + 1)``). With a graph the
+        The caller records the memory's new length (``set_length(pos + 1)``). With a graph the
         result is a copy: the graph's output buffer is overwritten by the next step.
         """
         # fill_ with a Python scalar is a kernel launch, not a host-to-device copy.
@@ -72,7 +72,7 @@ class DecodeGraph:
         return self.logits[-1].clone()
 
     def _forward(self) -> torch.Tensor:
-        return self.model.forward(self.token, self.pos, self.caches)
+        return self.model.forward(self.token, self.pos, self.memory)
 
     def _capture(self) -> None:
         """Warm up on a side stream (compiles the Triton kernels, fills the allocator's pool),

@@ -4,14 +4,14 @@
 model that cannot fit is refused in a fraction of a second with both figures, instead of
 being killed by the OOM killer (CPU) or failing half-way with a CUDA out-of-memory error.
 
-What a load stores (see ``localllm.models.base.bind`` and ``localllm.models.cache``):
+What a load stores (see ``localllm.models.base.bind`` and :mod:`localllm.memory`):
 
 * weights of the torch backend: matrices dequantized to ``dtype`` (float16: 2 bytes per
   weight), vectors (norms, biases) as float32; of the quantized (Triton) backend, the
   default on CUDA: the tensors' bytes as in the file (the kernels read blocks directly;
   matrices of a type without a kernel are dequantized to ``dtype``); on CUDA plus ``CUDA_WORKSPACE`` bytes for activations;
 * the KV cache at ``--ctx-size``: per layer 2 (K and V) x n_kv_heads x head_dim x cells x
-  4 bytes (float32; 2 on CUDA, float16, see ``localllm.models.cache.kv_dtype``), where a sliding-window layer holds ``window + RING_SLACK`` cells when
+  4 bytes (float32; 2 on CUDA and with the native backend, float16, see :func:`kv_dtype`), where a sliding-window layer holds ``window + RING_SLACK`` cells when
   that is less than the context (llama.cpp's SWA cache does the same).
 
 * on the CPU, what else a load adds to the process (``MemoryEstimate.runtime``): the file's
@@ -40,6 +40,9 @@ from pathlib import Path
 import torch
 
 from ..errors import LocalLLMError
+from ..memory import layout_bytes
+from ..models import memory_layout
+from ..models.base import FLOAT32_MATRICES
 
 SKIP_ENV = "LOCALLLM_SKIP_MEMORY_CHECK"
 CUDA_WORKSPACE = 256 * 2**20  # activations, logits and allocator slack on the GPU (bytes)
@@ -96,8 +99,6 @@ def stored_bytes(info, quantized: bool, dtype: torch.dtype = torch.float16) -> i
     """Bytes the runtime holds for one GGUF tensor (a ``TensorInfo``): its file bytes when
     ``quantized`` and a matrix, else ``dtype`` elements for matrices, float32 for vectors and
     MoE routers (``models.base.FLOAT32_MATRICES``)."""
-    from ..models.base import FLOAT32_MATRICES
-
     if len(info.shape) < 2 or info.name.split(".")[-2] in FLOAT32_MATRICES:
         return info.n_elements * 4
     if quantized:
@@ -105,34 +106,24 @@ def stored_bytes(info, quantized: bool, dtype: torch.dtype = torch.float16) -> i
     return info.n_elements * torch.empty((), dtype=dtype).element_size()
 
 
-def kv_cell_bytes(args, device: torch.device | str = "cpu", *, half: bool = False) -> int:
-    """Bytes of one cache cell of one layer on ``device``: K and V of every KV head (of the
-    first layer of ``cache_layout(args)``; the families here have one geometry per model);
-    ``half``: float16 on the CPU too (the native backend's caches)."""
-    from ..models import cache_layout
-    from ..models.cache import kv_dtype
-
-    c = cache_layout(args)[0]
-    return 2 * c.n_kv_heads * c.head_dim * kv_dtype(device, half=half).itemsize
+def kv_dtype(device: torch.device | str, *, half: bool = False) -> torch.dtype:
+    """The KV cache element type: float16 on CUDA, and with ``half`` (the native backend's
+    caches); else float32 (the CPU's torch backend)."""
+    return torch.float16 if half or torch.device(device).type == "cuda" else torch.float32
 
 
 def kv_cache_bytes(args, ctx_size: int, device: torch.device | str = "cpu", *,
                    half: bool = False) -> int:
-    """Bytes of one session's KV cache at ``ctx_size`` tokens (capped at the model's context)
-    on ``device``, from the architecture's ``cache_layout(args)`` (full layers hold the
-    context, sliding-window layers ``window + RING_SLACK`` cells when that is less);
-    ``half``: float16 on the CPU too (the native backend's caches).
+    """Bytes of one session's memories at ``ctx_size`` tokens (capped at the model's context)
+    on ``device``, from the architecture's ``memory_layout(args)`` (full layers hold the
+    context, sliding-window layers ``window + RING_SLACK`` cells when that is less,
+    recurrent layers their fixed state); ``half``: float16 on the CPU too (the native
+    backend's caches).
 
     ``args``: a model's validated ModelArgs.
     """
-    from ..models import cache_layout
-    from ..models.cache import RING_SLACK, kv_dtype, layout_cells
-
     ctx = max(1, min(ctx_size, args.context_length))
-    layout = cache_layout(args)
-    item = kv_dtype(device, half=half).itemsize
-    return sum(2 * c.n_kv_heads * c.head_dim * item * cells
-               for c, cells in zip(layout, layout_cells(layout, ctx, RING_SLACK)))
+    return layout_bytes(memory_layout(args), ctx, kv_dtype(device, half=half).itemsize)
 
 
 def estimate_memory(gguf, args, ctx_size: int | None, device: torch.device,

@@ -1,9 +1,12 @@
 """Loading a model onto a device, and the single-sequence :class:`Session` that runs it.
 
-A session owns one KV cache per layer, preallocated to ``ctx_size``, and the list of tokens
-the cache holds. ``eval`` appends tokens: a prompt is prefilled in chunks of
+A session owns the sequence's :class:`~localllm.memory.Memory` (one memory per layer: KV
+cache, sliding-window ring, latent cache or recurrent state, preallocated to ``ctx_size``)
+and the list of tokens it holds. ``eval`` appends tokens: a prompt is prefilled in chunks of
 ``batch_size`` tokens (one forward each), a decode step is a one-token forward; on CUDA
 that step has static shapes and is replayed as a CUDA graph (:mod:`localllm.runtime.graphs`).
+The session only calls the memory's interface (append happens inside the model's forward;
+``restorable`` / ``truncate`` / ``checkpoint`` / ``state`` here).
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from pathlib import Path
 
 import torch
 
+from ..backends import select_backend
+from ..cpu.threads import use_threads_for
 from ..errors import ContextOverflowError, LocalLLMError
 from ..gguf.file import GGUFFile, open_gguf
 from ..gguf.validate import validate_vocab
+from ..memory import DEFAULT_CHECKPOINTS, RING_SLACK, make_memory
 from ..models import architecture
 from ..models.base import bind, check_tensors
-from ..models.cache import RING_SLACK
-from ..models.common import KernelOps, default_ops
 from ..tokenizer import Tokenizer
 from .graphs import DecodeGraph
 from .resources import check_memory
@@ -58,6 +62,8 @@ class LoadedModel:
     load_seconds: float
     backend: str = "torch"  # "triton" / "native": matrices stay quantized (Triton / CPU kernels)
     fallbacks: list[str] | None = None  # tensors without a kernel, dequantized instead
+    kv_dtype: torch.dtype = torch.float32  # of KV and latent caches (the backend's choice)
+    memory_layout: list | None = None  # the architecture's memory_layout(args)
     _sha256: str | None = None
 
     def sha256(self) -> str:
@@ -121,47 +127,26 @@ def load_gguf(gguf: GGUFFile, *, device: str = "auto", progress: bool | None = N
     validate_vocab(gguf.metadata, gguf.path.name)
     tokenizer = Tokenizer(gguf.metadata)
     args = arch.ModelArgs.from_gguf(gguf.metadata, tokenizer.n_vocab, gguf.path.name)
-    check_tensors(arch.tensor_specs(args), gguf.tensors, gguf.path.name)
+    specs = arch.tensor_specs(args)
+    check_tensors(specs, gguf.tensors, gguf.path.name)
     dev = resolve_device(device)
-    quantized = _use_quantized(backend, dev)
-    native = not quantized and _use_native(backend, dev)
-    check_memory(gguf, args, ctx_size, dev, dtype, quantized=quantized or native)
+    chosen = select_backend(backend, dev, dtype, prefill_bf16=arch.Model.PREFILL_BF16)
+    check_memory(gguf, args, ctx_size, dev, dtype, quantized=chosen.name != "torch")
     if progress is None:
-        progress = sys.stderr.isatty()
+        progress = _isatty(sys.stderr)
     model = arch.Model(args)
-    # The Triton element-wise kernels on CUDA, and wherever the Triton backend was asked for
-    # (on the CPU: Triton's interpreter, for tests); the native CPU ops with the native backend.
-    ops = KernelOps() if quantized else default_ops(dev, native=native,
-                                                    kv_half=dtype != torch.float32)
     with _load_progress(gguf, enabled=progress) as advance:
-        fallbacks = bind(model, gguf, dev, dtype=dtype, quantized=quantized, native=native,
-                         ops=ops, progress=advance)
-    name = "triton" if quantized else "native" if native else "torch"
+        fallbacks = bind(model, gguf, chosen, specs, progress=advance)
     return LoadedModel(gguf, tokenizer, args, model, dev, time.perf_counter() - t0,
-                       name, fallbacks)
+                       chosen.name, fallbacks, chosen.kv_dtype, arch.memory_layout(args))
 
 
-def _use_native(backend: str, device: torch.device) -> bool:
-    """The native CPU kernels (localllm.cpu) for ``auto``/``native`` on the CPU when they load."""
-    if device.type != "cpu" or backend not in ("auto", "native"):
+def _isatty(stream) -> bool:
+    """``stream.isatty()``, False for a closed or missing stream."""
+    try:
+        return stream is not None and stream.isatty()
+    except (ValueError, OSError):
         return False
-    from ..cpu import available
-
-    return available()
-
-
-def _use_quantized(backend: str, device: torch.device) -> bool:
-    if backend not in ("auto", "torch", "triton", "native"):
-        raise LocalLLMError(f"backend must be auto, torch, triton or native, got {backend!r}")
-    if backend in ("torch", "native") or (backend == "auto" and device.type != "cuda"):
-        return False  # without importing Triton (a quarter second of start-up)
-    from ..kernels import triton_available
-
-    if not triton_available():
-        if backend == "triton" or device.type == "cuda":
-            print("notice: Triton is not available; using the torch path", file=sys.stderr)
-        return False
-    return backend == "triton" or device.type == "cuda"
 
 
 @contextmanager
@@ -181,8 +166,14 @@ def _load_progress(gguf: GGUFFile, *, enabled: bool) -> Iterator[Callable[[int],
         yield lambda n: bar.advance(task, n)
 
 
+# Prefill takes a context checkpoint every this many positions (and one token before the end
+# of each prompt) where a layer's memory cannot simply be truncated (recurrent states, wrapped
+# rings), so that a later prompt sharing a prefix restores a nearby one.
+CHECKPOINT_INTERVAL = 256
+
+
 class Session:
-    """One sequence and its KV cache.
+    """One sequence and its memory.
 
     Args:
         loaded: the model.
@@ -191,25 +182,45 @@ class Session:
         static_decode: run one-token steps with static shapes (:class:`DecodeGraph`,
             captured as a CUDA graph on CUDA); default: on CUDA. On the CPU it is slower
             (the attention covers the whole cache) and exists for tests.
+        checkpoints: context checkpoints kept for memories that cannot be truncated
+            (llama.cpp's ``--ctx-checkpoints``); 0 recomputes from the start instead.
     Attributes:
-        tokens: the tokens currently held by the cache, in order.
+        tokens: the tokens currently held by the memory, in order.
+        memory: the :class:`~localllm.memory.Memory` of the sequence.
     """
 
     def __init__(self, loaded: LoadedModel, *, ctx_size: int = 4096, batch_size: int = 512,
-                 static_decode: bool | None = None) -> None:
+                 static_decode: bool | None = None,
+                 checkpoints: int = DEFAULT_CHECKPOINTS) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.ctx_size = max(1, min(ctx_size, loaded.args.context_length))
         self.batch_size = max(1, batch_size)
-        self.caches = self.model.make_caches(self.ctx_size, slack=RING_SLACK)
+        self.memory = make_memory(loaded.memory_layout, self.ctx_size, dtype=loaded.kv_dtype,
+                                  device=loaded.device, slack=RING_SLACK,
+                                  checkpoints=checkpoints)
         self.tokens: list[int] = []
         if static_decode is None:
             static_decode = loaded.device.type == "cuda"
-        self.decoder = DecodeGraph(self.model, self.caches, loaded.device) if static_decode else None
+        self.decoder = DecodeGraph(self.model, self.memory, loaded.device) \
+            if static_decode else None  # fmt: skip
 
     @property
     def n_past(self) -> int:
         return len(self.tokens)
+
+    def _chunks(self, n: int) -> list[tuple[int, int, bool]]:
+        """(start, end, checkpoint after) of the forwards that evaluate ``n`` new tokens:
+        ``batch_size`` at most each, cut at the checkpoint positions where the memory wants
+        them (multiples of :data:`CHECKPOINT_INTERVAL`, and one token before the end)."""
+        base = self.n_past
+        cuts = set(range(self.batch_size, n, self.batch_size))
+        marks: set[int] = set()
+        if n > 1 and self.memory.wants_checkpoints(base + n):
+            first = (base // CHECKPOINT_INTERVAL + 1) * CHECKPOINT_INTERVAL - base
+            marks = set(range(first, n, CHECKPOINT_INTERVAL)) | {n - 1}
+        ends = sorted(cuts | marks | {n})
+        return [(s, e, e in marks) for s, e in zip([0, *ends[:-1]], ends)]
 
     @torch.inference_mode()
     def eval(
@@ -226,6 +237,7 @@ class Session:
         ids = list(ids)
         if not ids:
             raise ValueError("eval needs at least one token")
+        use_threads_for(len(ids))  # llama.cpp's -tb for batches, -t for one-token steps
         if self.n_past + len(ids) > self.ctx_size:
             raise ContextOverflowError(
                 f"{self.n_past + len(ids)} tokens do not fit in the context of {self.ctx_size} "
@@ -234,135 +246,139 @@ class Session:
         if len(ids) == 1 and self.decoder is not None and not all_logits:
             logits = self.decoder.step(ids[0], self.n_past)
             self.tokens.append(ids[0])
-            for c in self.caches:
-                c.set_length(self.n_past)
+            self.memory.set_length(self.n_past)
             return logits.float()
         device = self.loaded.device
         outs = []
-        for start in range(0, len(ids), self.batch_size):
-            chunk = ids[start : start + self.batch_size]
-            end = start + len(chunk)
+        for start, end, checkpoint in self._chunks(len(ids)):
+            chunk = ids[start:end]
             tokens = torch.tensor(chunk, dtype=torch.long, device=device)
-            out = self.model.forward(tokens, self.n_past, self.caches, all_logits=all_logits,
+            out = self.model.forward(tokens, self.n_past, self.memory, all_logits=all_logits,
                                      logits_start=max(0, logits_start - start))
             if (end > logits_start) if all_logits else (end == len(ids)):
                 outs.append(out)
             self.tokens += chunk
+            if checkpoint:
+                self.memory.checkpoint()
         logits = torch.cat(outs) if all_logits else outs[-1][-1]
         return logits.float()
 
     def truncate(self, n: int) -> None:
-        """Keep the first ``n`` tokens; recompute the cache when a ring buffer forgot them."""
+        """Keep the first ``n`` tokens: the memory goes back to the longest prefix it can
+        restore (any, for KV caches; a checkpoint, for recurrent states and wrapped rings)
+        and the rest up to ``n`` is recomputed."""
         n = max(0, min(n, self.n_past))
         if n == self.n_past:
             return
-        if all(c.can_truncate(n) for c in self.caches):
-            for c in self.caches:
-                c.truncate(n)
-            del self.tokens[n:]
-            return
         keep = self.tokens[:n]
-        self.reset()
-        if keep:
-            self.eval(keep)
+        m = self.memory.restorable(n)
+        self.memory.truncate(m)
+        del self.tokens[m:]
+        if m < n:
+            self.eval(keep[m:])
 
     def reset(self) -> None:
         """Forget every token."""
-        for c in self.caches:
-            c.reset()
+        self.memory.reset()
         self.tokens = []
 
-    # ---- saving and loading the cache (llama.cpp's --prompt-cache) ------------------------------
+    # ---- saving and loading the memory (llama.cpp's --prompt-cache) -----------------------------
     def _geometry(self) -> dict[str, str]:
-        kinds = ",".join(f"ring{c.size}" if hasattr(c, "positions") else "full"
-                         for c in self.caches)
-        c0 = self.caches[0]
-        return {"n_layer": str(len(self.caches)), "n_head_kv": str(c0.k.shape[0]),
-                "head_dim": str(c0.k.shape[2]), "caches": kinds}
+        return {"n_layer": str(len(self.memory)), "caches": self.memory.describe()}
 
     def save(self, path: str | Path) -> None:
-        """Write the cache and its tokens to ``path`` (safetensors, written atomically).
+        """Write the memory and its tokens to ``path`` (safetensors, written atomically).
 
-        Tensors: ``tokens`` int64 (n,); per layer ``{i}.k``/``{i}.v`` (n_kv_heads, n,
-        head_dim) for full caches, the whole ring plus ``{i}.positions`` for sliding-window
-        layers. Metadata: the model file's SHA-256, its name, the geometry and ``ctx_size``.
+        Tensors: ``tokens`` int64 (n,); per layer ``{i}.{name}``, its memory's ``state()``
+        (``{i}.k`` / ``{i}.v`` (n_kv_heads, n, head_dim) for full caches, the whole ring and
+        ``{i}.positions`` for sliding-window layers, the state tensors of recurrent layers).
+        Metadata: the model file's SHA-256, its name, the geometry and ``ctx_size``.
         Raises:
-            LocalLLMError: the file cannot be written.
+            LocalLLMError: the file cannot be written, or ``path`` is a device, FIFO, socket or
+                a symbolic link out of its directory (``localllm.atomic``).
         """
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         from ..atomic import atomic_output
 
-        tensors = {"tokens": torch.tensor(self.tokens, dtype=torch.int64).reshape(-1)}
-        for i, c in enumerate(self.caches):
-            if hasattr(c, "positions"):
-                tensors[f"{i}.k"], tensors[f"{i}.v"] = c.k, c.v
-                tensors[f"{i}.positions"] = c.positions
-            else:
-                tensors[f"{i}.k"], tensors[f"{i}.v"] = c.k[:, : self.n_past], c.v[:, : self.n_past]
+        tensors = {"tokens": torch.tensor(self.tokens, dtype=torch.int64).reshape(-1),
+                   **self.memory.state()}
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         meta = {"format": SESSION_FORMAT, "model_sha256": self.loaded.sha256(),
                 "model_name": self.loaded.gguf.path.name, "ctx_size": str(self.ctx_size),
                 **self._geometry()}
-        with atomic_output(path, "prompt cache") as tmp:
+        with atomic_output(path, "prompt cache", errors=(SafetensorError,)) as tmp:
             save_file(tensors, str(tmp), metadata=meta)
 
     def load(self, path: str | Path) -> None:
-        """Replace this session's cache and tokens with those saved in ``path``.
+        """Replace this session's memory and tokens with those saved in ``path``.
 
         Raises:
-            LocalLLMError: the file is unreadable or not a session file, or it was saved for
-                another model file (SHA-256) or another geometry (layers, heads, sliding-window
-                sizes), or it holds more tokens than this session's context.
+            LocalLLMError: the file is unreadable, not a regular file (a FIFO, a device) or
+                not a session file, or it was saved for another model file (SHA-256) or
+                another geometry (layers, sliding-window sizes, head shapes), or it holds more
+                tokens than this session's context, token ids that are not int64 ids of the
+                vocabulary, or malformed memory tensors (non-finite values, ring positions
+                that do not fit the ring).
         """
         from safetensors import safe_open
 
+        from ..atomic import check_input_file
+
+        check_input_file(path, "prompt cache")  # a FIFO would block open(); a device, never end
         where = f"prompt cache {path}"
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f}
-        except Exception as e:  # noqa: BLE001 (safetensors raises its own error types and OSError
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+        except Exception as e:  # noqa: BLE001 (safetensors raises its own error types and OSError)
             raise LocalLLMError(f"{where}: cannot read: {' '.join(str(e).split())[:200]}") from None
         if meta.get("format") != SESSION_FORMAT:
             raise LocalLLMError(f"{where}: not a localllm session file")
         if meta.get("model_sha256") != self.loaded.sha256():
             raise LocalLLMError(
-                f"{where}: saved for another model ({meta.get('model_name')}, sha256 "
-                f"{str(meta.get('model_sha256'))[:12]}...), not {self.loaded.gguf.path.name}")
+                f"{where}: saved for another model ({str(meta.get('model_name'))[:80]!r}, "
+                f"sha256 {str(meta.get('model_sha256'))[:12]}...), not "
+                f"{self.loaded.gguf.path.name}")
         mine = self._geometry()
         theirs = {k: meta.get(k) for k in mine}
         if theirs != mine:
-            diff = ", ".join(f"{k} {theirs[k]} vs {mine[k]}" for k in mine if theirs[k] != mine[k])
+            diff = ", ".join(f"{k} {str(theirs[k])[:80]!r} vs {mine[k]!r}" for k in mine
+                             if theirs[k] != mine[k])
             raise LocalLLMError(f"{where}: cache geometry differs ({diff})")
-        tokens = tensors.get("tokens")
-        if tokens is None or tokens.dim() != 1:
-            raise LocalLLMError(f"{where}: no token list")
+        tokens = tensors.pop("tokens", None)
+        if tokens is None or tokens.dim() != 1 or tokens.dtype != torch.int64:
+            raise LocalLLMError(f"{where}: no int64 token list")
         n = tokens.numel()
         if n > self.ctx_size:
             raise LocalLLMError(f"{where}: {n} tokens do not fit in the context of {self.ctx_size}")
+        vocab = self.loaded.tokenizer.n_vocab
+        if n and not bool(((tokens >= 0) & (tokens < vocab)).all()):
+            raise LocalLLMError(f"{where}: token ids out of the vocabulary")
         self.reset()
         try:
-            for i, c in enumerate(self.caches):
-                k, v = tensors[f"{i}.k"], tensors[f"{i}.v"]
-                if hasattr(c, "positions"):
-                    if k.shape != c.k.shape or v.shape != c.v.shape:
-                        raise ValueError(f"layer {i} ring shape {tuple(k.shape)}")
-                    c.k.copy_(k)
-                    c.v.copy_(v)
-                    c.positions.copy_(tensors[f"{i}.positions"])
-                    c.n = n
-                else:
-                    if k.shape != (c.k.shape[0], n, c.k.shape[2]) or v.shape != k.shape:
-                        raise ValueError(f"layer {i} shape {tuple(k.shape)}")
-                    c.k[:, :n] = k
-                    c.v[:, :n] = v
-                    c.n = n
-        except (KeyError, ValueError, RuntimeError) as e:
-            self.reset()
+            self.memory.load_state({k: v.to(self.loaded.device) for k, v in tensors.items()}, n)
+        except ValueError as e:
             raise LocalLLMError(f"{where}: malformed cache ({e})") from None
         self.tokens = [int(t) for t in tokens.tolist()]
-        vocab = self.loaded.tokenizer.n_vocab
-        if any(not 0 <= t < vocab for t in self.tokens):
-            self.reset()
-            raise LocalLLMError(f"{where}: token ids out of the vocabulary")
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def prefill(session: Session, prompt_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
+    """Bring the session's cache to exactly ``prompt_ids`` and return the next-token logits.
+
+    Tokens already in the cache are reused (at least the last prompt token is recomputed,
+    for its logits). Returns (logits (n_vocab,) float32, number of reused tokens).
+    """
+    keep = min(common_prefix(session.tokens, prompt_ids), len(prompt_ids) - 1)
+    session.truncate(keep)
+    reused = session.n_past
+    return session.eval(prompt_ids[reused:]), reused

@@ -166,6 +166,7 @@ class Penalties:
 # DRY limits from llama.cpp: breakers longer than this are cut, and their token tails too.
 _DRY_MAX_CHARS = 40
 _DRY_MAX_TAIL = 20
+_DRY_CACHED_TABLES = 8  # breaker tuples kept per tokenizer (each request may bring its own)
 _breaker_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -176,10 +177,11 @@ def dry_breaker_table(tokenizer, breakers: tuple[str, ...]) -> dict[int, set[tup
     text ends with a proper prefix of a breaker starts one, completed by the tokenization of the
     rest of the breaker (at most 20 tokens), as llama.cpp's ``get_overlapping_token_sequences``.
     Token texts render control tokens (llama.cpp detokenizes with ``special = true``).
-    Cached per tokenizer and breaker tuple.
+    Cached per tokenizer and breaker tuple (the last few tuples: a bounded cache).
     """
     per_tok = _breaker_cache.setdefault(tokenizer, {})
     if breakers in per_tok:
+        per_tok[breakers] = per_tok.pop(breakers)  # most recently used last
         return per_tok[breakers]
     render = getattr(tokenizer, "special_bytes", tokenizer.token_bytes)
     words = [render(i) for i in range(tokenizer.n_vocab)]
@@ -205,6 +207,8 @@ def dry_breaker_table(tokenizer, breakers: tuple[str, ...]) -> dict[int, set[tup
                         tails[k] = tuple(ids[:_DRY_MAX_TAIL])
                     table.setdefault(tok, set()).add(tails[k])
     per_tok[breakers] = table
+    while len(per_tok) > _DRY_CACHED_TABLES:
+        del per_tok[next(iter(per_tok))]
     return table
 
 
@@ -339,9 +343,9 @@ class TopK(_Stateless):
         return _drop(logits, ids, keep)
 
 
-class Typical(_Stateless):
-    """Locally typical sampling (Meister et al. 2022, arXiv:2202.00666): keep the tokens whose
-    surprise is closest to the entropy until their probability mass exceeds ``p``."""
+class _MassCut(_Stateless):
+    """Keeps the tokens of an order until their probability mass passes ``p`` (at least
+    ``min_keep``); subclasses give the order and the cumulative test (:meth:`prefix`)."""
 
     def __init__(self, p: float, min_keep: int = 0) -> None:
         self.p, self.min_keep = p, min_keep
@@ -352,51 +356,55 @@ class Typical(_Stateless):
         ids, vals = candidates(logits, support)
         if vals.numel() <= 1:
             return ids
+        cut = self.prefix(vals)
+        if cut is None:
+            return ids
+        order, last = cut
+        keep = torch.zeros(ids.numel(), dtype=torch.bool, device=ids.device)
+        keep[order[:last]] = True
+        return _drop(logits, ids, keep)
+
+    def first(self, ok: torch.Tensor) -> int | None:
+        """1 + the first index where ``ok`` (the cumulative mass passes ``p``) at or after
+        ``min_keep - 1``, or None."""
+        if self.min_keep > 1:
+            ok[: self.min_keep - 1] = False
+        hit = ok.nonzero()
+        return int(hit[0]) + 1 if hit.numel() else None
+
+    def prefix(self, vals: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """(an order of the candidates, how many of it to keep), or None to keep all."""
+        raise NotImplementedError
+
+
+class Typical(_MassCut):
+    """Locally typical sampling (Meister et al. 2022, arXiv:2202.00666): keep the tokens whose
+    surprise is closest to the entropy until their probability mass exceeds ``p``."""
+
+    def prefix(self, vals):
         logp = torch.log_softmax(vals, 0)
         probs = logp.exp()
         entropy = -(probs * logp).nan_to_num().sum()
         order = torch.argsort((-logp - entropy).abs(), stable=True)
-        ok = torch.cumsum(probs[order], 0) > self.p
-        if self.min_keep > 1:
-            ok[: self.min_keep - 1] = False
-        hit = ok.nonzero()
-        if not hit.numel():
-            return ids
-        keep = torch.zeros(ids.numel(), dtype=torch.bool, device=ids.device)
-        keep[order[: int(hit[0]) + 1]] = True
-        return _drop(logits, ids, keep)
+        last = self.first(torch.cumsum(probs[order], 0) > self.p)
+        return None if last is None else (order, last)
 
 
-class TopP(_Stateless):
+class TopP(_MassCut):
     """Nucleus sampling (Holtzman et al. 2019, arXiv:1904.09751): keep the most probable tokens
     until their mass reaches ``p``. Sorts only the top 256, then the top 4096, and all of them
     only if the nucleus is larger still (a full sort of 262,144 costs ~30 ms on one CPU core)."""
 
-    def __init__(self, p: float, min_keep: int = 0) -> None:
-        self.p, self.min_keep = p, min_keep
-
-    def apply(self, logits: torch.Tensor, support: Support = None) -> Support:
-        if self.p >= 1.0:
-            return support
-        ids, vals = candidates(logits, support)
-        n = vals.numel()
-        if n <= 1:
-            return ids
+    def prefix(self, vals):
         probs = torch.softmax(vals, 0)
+        n = vals.numel()
         k = min(256, n)
         while True:
             top, order = torch.topk(probs, k)
-            ok = torch.cumsum(top, 0) >= self.p
-            if self.min_keep > 1:
-                ok[: self.min_keep - 1] = False
-            hit = ok.nonzero()
-            if hit.numel() or k == n:
-                break
+            last = self.first(torch.cumsum(top, 0) >= self.p)
+            if last is not None or k == n:
+                return None if last is None else (order, last)
             k = min(n, 4096) if k < 4096 else n
-        last = int(hit[0]) + 1 if hit.numel() else n
-        keep = torch.zeros(n, dtype=torch.bool, device=ids.device)
-        keep[order[:last]] = True
-        return _drop(logits, ids, keep)
 
 
 class MinP(_Stateless):

@@ -1,0 +1,346 @@
+"""The torch backend: dense weights (dequantized once at load) and layer operations as torch
+operations, on every device; also the reference the other backends' fused ops are tested
+against.
+
+Compute convention on the CPU: weights are dequantized once at load to float16 (half the
+memory of float32, and torch's float16 GEMV is several times faster than float32 here);
+the residual stream, norms and attention run in float32. A matrix product with one or a
+few rows (decode) multiplies in float16; with many rows (prefill) the weight is upcast to
+float32 for the product, where torch's float32 GEMM is much faster than its float16 one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+
+from ..memory import attention_mask
+from .base import Backend as _Backend
+
+# Above this many rows a CPU product takes the float32 GEMM path (see the module docstring).
+GEMV_MAX_ROWS = 8
+
+
+class DenseMatrix:
+    """A :class:`~localllm.backends.Matrix` held as a torch tensor (out, in): float16 (float32
+    for exact checks and MoE routers)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w = w
+        self.shape = (int(w.shape[0]), int(w.shape[1]))
+
+    @property
+    def qtype(self) -> T:
+        return {torch.float32: T.F32, torch.bfloat16: T.BF16}.get(self.w.dtype, T.F16)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        if x.shape[0] <= GEMV_MAX_ROWS or w.device.type != "cpu":
+            return F.linear(x.to(w.dtype), w).float()
+        return F.linear(x, w.float())
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.w[ids].float()
+
+    def stack(self, others: Sequence) -> DenseMatrix | None:
+        if not all(isinstance(o, DenseMatrix) and o.w.dtype == self.w.dtype for o in others):
+            return None
+        return DenseMatrix(torch.cat([self.w, *(o.w for o in others)]))
+
+
+class Backend(_Backend):
+    """Every matrix dequantized at load (:class:`DenseMatrix`), ops in torch; the other
+    backends fall back to these dense matrices for the types their kernels lack."""
+
+    name = "torch"
+
+    def make_ops(self) -> TorchOps:
+        return TorchOps()
+
+    def dense_matrix_of(self, w: torch.Tensor) -> DenseMatrix:
+        return DenseMatrix(w)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (Zhang & Sennrich 2019), float32: x / rms(x) * weight."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_angles(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of the RoPE angles, each (T, head_dim/2) float32; computed once per forward
+    and shared by the layers that use the same frequencies. ``scale`` multiplies positions
+    (linear RoPE scaling: 1 / factor)."""
+    angles = (positions.float() * scale)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], *, neox: bool):
+    """Rotary position embedding (Su et al. 2021) on x: (n_heads, T, head_dim) float32.
+
+    ``neox``: rotate the two halves of each head (GPT-NeoX, llama.cpp's LLAMA_ROPE_TYPE_NEOX);
+    otherwise rotate adjacent pairs (llama.cpp's LLAMA_ROPE_TYPE_NORM).
+    """
+    cos, sin = cos_sin
+    if neox:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+
+
+def apply_rope(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *, neox: bool, scale: float = 1.0
+) -> torch.Tensor:
+    """:func:`rotate` by the angles of ``positions`` (see :func:`rope_angles`)."""
+    return rotate(x, rope_angles(positions, inv_freq, scale), neox=neox)
+
+
+# Scores of at most this many bytes at a time in :func:`attend` (prefill's working set).
+ATTEND_CHUNK_BYTES = 2 << 20
+
+
+def score_blocks(n_kv: int, group: int, t: int, s: int) -> Iterator[tuple[int, int, int, int]]:
+    """The blocks :func:`attend` computes the (n_kv, group * t, s) float32 scores in:
+    ``(h0, h1, r0, r1)``, KV heads h0..h1 and query rows r0..r1 of their groups, each block
+    at most :data:`ATTEND_CHUNK_BYTES` (at least one row). Whole KV heads while one fits,
+    else whole queries of a group (multiples of ``t`` rows), else part of one query head's
+    rows; every row of every head once, in order."""
+    rows = max(1, ATTEND_CHUNK_BYTES // (4 * s))  # score rows per block
+    gt = group * t
+    if rows >= gt:
+        step = rows // gt
+        for h0 in range(0, n_kv, step):
+            yield h0, min(n_kv, h0 + step), 0, gt
+        return
+    span = rows // t * t if rows >= t else rows
+    ends = range(span, gt + span, span) if rows >= t else \
+        [min(m + t, r + span) for m in range(0, gt, t) for r in range(m, m + t, span)]
+    for h in range(n_kv):
+        r0 = 0
+        for r1 in ends:
+            r1 = min(r1, gt)
+            yield h, h + 1, r0, r1
+            r0 = r1
+
+
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor | None,
+    *,
+    window: int | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads (GQA), float32.
+
+    q: (n_heads, T, hd); keys/values: (n_kv_heads, S, hd) float32 or float16;
+    k_positions: (S,) int64 absolute positions (-1: empty slot), or None when slot ``j``
+    holds position ``j`` -> (T, n_heads * hd) float32.
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2's
+    ``attn_logit_softcapping``, llama.cpp's ``hparams.attn_soft_cap``).
+    Query head h reads KV head h // (n_heads / n_kv_heads), as llama.cpp does. The heads of a
+    group are stacked into one product instead of repeating K/V: in decode this is several
+    times faster on the CPU than torch's SDPA with a mask.
+    """
+    n_heads, t, hd = q.shape
+    n_kv, s = keys.shape[0], keys.shape[1]
+    group = n_heads // n_kv
+    mask = attention_mask(q_positions, s if k_positions is None else k_positions,
+                          window)  # (T, S)
+    qg = q.reshape(n_kv, group * t, hd)  # (nkv, g*T, hd)
+    # A long prompt's scores are large (32 heads x 512 x 512 x 4 bytes = 32 MiB): computed
+    # in place (softmax included) in blocks of at most ATTEND_CHUNK_BYTES (score_blocks), so
+    # that prefill's working set stays small; each row's result is the same either way.
+    out = torch.empty(n_kv, group * t, hd, dtype=torch.float32, device=q.device)
+    hidden = ~mask
+    for h0, h1, r0, r1 in score_blocks(n_kv, group, t, s):
+        scores = torch.matmul(qg[h0:h1, r0:r1], keys[h0:h1].float().transpose(1, 2))
+        scores.mul_(scale)
+        if softcap is not None:
+            scores.div_(softcap).tanh_().mul_(softcap)
+        if (r1 - r0) % t == 0:  # whole queries: r0 is a multiple of t too
+            scores.view(h1 - h0, -1, t, s).masked_fill_(hidden, float("-inf"))
+        else:  # part of one query head's rows
+            scores.masked_fill_(hidden[r0 % t : r0 % t + r1 - r0], float("-inf"))
+        torch.softmax(scores, dim=-1, out=scores)
+        torch.matmul(scores, values[h0:h1].float(), out=out[h0:h1, r0:r1])  # (n, rows, hd)
+        del scores
+    return out.view(n_heads, t, hd).transpose(0, 1).reshape(t, n_heads * hd)
+
+
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      q_positions: torch.Tensor, k_positions: torch.Tensor | None, *,
+                      window: int | None, scale: float) -> torch.Tensor:
+    """:func:`attend` (no soft-capping) in the cache's dtype through torch's fused
+    ``scaled_dot_product_attention`` (float16 on CUDA: its memory-efficient kernel, after
+    Rabe & Staats 2021; float32 accumulation), with no float32 copies of the keys and values.
+
+    q: (n_heads, T, hd) float32; keys/values: (n_kv_heads, S, hd) float16/float32 ->
+    (T, n_heads * hd) float32. A query with no visible key gives NaN, as ``attend``.
+    """
+    n_heads, t, hd = q.shape
+    n_kv = keys.shape[0]
+    group = n_heads // n_kv
+    dt = keys.dtype
+    mask = attention_mask(q_positions, keys.shape[1] if k_positions is None else k_positions,
+                          window)  # (T, S)
+    # A KV group's query heads as one longer query sequence (as attend does): no repeated
+    # K/V, and no enable_gqa, which with a mask sends SDPA to its quadratic math backend.
+    qg = q.to(dt).reshape(n_kv, group * t, hd)
+    out = F.scaled_dot_product_attention(qg[None], keys[None], values.to(dt)[None],
+                                         attn_mask=mask.repeat(group, 1), scale=scale)
+    return out[0].reshape(n_heads, t, hd).transpose(0, 1).reshape(t, n_heads * hd).float()
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation (Hendrycks & Gimpel 2016), as Gemma's FFN uses it."""
+    return F.gelu(x, approximate="tanh")
+
+
+# Gate activations of gated FFNs (GEGLU, SwiGLU: Shazeer 2020) by name.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_tanh": gelu_tanh,
+    "silu": F.silu,
+}
+
+
+class TorchOps:
+    """Norms, RoPE, activations and attention as torch operations: the torch backend, on
+    every device.
+
+    A model calls ``ops.rope_angles`` once per forward (the result is opaque to the model),
+    then per layer ``ops.self_attention`` (QK-norm and RoPE of the projected queries and
+    keys, the KV-cache write and attention), ``ops.residual_norm`` after each sublayer and
+    ``ops.gated`` (or ``ops.experts``) in the FFN. The Triton backend's ``KernelOps``
+    computes the same with the Triton kernels, fusing each of these into one launch (a decode
+    token's ``self_attention``: two); the native backend's ``NativeOps`` with the native CPU
+    kernels.
+    """
+
+    rms_norm = staticmethod(rms_norm)
+    rope_angles = staticmethod(rope_angles)
+    rotate = staticmethod(rotate)
+
+    def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, angles, *,
+                  neox: bool) -> torch.Tensor:
+        """RoPE of RMSNorm(x) (QK-norm), or of x when ``weight`` is None; x (H, T, D)."""
+        if weight is not None:
+            x = self.rms_norm(x, weight, eps)
+        return self.rotate(x, angles, neox=neox)
+
+    def residual_norm(self, x: torch.Tensor, f: torch.Tensor, post_weight: torch.Tensor | None,
+                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the next pre-norm: h = x + f (f post-normed by
+        ``post_weight`` when given, as Gemma does) and RMSNorm(h); (T, D) each."""
+        h = x + (f if post_weight is None else self.rms_norm(f, post_weight, eps))
+        return h, self.rms_norm(h, weight, eps)
+
+    @staticmethod
+    def gated(gate: torch.Tensor, up: torch.Tensor, act: str, *,
+              overwrite: bool = False) -> torch.Tensor:
+        """act(gate) * up (T, F), ``act`` a key of :data:`ACTIVATIONS`. ``overwrite``: the
+        caller no longer needs ``gate``, and the result may be written over it (the native
+        ops do: no buffer of its own; these return a new tensor)."""
+        return ACTIVATIONS[act](gate) * up
+
+    def self_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        angles,
+        cache,
+        pos: int | torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        head_dim: int,
+        neox: bool,
+        scale: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """The attention of a layer from its projections: per-head RMSNorm of q and k by
+        ``q_norm`` / ``k_norm`` when given (QK-norm), RoPE by ``angles`` (from
+        :meth:`rope_angles`; ``neox``: halves, else adjacent pairs), then :meth:`attention`.
+
+        q: (T, n_heads * head_dim), k/v: (T, n_kv_heads * head_dim) float32 (views with unit
+        column stride) -> (T, n_heads * head_dim) float32.
+        """
+        t = q.shape[0]
+        q = q.reshape(t, -1, head_dim).transpose(0, 1)  # (nh, T, hd)
+        k = k.reshape(t, -1, head_dim).transpose(0, 1)  # (nkv, T, hd)
+        v = v.reshape(t, -1, head_dim).transpose(0, 1)
+        q = self.norm_rope(q, q_norm, eps, angles, neox=neox)
+        k = self.norm_rope(k, k_norm, eps, angles, neox=neox)
+        return self.attention(q, k, v, cache, pos, positions, scale=scale, softcap=softcap)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache,
+        pos: int | torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        scale: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Store the new keys/values in ``cache`` and attend the new queries over it.
+
+        q: (n_heads, T, hd), k/v: (n_kv_heads, T, hd) float32 at ``positions`` (T,) int64, the
+        first of which is ``pos`` (an int, or a (1,) device tensor in static decode: see
+        :mod:`localllm.memory.kv`) -> (T, n_heads * hd) float32.
+        """
+        keys, values, k_pos = store_kv(cache, pos, k, v)
+        return attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale,
+                      softcap=softcap)
+
+    def experts(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate,
+                up, down, act: str) -> torch.Tensor:
+        """The routed experts of a mixture-of-experts FFN, after the routing (llama.cpp's
+        ``build_moe_ffn``, ``src/llama-graph.cpp``):
+        ``out[t] = sum_j weights[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t]))``,
+        ``e = chosen[t, j]``.
+
+        x: (T, d) float32; chosen: (T, k) int64; weights: (T, k) float32; gate, up, down:
+        :class:`~localllm.backends.ExpertMatrix` -> (T, d) float32. Tokens are grouped by
+        expert: each selected expert multiplies the rows routed to it, no other expert is
+        read; one token (decode) runs its k experts directly, without the grouping's gathers
+        and scatters.
+        """
+        out = torch.zeros_like(x)
+        if x.shape[0] == 1:
+            for w, e in zip(weights[0].tolist(), chosen[0].tolist()):
+                h = self.gated(gate(x, e), up(x, e), act)
+                out += down(h, e) * w
+            return out
+        for e in chosen.unique().tolist():
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            xe = x[rows]
+            h = self.gated(gate(xe, e), up(xe, e), act)
+            out.index_add_(0, rows, down(h, e) * weights[rows, slot, None])
+        return out
+
+
+def store_kv(cache, pos: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """``cache.update`` (an int position) or ``cache.update_static`` (a (1,) device position,
+    static decode): (keys, values, key positions or None)."""
+    if isinstance(pos, torch.Tensor):
+        return cache.update_static(pos, k, v)
+    return cache.update(pos, k, v)

@@ -1,0 +1,181 @@
+"""The native CPU backend: matrices stay in their ggml blocks as views of the memory-mapped
+file (:mod:`localllm.cpu`, no copy: a model's memory is about its file's tensor bytes plus
+the KV cache), multiplied by the native kernels; the rest of a layer runs as fused native
+calls (``localllm/cpu/csrc/ops.cpp``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from .. import cpu
+from ..errors import UnsupportedError
+from .base import ExpertList
+from .dense import Backend as _Backend
+from .dense import TorchOps
+
+# From this many rows per expert on average, a prompt's native experts run as one
+# moe_ffn_q8 call (which unpacks every selected expert's matrices once; with fewer rows the
+# per-expert int8 GEMV / tiled products read less: qwen3moe-1b, 64 experts, 8 used, one
+# thread: 32 tokens 16 vs 12 ms per layer, 64 tokens 19 vs 30 ms).
+MOE_MIN_ROWS = 8
+
+
+class NativeMatrix:
+    """A :class:`~localllm.backends.Matrix` in ggml blocks (:class:`localllm.cpu.PackedWeight`):
+    1-8 rows through the native GEMV (int8 activations where the weight's ``q8``), more
+    through tiles dequantized to its ``prefill_dtype`` and torch's GEMM
+    (:func:`localllm.cpu.qmatmul`)."""
+
+    def __init__(self, w: cpu.PackedWeight) -> None:
+        self.w = w
+        self.shape = w.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.data.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu.qmatmul(x, self.w, prefill_dtype=self.w.prefill_dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.w.rows(ids)
+
+    def stack(self, others: Sequence) -> None:
+        return None  # each part is read from the file's own blocks: no concatenated copy
+
+
+class PackedExperts(ExpertList):
+    """Experts in ggml blocks: one :class:`NativeMatrix` per expert, all viewing ``stacked``
+    (n_expert * out, in), which the one-call expert kernels read."""
+
+    def __init__(self, stacked: cpu.PackedWeight, n_expert: int) -> None:
+        rows = stacked.shape[0] // n_expert
+        per = stacked.data.numel() // n_expert
+        super().__init__([NativeMatrix(dataclasses.replace(
+            stacked, data=stacked.data[e * per:(e + 1) * per], shape=(rows, stacked.shape[1])))
+            for e in range(n_expert)])
+        self.stacked = stacked
+
+
+class Backend(_Backend):
+    """Matrices of the types :func:`localllm.cpu.supports` as :class:`NativeMatrix` (others
+    dequantized); float16 KV caches (llama.cpp's default type) unless float32 matrices were
+    asked for (exact checks: float32 activations and caches too)."""
+
+    name = "native"
+
+    def make_ops(self):
+        return NativeOps()
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return torch.float32 if self._exact else torch.float16
+
+    @property
+    def _exact(self) -> bool:
+        return self.dtype == torch.float32
+
+    def _packed(self, info, shape: tuple[int, int]) -> cpu.PackedWeight | None:
+        if not cpu.supports(info.qtype, shape[1]):
+            return None
+        # Prefill multiplies in bfloat16 where the CPU has it and decode quantizes
+        # activations to int8 where it has AVX2, unless float32 matrices were asked for.
+        return cpu.PackedWeight.from_bytes(
+            info.data, info.qtype, shape, q8=not self._exact,
+            prefill_dtype=torch.bfloat16 if not self._exact and cpu.bf16_gemm()
+            else torch.float32)
+
+    def load_matrix(self, info) -> NativeMatrix | None:
+        w = self._packed(info, tuple(info.shape))
+        return None if w is None else NativeMatrix(w)
+
+    def load_experts(self, info) -> PackedExperts | None:
+        n_exp, rows, cols = info.shape
+        w = self._packed(info, (n_exp * rows, cols))
+        return None if w is None else PackedExperts(w, n_exp)
+
+
+class NativeOps(TorchOps):
+    """The native CPU kernels (backend ``native``; ``localllm/cpu/csrc/ops.cpp``), float32:
+    RMSNorm, the residual add with the next pre-norm (and Gemma's post-norm), QK-norm with
+    RoPE, and the gated activation (SiLU, GELU-tanh) in one native call each, for any number
+    of rows; the whole attention of a step of up to :attr:`FEW` tokens (QK-norm and RoPE of
+    q and k, the KV-cache write, grouped-query attention over the live cells with the
+    causal, window and soft-capping masks) in one call. Longer steps (prefill) attend with
+    :func:`attend` (torch's batched products).
+
+    Each agrees with the torch composition it replaces to float32 rounding (summation order;
+    exp and tanh from the kernels' own polynomials): ``tests/test_cpu_ops.py``.
+    """
+
+    ACT: ClassVar[dict[str, int]] = {"silu": 0, "gelu_tanh": 1}  # the kernel's codes
+    FEW = 8  # steps of up to this many tokens attend natively (decode, small batches)
+
+    def __init__(self) -> None:
+        """Raises:
+            UnsupportedError: the native kernels are unavailable."""
+        if not cpu.available():
+            raise UnsupportedError("the native CPU kernels are unavailable (no C++ compiler, "
+                                   "or LOCALLLM_NATIVE_CPU=0)")
+        ops = torch.ops.localllm_cpu
+        self._rms_norm, self._residual_norm = ops.rms_norm.default, ops.residual_norm.default
+        self._gated, self._norm_rope = ops.gated.default, ops.norm_rope.default
+        self._attn_decode = ops.attn_decode.default
+        self._no_positions = torch.empty(0, dtype=torch.long)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2:
+            return self._rms_norm(x.contiguous() if x.stride(-1) != 1 else x, weight, eps)
+        return self._rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+    def norm_rope(self, x, weight, eps, angles, *, neox):
+        cos, sin = angles
+        return self._norm_rope(x if x.stride(-1) == 1 else x.contiguous(), weight, eps, cos,
+                               sin, neox)
+
+    def residual_norm(self, x, f, post_weight, weight, eps):
+        return self._residual_norm(x, f, post_weight, weight, eps)
+
+    def gated(self, gate, up, act, *, overwrite=False):
+        return self._gated(gate, up, self.ACT[act], gate if overwrite else None)
+
+    def self_attention(self, q, k, v, q_norm, k_norm, eps, angles, cache, pos, positions, *,
+                       head_dim, neox, scale, softcap=None):
+        t = q.shape[0]
+        where = None
+        if t <= self.FEW and isinstance(pos, int) and cache.k.dtype in (torch.float32,
+                                                                        torch.float16):
+            where = cache.decode_slot(pos, t)
+        if where is None:  # prefill, static decode, or a wrapped ring: the torch attention
+            return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
+                                          positions, head_dim=head_dim, neox=neox,
+                                          scale=scale, softcap=softcap)
+        slot, live, k_pos = where
+        cos, sin = angles
+        return self._attn_decode(q, k, v, q_norm, k_norm, eps, cos, sin, neox, cache.k, cache.v,
+                                 self._no_positions if k_pos is None else k_pos, slot, live,
+                                 pos, cache.window or 0, scale, softcap or 0.0)
+
+    def experts(self, x, chosen, weights, gate, up, down, act):
+        """Native int8 experts (all three :class:`PackedExperts` with ``q8`` weights): one
+        token's k experts in one :func:`localllm.cpu.gemv_experts` call per matrix (a call
+        per expert and matrix spent most of a MoE decode step in Python), and a prompt of at
+        least :data:`MOE_MIN_ROWS` rows per expert on average in one
+        :func:`localllm.cpu.moe_ffn_q8` call (SiLU experts; the per-expert loop spent most of
+        a MoE prefill in small products and Python). Otherwise the torch grouping."""
+        stacked = [m.stacked if isinstance(m, PackedExperts) else None for m in (gate, up, down)]
+        if act == "silu" and all(w is not None and w.q8 for w in stacked):
+            n_expert, n_ff = gate.shape[0], gate.shape[1]
+            if x.shape[0] == 1:
+                h = self.gated(cpu.gemv_experts(x, stacked[0], chosen[0], n_ff),
+                               cpu.gemv_experts(x, stacked[1], chosen[0], n_ff), act,
+                               overwrite=True)  # (k, n_ff)
+                return weights @ cpu.gemv_experts(h, stacked[2], chosen[0], x.shape[1])
+            if x.shape[0] * chosen.shape[1] >= MOE_MIN_ROWS * n_expert and cpu.moe_q8():
+                return cpu.moe_ffn_q8(x, chosen, weights, *stacked)
+        return super().experts(x, chosen, weights, gate, up, down, act)

@@ -28,30 +28,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from localllm.errors import UnsupportedError
-from localllm.gguf.quants import BlockFormat
-from localllm.gguf.quants import block_format as _reference_block_format
+from localllm.gguf.quants import block_format
 from localllm.gguf.quants import dequantize as reference_dequantize
-
-# Types the kernels decode beyond localllm.gguf.quants' table when that table lacks them
-# (their geometry from gguf-py's GGML_QUANT_SIZES; the layouts are ggml's block_iq4_nl,
-# block_iq4_xs and block_mxfp4, ggml/src/ggml-common.h).
-IQ_TYPES = (T.IQ4_NL, T.IQ4_XS, T.MXFP4)
-
-
-def block_format(qtype: T) -> BlockFormat:
-    """Geometry of ``qtype`` (localllm.gguf.quants' table, then :data:`IQ_TYPES`).
-
-    Raises:
-        UnsupportedError: unknown type.
-    """
-    try:
-        return _reference_block_format(qtype)
-    except UnsupportedError:
-        if qtype not in IQ_TYPES:
-            raise
-        from gguf import GGML_QUANT_SIZES
-
-        return BlockFormat(*GGML_QUANT_SIZES[T(qtype)])
 
 __all__ = [
     "GEMV_MAX_ROWS",
@@ -122,7 +100,7 @@ def supports(qtype: T) -> bool:
         return False
     from .decode import KERNEL_TYPES
 
-    return qtype in KERNEL_TYPES or qtype in IQ_TYPES
+    return qtype in KERNEL_TYPES
 
 
 # ---- aligned weight planes ----------------------------------------------------------------------

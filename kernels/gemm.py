@@ -22,7 +22,15 @@ import triton
 import triton.language as tl
 
 from ._jit import device_fn, kernel
-from .decode import GROUP_SIZES, _kquant_scale_min_words, decode, decode_grouped, decode_planes
+from .decode import (
+    GROUP_SIZES,
+    Q4_K,
+    Q5_K,
+    _kquant_scale_min_words,
+    decode,
+    decode_grouped,
+    decode_planes,
+)
 from .gemv import check_operands
 
 # Types of the word path: code -> words per block (Q4_K: 144 bytes, Q5_K: 176).
@@ -41,14 +49,14 @@ def _kq_pair(wp, blkw, pair, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     sc1, m1 = _kquant_scale_min_words(wp, blkw, s0 + 1)
     w = tl.arange(0, 8)[:, None, None]
     t = tl.arange(0, 4)[None, :, None] * 8
-    if QTYPE == 12:  # 36 words: d|dmin, scales[12], qs[128] at word 4
+    if QTYPE == Q4_K:  # 36 words: d|dmin, scales[12], qs[128] at word 4
         q = tl.load(wp + blkw[None, :, :] + 4 + pair * 8 + w)
     else:  # Q5_K, 44 words: d|dmin, scales[12], qh[32] at word 4, qs[128] at word 12
         q = tl.load(wp + blkw[None, :, :] + 12 + pair * 8 + w)
     b = (q >> t) & 255  # (8, 4, BLOCK_N): byte 4w + t of the pair's 32 bytes
     lo = b & 15
     hi = b >> 4
-    if QTYPE == 13:
+    if QTYPE == Q5_K:
         qh = tl.load(wp + blkw[None, :, :] + 4 + w)
         hb = (qh >> t) & 255
         lo = lo | (((hb >> s0) & 1) << 4)

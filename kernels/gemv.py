@@ -33,6 +33,8 @@ from . import PLANES, _sync, block_format, plane_offsets
 from ._jit import device_fn, kernel
 from .decode import (
     GROUP_SIZES,
+    IQ4_NL,
+    IQ4_XS,
     MMVQ32_TYPES,
     MMVQ_TYPES,
     decode,
@@ -185,7 +187,7 @@ def _mmvq_kernel(w, xq, xd, xs, y, ws, tickets, N, K, blocks_per_split, BS: tl.c
             dot = tl.zeros_like(blk).to(tl.int32)
             for j in tl.static_range(4):
                 wq, scale, vmin = decode_words(wp, blk, gb, j, QTYPE)
-                if QTYPE == 23:
+                if QTYPE == IQ4_XS:
                     wq = iq4nl_word(wq, DP4A)
                 xv = tl.load(xw + gg[None, :, None] * 4 + j)
                 dot = _dp4a(wq, xv, dot, DP4A)
@@ -195,7 +197,7 @@ def _mmvq_kernel(w, xq, xd, xs, y, ws, tickets, N, K, blocks_per_split, BS: tl.c
             for j in tl.static_range(4):
                 xv = tl.load(xw + gg[None, :, None] * 4 + j)
                 wq = decode_word16(wp, blk, gb, j, QTYPE)
-                if QTYPE == 20:
+                if QTYPE == IQ4_NL:
                     wq = iq4nl_word(wq, DP4A)
                 dot = _dp4a(wq, xv, dot, DP4A)
         isum = tl.load(xs + gg)[None, :, None]

@@ -42,7 +42,9 @@ def weight_bytes(qtype: T, n_blocks: int, seed: int = 0) -> torch.Tensor:
         dtype = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[qtype]
         return vals.to(dtype).view(torch.uint8).clone()
     b = rng.integers(0, 256, (n_blocks, fmt.type_size), dtype=np.uint8)
-    for off in SCALE_OFFSETS[qtype]:
+    if qtype == T.MXFP4:  # E8M0 exponents: scales 2**-9 .. 2**-2
+        b[:, 0] = rng.integers(118, 126, n_blocks)
+    for off in SCALE_OFFSETS.get(qtype, ()):
         scale = rng.uniform(0.5, 1.5, n_blocks) * rng.choice([-1, 1], n_blocks) * 1e-2
         b[:, off : off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
     return torch.from_numpy(b).reshape(-1)

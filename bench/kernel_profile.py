@@ -117,16 +117,16 @@ def decode_gemv_case(qtype: T, n: int, k: int, arch: int) -> tuple[Case, dict]:
     loop step, per-step marker. Split-K launches (``SPLITK``: the last program of a row range
     sums the splits) are their own variant."""
     from localllm.kernels import PLANES
-    from localllm.kernels.decode import GROUP_SIZES, MMVQ_TYPES
-    from localllm.kernels.gemv import _gemv1_kernel, mmvq_case
+    from localllm.kernels.decode import GROUP_SIZES
+    from localllm.kernels.gemv import _gemv1_kernel, mmvq_case, mmvq_unit
 
     fmt = block_format(qtype)
     layout = "planes" if qtype in PLANES else "blocks"
-    if qtype in MMVQ_TYPES:
+    if mmvq_unit(qtype, layout):
         case, cfg = mmvq_case(qtype, n, k, layout=layout, arch=arch)
-        sub = cfg["UNIT"] == 32  # the sub-block kernel: two dp4a per word, four words a slot
+        # one dp4a per 4 weights of a slot (16, 32 or 64 weights), RPT slots a thread
         launch = {"grid": cfg["grid"], "bytes_per_step": cfg["bytes_per_step"],
-                  "marker": ("IDP", (8 if sub else 4) * cfg["RPT"]), "stages": cfg["STAGES"],
+                  "marker": ("IDP", cfg["UNIT"] // 4 * cfg["RPT"]), "stages": cfg["STAGES"],
                   "variant": f"{'planes-' if layout == 'planes' else ''}R{cfg['ROWS']}"
                              f"G{cfg['GP']}P{cfg['RPT']}"
                              f"{'-splitK' if cfg['SPLIT'] > 1 else ''}"}  # fmt: skip

@@ -123,8 +123,8 @@ def supports(qtype: T) -> bool:
 # ---- aligned weight planes ----------------------------------------------------------------------
 #
 # Blocks whose size is not a multiple of 16 bytes (Q4_0: 18, IQ4_NL: 18, Q5_0: 22, Q8_0: 34,
-# Q6_K: 210, IQ4_XS: 136) leave their fields only 2- (or 8-) byte aligned in the GGUF layout,
-# so a kernel cannot read them with 128-bit loads. The "planes" layout stores the same bytes
+# Q6_K: 210, IQ4_XS: 136, Q2_K: 84, Q3_K: 110, MXFP4: 17) leave their fields only 1-, 2-,
+# 4- or 8-byte aligned in the GGUF layout, so a kernel cannot read them with 128-bit loads. The "planes" layout stores the same bytes
 # field by field: plane i holds field i of every block of the matrix, blocks in file order,
 # and starts on a 16-byte boundary. Bit-exact: only the byte order changes.
 
@@ -136,6 +136,9 @@ PLANES: dict[T, tuple[tuple[int, int], ...]] = {
     T.Q8_0: ((2, 16), (18, 16), (0, 2)),  # qs[0:16] | qs[16:32] | d
     T.Q6_K: ((0, 128), (128, 64), (192, 16), (208, 2)),  # ql | qh | scales | d
     T.IQ4_XS: ((8, 128), (0, 8)),  # qs[128] | d, scales_h, scales_l[4]
+    T.Q2_K: ((16, 64), (0, 16), (80, 4)),  # qs[64] | scales[16] | d, dmin
+    T.Q3_K: ((32, 64), (0, 32), (96, 12), (108, 2)),  # qs[64] | hmask[32] | scales[12] | d
+    T.MXFP4: ((1, 16), (0, 1)),  # qs[16] | e
 }
 LAYOUTS = ("blocks", "planes")
 

@@ -27,6 +27,7 @@ from localllm.kernels import PLANES, _aot
 from localllm.kernels._aot import Case
 from localllm.kernels.attention import _decode_attention_kernel, attention_case
 from localllm.kernels.decode import GROUP_SIZES, KERNEL_TYPES, MMVQ32_TYPES, MMVQ_TYPES
+from localllm.kernels.decode_k23 import MMVQ64_TYPES
 from localllm.kernels.dequant import _dequant_kernel
 from localllm.kernels.fused import (
     _ACTS,
@@ -40,6 +41,7 @@ from localllm.kernels.gemv import (
     _gemv1_kernel,
     _gemv_kernel,
     _mmvq32_kernel,
+    _mmvq64_kernel,
     _mmvq_kernel,
     _quantize_q8_kernel,
     mmvq_case,
@@ -224,6 +226,9 @@ CASES = {
     **{f"mmvq-{q.name}-planes": _mmvq(q, planes=True) for q in PLANES},
     "mmvq-Q8_0-planes-gemma-qkv": _mmvq(T.Q8_0, 1536, 640, planes=True),
     "mmvq-IQ4_XS-planes-sm86": _mmvq(T.IQ4_XS, arch=86, planes=True),
+    "mmvq-Q3_K-planes-sm86": _mmvq(T.Q3_K, arch=86, planes=True),
+    # one split: Llama-3-8B's gate/up (Q2_K: the plain store of _mmvq64_kernel)
+    "mmvq-Q2_K-planes-llama-gate_up": _mmvq(T.Q2_K, 28672, 4096, planes=True),
     # one split (Llama-3-8B's gate/up): the plain store, no split-K epilogue
     "mmvq-Q4_K-llama-gate_up": _mmvq(T.Q4_K, 28672, 4096),
     "mmvq-Q4_0-planes-llama-gate_up": _mmvq(T.Q4_0, 28672, 4096, planes=True),
@@ -292,6 +297,7 @@ def test_every_kernel_type_is_covered():
         (_gemv1_kernel, [q for q in KERNEL_TYPES if q in GROUP_SIZES]),
         (_mmvq_kernel, list(MMVQ_TYPES)),
         (_mmvq32_kernel, list(MMVQ32_TYPES)),
+        (_mmvq64_kernel, list(MMVQ64_TYPES)),
     ]:
         covered = {c.constexprs["QTYPE"] for c in cases
                    if c.kernel is kernel and not c.constexprs.get("PLANES")}  # fmt: skip
@@ -302,7 +308,8 @@ def test_every_kernel_type_is_covered():
         assert covered == {int(q) for q in PLANES}, kernel.fn.__name__
     launched = {_dequant_kernel, _gemv_kernel, _gemv1_kernel, _gemm_kernel, _rms_norm_kernel,
                 _rms_norm_rope_kernel, _residual_rms_norm_kernel, _gated_act_kernel,
-                _norm_rope_kv_kernel, _mmvq_kernel, _mmvq32_kernel, _quantize_q8_kernel,
+                _norm_rope_kv_kernel, _mmvq_kernel, _mmvq32_kernel, _mmvq64_kernel,
+                _quantize_q8_kernel,
                 _decode_attention_kernel}  # fmt: skip
     assert {c.kernel for c in cases} == launched
 
@@ -311,7 +318,7 @@ def test_both_epilogues_are_compiled():
     """The GEMVs with and without the split-K epilogue, attention with and without its
     output's 8-bit copy."""
     for kernel, flag in ((_mmvq_kernel, "SPLITK"), (_mmvq32_kernel, "SPLITK"),
-                         (_decode_attention_kernel, "Q8")):  # fmt: skip
+                         (_mmvq64_kernel, "SPLITK"), (_decode_attention_kernel, "Q8")):  # fmt: skip
         seen = {c.constexprs[flag] for c in CASES.values() if c.kernel is kernel}
         assert seen == {False, True}, (kernel.fn.__name__, flag)
 

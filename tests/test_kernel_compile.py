@@ -112,23 +112,23 @@ def _gemv(qtype: T, batch: int, planes: bool = False) -> Case:
 
 
 def _gemm(qtype: T, *, bf16: bool = False, grouped: bool = True, arch: int = 90,
-          block_m: int = 128, planes: bool = False) -> Case:
-    """gemm() with its default tiles (block_m x 64 x 64; 128 rows: 8 warps): X float16
-    (float32 with ``bf16``), Y float32; Q4_K / Q5_K grouped take the word path; ``planes``:
-    the weights in the planes layout."""
-    from localllm.kernels.gemm import NUM_STAGES, WORD_TYPES
+          block_m: int = 128, planes: bool = False, n: int = 4096) -> Case:
+    """gemm() as launched for 512 rows of an (n, 4096) matrix (default tiles: see
+    ``gemm_config``): X float16 (float32 with ``bf16``), Y float32; ``grouped``: the chunk
+    decoders where the type has one in its layout; ``planes``: the weights as planes."""
+    from localllm.kernels.gemm import gemm_config
 
     fmt = BLOCK_FORMATS[qtype]
+    cfg = gemm_config(512, 4096, qtype, "planes" if planes else "blocks", n=n,
+                      block_m=block_m, grouped=grouped)  # fmt: skip
     return Case(
         _gemm_kernel,
         {"x": "*fp32" if bf16 else "*fp16", "w": "*u8", "y": "*fp32", "M": "i32", "N": "i32",
          "K": "i32", "stride_xm": "i32", "stride_ym": "i32"},
-        {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype),
-         "G": GROUP_SIZES.get(qtype, 0) if grouped else 0, "BF16": bf16,
-         "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64,
-         "WORDS": WORD_TYPES.get(int(qtype), 0) if grouped and not planes else 0,
-         "EMULATE": False, "PLANES": planes},
-        num_warps=8 if block_m >= 128 else 4, num_stages=NUM_STAGES, arch=arch,
+        {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype), "BF16": bf16,
+         "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
+         "CHUNKS": cfg["CHUNKS"], "EMULATE": False, "ASM": True, "PLANES": planes},
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], arch=arch,
         aligned=("x", "w", "y", "N", "K", "stride_xm", "stride_ym"),  # M: any prompt length
     )  # fmt: skip
 
@@ -249,12 +249,17 @@ CASES = {
     "gemv-Q4_K-b3": _gemv(T.Q4_K, 3),
     "gemm-Q4_K": _gemm(T.Q4_K),
     "gemm-Q4_K-m64": _gemm(T.Q4_K, block_m=64),
+    "gemm-Q4_K-n64": _gemm(T.Q4_K, n=6144),  # 64-row weight tiles: Llama-3-8B's QKV
     "gemm-Q5_K-bf16": _gemm(T.Q5_K, bf16=True),
-    "gemm-Q6_K": _gemm(T.Q6_K),
+    "gemm-Q6_K": _gemm(T.Q6_K),  # blocks: weight by weight
     "gemm-Q8_0-bf16": _gemm(T.Q8_0, bf16=True),
+    "gemm-Q8_0-planes-bf16": _gemm(T.Q8_0, bf16=True, planes=True),
     "gemm-Q5_K-ungrouped": _gemm(T.Q5_K, grouped=False),
+    "gemm-Q4_1": _gemm(T.Q4_1),
+    "gemm-Q5_1": _gemm(T.Q5_1),
     "gemm-F16": _gemm(T.F16),
     "gemm-Q4_K-sm86": _gemm(T.Q4_K, arch=86),  # Ampere/Ada: mma, not Hopper's wgmma
+    "gemm-Q6_K-planes-sm86": _gemm(T.Q6_K, arch=86, planes=True),
     "rms_norm-fp32-640": _rms_norm("*fp32", 640),
     "rms_norm-fp16-8192": _rms_norm("*fp16", 8192),
     "rope-neox-prefill": _rope(True, decode=False),

@@ -318,6 +318,65 @@ def gemm_estimate(gpu: GPU, arch: int, fig: dict, launch: dict, n: int, k: int, 
             "peak_tflops": round(peak / 1e12, 1)}
 
 
+# ---- prefill: flash attention ------------------------------------------------------------------
+#
+# The same bounds a loop step (a BLOCK_N-key step of a BLOCK_M-row program: 4 * BLOCK_M *
+# BLOCK_N * head_dim FLOP of Q K^T and P V on tensor cores). A prompt of PREFILL_ROWS tokens
+# into an empty cache: a program's steps cover the keys up to its last row's position (the
+# causal mask skips later key blocks); the programs are spread over the SMs longest first
+# (the makespan: the SM with the most steps), and the useful FLOP are those of the visible
+# (query, key) pairs, so the causal diagonal's masked half of a step and the imbalance
+# between programs count against the estimate.
+
+# (query heads, KV heads, head_dim, sliding window or None) of the models' attention layers.
+ATTENTION = {"llama3-8b": (32, 8, 128, None), "qwen2.5-7b": (28, 4, 128, None),
+             "gemma3-270m": (4, 1, 256, 512)}  # fmt: skip
+
+
+def attention_prefill_record(model: str, arch: int, compiled_figures) -> dict:
+    """The JSON record of prefill attention for ``model``'s layer shape at PREFILL_ROWS."""
+    import torch
+    from localllm.kernels.flash_attention import prefill_case, prefill_config
+
+    n_heads, n_kv, d, window = ATTENTION[model]
+    group = n_heads // n_kv
+    case = prefill_case(group, d, window=window is not None, arch=arch)
+    cfg = prefill_config(d, torch.float16)
+    bm, bn, t = cfg["BLOCK_M"], cfg["BLOCK_N"], PREFILL_ROWS
+    launch = {"loop_op": "HGMMA", "marker": None, "bytes_per_step": 2 * bn * d * 2,
+              "variant": f"G{group}D{d}M{bm}N{bn}{'W' if window else ''}"}  # fmt: skip
+    fig, cubin = compiled_figures(f"prefill_attention/{model}", case, launch)
+    gpu = GPUS[ARCH_GPU[arch]]
+    steps, useful = [], 0
+    for blk in range(math.ceil(group * t / bm)):
+        pos = [r % t for r in range(blk * bm, min(group * t, (blk + 1) * bm))]
+        lo = max(0, min(pos) - window + 1) // bn * bn if window else 0
+        steps.append(math.ceil((max(pos) + 1 - lo) / bn))
+        useful += sum(min(p + 1, window or p + 1) for p in pos)
+    steps = steps * n_kv
+    loads = [0] * gpu.sms
+    for st in sorted(steps, reverse=True):  # longest first onto the least loaded SM
+        loads[loads.index(min(loads))] += st
+    t_mma = 4 * bm * bn * d / TENSOR_FLOPS_CLK[arch]
+    bounds = {"tensor": t_mma, "issue": fig["loop_instructions"] * fig["num_warps"] / 4,
+              "smem": fig["smem_bytes"] / SMEM_BYTES_CLK,
+              "l2": fig["global_bytes"] / (L2_GBPS[arch] / (gpu.sms * gpu.clock_ghz))}
+    limit = max(bounds, key=bounds.get)
+    cycles = max(loads) * bounds[limit]
+    flops = 4 * d * useful * n_kv
+    frac = flops / (cycles * gpu.sms * TENSOR_FLOPS_CLK[arch])
+    est = {"gpu": gpu.name, "cycles_per_step": {b: round(v, 1) for b, v in bounds.items()},
+           "limit": limit, "programs": len(steps), "steps_max": max(loads),
+           "steps_mean_per_sm": round(sum(steps) / gpu.sms, 1),
+           "useful_fraction": round(flops / (sum(steps) * 4 * bm * bn * d), 3),
+           "peak_fraction": round(frac, 3),
+           "resident_ctas_per_sm": resident_ctas(gpu, fig["registers"], fig["num_warps"],
+                                                 fig["shared_bytes"], 228 * 1024)}  # fmt: skip
+    return {"kernel": "_prefill_attention_kernel", "model": model, "arch": arch, "rows": t,
+            "variant": launch["variant"], "triton": triton.__version__, "cubin": cubin, **fig,
+            "estimated": est}
+
+
 # ---- figures ------------------------------------------------------------------------------------
 
 
@@ -473,6 +532,23 @@ def profile(types: list[str], archs: list[int], models: list[str], with_others: 
                           f"{rec['ctas']:>6}{est['resident_ctas_per_sm']:>3}/SM"
                           f"  {b['tensor']:.0f}/{b['issue']:.0f}/{b['smem']:.0f}/{b['l2']:.0f}"
                           f"  est {100 * est['peak_fraction']:.0f}% {est['limit']}")  # fmt: skip
+        if prefill and arch in TENSOR_FLOPS_CLK:
+            print(f"# prefill attention at {PREFILL_ROWS} tokens (causal, empty cache); est: "
+                  f"useful FLOP / the dense float16 peak over the makespan")
+            for model in ATTENTION:
+                rec = attention_prefill_record(model, arch, compiled_figures)
+                records.append(rec)
+                est = rec["estimated"]
+                b = est["cycles_per_step"]
+                print(f"{'prefill_attention/' + model:<30}{rec['variant']:>14}{arch:>4}"
+                      f"{rec['registers']:>5}{rec['spill_instructions']:>6}{rec['shared_bytes']:>7}"
+                      f"{rec['loop_instructions']:>6}{'':>7}"
+                      f"  {'/'.join(o.split('.')[0] + o.split('.')[1][:10] for o in rec['mma_ops'])[:18]:<18}"
+                      f"{est['programs']:>6}{est['resident_ctas_per_sm']:>3}/SM"
+                      f"  {b['tensor']:.0f}/{b['issue']:.0f}/{b['smem']:.0f}/{b['l2']:.0f}"
+                      f"  useful {100 * est['useful_fraction']:.0f}% steps {est['steps_max']}"
+                      f"/{est['steps_mean_per_sm']}  est {100 * est['peak_fraction']:.0f}%"
+                      f" {est['limit']}")  # fmt: skip
         if with_others:
             for kname, (case, launch) in other_cases(arch).items():
                 fig, cubin = compiled_figures(kname, case, launch)

@@ -7,11 +7,12 @@ decode them on the fly:
 - :mod:`.dequant`: blocks -> float32/float16/bfloat16 tensor (bit-exact in float32);
 - :mod:`.gemv`: fused dequant x vector for decode (<= 8 rows); one row: integer dot
   products on 8-bit activations (llama.cpp's ``mul_mat_vec_q``);
-- :mod:`.gemm`: prefill GEMM decoding weight tiles for ``tl.dot``;
+- :mod:`.gemm`: prefill GEMM decoding weight tiles for ``tl.dot`` (:mod:`.gemm_decode`);
 - :mod:`.norm_rope`: RMSNorm and RoPE;
 - :mod:`.fused`: fused element-wise work of a layer (``rms_norm_rope``, ``norm_rope_kv``,
   ``residual_rms_norm``, ``gated_act``): fewer launches per decode step;
-- :mod:`.attention`: decode attention over the KV cache (flash-decoding, split-K).
+- :mod:`.attention`: decode attention over the KV cache (flash-decoding, split-K);
+- :mod:`.flash_attention`: prefill attention over the KV cache (flash attention).
 
 Every kernel also runs on CPU tensors through Triton's interpreter (slowly: for tests);
 :mod:`._aot` compiles them for NVIDIA GPUs without one (``bench/kernel_profile.py``).
@@ -62,6 +63,7 @@ __all__ = [
     "gemm",
     "gemv",
     "norm_rope_kv",
+    "prefill_attention",
     "quant_linear",
     "register_quants_backend",
     "residual_rms_norm",
@@ -80,6 +82,7 @@ _LAZY = {
     "gemv": ".gemv",
     "gemm": ".gemm",
     "norm_rope_kv": ".fused",
+    "prefill_attention": ".flash_attention",
     "residual_rms_norm": ".fused",
     "rms_norm": ".norm_rope",
     "rms_norm_rope": ".fused",

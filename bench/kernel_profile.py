@@ -233,23 +233,26 @@ def gemm_case(qtype: T, m: int, n: int, k: int, arch: int) -> tuple[Case, dict]:
 
     fmt = block_format(qtype)
     layout = "planes" if qtype in PLANES else "blocks"
-    cfg = gemm_config(m, k, qtype, layout, n=n)
+    cfg = gemm_config(m, k, qtype, layout, n=n, split_k=True)  # a float32 result
     case = Case(
         _gemm_kernel,
         {"x": "*fp16", "w": "*u8", "y": "*fp32", "M": "i32", "N": "i32", "K": "i32",
          "stride_xm": "i32", "stride_ym": "i32"},
         {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype), "BF16": False,
          "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
-         "CHUNKS": cfg["CHUNKS"], "EMULATE": False, "ASM": True, "PLANES": layout == "planes"},
+         "CHUNKS": cfg["CHUNKS"], "EMULATE": False, "ASM": True, "PLANES": layout == "planes",
+         "SPLIT_K": cfg["SPLIT_K"]},
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], arch=arch,
         aligned=("x", "w", "y", "N", "K", "stride_xm", "stride_ym"),
     )  # fmt: skip
-    launch = {"grid": (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"])),
+    launch = {"grid": (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]),
+                       cfg["SPLIT_K"]),
               "bytes_per_step": cfg["BLOCK_N"] * cfg["BLOCK_K"] * fmt.type_size // fmt.block_size,
               "tile": (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]), "marker": None,
               "loop_op": "HGMMA", "mma_k": cfg["BLOCK_K"],
               "variant": f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}"
-                         f"{'-chunks' if cfg['CHUNKS'] else ''}"}  # fmt: skip
+                         f"{'-chunks' if cfg['CHUNKS'] else ''}"
+                         f"{'-splitK' if cfg['SPLIT_K'] > 1 else ''}"}  # fmt: skip
     return case, launch
 
 
@@ -302,7 +305,7 @@ def gemm_estimate(gpu: GPU, arch: int, fig: dict, launch: dict, n: int, k: int, 
     t_l2 = traffic["global_bytes"] / steps / l2_clk
     bounds = {"tensor": t_mma, "issue": t_issue, "smem": t_smem, "l2": t_l2}
     limit = max(bounds, key=bounds.get)
-    ctas = launch["grid"][0] * launch["grid"][1]
+    ctas = math.prod(launch["grid"])
     eff = ctas / (math.ceil(ctas / gpu.sms) * gpu.sms)
     frac = t_mma / bounds[limit] * eff
     peak = gpu.sms * TENSOR_FLOPS_CLK[arch] * gpu.clock_ghz * 1e9
@@ -579,7 +582,7 @@ def prefill_record(tname: str, n: int, k: int, arch: int, compiled_figures) -> d
                         qtype)  # fmt: skip
     est["resident_ctas_per_sm"] = resident_ctas(gpu, fig["registers"], fig["num_warps"],
                                                 fig["shared_bytes"], 228 * 1024)  # fmt: skip
-    ctas = launch["grid"][0] * launch["grid"][1]
+    ctas = math.prod(launch["grid"])
     return {"kernel": "_gemm_kernel", "qtype": tname, "arch": arch, "model": "llama3-8b",
             "rows": PREFILL_ROWS, "shape": [n, k], "variant": launch["variant"],
             "grid": list(launch["grid"]), "ctas": ctas, "triton": triton.__version__,

@@ -73,11 +73,16 @@ def _gemm_kernel(
     EMULATE: tl.constexpr,
     ASM: tl.constexpr,
     PLANES: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
 ):
     # Program (activation rows pid 0, weight rows pid 1): the programs of one weight tile
     # are launched together, so that its bytes come from DRAM once.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    # SPLIT_K > 1: program_id(2) takes 1 / SPLIT_K of K (a multiple of BLOCK_K) and adds its
+    # sums into a zeroed Y
+    k_lo = tl.program_id(2) * (K // SPLIT_K)
+    k_hi = k_lo + K // SPLIT_K
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
@@ -92,7 +97,7 @@ def _gemm_kernel(
         nb = K // BS
         blk_row = (tl.minimum(rn, N - 1).to(tl.int64) * nb)[:, None]
         rk = tl.arange(0, DOT_K)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             blk0 = blk_row + k0 // BS
             shared = step_shared(wp, N * nb, blk0, k0 % BS, QTYPE)
             for d in tl.static_range(BLOCK_K // DOT_K):
@@ -104,7 +109,7 @@ def _gemm_kernel(
     else:
         n_mask = rn < N
         row = w + rn.to(tl.int64) * ((K // BS) * TS)  # first byte of each row of W
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_mask = rk < K
             wmask = n_mask[:, None] & k_mask[None, :]
@@ -119,7 +124,10 @@ def _gemm_kernel(
             acc = _mma(acc, wt, tl.trans(xt), BF16, EMULATE)
     ymask = (rn < N)[:, None] & m_mask[None, :]
     y_ptrs = y + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
-    tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=ymask)
+    if SPLIT_K > 1:  # two halves into zeros: 0 + a + b in either order, the same float32
+        tl.atomic_add(y_ptrs, acc, mask=ymask, sem="relaxed")
+    else:
+        tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=ymask)
 
 
 def _wave_efficiency(ctas: int, sms: int = TARGET_SMS) -> float:
@@ -129,30 +137,40 @@ def _wave_efficiency(ctas: int, sms: int = TARGET_SMS) -> float:
 
 def gemm_config(m: int, k: int, qtype, layout: str = "blocks", *, n: int | None = None,
                 block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
-                grouped: bool = True) -> dict:  # fmt: skip
+                grouped: bool = True, split_k: bool | int = False) -> dict:  # fmt: skip
     """Launch shape of :func:`gemm` for ``m`` activation rows, K = ``k`` (and N = ``n``):
     BLOCK_M (128 for more than 64 rows, else 64); BLOCK_N 128 (8 warps: two warpgroups of
     64 rows), or 64 (4 warps) where 128-row tiles would leave more than a fifth of the GPU
-    idle in their last wave and 64-row ones would not (Llama-3-8B's 6144 x 4096 QKV at 512
-    rows: 192 programs on 132 SMs); BLOCK_K (on the chunk path a multiple of 32 dividing
-    K, within the type's :data:`.gemm_decode.MIN_STEP` .. ``MAX_STEP``; else the given one);
-    CHUNKS (whether the chunk decoders run); warps and pipeline stages."""
+    idle in their last wave and 64-row ones would not; BLOCK_K (on the chunk path a multiple
+    of 32 dividing K, within the type's :data:`.gemm_decode.MIN_STEP` .. ``MAX_STEP``; else
+    the given one); CHUNKS (whether the chunk decoders run); warps and pipeline stages;
+    SPLIT_K: ``split_k`` if an int (> 1: K must split into whole steps), else with
+    ``split_k`` True (a float32 result the launcher zeroes) 2 where 128 x 128
+    tiles would leave the last wave more than a fifth idle and twice as many programs,
+    each over half of K, would not (Llama-3-8B's 6144 x 4096 QKV at 512 rows: 192 programs
+    on 132 SMs, 384 in halves), rather than 64-row weight tiles (which read the activations
+    twice as often)."""
     if block_m is None:
         block_m = 128 if m > 64 else 64
-    if block_n is None:
-        block_n = 128
-        if n is not None:
-            tiles_m = triton.cdiv(m, block_m)
-            e128 = _wave_efficiency(tiles_m * triton.cdiv(n, 128))
-            if e128 < 0.8 and _wave_efficiency(tiles_m * triton.cdiv(n, 64)) >= 0.8:
-                block_n = 64
     chunks = grouped and has_chunks(qtype, layout) and k % 32 == 0
     if chunks:
         block_k = min(MAX_STEP, max(MIN_STEP.get(int(qtype), 32), block_k // 32 * 32))
         while k % block_k:
             block_k //= 2
+    split = split_k if type(split_k) is int else 1
+    if split > 1 and k % (split * block_k):
+        raise ValueError(f"gemm: K={k} does not split into {split} x {block_k}-weight steps")
+    if block_n is None:
+        block_n = 128
+        if n is not None and type(split_k) is not int:
+            tiles = triton.cdiv(m, block_m) * triton.cdiv(n, 128)
+            if _wave_efficiency(tiles) < 0.8:
+                if split_k and k % (2 * block_k) == 0 and _wave_efficiency(2 * tiles) >= 0.8:
+                    split = 2
+                elif _wave_efficiency(triton.cdiv(m, block_m) * triton.cdiv(n, 64)) >= 0.8:
+                    block_n = 64
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "CHUNKS": chunks,
-            "num_warps": 8 if block_n >= 128 else 4,
+            "SPLIT_K": split, "num_warps": 8 if block_n >= 128 else 4,
             "num_stages": NUM_STAGES if block_k <= 64 else 2}
 
 
@@ -169,6 +187,7 @@ def gemm(
     block_k: int = 128,
     grouped: bool = True,
     layout: str = "blocks",
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """``x @ W.T`` with ``W`` decoded tile by tile on tensor cores (see the module docstring).
 
@@ -184,27 +203,36 @@ def gemm(
         grouped: decode 32-weight chunks from words where the type has a chunk decoder in
             ``layout`` (:func:`.gemm_decode.has_chunks`), rather than weight by weight.
         layout: "blocks" (file order) or "planes" (``localllm.kernels.PLANES``).
+        split_k: programs along K (their sums added into a zeroed float32 result); default:
+            2 where that fills the GPU better (:func:`gemm_config`) and the result is
+            float32, else 1.
 
     Returns:
         (M, N) ``out_dtype``: float16 (or bfloat16) products, float32 accumulation.
 
     Raises:
-        ValueError: shapes do not agree.
+        ValueError: shapes do not agree, or K does not split into ``split_k`` whole steps.
     """
+    if split_k is not None and split_k > 1 and (out_dtype or x.dtype) != torch.float32:
+        raise ValueError("gemm: split_k adds float32 partial sums: out_dtype must be float32")
     fmt, x = check_operands("gemm", w_data, qtype, n_out, x, rows="M", layout=layout)
     m, k = x.shape
-    y = torch.empty((m, n_out), dtype=out_dtype or x.dtype, device=x.device)
+    out_dtype = out_dtype or x.dtype
+    cfg = gemm_config(m, k, qtype, layout, n=n_out, block_m=block_m, block_n=block_n,
+                      block_k=block_k, grouped=grouped,
+                      split_k=split_k or out_dtype == torch.float32)  # fmt: skip
+    alloc = torch.zeros if cfg["SPLIT_K"] > 1 else torch.empty
+    y = alloc((m, n_out), dtype=out_dtype, device=x.device)
     if m == 0 or n_out == 0:
         return y
-    cfg = gemm_config(m, k, qtype, layout, n=n_out, block_m=block_m, block_n=block_n,
-                      block_k=block_k, grouped=grouped)  # fmt: skip
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n_out, cfg["BLOCK_N"]))
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n_out, cfg["BLOCK_N"]), cfg["SPLIT_K"])
     _gemm_kernel[grid](
         x, w_data, y, m, n_out, k, x.stride(0), y.stride(0),
         BS=fmt.block_size, TS=fmt.type_size, QTYPE=int(qtype), BF16=bf16,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         CHUNKS=cfg["CHUNKS"], EMULATE=bf16 and not x.is_cuda, ASM=x.is_cuda,
-        PLANES=layout == "planes", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PLANES=layout == "planes", SPLIT_K=cfg["SPLIT_K"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
         enable_fp_fusion=True,
     )  # fmt: skip
     return y

@@ -29,6 +29,7 @@ from localllm.kernels.attention import _decode_attention_kernel, attention_case
 from localllm.kernels.decode import GROUP_SIZES, KERNEL_TYPES, MMVQ32_TYPES, MMVQ_TYPES
 from localllm.kernels.decode_k23 import MMVQ64_TYPES
 from localllm.kernels.dequant import _dequant_kernel
+from localllm.kernels.flash_attention import _prefill_attention_kernel, prefill_case
 from localllm.kernels.fused import (
     _ACTS,
     _gated_act_kernel,
@@ -112,7 +113,7 @@ def _gemv(qtype: T, batch: int, planes: bool = False) -> Case:
 
 
 def _gemm(qtype: T, *, bf16: bool = False, grouped: bool = True, arch: int = 90,
-          block_m: int = 128, planes: bool = False, n: int = 4096) -> Case:
+          block_m: int = 128, planes: bool = False, n: int = 4096, split_k: bool = False) -> Case:
     """gemm() as launched for 512 rows of an (n, 4096) matrix (default tiles: see
     ``gemm_config``): X float16 (float32 with ``bf16``), Y float32; ``grouped``: the chunk
     decoders where the type has one in its layout; ``planes``: the weights as planes."""
@@ -120,14 +121,15 @@ def _gemm(qtype: T, *, bf16: bool = False, grouped: bool = True, arch: int = 90,
 
     fmt = BLOCK_FORMATS[qtype]
     cfg = gemm_config(512, 4096, qtype, "planes" if planes else "blocks", n=n,
-                      block_m=block_m, grouped=grouped)  # fmt: skip
+                      block_m=block_m, grouped=grouped, split_k=split_k)  # fmt: skip
     return Case(
         _gemm_kernel,
         {"x": "*fp32" if bf16 else "*fp16", "w": "*u8", "y": "*fp32", "M": "i32", "N": "i32",
          "K": "i32", "stride_xm": "i32", "stride_ym": "i32"},
         {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype), "BF16": bf16,
          "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
-         "CHUNKS": cfg["CHUNKS"], "EMULATE": False, "ASM": True, "PLANES": planes},
+         "CHUNKS": cfg["CHUNKS"], "EMULATE": False, "ASM": True, "PLANES": planes,
+         "SPLIT_K": cfg["SPLIT_K"]},
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], arch=arch,
         aligned=("x", "w", "y", "N", "K", "stride_xm", "stride_ym"),  # M: any prompt length
     )  # fmt: skip
@@ -250,6 +252,7 @@ CASES = {
     "gemm-Q4_K": _gemm(T.Q4_K),
     "gemm-Q4_K-m64": _gemm(T.Q4_K, block_m=64),
     "gemm-Q4_K-n64": _gemm(T.Q4_K, n=6144),  # 64-row weight tiles: Llama-3-8B's QKV
+    "gemm-Q4_K-splitK": _gemm(T.Q4_K, n=6144, split_k=True),  # the same, float32 out
     "gemm-Q5_K-bf16": _gemm(T.Q5_K, bf16=True),
     "gemm-Q6_K": _gemm(T.Q6_K),  # blocks: weight by weight
     "gemm-Q8_0-bf16": _gemm(T.Q8_0, bf16=True),
@@ -260,6 +263,15 @@ CASES = {
     "gemm-F16": _gemm(T.F16),
     "gemm-Q4_K-sm86": _gemm(T.Q4_K, arch=86),  # Ampere/Ada: mma, not Hopper's wgmma
     "gemm-Q6_K-planes-sm86": _gemm(T.Q6_K, arch=86, planes=True),
+    # prefill attention: Llama-3-8B, Gemma 3's sliding layers (ring), Gemma 2's soft-capping,
+    # Phi-3's head_dim 96, float32 caches (the interpreter's products), Ampere
+    "prefill-attention-llama-g4-d128": prefill_case(4, 128),
+    "prefill-attention-gemma3-ring-d256": prefill_case(4, 256, window=True, kpos=True),
+    "prefill-attention-gemma2-softcap": prefill_case(2, 256, window=True, kpos=True,
+                                                     softcap=True),
+    "prefill-attention-g1-d96": prefill_case(1, 96),
+    "prefill-attention-g7-d64-fp32": prefill_case(7, 64, kv="*fp32"),
+    "prefill-attention-g4-d128-sm86": prefill_case(4, 128, window=True, arch=86),
     "rms_norm-fp32-640": _rms_norm("*fp32", 640),
     "rms_norm-fp16-8192": _rms_norm("*fp16", 8192),
     "rope-neox-prefill": _rope(True, decode=False),
@@ -314,7 +326,7 @@ def test_every_kernel_type_is_covered():
     launched = {_dequant_kernel, _gemv_kernel, _gemv1_kernel, _gemm_kernel, _rms_norm_kernel,
                 _rms_norm_rope_kernel, _residual_rms_norm_kernel, _gated_act_kernel,
                 _norm_rope_kv_kernel, _mmvq_kernel, _mmvq32_kernel, _mmvq64_kernel,
-                _quantize_q8_kernel,
+                _quantize_q8_kernel, _prefill_attention_kernel,
                 _decode_attention_kernel}  # fmt: skip
     assert {c.kernel for c in cases} == launched
 

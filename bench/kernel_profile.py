@@ -5,6 +5,7 @@ Usage::
     python bench/kernel_profile.py                          # decode GEMV, sm_90, 3 models
     python bench/kernel_profile.py --arch 90 86 89 --all    # every kernel, three GPUs
     python bench/kernel_profile.py --types Q4_K Q6_K --out prof --json
+    python bench/kernel_profile.py --types Q4_K --prefill Q4_K Q6_K   # + prefill estimates
 
 Each kernel is compiled with Triton's own toolchain (``triton.compile`` down to a cubin;
 ``ptxas`` and ``cuobjdump`` ship in the Triton wheel) for the specialization its launcher
@@ -44,6 +45,15 @@ RTX 3090       82    1.695 GHz  936 GB/s    550 ns       1536             65536
 
 Code compiled for sm_90 is held against the H100, sm_89 against the RTX 4090, sm_86 against
 the RTX 3090.
+
+Prefill (``--prefill TYPES``, or every type with ``--all``; sm_90 only): the GEMM as
+``gemm()`` launches it for 512 rows of each Llama-3-8B matrix, and flash attention at 512
+tokens for the three models' layer shapes, with an estimated share of the H100's dense
+float16 tensor peak from the main loop's SASS: per loop step the tensor-core time at peak
+against the issue, shared-memory and L2 time of the step's instructions and bytes (see
+"prefill" below: the model and its constants, the L2 bandwidth an assumption), times the
+wave efficiency (the GEMM) or over the makespan of the causal prompt's uneven programs
+(attention, counting only the visible query-key pairs as useful).
 
 All GPU figures printed here are **estimates** from the compiled code, not measurements
 (``bench/gpu_validate.sh`` measures them on a GPU).

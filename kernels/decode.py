@@ -697,10 +697,12 @@ def decode_unit32(wp, nblk, u, t, QTYPE: tl.constexpr, ASM: tl.constexpr):
             ls = (tl.load(wp + hd + 1) >> (ib * 4)) & 15
             ls = ls | (((h0 >> (16 + ib * 2)) & 3) << 4)
             scale = _h2f(h0) * (ls - 32).to(tl.float32)
-        elif QTYPE == 39:  # MXFP4: one E8M0 byte a block (= sub-block) in its plane
+        elif QTYPE == 39:  # MXFP4: one E8M0 byte a block (= sub-block) in its plane, read
+            # from its 32-bit word (a byte-load tile makes Triton 3.6 exchange the loop's dot
+            # products through shared memory, as a 16-bit one: see _half_at)
             lo, hi = table_pair(q, MXFP4_W0, MXFP4_W1, MXFP4_W2, MXFP4_W3, ASM)
-            bp = wp.to(tl.pointer_type(tl.uint8))
-            scale = _e8m0_half(tl.load(bp + plane(nblk, 1, QTYPE) + u).to(tl.int32) & 255)
+            e = tl.load(wp + plane(nblk, 1, QTYPE) // 4 + u // 4) >> ((u % 4) * 8).to(tl.int32)
+            scale = _e8m0_half(e & 255)
         else:
             tl.static_assert(False, "decode_unit32: unsupported ggml type")
             lo = q

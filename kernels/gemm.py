@@ -5,10 +5,13 @@ decodes a tile of them into registers once per K step and multiplies it with ten
 (``tl.dot``: Hopper's ``wgmma`` with the weights as the register operand, ``mma`` on older
 GPUs), accumulating in float32. The product is computed transposed, ``Y^T = W @ X^T``: a
 program owns BLOCK_N weight rows by BLOCK_M activation rows, the weights are the A operand
-(from registers: decoded there, no float16 copy of them in memory) and the activations the
-B operand (from shared memory, loads pipelined by Triton over :data:`NUM_STAGES` stages).
-A decoded weight is reused by the BLOCK_M (128) activation rows of the tile, an activation
-by its BLOCK_N (128) weight rows.
+(from registers: decoded there, never written to global memory as floats; Triton passes
+the decoded tile once through shared memory to reach wgmma's operand layout) and the
+activations the B operand (from shared memory, loads pipelined by Triton over
+:data:`NUM_STAGES` stages). A decoded weight is reused by the BLOCK_M (128) activation rows
+of the tile, an activation by its BLOCK_N (128) weight rows. Where those tiles would leave
+the GPU's last wave mostly idle, K is split in two (a float32 result) or the weight tiles
+halved (:func:`gemm_config`).
 
 Decoding (:mod:`.gemm_decode`): the types with a chunk decoder (every quant type, from the
 layout a loaded model keeps it in) read 32 weights of a row from 32-bit words, build each

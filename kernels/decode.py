@@ -525,7 +525,16 @@ def plane(nblk, I: tl.constexpr, QTYPE: tl.constexpr):
         off = n * (16 * I)
     elif QTYPE == IQ4_XS:  # qs[128] | d, scales_h, scales_l
         off = n * 128
-    else:  # Q4_0, IQ4_NL: qs[16] | d; Q5_0: qs[16] | qh[4] | d
+    elif QTYPE == 10:  # Q2_K: qs[64] | scales[16] | d, dmin
+        off = n * (64 + 16 * (I - 1))
+    elif QTYPE == 11:  # Q3_K: qs[64] | hmask[32] | scales[12] | d
+        if I == 1:
+            off = n * 64
+        elif I == 2:
+            off = n * 96
+        else:
+            off = (n * 108 + 15) // 16 * 16
+    else:  # Q4_0, IQ4_NL, MXFP4: qs[16] | d (or e); Q5_0: qs[16] | qh[4] | d
         off = n * 16
     return off
 
@@ -566,6 +575,30 @@ def decode_planes(w, nblk, blk, j, mask, QTYPE: tl.constexpr):
         r = j % 32
         q = (_u8(w + blk * 128 + ib * 16 + r % 16, mask) >> ((r // 16) * 4)) & 15
         v = dl * _iq4nl(q).to(tl.float32)
+    elif QTYPE == 10:  # Q2_K: qs[64] | scales[16] | d, dmin
+        dd = w + plane(nblk, 2, QTYPE) + blk * 4
+        sc = _u8(w + plane(nblk, 1, QTYPE) + blk * 16 + j // 16, mask)
+        dl = _f16(dd, mask) * (sc & 15).to(tl.float32)
+        ml = _f16(dd + 2, mask) * (sc >> 4).to(tl.float32)
+        r = j % 128
+        q = (_u8(w + blk * 64 + (j // 128) * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
+        v = dl * q.to(tl.float32) - ml
+    elif QTYPE == 11:  # Q3_K: qs[64] | hmask[32] | scales[12] | d
+        d = _f16(w + plane(nblk, 3, QTYPE) + blk * 2, mask)
+        s = j // 16
+        sp = w + plane(nblk, 2, QTYPE) + blk * 12
+        lo4 = (_u8(sp + s % 8, mask) >> ((s // 8) * 4)) & 15
+        hi2 = (_u8(sp + 8 + s % 4, mask) >> ((s // 4) * 2)) & 3
+        dl = d * ((lo4 | (hi2 << 4)) - 32).to(tl.float32)
+        r = j % 128
+        low = (_u8(w + blk * 64 + (j // 128) * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
+        hm = w + plane(nblk, 1, QTYPE) + blk * 32 + j % 32
+        high = (_u8(hm, mask) >> (j // 32)) & 1
+        v = dl * (low - ((1 - high) << 2)).to(tl.float32)
+    elif QTYPE == 39:  # MXFP4: qs[16] | e
+        d = _e8m0_half(_u8(w + plane(nblk, 1, QTYPE) + blk, mask))
+        q = (_u8(w + blk * 16 + j % 16, mask) >> ((j // 16) * 4)) & 15
+        v = d * _e2m1x2(q).to(tl.float32)
     else:
         tl.static_assert(False, "decode_planes: no planes layout for this ggml type")
         v = tl.zeros_like(j).to(tl.float32)
@@ -592,26 +625,40 @@ def prmt(a, b, c, ASM: tl.constexpr):
 
 
 @device_fn
-def iq4nl_pair(q, ASM: tl.constexpr):
-    """``kvalues_iq4nl`` of the eight nibbles of int32 ``q`` (four bytes of an IQ4 block's
-    ``qs``), as two words of four int8: the low nibbles (weights i..i+3 of a 32-weight
-    sub-block) and the high nibbles (weights 16+i..19+i). llama.cpp's
-    ``get_int_from_table_16`` (``ggml-cuda/vecdotq.cuh``): eight byte permutes for 8 weights."""
+def table_pair(q, W0, W1, W2, W3, ASM: tl.constexpr):
+    """The 16-entry int8 table ``W0..W3`` (four int8 per int32, little-endian) looked up with
+    the eight nibbles of int32 ``q`` (four bytes of a block's ``qs``), as two words of four
+    int8: the low nibbles (weights i..i+3 of a 32-weight sub-block) and the high nibbles
+    (weights 16+i..19+i). llama.cpp's ``get_int_from_table_16`` (``ggml-cuda/vecdotq.cuh``):
+    eight byte permutes for 8 weights."""
     zero = tl.zeros_like(q)
     qa = q & 0x77777777  # table index within a half (bit 3 of a prmt nibble: sign mode)
     sel = ((q >> 1) & 0x44444444) | 0x32103210  # per nibble: take the upper half's byte
-    v3 = prmt(prmt(zero + IQ4NL_W0, zero + IQ4NL_W1, qa, ASM),
-              prmt(zero + IQ4NL_W2, zero + IQ4NL_W3, qa, ASM), sel, ASM)  # fmt: skip
+    v3 = prmt(prmt(zero + W0, zero + W1, qa, ASM), prmt(zero + W2, zero + W3, qa, ASM), sel,
+              ASM)  # fmt: skip
     qb = qa >> 16
     sb = (sel >> 16) & 0xFFFF
-    v4 = prmt(prmt(zero + IQ4NL_W0, zero + IQ4NL_W1, qb, ASM),
-              prmt(zero + IQ4NL_W2, zero + IQ4NL_W3, qb, ASM), sb, ASM)  # fmt: skip
+    v4 = prmt(prmt(zero + W0, zero + W1, qb, ASM), prmt(zero + W2, zero + W3, qb, ASM), sb,
+              ASM)  # fmt: skip
     return prmt(v3, v4, zero + 0x6420, ASM), prmt(v3, v4, zero + 0x7531, ASM)
+
+
+@device_fn
+def iq4nl_pair(q, ASM: tl.constexpr):
+    """:func:`table_pair` of ``kvalues_iq4nl``."""
+    return table_pair(q, IQ4NL_W0, IQ4NL_W1, IQ4NL_W2, IQ4NL_W3, ASM)
+
+
+# kvalues_mxfp4 (ggml-common.h: the E2M1 values doubled), four int8 per int32, little-endian.
+MXFP4_W0: tl.constexpr = tl.constexpr(50462976)  # 0, 1, 2, 3
+MXFP4_W1: tl.constexpr = tl.constexpr(201852420)  # 4, 6, 8, 12
+MXFP4_W2: tl.constexpr = tl.constexpr(-33620224)  # 0, -1, -2, -3
+MXFP4_W3: tl.constexpr = tl.constexpr(-185009412)  # -4, -6, -8, -12
 
 
 # Types the sub-block GEMV (``gemv._mmvq32_kernel``) reads from planes, 32 weights (one
 # scale) per group: code -> OFF (the weights' integer offset, see above).
-MMVQ32_TYPES = {T.Q4_0: 8, T.Q5_0: 16, T.Q8_0: 0, T.IQ4_NL: 0, T.IQ4_XS: 0}
+MMVQ32_TYPES = {T.Q4_0: 8, T.Q5_0: 16, T.Q8_0: 0, T.IQ4_NL: 0, T.IQ4_XS: 0, T.MXFP4: 0}
 
 
 @device_fn
@@ -660,6 +707,12 @@ def decode_unit32(wp, nblk, u, t, QTYPE: tl.constexpr, ASM: tl.constexpr):
             ls = (tl.load(wp + hd + 1) >> (ib * 4)) & 15
             ls = ls | (((h0 >> (16 + ib * 2)) & 3) << 4)
             scale = _h2f(h0) * (ls - 32).to(tl.float32)
+        elif QTYPE == 39:  # MXFP4: one E8M0 byte a block (= sub-block) in its plane, read
+            # from its 32-bit word (a byte-load tile makes Triton 3.6 exchange the loop's dot
+            # products through shared memory, as a 16-bit one: see _half_at)
+            lo, hi = table_pair(q, MXFP4_W0, MXFP4_W1, MXFP4_W2, MXFP4_W3, ASM)
+            e = tl.load(wp + plane(nblk, 1, QTYPE) // 4 + u // 4) >> ((u % 4) * 8).to(tl.int32)
+            scale = _e8m0_half(e & 255)
         else:
             tl.static_assert(False, "decode_unit32: unsupported ggml type")
             lo = q

@@ -36,8 +36,19 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import UnsupportedError
-from . import (apertus, exaone4, falcon_h1, gemma, granite_hybrid, lfm2, llama, mamba2,
-               nemotron_h, olmo2, phi3)
+from . import (
+    apertus,
+    exaone4,
+    falcon_h1,
+    gemma,
+    granite_hybrid,
+    lfm2,
+    llama,
+    mamba2,
+    nemotron_h,
+    olmo2,
+    phi3,
+)
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "llama": llama,

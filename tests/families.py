@@ -68,10 +68,23 @@ FAMILIES: dict[str, tuple] = {
             "granite.attention.scale": 0.1, "granite.logit_scale": 2.0}), "Q4_K_M"),
 }
 
+# The families whose layers fold positions into a fixed-size state: their fixtures add a
+# long prompt (recurrent prefill in chunks, with context checkpoints), one-token steps
+# after it, and a perplexity (record.py).
+RECURRENT: tuple[str, ...] = ()
+
 
 # Gemma 2/3 scale the (tied) embedding by sqrt(d_model) and post-norm each sublayer: with
 # WEIGHT_STD the input token's own logit would dominate every distribution.
-STD = {"gemma2": 0.05, "gemma3": 0.05, "gemma3-linear": 0.05}
+STD = {"gemma2": 0.05, "gemma3": 0.05, "gemma3-linear": 0.05,
+       # the recurrent families' outputs pass through more norms and gates: a larger spread
+       # keeps their next-token distributions as peaked as the others'
+       }
+
+
+# Mamba2's input projection smaller than the other matrices: its time steps (dt) stay small,
+# as a trained model's do, and the states it accumulates stay in range without a norm.
+STEM_STD = {"ssm_in": 0.05}
 
 
 def write_family(family: str, directory: str | Path) -> Path:
@@ -79,7 +92,8 @@ def write_family(family: str, directory: str | Path) -> Path:
     g, quant = FAMILIES[family]
     g = dataclasses.replace(g, name=f"tiny-{family}")
     return write_synthetic(Path(directory) / f"{family}.gguf", g, quant, seed=SEED,
-                           weight_std=STD.get(family, WEIGHT_STD))
+                           weight_std=STD.get(family, WEIGHT_STD),
+                           stem_std=STEM_STD if family in RECURRENT else None)
 
 
 def sha256(path: str | Path) -> str:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from ..memory import attention_mask
+from . import ssm
 from .base import Backend as _Backend
 
 # Above this many rows a CPU product takes the float32 GEMM path (see the module docstring).
@@ -310,6 +311,24 @@ class TorchOps:
         keys, values, k_pos = store_kv(cache, pos, k, v)
         return attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale,
                       softcap=softcap)
+
+    @staticmethod
+    def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   state: torch.Tensor, *, silu: bool) -> torch.Tensor:
+        """Causal depthwise convolution continuing from ``state`` (updated in place):
+        x (T, C), weight (C, d_conv), bias (C,) or None, state (d_conv - 1, C) float32 ->
+        (T, C) float32 (:func:`localllm.backends.ssm.short_conv`)."""
+        return ssm.short_conv(x, weight, bias, state, silu=silu)
+
+    @staticmethod
+    def ssm_scan(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, a: torch.Tensor,
+                 b: torch.Tensor, c: torch.Tensor, d: torch.Tensor | None,
+                 state: torch.Tensor) -> torch.Tensor:
+        """Mamba2's selective scan continuing from ``state`` (H, P, N), updated in place:
+        x (T, H, P), dt (T, H), dt_bias / a / d (H,), b / c (T, G, N) float32 ->
+        y (T, H, P) float32 (:func:`localllm.backends.ssm.ssm_scan`: the recurrence for one
+        token, the chunked form for more)."""
+        return ssm.ssm_scan(x, dt, dt_bias, a, b, c, d, state)
 
     def experts(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate,
                 up, down, act: str) -> torch.Tensor:

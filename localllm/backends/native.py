@@ -129,6 +129,8 @@ class NativeOps(TorchOps):
         self._no_positions = torch.empty(0, dtype=torch.long)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if weight.dim() != 1:  # a weight per group of rows (Mamba2's grouped norm): torch
+            return super().rms_norm(x, weight, eps)
         if x.dim() == 2:
             return self._rms_norm(x.contiguous() if x.stride(-1) != 1 else x, weight, eps)
         return self._rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)

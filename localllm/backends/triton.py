@@ -99,6 +99,8 @@ class KernelOps(TorchOps):
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if weight.dim() != 1:  # a weight per group of rows (Mamba2's grouped norm): torch
+            return TorchOps.rms_norm(x, weight, eps)
         return kernels.rms_norm(x, weight, eps)
 
     @staticmethod

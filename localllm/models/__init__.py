@@ -10,8 +10,10 @@ How to add an architecture (see :mod:`localllm.models.base` for the pieces):
      ``GGUFError`` naming the key otherwise; ``base.common_hparams`` reads the usual ones);
    * ``tensor_specs(args)``: every tensor as ``base.TensorSpec(gguf_name, torch_shape,
      optional)``, with llama.cpp's names (``gguf.constants.MODEL_TENSORS``);
-   * ``memory_layout(args)``: per layer what it remembers (:mod:`localllm.memory`:
-     ``KVSpec`` full or sliding-window, ``LatentSpec``, ``RecurrentSpec``);
+   * ``memory_layout(args)``: what its layers remember, in layer order (:mod:`localllm.memory`:
+     ``KVSpec`` full or sliding-window, ``LatentSpec``, ``RecurrentSpec``; usually one per
+     layer, but a hybrid layer may hold two and an FFN-only layer none: the forward takes
+     them in the same order, see :mod:`.hybrid`);
    * ``Layer`` (and, for top-level tensors beyond ``base.Weights``, a ``Weights``
      subclass): dataclasses whose fields are the GGUF stems (``attn_norm`` ...; fused
      projections by their fused name, ``attn_qkv``, ``ffn_gate_up``), optional ones

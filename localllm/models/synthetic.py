@@ -198,8 +198,22 @@ def tensor_shapes(g: Geometry) -> list[tuple[str, tuple[int, ...]]]:
     args = model_args(_hparams(g), g.n_vocab)
     return [(s.name, s.shape) for s in tensor_specs(args)
             if not s.optional or (s.name == "output.weight" and not g.tied_output)
-            or s.name in g.optional or (g.qkv_bias and ".bias" in s.name
-                                       and "attn_output" not in s.name)]
+            or s.name in g.optional or _unlayered(s.name) in g.optional
+            or (g.qkv_bias and ".bias" in s.name and "attn_output" not in s.name)]
+
+
+def _unlayered(name: str) -> str:
+    """``blk.3.ssm_conv1d.bias`` -> ``ssm_conv1d.bias`` (a per-layer optional tensor in
+    ``Geometry.optional`` names every layer's)."""
+    return name.split(".", 2)[2] if name.startswith("blk.") else name
+
+
+def _stored_f32(name: str, shape: tuple[int, ...]) -> bool:
+    """Vectors and the state-space parameters (``models.base.DENSE_TENSORS``: llama.cpp's
+    SSM kernels read them as F32) are written F32; other matrices F16 before the recipe."""
+    from .base import DENSE_TENSORS, layer_of
+
+    return len(shape) == 1 or layer_of(name)[1] in DENSE_TENSORS
 
 
 def tensor_types(g: Geometry, quant: str) -> dict[str, GGMLQuantizationType]:
@@ -207,7 +221,7 @@ def tensor_types(g: Geometry, quant: str) -> dict[str, GGMLQuantizationType]:
     from ..quantize.recipe import parse_file_type, plan
 
     ftype = parse_file_type(quant)
-    tensors = [(n, s, Q.F16 if len(s) > 1 else Q.F32) for n, s in tensor_shapes(g)]
+    tensors = [(n, s, Q.F32 if _stored_f32(n, s) else Q.F16) for n, s in tensor_shapes(g)]
     return plan(tensors, _hparams(g), ftype)
 
 
@@ -329,6 +343,24 @@ _SCALE_LAYOUT: dict[GGMLQuantizationType, tuple[int, int | None, float]] = {
 _UNIT_STD: dict[GGMLQuantizationType, float] = {}
 
 
+def _ssm_values(name: str, x: np.ndarray, rng: np.random.Generator) -> np.ndarray | None:
+    """Values of a state-space tensor in the ranges of Mamba2's initialization (Dao & Gu
+    2024), from standard normals ``x``; None for other tensors. ``ssm_a``: A = -exp(U(0,
+    ln 16)) (the converter stores -exp(A_log)); ``ssm_d``: D = 1 + N(0, 0.1);
+    ``ssm_dt.bias``: softplus^-1 of dt log-uniform in [0.001, 0.1]; convolution kernels
+    (``ssm_conv1d``, LFM2's ``shortconv.conv``): N(0, 0.5)."""
+    if name.endswith(".ssm_a"):
+        return -np.exp(rng.uniform(0.0, np.log(16.0), x.size)).astype(np.float32)
+    if name.endswith(".ssm_d"):
+        return (1.0 + 0.1 * x).astype(np.float32)
+    if name.endswith("ssm_dt.bias"):
+        dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), x.size))
+        return (dt + np.log(-np.expm1(-dt))).astype(np.float32)
+    if name.endswith(("ssm_conv1d.weight", "shortconv.conv.weight")):
+        return (0.5 * x).astype(np.float32)
+    return None
+
+
 def _random_blocks(qtype: GGMLQuantizationType, n_blocks: int, d: float,
                    rng: np.random.Generator) -> np.ndarray:
     """``n_blocks`` random blocks of ``qtype`` with scales ``d`` x U(0.75, 1.25): uint8
@@ -364,13 +396,17 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
     """Random data of one tensor as the bytes GGUF stores: uint8 (n_bytes,).
 
     Norm weights are 1 + N(0, 0.02) (Gemma's GGUF norms already include its +1); RoPE
-    frequency factors (``rope_freqs``, ``rope_factors_*``) 1 + |N(0, 2)|; biases and
-    float matrices are N(0, ``std``); quantized matrices dequantize to std ~``std``.
+    frequency factors (``rope_freqs``, ``rope_factors_*``) 1 + |N(0, 2)|; state-space
+    parameters as :func:`_ssm_values` makes them; biases and float matrices are
+    N(0, ``std``); quantized matrices dequantize to std ~``std``.
     """
     n = int(np.prod(shape))
     if qtype in (Q.F32, Q.F16, Q.BF16):
         x = rng.standard_normal(n, dtype=np.float32)
-        if "norm" in name:
+        ssm = _ssm_values(name, x, rng)
+        if ssm is not None:
+            x = ssm
+        elif "norm" in name:
             x *= WEIGHT_STD
             x += 1.0
         elif name.startswith("rope_f"):
@@ -444,11 +480,13 @@ def cache_path(name: str, quant: str) -> Path:
 
 
 def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: int = 0,
-                    weight_std: float = WEIGHT_STD,
+                    weight_std: float = WEIGHT_STD, stem_std: dict[str, float] | None = None,
                     progress: Callable[[int, int], None] | None = None) -> Path:
     """Write a random-weights GGUF of ``geometry`` with the tensor types of recipe ``quant``.
 
-    ``weight_std``: standard deviation of the matrices (larger: a more peaked next-token
+    ``stem_std``: another standard deviation for the tensors of some stems (``{"ssm_in":
+    0.05}``: a state-space input projection whose time steps stay small, as trained ones
+    do). ``weight_std``: standard deviation of the matrices (larger: a more peaked next-token
     distribution, as the llama.cpp comparison fixtures use). The file is a deterministic
     function of the arguments.
 
@@ -463,6 +501,7 @@ def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: i
         LocalLLMError: not enough disk space, or the file cannot be written.
     """
     from ..quantize.recipe import FILE_TYPES
+    from .base import layer_of
 
     path = Path(path)
     quant = quant.upper()
@@ -498,7 +537,8 @@ def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: i
         w.write_ti_data_to_file()
         done = 0
         for name, shape in shapes:
-            data = random_tensor(name, shape, types[name], rng, weight_std)
+            std = (stem_std or {}).get(layer_of(name)[1], weight_std)
+            data = random_tensor(name, shape, types[name], rng, std)
             w.write_tensor_data(data)  # straight to the file: one tensor in memory at a time
             done += data.nbytes
             del data

@@ -11,7 +11,8 @@ decode them on the fly:
 - :mod:`.norm_rope`: RMSNorm and RoPE;
 - :mod:`.fused`: fused element-wise work of a layer (``rms_norm_rope``, ``norm_rope_kv``,
   ``residual_rms_norm``, ``gated_act``): fewer launches per decode step;
-- :mod:`.attention`: decode attention over the KV cache (flash-decoding, split-K).
+- :mod:`.attention`: decode attention over the KV cache (flash-decoding, split-K);
+- :mod:`.recurrent`: the short convolution and the gated delta rule of hybrid models.
 
 Every kernel also runs on CPU tensors through Triton's interpreter (slowly: for tests);
 :mod:`._aot` compiles them for NVIDIA GPUs without one (``bench/kernel_profile.py``).
@@ -59,6 +60,7 @@ __all__ = [
     "decode_attention",
     "dequantize",
     "gated_act",
+    "gated_delta_net",
     "gemm",
     "gemv",
     "norm_rope_kv",
@@ -68,6 +70,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_rope",
     "rope",
+    "short_conv",
     "supports",
     "triton_available",
 ]
@@ -77,6 +80,7 @@ _LAZY = {
     "decode_attention": ".attention",
     "dequantize": ".dequant",
     "gated_act": ".fused",
+    "gated_delta_net": ".recurrent",
     "gemv": ".gemv",
     "gemm": ".gemm",
     "norm_rope_kv": ".fused",
@@ -84,6 +88,7 @@ _LAZY = {
     "rms_norm": ".norm_rope",
     "rms_norm_rope": ".fused",
     "rope": ".norm_rope",
+    "short_conv": ".recurrent",
 }
 
 

@@ -66,12 +66,45 @@ FAMILIES: dict[str, tuple] = {
         GEOMETRIES["granite3-8b"], **SMALL, extra={
             "granite.embedding_scale": 12.0, "granite.residual_scale": 0.22,
             "granite.attention.scale": 0.1, "granite.logit_scale": 2.0}), "Q4_K_M"),
+    # ---- gated delta-net hybrids (issue #27): three delta-nets to one gated attention ----
+    # (value heads twice the key heads: Qwen3.5 tiles the key heads, Qwen3-Next repeats
+    # each in place; partial RoPE on a quarter of the head)
+    "qwen35": (dataclasses.replace(
+        GEOMETRIES["qwen35-0.8b"], **{**SMALL, "n_layers": 4}, **BPE, pre="qwen35",
+        tied_output=False, extra={
+            "qwen35.ssm.conv_kernel": 4, "qwen35.ssm.inner_size": 256,
+            "qwen35.ssm.state_size": 64, "qwen35.ssm.time_step_rank": 4,
+            "qwen35.ssm.group_count": 2, "qwen35.full_attention_interval": 4,
+            "qwen35.rope.dimension_count": 16, "qwen35.rope.dimension_sections": [3, 3, 2, 0]}),
+        "Q4_K_M"),
+    # interleaved M-RoPE sections that leave a pair to the fourth section (not turned)
+    "qwen35moe": (dataclasses.replace(
+        GEOMETRIES["qwen35moe-35b-a3b"], **{**SMALL, "n_layers": 4}, **BPE, pre="qwen35",
+        extra={"qwen35moe.expert_count": 4, "qwen35moe.expert_used_count": 2,
+               "qwen35moe.expert_feed_forward_length": 256,
+               "qwen35moe.expert_shared_feed_forward_length": 256,
+               "qwen35moe.ssm.conv_kernel": 4, "qwen35moe.ssm.inner_size": 256,
+               "qwen35moe.ssm.state_size": 64, "qwen35moe.ssm.time_step_rank": 4,
+               "qwen35moe.ssm.group_count": 2, "qwen35moe.full_attention_interval": 4,
+               "qwen35moe.rope.dimension_count": 16,
+               "qwen35moe.rope.dimension_sections": [3, 3, 1, 1]}), "Q5_K_M"),
+    # layer kinds from attention.recurrent_layers (one boolean per block)
+    "qwen3next": (dataclasses.replace(
+        GEOMETRIES["qwen3next-80b-a3b"], **{**SMALL, "n_layers": 4}, **BPE,
+        extra={"qwen3next.expert_count": 4, "qwen3next.expert_used_count": 2,
+               "qwen3next.expert_feed_forward_length": 256,
+               "qwen3next.expert_shared_feed_forward_length": 256,
+               "qwen3next.ssm.conv_kernel": 4, "qwen3next.ssm.inner_size": 256,
+               "qwen3next.ssm.state_size": 64, "qwen3next.ssm.time_step_rank": 4,
+               "qwen3next.ssm.group_count": 2,
+               "qwen3next.attention.recurrent_layers": [True, True, False, True],
+               "qwen3next.rope.dimension_count": 16}), "Q4_K_M"),
 }
 
 # The families whose layers fold positions into a fixed-size state: their fixtures add a
 # long prompt (recurrent prefill in chunks, with context checkpoints), one-token steps
 # after it, and a perplexity (record.py).
-RECURRENT: tuple[str, ...] = ()
+RECURRENT: tuple[str, ...] = ("qwen35", "qwen35moe", "qwen3next")
 
 
 # Gemma 2/3 scale the (tied) embedding by sqrt(d_model) and post-norm each sublayer: with
@@ -79,7 +112,7 @@ RECURRENT: tuple[str, ...] = ()
 STD = {"gemma2": 0.05, "gemma3": 0.05, "gemma3-linear": 0.05,
        # the recurrent families' outputs pass through more norms and gates: a larger spread
        # keeps their next-token distributions as peaked as the others'
-       }
+       "qwen35": 0.2, "qwen35moe": 0.2, "qwen3next": 0.2}
 
 
 # Mamba2's input projection smaller than the other matrices: its time steps (dt) stay small,

@@ -126,6 +126,7 @@ class NativeOps(TorchOps):
         self._rms_norm, self._residual_norm = ops.rms_norm.default, ops.residual_norm.default
         self._gated, self._norm_rope = ops.gated.default, ops.norm_rope.default
         self._attn_decode = ops.attn_decode.default
+        self._conv1d, self._delta_net = ops.conv1d.default, ops.gated_delta_net.default
         self._no_positions = torch.empty(0, dtype=torch.long)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -162,6 +163,18 @@ class NativeOps(TorchOps):
         return self._attn_decode(q, k, v, q_norm, k_norm, eps, cos, sin, neox, cache.k, cache.v,
                                  self._no_positions if k_pos is None else k_pos, slot, live,
                                  pos, cache.window or 0, scale, softcap or 0.0)
+
+    def short_conv(self, x, weight, bias, state, *, silu):
+        """The native convolution (``recurrent.cpp``), for a decode step and a prompt."""
+        return self._conv1d(x if x.stride(-1) == 1 else x.contiguous(), weight, bias, state,
+                            silu)
+
+    def gated_delta_net(self, qkv, alpha, beta_logit, dt_bias, a, state, *, n_k_heads, eps,
+                        interleave):
+        """The native recurrence (``recurrent.cpp``), token by token with each head's state
+        in cache, for a decode step and a prompt."""
+        return self._delta_net(qkv.contiguous(), alpha.contiguous(), beta_logit.contiguous(),
+                               dt_bias, a, state, n_k_heads, eps, interleave)
 
     def experts(self, x, chosen, weights, gate, up, down, act):
         """Native int8 experts (all three :class:`PackedExperts` with ``q8`` weights): one

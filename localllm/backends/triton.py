@@ -142,6 +142,16 @@ class KernelOps(TorchOps):
         return kernels.decode_attention(q1, keys, values, positions, k_positions=k_pos,
                                 window=cache.window, scale=scale, softcap=softcap)
 
+    @staticmethod
+    def short_conv(x, weight, bias, state, *, silu):
+        return kernels.short_conv(x, weight, bias, state, silu=silu)
+
+    @staticmethod
+    def gated_delta_net(qkv, alpha, beta_logit, dt_bias, a, state, *, n_k_heads, eps,
+                        interleave):
+        return kernels.gated_delta_net(qkv, alpha, beta_logit, dt_bias, a, state,
+                                       n_k_heads=n_k_heads, eps=eps, interleave=interleave)
+
     def attention(self, q, k, v, cache, pos, positions, *, scale: float,
                   softcap: float | None = None) -> torch.Tensor:
         if q.shape[1] != 1 and softcap is not None:  # SDPA has no soft-capping

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qmatmul.cpp", "ops.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qmatmul.cpp", "ops.cpp",
+                                                                 "recurrent.cpp")]
 # LOCALLLM_CPU_ARCH picks another -march (haswell: the AVX2 path, x86-64: the portable one).
 # -fopenmp: at::parallel_for is an OpenMP loop compiled into this library (without the flag it
 # runs on one thread); the library then links libgomp.so.1, which resolves to the copy torch

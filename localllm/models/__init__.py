@@ -36,7 +36,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import UnsupportedError
-from . import gemma, llama, olmo2, phi3
+from . import gemma, llama, olmo2, phi3, qwen3next, qwen35, qwen35moe
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "llama": llama,
@@ -50,6 +50,9 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "gemma3": gemma,
     "phi3": phi3,
     "olmo2": olmo2,
+    "qwen35": qwen35,
+    "qwen35moe": qwen35moe,
+    "qwen3next": qwen3next,
 }
 
 

@@ -105,9 +105,10 @@ def bench_decode(llm, n_predict: int) -> None:
     grammar_ms: list[float] = []
     for name, make in runs:
         c = make()
-        steps = list(llm.stream(prompt, constraint=c, n_predict=n_predict, temp=0.0,
-                                ignore_eos=c is None))
-        t = llm.last_timings
+        generation = llm.stream(prompt, constraint=c, n_predict=n_predict, temp=0.0,
+                                ignore_eos=c is None)
+        steps = list(generation)
+        t = generation.timings
         ms = t.generate_seconds / max(1, t.generated_tokens - 1) * 1e3
         results.setdefault(name, []).append(ms)
         if c is not None:

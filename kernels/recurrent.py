@@ -1,19 +1,14 @@
-"""Recurrent mixers: the causal short convolution (Mamba2, the gated delta-net, LFM2) and the
-gated delta rule (Qwen3-Next / Qwen3.5), float32.
+"""The gated delta rule of Qwen3-Next / Qwen3.5's delta-net layers, float32 (their short
+convolution is :func:`localllm.kernels.ssm.short_conv`).
 
-Same semantics as the torch references (:func:`localllm.backends.ssm.short_conv`,
-:func:`localllm.backends.deltanet.gated_delta_net`, llama.cpp's ``ggml_ssm_conv`` and
-``ggml_gated_delta_net``), state updated in place:
+Same semantics as the torch reference (:func:`localllm.backends.deltanet.gated_delta_net`,
+llama.cpp's ``ggml_gated_delta_net``), state updated in place: one program per (value head,
+block of ``BV`` value rows) holds its rows of the head's (S, S) state in registers across the
+tokens (a decode step or a whole prompt, token by token: flash-linear-attention's "fused
+recurrent" form), normalizing the query and key of each token itself.
 
-- :func:`short_conv`: one program per block of channels runs every token, reading the
-  ``d_conv`` rows of [state; x] each output needs, then writes the new state;
-- :func:`gated_delta_net`: one program per (value head, block of ``BV`` value rows) holds its
-  rows of the head's (S, S) state in registers across the tokens (a decode step or a whole
-  prompt, token by token: flash-linear-attention's "fused recurrent" form), normalizing the
-  query and key of each token itself.
-
-The launchers read nothing back to the host and size their grids from shapes only (CUDA
-graphs can capture them); they also run on CPU tensors in Triton's interpreter (tests).
+The launcher reads nothing back to the host and sizes its grid from shapes only (CUDA graphs
+can capture it); it also runs on CPU tensors in Triton's interpreter (tests).
 """
 
 from __future__ import annotations
@@ -23,62 +18,6 @@ import triton
 import triton.language as tl
 
 from ._jit import kernel
-
-
-@kernel
-def _short_conv_kernel(x, w, bias, state, y, T, C, stride_x, K: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr):
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cm = c < C
-    c64 = c.to(tl.int64)
-    zero = tl.zeros([BLOCK_C], dtype=tl.int32)  # a row index as a vector: masks of its lanes
-    b = tl.load(bias + c, mask=cm, other=0.0) if HAS_BIAS else 0.0
-    for t in range(T):
-        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for j in tl.static_range(K):
-            r = zero + t + j  # row of u = [state; x]
-            from_state = tl.load(state + r * C + c64, mask=cm & (r < K - 1), other=0.0)
-            from_x = tl.load(x + (r - (K - 1)).to(tl.int64) * stride_x + c64,
-                             mask=cm & (r >= K - 1), other=0.0)
-            acc += (from_state + from_x) * tl.load(w + c64 * K + j, mask=cm, other=0.0)
-        acc += b
-        if SILU:
-            acc = acc / (1.0 + tl.exp(-acc))
-        tl.store(y + (zero + t).to(tl.int64) * C + c64, acc, mask=cm)
-    # The new state, rows u[T .. T + K - 2]: ascending, so that an old state row (T < K - 1)
-    # is read before it is overwritten.
-    for r in tl.static_range(K - 1):
-        src = zero + T + r
-        from_state = tl.load(state + src * C + c64, mask=cm & (src < K - 1), other=0.0)
-        from_x = tl.load(x + (src - (K - 1)).to(tl.int64) * stride_x + c64,
-                         mask=cm & (src >= K - 1), other=0.0)
-        tl.store(state + r * C + c64, from_state + from_x, mask=cm)
-
-
-def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               state: torch.Tensor, *, silu: bool) -> torch.Tensor:
-    """Causal depthwise convolution continuing from ``state`` (updated in place).
-
-    Args:
-        x: (T, C) float32 with unit column stride; weight: (C, K) float32 (tap j of channel
-            c at [c, j], oldest first); bias: (C,) float32 or None; state: (K - 1, C) float32
-            contiguous.
-    Returns:
-        (T, C) float32 (SiLU applied when ``silu``).
-    """
-    t, c = x.shape
-    k = weight.shape[1]
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if state.shape != (k - 1, c) or not state.is_contiguous():
-        raise ValueError(f"short_conv: state must be ({k - 1}, {c}) contiguous")
-    y = torch.empty(t, c, dtype=torch.float32, device=x.device)
-    block = 256
-    _short_conv_kernel[(triton.cdiv(c, block),)](
-        x, weight.contiguous(), bias if bias is not None else weight, state, y, t, c,
-        x.stride(0), K=k, HAS_BIAS=bias is not None, SILU=silu, BLOCK_C=block, num_warps=4,
-    )  # fmt: skip
-    return y
 
 
 @kernel
@@ -132,7 +71,7 @@ def gated_delta_net(qkv: torch.Tensor, alpha: torch.Tensor, beta_logit: torch.Te
     if qkv.shape[1] != 2 * n_k_heads * s + hv * s or hv % n_k_heads:
         raise ValueError("gated_delta_net: qkv, state and n_k_heads disagree")
     out = torch.empty(t, hv, s, dtype=torch.float32, device=qkv.device)
-    bv = min(16, triton.next_power_of_2(s))
+    bv = _value_rows(s)
     _delta_net_kernel[(hv, triton.cdiv(s, bv))](
         qkv, alpha.contiguous(), beta_logit.contiguous(), dt_bias, a, state, out, t,
         qkv.stride(0), hv, n_k_heads * s, hv // n_k_heads, n_k_heads, float(eps),
@@ -140,3 +79,34 @@ def gated_delta_net(qkv: torch.Tensor, alpha: torch.Tensor, beta_logit: torch.Te
         num_warps=4,
     )  # fmt: skip
     return out
+
+
+def _value_rows(s: int) -> int:
+    """Value rows of a head's state per program: 16 rows of 128 keep the block in registers."""
+    return min(16, triton.next_power_of_2(s))
+
+
+def delta_case(v_heads: int, k_heads: int, head_dim: int, *, interleave: bool = True,
+               arch: int = 90):
+    """:func:`gated_delta_net`'s kernel as it launches for ``v_heads`` value heads over
+    ``k_heads`` key heads of size ``head_dim`` (the state is (v_heads, head_dim, head_dim)),
+    for ahead-of-time compilation (:mod:`._aot`: tests/test_kernel_compile.py,
+    bench/kernel_profile.py); and its launch figures: grid, bytes one program reads per
+    token (q, k, its rows of v, alpha and beta; the state stays in registers)."""
+    from ._aot import Case
+
+    bv, block = _value_rows(head_dim), triton.next_power_of_2(head_dim)
+    ints = {"HV": v_heads, "RATIO": v_heads // k_heads, "HK": k_heads}
+    # the JIT makes an int argument of 1 a constexpr and marks multiples of 16 aligned
+    constexprs = {"S": head_dim, "BLOCK_S": block, "BV": bv, "INTERLEAVE": interleave,
+                  **{k: 1 for k, v in ints.items() if v == 1}}
+    types = {"qkv": "*fp32", "alpha": "*fp32", "beta": "*fp32", "dt_bias": "*fp32",
+             "a": "*fp32", "state": "*fp32", "out": "*fp32", "T": "i32", "stride_qkv": "i32",
+             "KD": "i32", "eps": "fp32", "scale": "fp32",
+             **{k: "i32" for k, v in ints.items() if v != 1}}
+    aligned = ("qkv", "alpha", "beta", "dt_bias", "a", "state", "out", "stride_qkv", "KD",
+               *(k for k, v in ints.items() if v % 16 == 0))
+    case = Case(_delta_net_kernel, types, constexprs, arch=arch, aligned=aligned)
+    return case, {"grid": (v_heads, triton.cdiv(head_dim, bv)),
+                  "bytes_per_step": 4 * (2 * block + bv + 2), "marker": None,
+                  "variant": f"S{block}BV{bv}R{ints['RATIO']}"}

@@ -91,7 +91,7 @@ def test_completion_echo_and_logprobs(tiny):
     ({"frobnicate": 1}, "'frobnicate'"),
     ({"max_tokens": 2, "top_p": 0}, "top_p"),
     ({"max_tokens": 2, "logit_bias": {"x": 1}}, "logit_bias"),
-    ({"max_tokens": 2, "n": 2}, "n must be 1"),
+    ({"max_tokens": 2, "n": 2}, "n: must be 1"),
     ({"max_tokens": 2, "response_format": {"type": "xml"}}, "response_format"),
     ({"max_tokens": 2, "stop": [1]}, "stop"),
 ])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -186,9 +187,58 @@ def test_select_prefers_metadata_then_builtin():
 def test_select_file_and_missing_file(tmp_path):
     f = tmp_path / "t.jinja"
     f.write_text("{% for m in messages %}{{ m.role }};{% endfor %}")
-    assert select_template(metadata(), str(f)).render(CONV) == "system;user;assistant;user;"
+    assert select_template(metadata(), str(f), files=True).render(CONV) == \
+        "system;user;assistant;user;"
     with pytest.raises(TemplateError, match=r"--chat-template .*nope\.jinja: no such file"):
-        select_template(metadata(), str(tmp_path / "nope.jinja"))
+        select_template(metadata(), str(tmp_path / "nope.jinja"), files=True)
+
+
+def test_paths_are_not_templates_without_files(tmp_path):
+    """Text from the API or a client is never taken for a path: an existing file and a
+    missing one give the same error, and nothing of the file is read (issue #26 item 1)."""
+    f = tmp_path / "secret.jinja"
+    f.write_text("{{ 'SECRET' }}")
+    errors = []
+    for path in (str(f), str(tmp_path / "missing.jinja"), "/etc/passwd", "/proc/self/environ"):
+        with pytest.raises(TemplateError) as e:
+            select_template(metadata(), path)
+        errors.append(re.sub(r"^chat template '[^']*'", "", str(e.value)))
+        assert "SECRET" not in str(e.value) and "no such file" not in str(e.value)
+    assert len(set(errors)) == 1, errors
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dir", "big", "binary"])
+def test_template_files_are_regular_bounded_text(tmp_path, kind):
+    import os
+
+    from localllm.chat.template import MAX_TEMPLATE_CHARS
+
+    path = tmp_path / "t"
+    if kind == "fifo":
+        os.mkfifo(path)  # opening it for reading would wait for a writer for ever
+    elif kind == "dir":
+        path.mkdir()
+    elif kind == "big":
+        with open(path, "wb") as f:  # sparse: 2.5 GB that are never read
+            f.truncate(2_500_000_000)
+    else:
+        path.write_bytes(b"{{ 1 }}\xff\xfe")
+    message = {"fifo": "not a regular file", "dir": "not a regular file",
+               "big": f"larger than the limit of {MAX_TEMPLATE_CHARS}", "binary": "not UTF-8"}
+    with pytest.raises(TemplateError, match=message[kind]):
+        select_template(metadata(), str(path), files=True)
+
+
+def test_compiled_templates_are_a_bounded_cache():
+    from localllm.chat.template import MAX_CACHED_TEMPLATES, compiled
+
+    compiled.cache_clear()
+    for i in range(MAX_CACHED_TEMPLATES * 3):
+        select_template(metadata(), f"{{{{ 'x{i}' }}}}")
+    info = compiled.cache_info()
+    assert info.currsize == MAX_CACHED_TEMPLATES and info.misses == MAX_CACHED_TEMPLATES * 3
+    first = select_template(metadata(), "{{ 'again' }}")
+    assert select_template(metadata(), "{{ 'again' }}") is first  # compiled once
 
 
 def test_models_toml_entry_and_cli_override():
@@ -371,8 +421,8 @@ def test_endless_loop_is_stopped_by_the_time_limit():
 
 def test_output_size_limit():
     src = "{% for i in range(100000) %}{{ messages | tojson }}{{ 'x' * 100 }}{% endfor %}"
-    with pytest.raises(TemplateError, match="output too large"):
-        ChatTemplate("big", src).render(CONV)
+    with pytest.raises(TemplateError, match="output too large"):  # whatever the machine's speed
+        ChatTemplate("big", src, time_limit=600).render(CONV)
 
 
 def test_bad_messages():

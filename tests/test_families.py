@@ -36,7 +36,22 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_matches_llama_cpp(family, device, family_dir):
+    """Prefill (all positions of a prompt in one forward), the device's default backend."""
     check_family(family, device, family_dir)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_matches_llama_cpp_torch_backend(family, family_dir):
+    """Prefill on the torch backend (the reference ops; matrices dequantized at load)."""
+    check_family(family, "cpu", family_dir, backend="torch")
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_decode_steps_match_llama_cpp(family, backend, family_dir):
+    """The recorded positions as one-token decode steps after a prefill of the rest (the
+    native backend's fused decode attention; the torch reference)."""
+    check_family(family, "cpu", family_dir, backend=backend, steps=True)
 
 
 def test_moe_prefill_kernel_matches_llama_cpp(family_dir, monkeypatch):
@@ -72,14 +87,15 @@ def family_model(family: str, device: str, family_dir: Path, backend: str = "aut
     return load_model(path, device=device, progress=False, backend=backend)
 
 
-def check_family(family: str, device: str, family_dir: Path, *, steps: bool = False,
-                 loaded=None) -> None:
+def check_family(family: str, device: str, family_dir: Path, *, backend: str = "auto",
+                 steps: bool = False, loaded=None) -> None:
     """The family's file against llama.cpp's recorded logits (module docstring); ``steps``:
     the recorded positions evaluated one token at a time (decode steps) after a prefill of
-    the rest. ``loaded``: the model already loaded (default: :func:`family_model`)."""
+    the rest. ``loaded``: the model already loaded (default: :func:`family_model` with
+    ``backend``)."""
     ref = np.load(DATA / f"{family}.npz")
     if loaded is None:
-        loaded = family_model(family, device, family_dir)
+        loaded = family_model(family, device, family_dir, backend)
     theirs = ref["logits"]  # (prompts, positions, n_vocab) float16
     n_last = theirs.shape[1]
     n_ctx = max(64, max(len(ref[f"prompt{i}"]) for i in range(theirs.shape[0])) + 1)
@@ -99,8 +115,8 @@ def check_family(family: str, device: str, family_dir: Path, *, steps: bool = Fa
         kls.append((np.exp(lt) * (lt - lo)).sum(-1))
         assert int(ours[-1].argmax()) == int(theirs[i][-1].argmax()), f"prompt {i}: top-1"
     mean_kl = float(np.mean(kls))
-    print(f"{family} {device} {loaded.backend}{' steps' if steps else ''}: mean KL "
-          f"{mean_kl:.5f}, max {float(np.max(kls)):.5f}")
+    print(f"{family} {device} {loaded.backend} {'decode' if steps else 'prefill'}: "
+          f"mean KL {mean_kl:.5f}, max {float(np.max(kls)):.5f}")
     assert mean_kl <= MAX_MEAN_KL
 
 
@@ -161,10 +177,3 @@ def test_info_run_perplexity_on_each_family(family, family_dir, monkeypatch, cap
                              "-c", "16", "-b", "16")
     assert code == 0, err
     assert "PPL" in out + err or "perplexity" in (out + err).lower()
-
-
-def test_moe_decode_steps_match_llama_cpp(family_dir):
-    """The qwen3moe fixture's positions as one-token decode steps: the MoE decode path (one
-    token's k experts; on the native int8 backend one :func:`localllm.cpu.gemv_experts` call
-    per matrix) against llama.cpp's logits."""
-    check_family("qwen3moe", "cpu", family_dir, steps=True)

@@ -82,7 +82,9 @@ def test_usage_errors_from_the_issue(monkeypatch, capsys, args, fragment):
 
 
 def test_no_arguments_prints_help_and_succeeds(monkeypatch, capsys):
-    code, out, err = run_cli(monkeypatch, capsys, "run")
+    # `localllm` alone; a command without its arguments is a usage error
+    # (tests/test_hostile_files.py)
+    code, out, err = run_cli(monkeypatch, capsys)
     assert code == 0 and "Usage" in out + err and "Traceback" not in err
 
 
@@ -273,7 +275,8 @@ def test_assembled_path_is_remembered_until_the_file_changes(monkeypatch, tmp_pa
         f"    return Path({str(model)!r})\n")
     dist = tmp_path / "assembler_probe-1.0.dist-info"  # an installed distribution owns it
     dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: assembler-probe\nVersion: 1.0\n")
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: assembler-probe\nVersion: 1.0\n"
+                                   "Keywords: llm,gguf\n")  # it ships a GGUF model
     (dist / "RECORD").write_text("assembler_probe.py,,\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -3,22 +3,28 @@
 Unit tests use a fake model: a real SentencePiece tokenizer over a tiny vocabulary and a
 fake session whose "logits" spell out a scripted reply after each ``<start_of_turn>model``
 header, so every behaviour (streaming, KV reuse, Ctrl-C, context shift, stop strings) is
-checked exactly and fast.
+checked exactly and fast. The fake model is an :class:`LLM` without weights: replies go
+through the LLM's own ``prepare``/``stream`` (its lock included).
 """
 
 from __future__ import annotations
 
 import io
 import json
+import threading
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
 from rich.console import Console
 from tiny_model import spm_vocab
 
+from localllm.api import LLM
 from localllm.cli.repl import ChatREPL
 from localllm.errors import ParameterError
+from localllm.runtime.session import Session
+from localllm.runtime.speculative import Speculation
 from localllm.tokenizer import Tokenizer
 
 
@@ -39,11 +45,12 @@ def fake_metadata() -> dict:
     }
 
 
-class FakeSession:
+class FakeSession(Session):
     """Session stand-in: after the last ``<start_of_turn>model\\n`` the next token is the
     next token of ``reply``, then ``<end_of_turn>``."""
 
-    def __init__(self, llm, ctx_size: int):
+    def __init__(self, llm, ctx_size: int):  # no model: nothing of Session's own state
+
         self.llm = llm
         self.loaded = llm  # generate_tokens reads session.loaded.tokenizer
         self.ctx_size = ctx_size
@@ -114,11 +121,13 @@ class ArgmaxSampler:
         self.accepted.append(token)
 
 
-class FakeLLM:
+class FakeLLM(LLM):
     entry = None
     path = "fake.gguf"
 
-    def __init__(self, reply: str = "the tale", ctx_size: int = 512):
+    def __init__(self, reply: str = "the tale", ctx_size: int = 512):  # no weights
+        self._lock, self._lock_owner, self._session = threading.RLock(), None, None
+        self.chat_template = None
         self.metadata = fake_metadata()
         self.tokenizer = Tokenizer(self.metadata)
         self.header = self.tokenizer.encode("<start_of_turn>model\n", add_bos=False, special=True)
@@ -128,13 +137,14 @@ class FakeLLM:
         self.interrupt_at: int | None = None
         self.out = io.StringIO()
         self.sessions: list[FakeSession] = []
+        self.speculation = Speculation(SimpleNamespace(tokenizer=self.tokenizer), ctx_size)  # off
 
     def session(self):
         self.sessions.append(FakeSession(self, self.ctx_size))
         return self.sessions[-1]
 
-    def sampling_params(self):
-        return FakeParams()
+    def sampling_params(self, params=None, **overrides):
+        return params if params is not None else FakeParams()
 
 
 def make_repl(reply="the tale", ctx_size=512, **kw):
@@ -523,3 +533,105 @@ def test_stop_completed_only_by_the_end_of_the_reply_is_reported_as_stop():
     assert repl.messages[-1]["content"] == "the t"
     assert "ale" not in llm.out.getvalue()
     assert repl.stats.finish == "stop"
+
+
+# ---- runaway replies (issue #26 item 10) ----------------------------------------------------------
+def test_a_looping_reply_is_stopped_with_a_note():
+    llm, repl = make_repl("a tale of endless love, " * 80)
+    n_reply = len(llm.tokenizer.encode(repl.llm.reply, add_bos=False))
+    repl.handle_line("write a poem")
+    assert repl.stats.finish == "loop"
+    assert 64 <= repl.stats.generated < n_reply // 4
+    assert "[stopped: the reply kept repeating itself" in llm.out.getvalue()
+    assert repl.messages[-1]["content"].startswith("a tale of endless love, a tale")
+    repl.handle_line("again")  # the conversation goes on
+    assert repl.messages[-1]["role"] == "assistant"
+
+
+def test_loop_guard_leaves_other_replies_alone():
+    text = " ".join(str(i) for i in range(150))  # long, and never an exact repetition
+    _llm, repl = make_repl(text)
+    repl.handle_line("count")
+    assert repl.stats.finish == "eog" and repl.messages[-1]["content"] == text
+    _llm, off = make_repl("a tale of endless love, " * 10, loop_guard=False)
+    off.handle_line("write a poem")
+    assert off.stats.finish == "eog"
+
+
+def test_loop_guard_periods():
+    from localllm.chat.conversation import LoopGuard
+
+    def fires_at(tokens, **kw):
+        guard = LoopGuard(**kw)
+        return next((i for i, t in enumerate(tokens) if guard.push(t)), None)
+
+    assert fires_at([7] * 100) == 63  # one token over and over: at 64 tokens
+    period = list(range(11))
+    assert fires_at(list(range(100, 140)) + period * 20) == 40 + 63
+    assert fires_at(list(range(50)) * 4, max_period=64) == 50 * 3 - 1  # three full periods
+    assert fires_at(list(range(300))) is None
+    assert fires_at([1, 2] * 20) is None  # shorter than min_tokens
+
+
+def test_replies_have_a_default_cap_with_a_note():
+    from localllm.cli.repl import DEFAULT_REPLY_TOKENS
+
+    text = " ".join(str(i) for i in range(150))
+    llm, repl = make_repl(text)
+    assert repl.n_predict == DEFAULT_REPLY_TOKENS
+    repl.n_predict = 20
+    repl.handle_line("count")
+    assert repl.stats.finish == "length" and repl.stats.generated == 20
+    assert "[reply cut at 20 tokens" in llm.out.getvalue()
+
+
+def test_a_reply_holds_the_llms_lock():
+    """The conversation generates through LLM.prepare/stream: while a reply streams, the LLM
+    is taken (another generation opened in the same thread is refused)."""
+    from localllm.errors import LocalLLMError
+
+    llm, repl = make_repl("the tale")
+    refused = []
+
+    def emit(text: str) -> None:
+        request = llm.prepare([2, 7], params=FakeParams(), session=FakeSession(llm, 64),
+                              sampler=ArgmaxSampler())
+        with pytest.raises(LocalLLMError, match="still open in this thread") as e:
+            next(llm.stream(request))
+        refused.append(e.value)
+
+    repl._emit = emit
+    repl.handle_line("hi")
+    assert refused and repl.messages[-1]["content"] == "the tale"
+    request = llm.prepare([2, 7], params=FakeParams(), session=FakeSession(llm, 64),
+                          sampler=ArgmaxSampler())
+    # free again once the reply is over (the fake answers end-of-text outside a chat turn)
+    assert [s.finish_reason for s in llm.stream(request)] == ["eog"]
+
+
+def test_smollm2_sea_haiku_loop_is_stopped():
+    """The issue's report: SmolLM2 answering "Write a haiku about the sea." looped for
+    thousands of tokens; the loop guard stops it within a few lines."""
+    from localllm import hub
+    from localllm.registry import PROJECT_MODELS, load_registry
+
+    source = load_registry([PROJECT_MODELS]).models["smollm2-135m-instruct"].wheel_source
+    if hub.state(source) != "pulled":
+        pytest.skip("smollm2-135m-instruct is not pulled")
+    from localllm import LLM
+
+    llm = LLM(hub.cached_path(source), device="cpu", ctx_size=2048)
+    params = llm.sampling_params(temp=0.2, top_p=0.9, seed=1)
+    out = io.StringIO()
+    repl = ChatREPL(llm, console=Console(file=out, width=200), params=params)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 12 s instead of minutes on a busy 2-core machine
+    try:
+        repl.handle_line("What is the capital of France?")
+        assert "Paris" in repl.messages[-1]["content"]
+        repl.handle_line("Write a haiku about the sea.")
+    finally:
+        torch.set_num_threads(threads)
+    assert repl.stats.finish == "loop", repl.messages[-1]["content"]
+    assert repl.stats.generated < 400
+    assert "[stopped: the reply kept repeating itself" in out.getvalue()

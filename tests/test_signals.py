@@ -5,6 +5,10 @@ Each command runs as a subprocess through ``localllm.cli.app.main`` (the console
 with one function wrapped so that, at its N-th call, it prints ``STALLED`` on stderr and
 sleeps: the signal is sent only once that line arrives, so it always lands mid-way (after
 the temporary output file has data in it), whatever the machine's speed.
+
+The child starts from the dispositions of a command typed at a terminal, whatever the test
+runner inherited (``nohup`` ignores SIGHUP, some runners ignore SIGINT): the tests must not
+depend on them. ``IGNORE_SIGNALS`` ignores some on purpose (``nohup localllm ...``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -25,9 +29,13 @@ REPO = Path(__file__).resolve().parents[1]
 # Runs the CLI with STALL_AT=module:attr wrapped (see the module docstring).
 WRAPPER = r"""
 import importlib, os, signal, sys, time
-# Ctrl-C at a terminal raises KeyboardInterrupt; a test runner may start us with SIGINT
-# ignored, which the child would inherit.
+# A terminal's dispositions, whatever we inherited (nohup: SIGHUP ignored; a test runner
+# may ignore SIGINT): Ctrl-C raises KeyboardInterrupt, the others kill by default.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+for name in ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGQUIT"):
+    signal.signal(getattr(signal, name), signal.SIG_DFL)
+for name in filter(None, os.environ.get("IGNORE_SIGNALS", "").split(",")):
+    signal.signal(getattr(signal, name), signal.SIG_IGN)  # nohup localllm ...
 module, _, attr = os.environ["STALL_AT"].partition(":")
 after = int(os.environ.get("STALL_AFTER", "1"))
 owner = importlib.import_module(module)
@@ -58,19 +66,43 @@ class Interrupted:
     """Outcome of :func:`interrupt`: exit code, stdout before the signal, all of stdout and
     stderr (text)."""
 
-    def __init__(self, code: int, before: str, stdout: str, stderr: str) -> None:
+    def __init__(self, code: int, before: str, stdout: str, stderr: str,
+                 survived: list[bool] | None = None) -> None:
         self.code, self.before, self.stdout, self.stderr = code, before, stdout, stderr
+        self.survived = survived or []  # per signal sent before the last: still running
 
 
-def interrupt(args: list[str], stall_at: str, sig: int, *, after: int = 1, cwd: Path,
-              timeout: float = 60.0, on_stall: Callable[[], None] | None = None) -> Interrupted:
-    """Run ``localllm ARGS``, wait for the stall, call ``on_stall``, send ``sig``, return
-    what happened."""
+def start(args: list[str], stall_at: str, *, after: int = 1, cwd: Path,
+          ignore: tuple[str, ...] = (), inherit_ignored: tuple[int, ...] = (),
+          stderr: int = subprocess.PIPE) -> subprocess.Popen:
+    """Start ``localllm ARGS`` under the stall wrapper; ``ignore``: signal names the child
+    ignores on purpose (as under nohup); ``inherit_ignored``: signals it inherits ignored
+    (which the wrapper resets, as a terminal would have them)."""
     env = {**os.environ, "STALL_AT": stall_at, "STALL_AFTER": str(after),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", WRAPPER, *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+           "PYTHONUNBUFFERED": "1", "IGNORE_SIGNALS": ",".join(ignore)}
+
+    # Ignored dispositions survive exec: set them around the start, then put ours back.
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in inherit_ignored}
+    try:
+        return subprocess.Popen([sys.executable, "-c", WRAPPER, *args], cwd=cwd, env=env,
+                                stdout=subprocess.PIPE, stderr=stderr)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def interrupt(args: list[str], stall_at: str, sig: int | Sequence[int], *, after: int = 1,
+              cwd: Path, timeout: float = 60.0, on_stall: Callable[[], None] | None = None,
+              ignore: tuple[str, ...] = (),
+              inherit_ignored: tuple[int, ...] = ()) -> Interrupted:
+    """Run ``localllm ARGS``, wait for the stall, call ``on_stall``, send ``sig`` (several:
+    one after the other, half a second apart, noting whether the command survived each but
+    the last), return what happened."""
+    sigs = [sig] if isinstance(sig, int) else list(sig)
+    survived: list[bool] = []
+    proc = start(args, stall_at, after=after, cwd=cwd, ignore=ignore,
+                 inherit_ignored=inherit_ignored)
     out: list[bytes] = []
     err: list[bytes] = []
     stalled = threading.Event()
@@ -99,7 +131,11 @@ def interrupt(args: list[str], stall_at: str, sig: int, *, after: int = 1, cwd: 
         before = b"".join(out).decode(errors="replace")
         if on_stall is not None:
             on_stall()
-        proc.send_signal(sig)
+        for s in sigs[:-1]:
+            proc.send_signal(s)
+            time.sleep(0.5)
+            survived.append(proc.poll() is None)
+        proc.send_signal(sigs[-1])
         code = proc.wait(timeout=20)
     finally:
         if proc.poll() is None:
@@ -108,7 +144,7 @@ def interrupt(args: list[str], stall_at: str, sig: int, *, after: int = 1, cwd: 
     for t in threads:
         t.join(timeout=5)
     return Interrupted(code, before, b"".join(out).decode(errors="replace"),
-                       b"".join(err).decode(errors="replace"))
+                       b"".join(err).decode(errors="replace"), survived)
 
 
 def assert_clean_exit(res: Interrupted, code: int) -> None:

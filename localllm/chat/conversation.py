@@ -1,15 +1,19 @@
 """A multi-turn conversation with a model: its messages, its KV cache, its context shift.
 
-Each turn renders the whole conversation with the chat template; the decode loop
-(:func:`localllm.runtime.generate.generate_tokens`, the one every front end uses) keeps the
-longest common prefix of the session's cache and evaluates only the new tokens, so the cost
-of a turn does not grow with the history. When the context fills, the oldest whole messages
+Each turn renders the whole conversation with the chat template and generates through the
+LLM's one generation path (:meth:`LLM.prepare` / :meth:`LLM.stream`, under the LLM's lock);
+the decode loop keeps the longest common prefix of the session's cache and evaluates only the
+new tokens, so the cost of a turn does not grow with the history. When the context fills, the oldest whole messages
 are dropped (the system prompt and the messages inside the first ``keep`` tokens stay) and
 what changed is recomputed: llama.cpp's context shift (``tools/main/main.cpp``), done on
 message boundaries so that the template still sees a well-formed conversation.
 
 :class:`Conversation` prints nothing: :meth:`Conversation.reply` hands text pieces and
 context-shift events to callbacks (the ``chat`` REPL in :mod:`localllm.cli.repl` prints them).
+
+Small models loop ("a tale of endless love, a tale of endless love, ..." until the context
+is full): a reply that becomes an exact repetition is stopped by :class:`LoopGuard`
+(``stats.finish == "loop"``); ``n_predict`` caps a reply's length.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..errors import ContextOverflowError, LocalLLMError, ParameterError
-from ..runtime.generate import Timings, generate_tokens
 from ..runtime.stop import cut_at_stop
 from .template import ChatTemplate, template_for
 
@@ -29,7 +32,8 @@ class TurnStats:
     """Figures of the last reply: tokens, seconds, prompt tokens evaluated and reused.
 
     ``finish``: "eog", "length", "stop", "ctx" (full, context shift off), "full" (full and
-    no older message left to drop), "interrupted" (Ctrl-C), or None.
+    no older message left to drop), "loop" (stopped by the :class:`LoopGuard`),
+    "interrupted" (Ctrl-C), or None.
     """
 
     generated: int = 0
@@ -40,15 +44,45 @@ class TurnStats:
     first_token_seconds: float = 0.0
 
 
+class LoopGuard:
+    """Detects a reply that has become an exact loop: its last ``min_tokens`` or more tokens
+    repeat one block of at most ``max_period`` tokens at least ``min_repeats`` times.
+
+    For each period p, the number of consecutive latest tokens equal to the token p places
+    before is kept, so :meth:`push` costs O(``max_period``) per token. llama.cpp's remedies
+    (DRY, the repetition penalties) reshape the distribution; this one only stops, which
+    changes no reply that does not loop.
+    """
+
+    def __init__(self, *, min_tokens: int = 64, max_period: int = 128,
+                 min_repeats: int = 3) -> None:
+        self.min_tokens, self.max_period, self.min_repeats = min_tokens, max_period, min_repeats
+        self.tokens: list[int] = []
+        self.runs = [0] * (max_period + 1)
+
+    def push(self, token: int) -> bool:
+        """Add a generated token; True when the reply now loops."""
+        self.tokens.append(token)
+        n = len(self.tokens)
+        for p in range(1, min(self.max_period, n - 1) + 1):
+            run = self.runs[p] + 1 if self.tokens[n - 1 - p] == token else 0
+            self.runs[p] = run
+            span = run + p
+            if span >= self.min_tokens and span >= self.min_repeats * p:
+                return True
+        return False
+
+
 class Conversation:
     """A conversation: the messages, the window the model sees, and a session (KV cache).
 
     Args:
         llm: a :class:`localllm.LLM` (or an object with ``tokenizer``, ``metadata``,
-            ``session()`` and optionally ``entry``/``path``).
-        make_sampler: ``params -> sampler`` (a :class:`~localllm.sampling.chain.SamplerChain`
-            or an object with ``sample``, ``accept``, ``accept_prompt``, ``last_trace``),
-            built afresh for every reply.
+            ``session()``, ``sampling_params()``, ``prepare()``/``stream()`` and optionally
+            ``entry``/``path``).
+        make_sampler: ``params -> sampler`` (an object with ``sample``, ``accept``,
+            ``accept_prompt``, ``last_trace``), built afresh for every reply; default: the
+            chain :meth:`LLM.stream` builds from ``params``.
         template: the chat template (default: :func:`template_for` the model).
         params: sampling parameters handed to ``make_sampler`` (default:
             ``llm.sampling_params()``).
@@ -59,6 +93,7 @@ class Conversation:
         stop: stop strings.
         n_predict: most tokens per reply (-1: no limit; 0: none).
         session: the session to use (default: ``llm.session()``).
+        loop_guard: stop a reply that loops (:class:`LoopGuard`).
     Raises:
         ParameterError: ``keep`` < -1.
     """
@@ -67,7 +102,7 @@ class Conversation:
         self,
         llm,
         *,
-        make_sampler: Callable,
+        make_sampler: Callable | None = None,
         template: ChatTemplate | None = None,
         params=None,
         system: str | None = None,
@@ -76,6 +111,7 @@ class Conversation:
         stop: Sequence[str] = (),
         n_predict: int = -1,
         session=None,
+        loop_guard: bool = True,
     ) -> None:
         if keep < -1:
             raise ParameterError(f"--keep must be >= -1, got {keep}")
@@ -90,6 +126,7 @@ class Conversation:
         self.context_shift = context_shift
         self.stop = tuple(stop)
         self.n_predict = n_predict
+        self.loop_guard = loop_guard
         self.messages: list[dict] = []  # the whole history (system prompt apart)
         self.window_start = 0  # messages before it (and after the pinned ones) were shifted out
         self.pinned = 0  # leading messages kept by ``keep``
@@ -205,8 +242,6 @@ class Conversation:
             if self.messages and self.messages[-1] is asked:
                 self.messages.pop()
             raise
-        sampler = self.make_sampler(self.params)
-        timings = Timings()
         shown: list[str] = []
         state = {"prompt": prompt, "shift": None, "gave_up": False}
 
@@ -226,22 +261,32 @@ class Conversation:
             state["shift"] = (dropped, n_before, len(ids) + len(generated))
             return ids + generated
 
+        sampler = self.make_sampler(self.params) if self.make_sampler is not None else None
+        request = self.llm.prepare(prompt, params=self.params, session=self.session,
+                                   n_predict=self.n_predict, stop=self.stop,
+                                   on_context_full=shift, sampler=sampler)
+        guard = LoopGuard() if self.loop_guard else None
         t0 = time.perf_counter()
+        generation = self.llm.stream(request)
         try:
-            for step in generate_tokens(self.session, prompt, sampler, n_predict=self.n_predict,
-                                        stop=self.stop, timings=timings,
-                                        on_context_full=shift):
-                if step.token >= 0 and step.finish_reason != "eog":
-                    reply_ids.append(step.token)
-                if step.text:
-                    shown.append(step.text)
-                    emit(step.text)
-                if state["shift"] is not None:
-                    on_shift(*state["shift"])
-                    state["shift"] = None
-                stats.finish = step.finish_reason
+            with generation:
+                for step in generation:
+                    if step.token >= 0 and step.finish_reason != "eog":
+                        reply_ids.append(step.token)
+                    if step.text:
+                        shown.append(step.text)
+                        emit(step.text)
+                    if state["shift"] is not None:
+                        on_shift(*state["shift"])
+                        state["shift"] = None
+                    stats.finish = step.finish_reason
+                    if (guard is not None and step.finish_reason is None
+                            and guard.push(step.token)):
+                        stats.finish = "loop"
+                        break
         except KeyboardInterrupt:
             stats.finish = "interrupted"
+        if stats.finish in ("interrupted", "loop"):
             # Text the loop still held back (incomplete UTF-8, a possible stop string).
             full, _ = cut_at_stop(self.tokenizer.decode(reply_ids), self.stop)
             done = "".join(shown)
@@ -252,6 +297,7 @@ class Conversation:
             stats.finish = "full"
         stats.generated = len(reply_ids)
         stats.seconds = time.perf_counter() - t0
+        timings = generation.timings
         stats.first_token_seconds = timings.first_token_seconds
         stats.prompt_evaluated = timings.prompt_tokens
         stats.prompt_reused = timings.reused_tokens
@@ -261,4 +307,4 @@ class Conversation:
         return text
 
 
-__all__ = ["Conversation", "TurnStats"]
+__all__ = ["Conversation", "LoopGuard", "TurnStats"]

@@ -34,9 +34,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
+import stat
 import string
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -497,6 +500,8 @@ class ChatTemplate:
 
     def __post_init__(self) -> None:
         self._env = _BoundedSandbox()
+        # A compiled template is shared (see compiled()); its sandbox keeps per-render state.
+        self._lock = threading.Lock()
         where = f"chat template {self.name}"
         if not isinstance(self.source, str):
             raise TemplateError(f"{where}: the template is not text")
@@ -600,7 +605,6 @@ class ChatTemplate:
         tracing their lines would make a large template compile three times slower).
         """
         env = self._env
-        env.deadline = time.monotonic() + self.time_limit
 
         def on_line(frame, event, arg):
             if time.monotonic() > env.deadline:
@@ -614,14 +618,16 @@ class ChatTemplate:
                 raise _Timeout
             return None
 
-        previous = sys.gettrace()
-        sys.settrace(on_call)
-        try:
-            return work()
-        finally:
-            sys.settrace(previous)
-            env.deadline = float("inf")
-            env.weights.clear()
+        with self._lock:  # one render at a time: the sandbox holds this render's state
+            env.deadline = time.monotonic() + self.time_limit
+            previous = sys.gettrace()
+            sys.settrace(on_call)
+            try:
+                return work()
+            finally:
+                sys.settrace(previous)
+                env.deadline = float("inf")
+                env.weights.clear()
 
     def starts_with_bos(self, text: str) -> bool:
         """True when ``text`` begins with the BOS token's text (then tokenize without BOS)."""
@@ -647,56 +653,112 @@ def _token_text(metadata: dict, key: str) -> str:
     return str(tokens[int(i)]) if i is not None and 0 <= int(i) < len(tokens) else ""
 
 
-def select_template(metadata: dict, override: str | None = None) -> ChatTemplate:
+MAX_CACHED_TEMPLATES = 32  # compiled templates kept (each at most MAX_TEMPLATE_CHARS of source)
+
+
+@functools.lru_cache(maxsize=MAX_CACHED_TEMPLATES)
+def compiled(name: str, source: str, bos: str = "", eos: str = "") -> ChatTemplate:
+    """The :class:`ChatTemplate` of ``source``, compiled once and kept in a bounded LRU cache
+    (requests that each bring their own template cost a compile, never unbounded memory).
+
+    Raises:
+        TemplateError: see :class:`ChatTemplate`.
+    """
+    return ChatTemplate(name, source, bos, eos)
+
+
+def read_template_file(path: str | Path, flag: str = "--chat-template") -> str:
+    """The text of a template file named on the command line: a regular file (not a FIFO, a
+    device or a directory) of at most :data:`MAX_TEMPLATE_CHARS` characters, in UTF-8.
+
+    Raises:
+        TemplateError: no such file, not a regular file, unreadable, too large, not UTF-8.
+    """
+    where = f"{flag} {path}"
+    try:
+        fd = os.open(Path(path).expanduser(), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise TemplateError(f"{where}: cannot open: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise TemplateError(f"{where}: not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(4 * MAX_TEMPLATE_CHARS + 1)  # UTF-8: at most 4 bytes a character
+    except OSError as e:
+        raise TemplateError(f"{where}: cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    too_large = TemplateError(f"{where}: larger than the limit of {MAX_TEMPLATE_CHARS} characters")
+    if len(data) > 4 * MAX_TEMPLATE_CHARS:
+        raise too_large
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TemplateError(f"{where}: not UTF-8 text (byte {e.start})") from None
+    if len(text) > MAX_TEMPLATE_CHARS:
+        raise too_large
+    return text
+
+
+def select_template(metadata: dict, override: str | None = None, *,
+                    files: bool = False) -> ChatTemplate:
     """The chat template for a model.
 
     Args:
         metadata: GGUF metadata (key -> value).
-        override: ``--chat-template`` or models.toml ``chat_template``: a built-in name
-            (gemma, llama3, chatml, mistral, llama2, phi3), the NAME of a metadata variant
-            ``tokenizer.chat_template.NAME``, a template file, or Jinja text itself.
-            Without it: the metadata's ``tokenizer.chat_template``, else the built-in that
+        override: a built-in name (gemma, llama3, chatml, mistral, llama2, phi3), the NAME of
+            a metadata variant ``tokenizer.chat_template.NAME``, or Jinja text itself; with
+            ``files``, also a template file (``--chat-template FILE``, models.toml). Without
+            it: the metadata's ``tokenizer.chat_template``, else the built-in that
             :func:`localllm.chat.builtin.guess_builtin` picks.
+        files: whether ``override`` may name a file. Only the command line and models.toml
+            may: text that reaches the API or the server is never taken for a path (it would
+            let a client read the server's files).
     Raises:
-        TemplateError: an unknown name or missing file, or a template with a syntax error.
+        TemplateError: an unknown name (or, with ``files``, a missing or unreadable file),
+            or a template with a syntax error.
     """
     bos = _token_text(metadata, "tokenizer.ggml.bos_token_id")
     eos = _token_text(metadata, "tokenizer.ggml.eos_token_id")
+    if not override:
+        source = metadata.get("tokenizer.chat_template")
+        if isinstance(source, str) and source.strip():
+            return compiled("tokenizer.chat_template", source, bos, eos)
+        name = guess_builtin(metadata)
+        return compiled(f"{name} (built-in)", BUILTIN_TEMPLATES[name], bos, eos)
+    if not isinstance(override, str):
+        raise TemplateError(f"chat template must be text, got {type(override).__name__}")
+    if override in BUILTIN_TEMPLATES:
+        return compiled(f"{override} (built-in)", BUILTIN_TEMPLATES[override], bos, eos)
+    variant = metadata.get(f"tokenizer.chat_template.{override}")
+    if isinstance(variant, str):
+        return compiled(f"tokenizer.chat_template.{override}", variant, bos, eos)
+    if "{{" in override or "{%" in override:
+        return compiled("--chat-template text" if files else "chat_template text",
+                        override, bos, eos)
+    known = ", ".join(sorted(BUILTIN_TEMPLATES))
+    if files:
+        if not Path(override).expanduser().exists():
+            raise TemplateError(f"--chat-template {override}: no such file, and not a "
+                                f"built-in template ({known})")
+        return compiled(override, read_template_file(override), bos, eos)
+    shown = override if len(override) <= 60 else override[:57] + "..."
+    raise TemplateError(f"chat template {shown!r} is not a built-in template ({known}), a "
+                        "tokenizer.chat_template.NAME variant of the model, or Jinja text")
 
-    def make(name: str, source: str) -> ChatTemplate:
-        return ChatTemplate(name, source, bos, eos)
 
+def template_for(llm, override: str | ChatTemplate | None = None, *,
+                 files: bool = False) -> ChatTemplate:
+    """:func:`select_template` for a loaded LLM: ``override`` (the CLI flag, the API's
+    ``chat_template``, or a ready :class:`ChatTemplate`) wins over the model's models.toml
+    ``chat_template`` (which may name a file: models.toml is the user's own)."""
+    if isinstance(override, ChatTemplate):
+        return override
     if override:
-        if override in BUILTIN_TEMPLATES:
-            return make(f"{override} (built-in)", BUILTIN_TEMPLATES[override])
-        variant = metadata.get(f"tokenizer.chat_template.{override}")
-        if isinstance(variant, str):
-            return make(f"tokenizer.chat_template.{override}", variant)
-        if "{{" in override or "{%" in override:
-            return make("--chat-template text", override)
-        path = Path(override).expanduser()
-        if path.is_file():
-            try:
-                return make(str(path), path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError) as e:
-                raise TemplateError(f"--chat-template {override}: cannot read: {e}") from None
-        known = ", ".join(sorted(BUILTIN_TEMPLATES))
-        raise TemplateError(
-            f"--chat-template {override}: no such file, and not a built-in template ({known})"
-        )
-    source = metadata.get("tokenizer.chat_template")
-    if isinstance(source, str) and source.strip():
-        return make("tokenizer.chat_template", source)
-    name = guess_builtin(metadata)
-    return make(f"{name} (built-in)", BUILTIN_TEMPLATES[name])
-
-
-def template_for(llm, override: str | None = None) -> ChatTemplate:
-    """:func:`select_template` for a loaded LLM: ``override`` (the CLI flag) wins over the
-    model's models.toml ``chat_template``."""
+        return select_template(llm.metadata, override, files=files)
     entry = getattr(llm, "entry", None)
-    chosen = override or (entry.chat_template if entry is not None else None)
-    return select_template(llm.metadata, chosen)
+    chosen = entry.chat_template if entry is not None else None
+    return select_template(llm.metadata, chosen, files=True)
 
 
 def apply_chat(llm, prompt: str, system: str | None = None,
@@ -704,13 +766,15 @@ def apply_chat(llm, prompt: str, system: str | None = None,
     """Token ids of a one-shot chat prompt (``localllm run --chat``): an optional system
     message and one user message, rendered with the generation prompt.
 
+    ``template`` is as ``--chat-template``: a name, Jinja text or a file.
+
     Raises:
         TemplateError: see :func:`select_template` and :meth:`ChatTemplate.render`.
     """
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": prompt}
     ]
-    ids = template_for(llm, template).encode(llm.tokenizer, messages)
+    ids = template_for(llm, template, files=True).encode(llm.tokenizer, messages)
     if not ids:
         raise LocalLLMError("the chat template rendered an empty prompt")
     return ids

@@ -1,5 +1,6 @@
-"""Tool (function) calling: checking OpenAI ``tools``, parsing calls out of model text, and
-the JSON schema that forces a call.
+"""Tool (function) calling: parsing calls out of model text, the JSON schema that forces a
+call, and tool messages for chat templates (the request itself is checked by
+:mod:`localllm.api.schema`).
 
 Models write tool calls in their family's format; :func:`parse_tool_calls` recognises
 
@@ -23,33 +24,10 @@ from typing import Any
 
 from ..errors import ParameterError
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-_FENCED = re.compile(r"```tool_call\s*\n(.*?)\n?```", re.DOTALL)
+_HERMES = ("<tool_call>", "</tool_call>")
+_FENCE = "```tool_call"
 _MISTRAL = "[TOOL_CALLS]"
 _PYTHON_TAG = "<|python_tag|>"
-
-
-def check_tools(tools: Any) -> list[dict]:
-    """OpenAI ``tools`` as a list of ``{"type": "function", "function": {...}}``.
-
-    Raises:
-        ParameterError: not a list, a tool that is not a function, or a function without a
-            name; the message names the item (``tools[2].function.name``).
-    """
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise ParameterError("tools must be a list of {\"type\": \"function\", ...} objects")
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise ParameterError(f"tools[{i}]: only type 'function' is supported")
-        fn = tool.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ParameterError(f"tools[{i}].function.name must be a non-empty string")
-        params = fn.get("parameters", {})
-        if not isinstance(params, dict):
-            raise ParameterError(f"tools[{i}].function.parameters must be a JSON schema object")
-    return tools
 
 
 def forced_tool_schema(tools: list[dict], tool_choice: Any) -> dict | None:
@@ -89,16 +67,26 @@ def forced_tool_schema(tools: list[dict], tool_choice: Any) -> dict | None:
     return call(names[0]) if len(names) == 1 else {"anyOf": [call(n) for n in names]}
 
 
-def _call(name: str, arguments: Any) -> dict:
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: Python's json reads them
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def _call(name: str, arguments: dict) -> dict:
+    try:
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # "\ud800" escapes decode to lone surrogates: keep them escaped
+        text = json.dumps(arguments, allow_nan=False)
     return {"id": "call_" + secrets.token_hex(12), "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+            "function": {"name": name, "arguments": text}}
 
 
 def _decode_objects(text: str) -> list[Any] | None:
-    """JSON values in ``text`` separated by whitespace, ``;`` or ``,``; None if not only that."""
-    decoder = json.JSONDecoder()
+    """JSON values in ``text`` separated by whitespace, ``;`` or ``,``; None if not only that
+    (or if a value is not JSON: NaN, Infinity, nested deeper than the parser goes)."""
     out, i = [], 0
     while True:
         while i < len(text) and text[i] in " \t\r\n;,":
@@ -106,8 +94,8 @@ def _decode_objects(text: str) -> list[Any] | None:
         if i >= len(text):
             return out
         try:
-            value, i = decoder.raw_decode(text, i)
-        except ValueError:
+            value, i = _DECODER.raw_decode(text, i)
+        except (ValueError, RecursionError):
             return None
         out.append(value)
 
@@ -117,21 +105,66 @@ def _as_call(obj: Any, names: set[str]) -> dict | None:
         return None
     fn = obj.get("function") if isinstance(obj.get("function"), dict) else obj
     name = fn.get("name")
-    if name not in names:
+    if not isinstance(name, str) or name not in names:
         return None
     args = fn.get("arguments", fn.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
-        except ValueError:
+            args = _DECODER.decode(args)
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
-    return _call(name, args)
+    try:
+        return _call(name, args)
+    except (ValueError, RecursionError):  # too deep to write back
+        return None
+
+
+def _hermes_blocks(text: str) -> tuple[list[str], str]:
+    """``<tool_call>...</tool_call>`` blocks (the last may be unclosed) and the text around
+    them, found with ``str.find`` in linear time (the regex ``<tool_call>\\s*(.*?)\\s*...``
+    took quadratic time on a long run of spaces)."""
+    opening, closing = _HERMES
+    blocks, rest, pos = [], [], 0
+    while (start := text.find(opening, pos)) >= 0:
+        rest.append(text[pos:start])
+        body = start + len(opening)
+        end = text.find(closing, body)
+        stop = len(text) if end < 0 else end
+        blocks.append(text[body:stop].strip())
+        pos = stop if end < 0 else end + len(closing)
+    rest.append(text[pos:])
+    return blocks, "".join(rest)
+
+
+def _fenced_blocks(text: str) -> tuple[list[str], str]:
+    """The fenced ``tool_call`` blocks (a fence, ``tool_call``, a line break, the call, a
+    closing fence) and the text around them, in linear time."""
+    blocks, rest, pos, search = [], [], 0, 0
+    while (start := text.find(_FENCE, search)) >= 0:
+        head = start + len(_FENCE)
+        i = head
+        while i < len(text) and text[i].isspace():
+            i += 1
+        newline = text.rfind("\n", head, i)
+        end = text.find("```", i) if newline >= 0 else -1
+        if end < 0:  # not a complete block: look further
+            search = head
+            continue
+        body = text[newline + 1:end]
+        blocks.append(body.removesuffix("\n"))
+        rest.append(text[pos:start])
+        pos = search = end + 3
+    rest.append(text[pos:])
+    return blocks, "".join(rest)
 
 
 def parse_tool_calls(text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
     """Split a reply into (content, tool calls) in OpenAI's shape.
+
+    Linear in the length of ``text``. A value that is not JSON (``NaN``, ``Infinity``), that
+    is nested deeper than the JSON parser goes, or that names no tool of ``tools`` is no call.
 
     Returns:
         content: the text outside the calls, stripped (None when empty and there are calls);
@@ -148,14 +181,14 @@ def parse_tool_calls(text: str, tools: list[dict]) -> tuple[str | None, list[dic
             return (rest or None), calls  # type: ignore[return-value]
         return None
 
-    for pattern in (_HERMES, _FENCED):
-        blocks = pattern.findall(text)
+    for split in (_hermes_blocks, _fenced_blocks):
+        blocks, rest = split(text)
         if blocks:
             calls = []
             for block in blocks:
                 objs = _decode_objects(block)
                 calls += [_as_call(o, names) for o in objs] if objs else [None]
-            result = found(calls, pattern.sub("", text))
+            result = found(calls, rest)
             if result:
                 return result
     if _MISTRAL in text:
@@ -197,15 +230,35 @@ def template_messages(messages: list[dict]) -> list[dict]:
                 call = dict(call)
                 fn = dict(call.get("function") or {})
                 if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except ValueError:
-                        pass
+                    fn["arguments"] = _arguments_value(fn["arguments"])
                 call["function"] = fn
                 fixed.append(call)
             m["tool_calls"] = fixed
         out.append(m)
     return out
+
+
+def _arguments_value(text: str) -> Any:
+    """Tool-call arguments given as JSON text, as the object they encode; the text itself
+    when it is not JSON or nests too deep for a template to walk."""
+    try:
+        value = _DECODER.decode(text)
+    except (ValueError, RecursionError):
+        return text
+    return value if _shallow(value) else text
+
+
+def _shallow(value: Any, limit: int = 128) -> bool:
+    """Whether ``value`` nests at most ``limit`` levels (templates and ``json.dumps`` recurse)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            if depth >= limit:
+                return False
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict)
+                                                  else item))
+    return True
 
 
 def template_knows_tools(source: str) -> bool:

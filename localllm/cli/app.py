@@ -17,7 +17,15 @@ import typer
 import typer.main
 
 from ..errors import LocalLLMError, ParameterError
-from . import chat, perplexity, pull, quantize, serve
+from . import chat, manage, perplexity, pull, quantize, serve
+from .options import (
+    ThreadsBatchOpt,
+    ThreadsOpt,
+    apply_threads,
+    prefer_passive_openmp_wait,
+    speculative_options,
+)
+from .terminal import guard_standard_streams, restore_standard_streams, say
 
 app = typer.Typer(
     add_completion=False,
@@ -28,18 +36,17 @@ app = typer.Typer(
 )
 
 ModelArg = Annotated[
-    str | None, typer.Argument(help="models.toml name or .gguf path (default: gemma3-270m)")
+    str | None, typer.Argument(help="models.toml name, .gguf path or store name "
+                               "(hf.co/ORG/REPO:TAG, ollama:NAME ...; default: gemma3-270m)")
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu or cuda")]
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", help="context size in tokens")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", help="prefill chunk in tokens")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="timings and details on stderr")]
-ThreadsOpt = Annotated[int | None, typer.Option(
-    "--threads", "-t", help="CPU threads (default: physical cores)")]
 
 
 def _err(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+    say(text)
 
 
 MAX_PROMPT_BYTES = 64 * 2**20  # a prompt file or stdin (-f /dev/zero would never end)
@@ -99,6 +106,8 @@ def print_model_summary(llm) -> None:
     loaded = llm.loaded
     _err(f"model: {llm.path} ({loaded.gguf.architecture}, device {llm.device}, "
          f"backend {loaded.backend})")
+    if llm.speculation.enabled:
+        _err(f"speculative decoding: {llm.speculation.describe()}")
     for name in loaded.fallbacks or ():
         _err(f"no {loaded.backend} kernel, dequantized: {name}")
     if llm.device.type == "cuda":
@@ -127,6 +136,11 @@ def print_timings(llm, timings, finish_reason: str | None) -> None:
     _err(line("prompt eval time", t.prompt_seconds, t.prompt_tokens))
     _err(line("eval time", t.generate_seconds, max(0, t.generated_tokens - 1)))
     _err(f"{'first token':>18} = {t.first_token_seconds * 1e3:10.2f} ms")
+    if "draft_tokens" in t.extra:  # llama.cpp's "draft acceptance rate"
+        drafted, accepted = t.extra["draft_tokens"], t.extra["draft_accepted"]
+        rate = accepted / drafted if drafted else 0.0
+        _err(f"{'draft acceptance':>18} = {rate:10.5f} ({accepted} accepted / {drafted} "
+             "generated)")
     _err(f"{'finish reason':>18} = {finish_reason}")
 
 
@@ -154,13 +168,13 @@ def _run(
         "--prompt-cache",
         help="file to cache the prompt's KV state in (reused when it matches)")] = None,
     threads: ThreadsOpt = None,
+    threads_batch: ThreadsBatchOpt = None,
     verbose: VerboseOpt = False,
     sampling=None,
+    speculative=None,
 ) -> None:
     """Generate a continuation of PROMPT and stream it to stdout."""
-    from ..cpu.threads import set_threads
-
-    set_threads(threads)
+    apply_threads(threads, threads_batch)
     positional = list(args or [])
     if len(positional) > 2:
         raise LocalLLMError(f"too many arguments: {positional[2:]!r} (quote the prompt)")
@@ -173,17 +187,26 @@ def _run(
     if system is not None and not chat:
         raise ParameterError("--system applies the chat template: use it with --chat")
     text = read_prompt(prompt, file)
+    if prompt_cache is not None:  # before any work: a device, FIFO or foreign link is refused
+        from ..atomic import check_input_file, check_output_path
+
+        check_output_path(prompt_cache, "--prompt-cache")
+        if prompt_cache.exists():
+            check_input_file(prompt_cache, "--prompt-cache")
 
     from ..api import LLM
 
-    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None)
+    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None,
+              **(speculative or {}))
     params = llm.sampling_params(**(sampling.overrides if sampling is not None else {}))
     if verbose:
         print_model_summary(llm)
     if chat:
         from ..chat.template import apply_chat
 
-        ids = apply_chat(llm, text, system=system, template=chat_template)
+        default = llm.entry.system if llm.entry is not None else None
+        ids = apply_chat(llm, text, system=system if system is not None else default,
+                         template=chat_template)
     else:
         ids = llm.encode_prompt(text, special=special)
     constraint = None
@@ -205,7 +228,7 @@ def _run(
                        constraint=constraint, session=session)
     first = next(steps, None)  # builds the sampler chain and evaluates the prompt
     if verbose:
-        print_sampler(llm.last_sampler)
+        print_sampler(steps.sampler)
     try:
         for step in itertools.chain([first] if first is not None else [], steps):
             if params.n_probs > 0 and step.trace is not None:
@@ -234,9 +257,9 @@ def _run(
     out.flush()
     if verbose:
         if session is not None:
-            reused = llm.last_timings.reused_tokens
+            reused = steps.timings.reused_tokens
             _err(f"prompt cache: {reused} of {len(ids)} prompt tokens reused")
-        print_timings(llm, llm.last_timings, finish)
+        print_timings(llm, steps.timings, finish)
 
 
 def _same_file(a, b) -> bool:
@@ -295,7 +318,7 @@ def _attach_sampling(func):
     return sampling_options(func)
 
 
-app.command("run", no_args_is_help=True)(_attach_sampling(_run))
+app.command("run")(_attach_sampling(speculative_options(_run)))
 
 
 # ---- info / tokenize / models -------------------------------------------------------------
@@ -346,7 +369,8 @@ def tokenize(
 
 @app.command()
 def models() -> None:
-    """List the models of models.toml: present or pulled, size and where."""
+    """List the models of models.toml (present or pulled, size, where) and those Hugging
+    Face's cache, Ollama, llama.cpp and LM Studio keep on this machine."""
     from .pull import print_models
 
     print_models()
@@ -366,6 +390,7 @@ def bench(
     quant: Annotated[str, typer.Option(
         "--quant", help="recipe of --synthetic (Q4_K_M, Q8_0 ...)")] = "Q4_K_M",
     threads: ThreadsOpt = None,
+    threads_batch: ThreadsBatchOpt = None,
     peak_bandwidth: Annotated[float | None, typer.Option(
         "--peak-bandwidth", help="device peak memory bandwidth in GB/s (for MBU)")] = None,
     llama_cpp: Annotated[bool, typer.Option(
@@ -374,16 +399,16 @@ def bench(
         "--json", help="print the figures as one JSON line")] = False,
 ) -> None:
     """Prefill (pp) and decode (tg) speed, time to first token, peak memory and bandwidth."""
-    from ..cpu.threads import set_threads
     from .progress import step_progress
 
-    threads = set_threads(threads)
+    threads = apply_threads(threads, threads_batch)
 
     with step_progress("starting") as report:
         from ..eval.bench import run_bench
 
         figures = run_bench(model, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions,
                             device=device, synthetic=synthetic, quant=quant, threads=threads,
+                            threads_batch=threads_batch,
                             peak_bandwidth=peak_bandwidth, llama_cpp=llama_cpp, as_json=True,
                             progress=report, print_result=False)
     from ..eval.bench import print_figures
@@ -395,12 +420,16 @@ def bench(
 
 
 # --- commands defined in their own modules ---
-app.command("chat")(_attach_sampling(chat.chat_command))
-app.command("quantize", no_args_is_help=True)(quantize.quantize_command)
+app.command("chat")(_attach_sampling(speculative_options(chat.chat_command)))
+app.command("quantize")(quantize.quantize_command)
 app.command("perplexity")(perplexity.perplexity_command)
-app.command("pull", no_args_is_help=True)(pull.pull_command)
-app.command("rm", no_args_is_help=True)(pull.rm_command)
-app.command("serve")(serve.serve_command)
+app.command("pull")(pull.pull_command)
+app.command("rm")(pull.rm_command)
+app.command("serve")(speculative_options(serve.serve_command))
+app.command("show")(manage.show_command)
+app.command("create")(manage.create_command)
+app.command("cp")(manage.cp_command)
+app.command("ps")(manage.ps_command)
 
 
 def _click_exceptions() -> list:
@@ -475,17 +504,28 @@ def _exit_on_signals() -> None:
 def main(args: list[str] | None = None) -> None:
     """Console entry point: maps user errors and signals to one line and an exit code.
 
-    Exit status: 0 success (and ``--help``, or a command given no arguments, which prints
-    its help); 1 any user error, usage errors included (unknown flag, a bad or missing
-    value: one ``error:`` line naming the command and the flag, never a traceback);
-    130 Ctrl-C; 128 + the signal's number for SIGTERM (143), SIGHUP, SIGUSR1/2, SIGALRM.
+    Exit status: 0 success (and ``--help``, or ``localllm`` alone, which prints the help);
+    1 any user error, usage errors included (unknown flag, a bad or missing value, a
+    command without its arguments: one ``error:`` line naming the command and the flag,
+    never a traceback); 130 Ctrl-C; 128 + the signal's number for SIGTERM (143), SIGHUP,
+    SIGUSR1/2, SIGALRM. Error lines show control characters escaped. A standard stream
+    closed at start-up reads as ``/dev/null``; diagnostics that stderr cannot take (closed,
+    full) are dropped without changing the exit status. Idle OpenMP threads sleep
+    instead of spinning unless ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` says otherwise
+    (:func:`localllm.cli.options.prefer_passive_openmp_wait`).
     """
-    import os
-
     _exit_on_signals()
-    if sys.stdout is None:  # started with stdout closed: output goes nowhere, as to a closed pipe
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives until exit
+    prefer_passive_openmp_wait()  # before torch is imported
+    saved = guard_standard_streams()
+    try:
+        _main(args)
+    finally:
+        restore_standard_streams(saved)
+
+
+def _main(args: list[str] | None) -> None:
     click_errors = _click_exceptions()
+
     def classes(name: str) -> tuple:
         return tuple(getattr(m, name) for m in click_errors if hasattr(m, name))
 
@@ -513,7 +553,7 @@ def main(args: list[str] | None = None) -> None:
     except BrokenPipeError:  # `localllm tokenize ... | head`
         _silence_stdout()
         sys.exit(0)
-    except no_args as e:  # `localllm run`: the help (typer's rich help is already printed)
+    except no_args as e:  # `localllm` alone: the help (typer's rich help is already printed)
         text = e.format_message()
         if text.strip():
             print(text)

@@ -7,6 +7,9 @@ from typing import Annotated
 
 import typer
 
+from ..errors import ParameterError
+from .options import ThreadsBatchOpt, ThreadsOpt, apply_threads
+
 
 def chat_command(
     model: Annotated[str | None, typer.Argument(
@@ -25,12 +28,15 @@ def chat_command(
     stop: Annotated[list[str] | None, typer.Option(
         "--stop", "-r", help="stop string (repeatable)")] = None,
     n_predict: Annotated[int, typer.Option(
-        "--n-predict", "-n", help="most tokens per reply (-1: no limit)")] = -1,
+        "--n-predict", "-n", help="most tokens per reply (-1: no limit)")] = 1024,  # repl.DEFAULT_REPLY_TOKENS
+    no_loop_guard: Annotated[bool, typer.Option(
+        "--no-loop-guard", help="let a reply that repeats itself go on")] = False,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda")] = "auto",
-    threads: Annotated[int | None, typer.Option(
-        "--threads", "-t", help="CPU threads (default: physical cores)")] = None,
+    threads: ThreadsOpt = None,
+    threads_batch: ThreadsBatchOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="details on stderr")] = False,
     sampling=None,
+    speculative=None,
 ) -> None:
     """Chat with a model in the terminal (streaming, /help for commands)."""
     from rich.console import Console
@@ -40,28 +46,32 @@ def chat_command(
     with step_progress("starting: importing torch"):  # seconds of a blank screen otherwise
         from ..api import LLM
         from ..chat.template import template_for
-        from ..cpu.threads import set_threads
         from .repl import ChatREPL
 
-    set_threads(threads)
+    apply_threads(threads, threads_batch)
     if model is None:  # chat's own default: an instruct model
         from ..registry import load_registry
 
         reg = load_registry()
         model = reg.chat_default or reg.default
     llm = LLM(  # its own progress bar while the weights load (on a terminal)
-        model, device=device, ctx_size=ctx_size, batch_size=batch_size, verbose=verbose)
+        model, device=device, ctx_size=ctx_size, batch_size=batch_size, verbose=verbose,
+        **(speculative or {}))
     if sampling is None:
         params = llm.sampling_params()
     elif hasattr(sampling, "overrides"):
         params = llm.sampling_params(**sampling.overrides)
     else:
         params = llm.sampling_params(sampling)
-    template = template_for(llm, chat_template)
+    if n_predict < -1:
+        raise ParameterError(f"--n-predict must be -1 (no limit) or >= 0, got {n_predict}")
+    template = template_for(llm, chat_template, files=True)
+    if system is None and llm.entry is not None:
+        system = llm.entry.system  # the model's default (models.toml `system`, Ollama's)
     console = Console(highlight=False)
     repl = ChatREPL(llm, console=console, template=template, params=params, system=system,
                     keep=keep, context_shift=not no_context_shift, stop=stop or (),
-                    n_predict=n_predict)
+                    n_predict=n_predict, loop_guard=not no_loop_guard)
     if verbose:
         console.print(f"model {llm.path}, template {template.name}, device {llm.device}",
                       style="dim", markup=False)

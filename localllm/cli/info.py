@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import defaultdict
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from ..gguf.file import open_gguf
@@ -17,6 +15,7 @@ from ..models import architecture
 from ..models.base import check_tensors
 from ..registry import load_registry
 from ..tokenizer import Tokenizer
+from .terminal import shown
 
 
 def file_type_name(value) -> str:
@@ -35,21 +34,28 @@ def file_type_name(value) -> str:
     return name
 
 
-# C0/C1 control characters (escape sequences start with ESC or CSI) and the bidirectional
-# overrides that reorder what a terminal shows.
-_UNPRINTABLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+# The context size info states a sequence's memory at (the model's own when smaller).
+INFO_CTX = 4096
 
 
-def printable(text: object) -> str:
-    """``text`` safe for a terminal: control and bidi-override characters are dropped, tabs
-    and newlines become spaces (a model's name or notes must not move the cursor, recolour
-    or retitle the terminal)."""
-    return _UNPRINTABLE.sub("", str(text)).replace("\t", " ").replace("\n", " ")
+def memory_line(layout: list, context_length: int) -> str:
+    """A sequence's memory by kind: the KV (and latent) caches at ``INFO_CTX`` tokens in
+    float16 (llama.cpp's default cache type), the recurrent states (fixed: float32 whatever
+    the context)."""
+    from ..memory import RecurrentSpec
 
-
-def shown(text: object) -> str:
-    """:func:`printable` and escaped for rich markup (``[bold]`` in a name stays text)."""
-    return escape(printable(text))
+    ctx = min(INFO_CTX, context_length)
+    rec = [s for s in layout if isinstance(s, RecurrentSpec)]
+    kv = [s for s in layout if not isinstance(s, RecurrentSpec)]
+    parts = []
+    if kv:
+        mib = sum(s.nbytes(ctx, 2) for s in kv) / 2**20
+        parts.append(f"KV cache {mib:.1f} MiB at {ctx} tokens ({len(kv)} layers, float16)")
+    if rec:
+        mib = sum(s.nbytes(ctx, 4) for s in rec) / 2**20
+        parts.append(f"recurrent state {mib:.1f} MiB ({len(rec)} layers, fixed, float32; "
+                     "context checkpoints: a copy each)")
+    return "memory per sequence: " + ", ".join(parts)
 
 
 def print_info(model: str | None, console: Console | None = None) -> None:
@@ -65,7 +71,7 @@ def print_info(model: str | None, console: Console | None = None) -> None:
     check_tensors(arch.tensor_specs(args), gguf.tensors, path.name)
     console.print(f"[bold]{shown(md.get('general.name', path.name))}[/bold]  {shown(path)}")
     console.print(f"GGUF v{gguf.version}, architecture {shown(gguf.architecture)}, "
-                  f"file type {file_type_name(md.get('general.file_type'))}", highlight=False)
+                  f"file type {shown(file_type_name(md.get('general.file_type')))}", highlight=False)
     hp = Table("hyperparameter", "value", title="model")
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
@@ -77,6 +83,7 @@ def print_info(model: str | None, console: Console | None = None) -> None:
         f"end of generation {sorted(tok.eog_ids)}, add_bos {tok.add_bos}, "
         f"chat template: {'yes' if 'tokenizer.chat_template' in md else 'none'}"
     )
+    console.print(memory_line(arch.memory_layout(args), args.context_length), highlight=False)
     per_type: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     for t in gguf.tensors.values():
         row = per_type[t.qtype.name]

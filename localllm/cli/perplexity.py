@@ -30,13 +30,29 @@ if TYPE_CHECKING:  # the evaluation imports torch: only when the command runs
 DEFAULT_KL_TOP_K = 32
 
 
+MAX_TEXT_BYTES = 64 << 20  # the text to score, as a prompt (wikitext-2's test split: 1.3 MB)
+
+
 def _read_text(file: Path | None) -> str:
+    """The text of ``-f FILE``: at most :data:`MAX_TEXT_BYTES` (``-f /dev/zero`` would never
+    end), UTF-8.
+
+    Raises:
+        LocalLLMError: no file, unreadable, too long or not UTF-8.
+    """
     if file is None:
         raise LocalLLMError("no text: give -f FILE")
     try:
-        return Path(file).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise LocalLLMError(f"-f {file}: cannot read: {e}") from None
+        with open(file, "rb") as f:
+            data = f.read(MAX_TEXT_BYTES + 1)
+    except OSError as e:
+        raise LocalLLMError(f"-f {file}: cannot read: {e.strerror or e}") from None
+    if len(data) > MAX_TEXT_BYTES:
+        raise LocalLLMError(f"-f {file}: longer than {MAX_TEXT_BYTES >> 20} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LocalLLMError(f"-f {file}: not valid UTF-8 (byte {e.start})") from None
 
 
 def _vocab_of(llm) -> str:
@@ -59,7 +75,9 @@ def perplexity_command(
     chunks: Annotated[int, typer.Option("--chunks", help="most chunks to score (-1: all)")] = -1,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda")] = "auto",
     threads: Annotated[int | None, typer.Option(
-        "--threads", "-t", help="CPU threads (default: physical cores)")] = None,
+        "--threads", "-t", help="CPU threads (default: physical cores; at most 512)")] = None,
+    threads_batch: Annotated[int | None, typer.Option(
+        "--threads-batch", "-tb", help="CPU threads for batches (default: --threads)")] = None,
     kl_base: Annotated[Path | None, typer.Option(
         "--kl-divergence-base", help="file of the base model's distributions (.npz): "
         "written, or read with --kl-divergence")] = None,
@@ -76,14 +94,19 @@ def perplexity_command(
     """Perplexity of a text with llama-perplexity's method; KL divergence; quant comparison."""
     import numpy as np
 
-    from ..cpu.threads import set_threads
+    from ..atomic import check_output_path
     from ..eval import kld as K
     from ..eval.perplexity import chunk_token_ranges, evaluate, load_for_eval
+    from .options import apply_threads
 
-    set_threads(threads)
+    apply_threads(threads, threads_batch)
     models = list(models or [])
     if plot is not None and not compare:
         raise LocalLLMError("--plot draws the --compare table: use it with --compare")
+    if plot is not None:  # refused before the work, not after it
+        check_output_path(plot, "--plot")
+    if kl_base is not None and not kl_divergence:
+        check_output_path(kl_base, "--kl-divergence-base")
     if compare:
         from ..eval.compare import run_compare
 

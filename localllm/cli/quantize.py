@@ -32,11 +32,13 @@ def quantize_command(
         TimeRemainingColumn,
     )
 
+    from ..atomic import check_output_path
     from ..quantize.convert import quantize_gguf
     from ..quantize.recipe import parse_file_type
     from ..registry import load_registry
 
     ftype = parse_file_type(type)  # fail on a bad --type before touching any file
+    check_output_path(output, "OUTPUT")  # a device, FIFO or foreign link: refused up front
     source, _ = load_registry().resolve(input)  # a name in models.toml or a path
     console = Console(file=sys.stderr)
     with Progress(TextColumn("{task.description:<36}"), BarColumn(),

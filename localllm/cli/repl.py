@@ -23,6 +23,10 @@ from ..chat.conversation import Conversation, TurnStats
 from ..chat.template import ChatTemplate
 from ..errors import LocalLLMError, ParameterError
 
+# A reply's default cap (``-n``): small models that loop are stopped by the loop guard long
+# before; this bounds the rest.
+DEFAULT_REPLY_TOKENS = 1024
+
 HELP = """\
 /help                 this help
 /clear                forget the conversation and its KV cache
@@ -79,11 +83,11 @@ class ChatREPL(Conversation):
     """A :class:`~localllm.chat.conversation.Conversation` driven line by line, printing.
 
     Args:
-        llm, template, params, system, keep, context_shift, stop, n_predict, session: see
-            :class:`~localllm.chat.conversation.Conversation`.
+        llm, template, params, system, keep, context_shift, stop, session, loop_guard,
+            make_sampler: see :class:`~localllm.chat.conversation.Conversation`.
+        n_predict: most tokens per reply (default :data:`DEFAULT_REPLY_TOKENS`; -1: no
+            limit).
         console: rich Console for all output (default: stdout).
-        make_sampler: ``params -> sampler`` (default: :func:`localllm.sampling.chain.
-            build_sampler` with the session's context size as n_ctx, as ``run`` builds it).
     """
 
     def __init__(
@@ -98,22 +102,17 @@ class ChatREPL(Conversation):
         keep: int = 0,
         context_shift: bool = True,
         stop: Sequence[str] = (),
-        n_predict: int = -1,
+        n_predict: int = DEFAULT_REPLY_TOKENS,
         session=None,
+        loop_guard: bool = True,
     ) -> None:
         if console is None:
             from rich.console import Console
 
             console = Console(highlight=False)
-        if make_sampler is None:
-            from ..sampling.chain import build_sampler
-
-            def make_sampler(p):
-                return build_sampler(p, llm.tokenizer, n_ctx=self.ctx_size)
-
         super().__init__(llm, make_sampler=make_sampler, template=template, params=params,
                          system=system, keep=keep, context_shift=context_shift, stop=stop,
-                         n_predict=n_predict, session=session)
+                         n_predict=n_predict, session=session, loop_guard=loop_guard)
         self.console = console
         self._pending: list[str] = []
         self._in_block = False
@@ -330,6 +329,12 @@ class ChatREPL(Conversation):
         elif finish == "full":
             self.note(f"[the context is full ({self.ctx_size} tokens) and no older message is "
                       "left to shift out: reply ended]")
+        elif finish == "loop":
+            self.note("[stopped: the reply kept repeating itself (--no-loop-guard lets it "
+                      "go on)]")
+        elif finish == "length" and self.n_predict > 0:
+            self.note(f"[reply cut at {self.n_predict} tokens: /set n_predict N, or -n, for "
+                      "longer replies]")
         self._print_stats()
         return text
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated
 
 import typer
 
 from ..errors import ParameterError
+from .options import ThreadsBatchOpt, ThreadsOpt, apply_threads
 
 
 def serve_command(
@@ -21,6 +23,12 @@ def serve_command(
     ctx_size: Annotated[int, typer.Option(
         "--ctx-size", "-c", help="context size in tokens")] = 4096,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="prefill chunk")] = 512,
+    n_predict: Annotated[int, typer.Option(
+        "--n-predict", "-n", help="most tokens one request may generate; caps max_tokens "
+        "(-1: the context)")] = -1,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", help="seconds one request may generate before it is stopped with an "
+        "error")] = 600.0,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda")] = "auto",
     chat_template: Annotated[str | None, typer.Option(
         "--chat-template", help="template NAME or FILE")] = None,
@@ -28,12 +36,23 @@ def serve_command(
         "--max-queue", help="requests that may wait (more get 503)")] = 64,
     max_body: Annotated[int, typer.Option(
         "--max-body", help="largest request body in bytes (more get 413)")] = 8 << 20,
-    threads: Annotated[int | None, typer.Option(
-        "--threads", "-t", help="CPU threads (default: physical cores)")] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log requests")] = False,
+    threads: ThreadsOpt = None,
+    threads_batch: ThreadsBatchOpt = None,
+    max_models: Annotated[int, typer.Option(
+        "--max-models", help="models loaded at once (the least recently used is unloaded "
+        "to load another)")] = 3,
+    keep_alive: Annotated[str, typer.Option(
+        "--keep-alive", help="unload a model after this long without a request (30s, 5m, "
+        "1h; -1: never), as Ollama's keep_alive; not the model started with")] = "5m",
+    alias: Annotated[str | None, typer.Option(
+        "--alias", help="another name requests may use for MODEL")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="uvicorn's own log")] = False,
+    speculative=None,
 ) -> None:
     """Serve MODEL over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions,
-    /v1/models, /health, /metrics."""
+    /v1/models, /health, /metrics, /api/ps. A request's model may name another model of
+    models.toml or the stores (`localllm models`): it is loaded on first use. One line per
+    request goes to stderr."""
     if not 0 <= port <= 65535:
         raise ParameterError(f"--port must be 0..65535, got {port}")
     if max_queue < 0:
@@ -42,27 +61,50 @@ def serve_command(
         raise ParameterError(f"--max-body must be >= 1, got {max_body}")
     if api_key == "":
         raise ParameterError("--api-key must not be empty")
+    if n_predict < -1 or n_predict == 0:
+        raise ParameterError(f"--n-predict must be -1 (the context) or >= 1, got {n_predict}")
+    if not 0 < timeout < float("inf"):
+        raise ParameterError(f"--timeout must be a number of seconds > 0, got {timeout}")
+    if max_models < 1:
+        raise ParameterError(f"--max-models must be >= 1, got {max_models}")
+    from ..server.models import for_server, parse_duration
+
+    try:
+        keep = parse_duration(keep_alive)
+    except ValueError:
+        raise ParameterError(f"--keep-alive: {keep_alive!r} is not a duration (30s, 5m, 1h, "
+                             "-1)") from None
+    if sys.stderr is None:  # started with stderr closed: the log goes nowhere, not to a crash
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives until exit
 
     import torch
 
-    from ..cpu.threads import set_threads
-
-    set_threads(threads)
+    apply_threads(threads, threads_batch)
     n_threads = torch.get_num_threads()  # as in effect (OMP_NUM_THREADS without -t)
     from ..api import LLM
     from ..server import serve
 
-    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None)
+    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None,
+              **(speculative or {}))
     if chat_template is not None:
         from ..chat.template import template_for
 
-        template_for(llm, chat_template)  # a broken template is an error now, not per request
-        llm.chat_template = chat_template
+        # Read and compiled now (a broken template is an error here, not per request); the
+        # server then holds the template itself, never a path.
+        llm.chat_template = template_for(llm, chat_template, files=True)
+
+    name = llm.model_name
 
     def ready(bound: int) -> None:
-        print(f"localllm: serving {llm.model_name} on http://{host}:{bound}/v1 "
+        print(f"localllm: serving {name} on http://{host}:{bound}/v1 "
               f"({n_threads} CPU thread{'s' if n_threads > 1 else ''}; Ctrl-C stops)",
               file=sys.stderr, flush=True)
 
-    serve(llm, host=host, port=port, api_key=api_key, max_queue=max_queue, max_body=max_body,
-          log_level="info" if verbose else "warning", on_ready=ready)
+    models = for_server(llm, model, device=device, ctx_size=ctx_size, batch_size=batch_size,
+                        max_models=max_models, keep_alive=keep,
+                        chat_template=llm.chat_template, options=speculative,
+                        aliases=(alias,) if alias else ())
+    del llm  # the manager holds the only reference: an eviction frees its memory
+    serve(None, host=host, port=port, api_key=api_key, max_queue=max_queue, max_body=max_body,
+          n_predict=n_predict, timeout=timeout, log_level="info" if verbose else "warning",
+          on_ready=ready, models=models)

@@ -125,8 +125,16 @@ def _ours(llm, prompt: list[int], n_gen: int, repetitions: int, on_run=None) -> 
                          lambda: _sync(llm.device), on_run)
 
 
+def _batch_threads() -> int:
+    from ..cpu.threads import current_counts
+
+    counts = current_counts()
+    return counts.threads_batch if counts is not None else torch.get_num_threads()
+
+
 def llama_cpp_figures(path: Path, prompt: list[int], n_gen: int, repetitions: int, *,
                       device: torch.device, threads: int, ctx_size: int,
+                      threads_batch: int | None = None,
                       on_run: Callable[[int, int], None] | None = None) -> dict | str:
     """The same protocol through llama-cpp-python, or a one-line reason it was not run."""
     try:
@@ -140,7 +148,8 @@ def llama_cpp_figures(path: Path, prompt: list[int], n_gen: int, repetitions: in
     try:
         llm = llama_cpp.Llama(
             model_path=str(path), n_ctx=ctx_size, n_batch=len(prompt), n_ubatch=len(prompt),
-            n_gpu_layers=-1 if gpu else 0, n_threads=threads, n_threads_batch=threads,
+            n_gpu_layers=-1 if gpu else 0, n_threads=threads,
+            n_threads_batch=threads_batch or threads,
             logits_all=False, verbose=False)
     except (ValueError, RuntimeError, OSError) as e:  # what llama_cpp's loader raises
         return f"llama.cpp could not load {path.name}: {e}"
@@ -206,8 +215,8 @@ def _gpu_driver() -> str | None:
 # ---- the command --------------------------------------------------------------------------
 def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int = 3,
               device: str = "auto", synthetic: str | None = None, quant: str = "Q4_K_M",
-              threads: int | None = None, peak_bandwidth: float | None = None,
-              llama_cpp: bool = True, as_json: bool = False,
+              threads: int | None = None, threads_batch: int | None = None,
+              peak_bandwidth: float | None = None, llama_cpp: bool = True, as_json: bool = False,
               progress: Callable[..., None] | None = None, print_result: bool = True) -> dict:
     """Measure pp/tg/TTFT/peak memory/bandwidth (and llama.cpp's, when available); print them
     as text, or as one JSON line with ``as_json``. Returns the figures.
@@ -217,6 +226,8 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
         synthetic: a geometry of :mod:`localllm.models.synthetic` (``llama3-8b`` ...): bench a
             random-weights file of that shape, quantized with recipe ``quant``.
         threads: torch (and llama.cpp) CPU threads (default: torch's current setting).
+        threads_batch: threads for the prompt batch (pp; default: ``threads``), as
+            llama.cpp's ``n_threads_batch`` (:func:`localllm.cpu.threads.set_threads`).
         peak_bandwidth: the device's peak memory bandwidth in GB/s (default: looked up by
             GPU name; none on the CPU).
         progress: ``progress(step, completed=None, total=None)`` as each step starts and
@@ -239,10 +250,10 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
                              f">= 1 (got {n_prompt}, {n_gen}, {repetitions})")
     if peak_bandwidth is not None and peak_bandwidth <= 0:
         raise ParameterError(f"--peak-bandwidth must be > 0 GB/s, got {peak_bandwidth}")
-    if threads is not None:
-        if threads < 1:
-            raise ParameterError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+    if threads is not None or threads_batch is not None:
+        from ..cpu.threads import set_threads
+
+        set_threads(threads, threads_batch)  # clamped to MAX_THREADS; < 1 is ParameterError
     ctx_size = max(n_prompt, TG_PROMPT + n_gen) + 8
     if synthetic is not None:
         from ..models.synthetic import synthetic_model
@@ -265,7 +276,8 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
     res: dict = {"model": llm.path.name, "synthetic": synthetic,
                  "quant": quant if synthetic else None, "device": str(dev),
                  "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                 "threads": torch.get_num_threads(), "n_prompt": n_prompt, "n_gen": n_gen,
+                 "threads": torch.get_num_threads(), "threads_batch": _batch_threads(),
+                 "n_prompt": n_prompt, "n_gen": n_gen,
                  "repetitions": repetitions, "torch": torch.__version__,
                  "backend": getattr(llm.loaded, "backend", "torch")}
     res.update(_ours(llm, prompt, n_gen, repetitions, on_run=lambda i, n: say(
@@ -294,7 +306,8 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
     if llama_cpp:
         say("llama.cpp: loading")
         ref = llama_cpp_figures(path, prompt, n_gen, repetitions, device=dev,
-                                threads=torch.get_num_threads(), ctx_size=ctx_size,
+                                threads=res["threads"], threads_batch=res["threads_batch"],
+                                ctx_size=ctx_size,
                                 on_run=lambda i, n: say(
                                     f"llama.cpp: pp{n_prompt} + tg{n_gen}, "
                                     + ("warm-up" if i == 0 else f"run {i}"), i, n))
@@ -350,8 +363,9 @@ def print_figures(res: dict, file=None) -> None:
     out = file or sys.stdout
     what = f"synthetic {res['synthetic']} {res['quant']}" if res["synthetic"] else res["model"]
     mem = "peak GPU memory" if res["device"].startswith("cuda") else "peak RSS"
-    print(f"model {what} on {res['device_name']} ({res['threads']} threads, "
-          f"{res['backend']} backend)", file=out)
+    batch = res.get("threads_batch", res["threads"])
+    threads = f"{res['threads']} threads" + (f", {batch} for pp" if batch != res["threads"] else "")
+    print(f"model {what} on {res['device_name']} ({threads}, {res['backend']} backend)", file=out)
     print(f"pp{res['n_prompt']}: {res['pp']:.1f} tok/s   tg{res['n_gen']}: {res['tg']:.1f} tok/s"
           f"   TTFT({res['n_prompt']}) {res['ttft_ms']:.0f} ms   {mem} {res['peak_mib']:.0f} MiB",
           file=out)

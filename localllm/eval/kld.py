@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..atomic import atomic_output
+from ..atomic import atomic_output, check_input_file
 from ..errors import LocalLLMError
 
 FORMAT_VERSION = 1
@@ -199,10 +199,11 @@ def load_base(path: str | Path) -> BaseFile:
     token ids (:meth:`BaseFile.check_vocab` checks them against a model's vocabulary).
 
     Raises:
-        LocalLLMError: missing, unreadable, or not a base file.
+        LocalLLMError: missing, unreadable, not a regular file, or not a base file.
     """
     path = Path(path)
     label = f"--kl-divergence-base {path}"
+    check_input_file(path, "--kl-divergence-base")  # a FIFO would block the zip reader
     _check_members(path, label)
     try:
         with np.load(path, allow_pickle=False) as z:

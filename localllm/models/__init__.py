@@ -36,7 +36,22 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import UnsupportedError
-from . import gemma, llama, olmo2, phi3, qwen3next, qwen35, qwen35moe
+from . import (
+    apertus,
+    exaone4,
+    falcon_h1,
+    gemma,
+    granite_hybrid,
+    lfm2,
+    llama,
+    mamba2,
+    nemotron_h,
+    olmo2,
+    phi3,
+    qwen3next,
+    qwen35,
+    qwen35moe,
+)
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "llama": llama,
@@ -45,11 +60,23 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "qwen2": llama,
     "qwen3": llama,
     "qwen3moe": llama,
+    "mistral3": llama,
+    "smollm3": llama,
+    "ernie4_5": llama,
+    "seed_oss": llama,
+    "hunyuan-dense": llama,
+    "apertus": apertus,
+    "exaone4": exaone4,
     "gemma": gemma,
     "gemma2": gemma,
     "gemma3": gemma,
     "phi3": phi3,
     "olmo2": olmo2,
+    "mamba2": mamba2,
+    "granitehybrid": granite_hybrid,
+    "falcon-h1": falcon_h1,
+    "nemotron_h": nemotron_h,
+    "lfm2": lfm2,
     "qwen35": qwen35,
     "qwen35moe": qwen35moe,
     "qwen3next": qwen3next,

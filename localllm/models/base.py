@@ -34,12 +34,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..errors import GGUFError, UnsupportedError
+from ..errors import GGUFError
 from .common import Embedding, Linear, fuse
+
+if TYPE_CHECKING:
+    from .rope import RopeSpec
 
 # Bounds on hyperparameters (llama.cpp: LLAMA_MAX_LAYERS = 512, LLAMA_MAX_EXPERTS = 512).
 MAX_LAYERS = 512
@@ -88,9 +91,8 @@ class DecoderArgs:
     n_kv_heads: int  # attention.head_count_kv
     head_dim: int  # attention.key_length
     context_length: int
+    rope: RopeSpec  # rope.* (models/rope.py)
     norm_eps: float = 1e-5  # attention.layer_norm_rms_epsilon
-    rope_base: float = 10_000.0  # rope.freq_base
-    rope_scale: float = 1.0  # linear RoPE scaling: 1 / rope.scaling.factor
 
 
 @dataclass
@@ -119,7 +121,9 @@ class HParams:
         self.arch = arch
 
     def key(self, name: str) -> str:
-        return name if name.startswith(("general.", "tokenizer.")) else f"{self.arch}.{name}"
+        """The full key of ``name``: ``{arch}.{name}``, except for the namespaces llama.cpp
+        keeps outside the architecture's (``general.``, ``tokenizer.``, ``xielu.``)."""
+        return name if name.startswith(UNPREFIXED) else f"{self.arch}.{name}"
 
     def _fail(self, key: str, what: str) -> GGUFError:
         return GGUFError(f"{self.pre}metadata {key}: {what}")
@@ -213,6 +217,25 @@ class HParams:
             raise self._fail(key, f"must be {bound} and <= {hi:g}, got {v:g}")
         return v
 
+    def floats(self, name: str, n: int, default: Any = None, *, lo: float = -math.inf,
+               hi: float = math.inf) -> Any:
+        """``n`` finite numbers in [lo, hi] (one per layer): llama.cpp's ``get_key_or_arr``,
+        a number for every layer or an array of exactly ``n``; ``default`` when absent."""
+        key, v = self._get(name, default)
+        if v is default and key not in self.md:
+            return v
+        vals = v if isinstance(v, list) else [v] * n
+        if len(vals) != n:
+            raise self._fail(key, f"has {len(vals)} values for {n} layers")
+        out = []
+        for x in vals:
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                raise self._fail(key, f"must be numbers, got {_show(x)}")
+            if not math.isfinite(x) or not lo <= x <= hi:
+                raise self._fail(key, f"must be finite and in [{lo:g}, {hi:g}], got {x:g}")
+            out.append(float(x))
+        return out
+
     def str(self, name: str, default: Any = None) -> Any:
         key, v = self._get(name, default)
         if v is default and key not in self.md:
@@ -234,24 +257,13 @@ class HParams:
         if not cond:
             raise self._fail(self.key(name), what)
 
-    def rope_scaling(self, supported: tuple[str, ...]) -> tuple[str, float]:
-        """(type, factor) of ``{arch}.rope.scaling.*``: type ``none`` when absent; a type
-        outside ``supported`` raises :class:`UnsupportedError` naming the key."""
-        factor = self.float("rope.scaling.factor", None)
-        kind = self.str("rope.scaling.type", "linear" if factor and factor != 1.0 else "none")
-        if kind not in ("none", *supported):
-            raise UnsupportedError(
-                f"{self.pre}metadata {self.key('rope.scaling.type')} = {kind!r} is not supported "
-                f"for {self.arch} (supported: none, {', '.join(supported)})")
-        return kind, (factor or 1.0)
-
-
 class _Required:
     def __repr__(self) -> str:
         return "REQUIRED"
 
 
 _REQUIRED: Any = _Required()
+UNPREFIXED = ("general.", "tokenizer.", "xielu.")  # key namespaces outside ``{arch}.``
 REQUIRED: Any = _REQUIRED  # the ``default`` of a required key
 
 
@@ -338,22 +350,42 @@ def check_vocab(hp: HParams, n_vocab: int) -> int:
 def common_hparams(hp: HParams, n_vocab: int, *, eps_key: str = "attention.layer_norm_rms_epsilon",
                    eps: float = 1e-5, context_length: int = 4096) -> dict:
     """The hyperparameters every decoder here has, validated: n_vocab, n_layers, d_model,
-    heads, head_dim, context_length, norm_eps, rope_base (see :class:`HParams`)."""
+    heads, head_dim, context_length, norm_eps (see :class:`HParams`; the RoPE is
+    :func:`~localllm.models.rope.read_rope`'s)."""
     check_vocab(hp, n_vocab)
     d_model = hp.int("embedding_length", REQUIRED)
     n_heads, n_kv, hd, _ = attention_heads(hp, d_model)
-    rope_dims = hp.int("rope.dimension_count", hd)
-    if rope_dims != hd:
-        raise UnsupportedError(f"{hp.pre}metadata {hp.key('rope.dimension_count')} = {rope_dims}: "
-                               f"partial RoPE (head size {hd}) is not supported")
     return {
         "arch": hp.arch, "n_vocab": n_vocab,
         "n_layers": hp.int("block_count", REQUIRED, hi=MAX_LAYERS),
         "d_model": d_model, "n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": hd,
         "context_length": hp.int("context_length", context_length, hi=MAX_CONTEXT),
         "norm_eps": hp.float(eps_key, eps, hi=1.0),
-        "rope_base": hp.float("rope.freq_base", 10_000.0),
     }
+
+
+def swa_layers(hp: HParams, n_layers: int, pattern: int, *, dense_first: bool = False) -> list[bool]:
+    """Which layers use sliding-window attention (llama.cpp's ``load_swa_pattern``):
+    ``attention.sliding_window_pattern`` as one boolean per layer, or as a period ``n``
+    (default ``pattern``) where layer il slides when il % n < n - 1 (``dense_first``: when
+    il % n != 0); a period of 0 makes every layer slide.
+
+    Raises:
+        GGUFError: an array whose length is not ``n_layers``, or of other values than
+            booleans (0/1).
+    """
+    key = hp.key("attention.sliding_window_pattern")
+    v = hp.md.get(key, pattern)
+    if isinstance(v, list):
+        if len(v) != n_layers:
+            raise hp._fail(key, f"has {len(v)} values for {n_layers} layers")
+        if not all(x in (0, 1) and not isinstance(x, float) for x in v):
+            raise hp._fail(key, "must be booleans, one per layer")
+        return [bool(x) for x in v]
+    n = hp.int("attention.sliding_window_pattern", pattern, lo=0, hi=MAX_LAYERS)
+    if dense_first:
+        return [n == 0 or il % n != 0 for il in range(n_layers)]
+    return [n == 0 or il % n < n - 1 for il in range(n_layers)]
 
 
 class BaseModel:

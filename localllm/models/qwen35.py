@@ -55,6 +55,7 @@ from .base import (
 )
 from .common import Linear, Split, positions_of
 from .deltanet import DeltaNetArgs
+from .rope import read_rope
 
 
 @dataclass(kw_only=True)
@@ -63,7 +64,6 @@ class ModelArgs(DecoderArgs):
 
     recurrent: tuple[bool, ...]  # per trunk layer: a delta-net (True) or attention
     deltanet: DeltaNetArgs
-    n_rot: int  # rope.dimension_count: rotated dims of each head
     rope_sections: tuple[int, ...] | None = None  # interleaved M-RoPE; None: plain NEOX
     ffn_dim: int = 0  # feed_forward_length
     n_nextn: int = 0  # nextn_predict_layers: blocks after the trunk, not run
@@ -94,8 +94,8 @@ class ModelArgs(DecoderArgs):
         n_nextn = hp.int("nextn_predict_layers", 0, lo=0, hi=n_all - 1)
         n_layers = n_all - n_nextn
         n_heads, n_kv, hd, _ = attention_heads(hp, d_model)
-        n_rot = hp.int("rope.dimension_count", hd, hi=hd)
-        hp.require(n_rot % 2 == 0, "rope.dimension_count", f"{n_rot} is odd (RoPE needs pairs)")
+        ctx = hp.int("context_length", 4096, hi=MAX_CONTEXT)
+        rope = read_rope(hp, head_dim=hd, context_length=ctx, neox=True)
         sections = None
         if cls.MROPE:
             sections = hp.int_array("rope.dimension_sections", 4, REQUIRED)
@@ -116,12 +116,11 @@ class ModelArgs(DecoderArgs):
         return cls(
             arch=hp.arch, n_vocab=n_vocab, n_layers=n_layers, d_model=d_model,
             n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd,
-            context_length=hp.int("context_length", 4096, hi=MAX_CONTEXT),
+            context_length=ctx, rope=rope,
             norm_eps=hp.float("attention.layer_norm_rms_epsilon", REQUIRED, hi=1.0),
-            rope_base=hp.float("rope.freq_base", 10_000.0),
             recurrent=layer_kinds(hp, n_layers, n_all),
             deltanet=deltanet.deltanet_hparams(hp, interleave=cls.INTERLEAVE),
-            n_rot=n_rot, rope_sections=sections, ffn_dim=ffn, n_nextn=n_nextn, **kw)
+            rope_sections=sections, ffn_dim=ffn, n_nextn=n_nextn, **kw)
 
 
 def layer_kinds(hp: HParams, n_layers: int, n_all: int) -> tuple[bool, ...]:
@@ -241,12 +240,12 @@ class Layer:
 def rope_inv_freq(a: ModelArgs) -> torch.Tensor:
     """Frequencies (head_dim/2,) float32 of the reordered head (module docstring): pair ``i``
     of the first ``n_rot/2`` turns at ``base^(-2i/n_rot)`` (ggml's ``theta_scale`` over the
-    rotated dims), unless interleaved M-RoPE gives it the fourth section (position 0 for
-    text: frequency 0, as llama.cpp's ``ggml_mrope_cache_init``); the unrotated pairs 0."""
-    half = a.n_rot // 2
+    rotated dims; the scaling of :class:`~.rope.RopeSpec` applied), unless interleaved M-RoPE
+    gives it the fourth section (position 0 for text: frequency 0, as llama.cpp's
+    ``ggml_mrope_cache_init``); the unrotated pairs 0."""
+    half = a.rope.n_rot // 2
     inv = torch.zeros(a.head_dim // 2, dtype=torch.float32)
-    i = torch.arange(half, dtype=torch.float32)
-    inv[:half] = a.rope_base ** (-2.0 * i / a.n_rot)
+    inv[:half] = a.rope.inv_freq().float()
     if a.rope_sections is not None:
         s = a.rope_sections
         for p in range(half):
@@ -277,12 +276,18 @@ class Model(BaseModel):
         a, dev = self.args, self.device
         hd = a.head_dim
         self.inv_freq = rope_inv_freq(a).to(dev)
-        order = rope_order(hd, a.n_rot)
+        order = rope_order(hd, a.rope.n_rot)
+        # YaRN's / attn_factor's magnitude of cos and sin, on the rotated pairs only
+        m = a.rope.magnitude()
+        self.magnitude = None
+        if m != 1.0:
+            self.magnitude = torch.ones(hd // 2, device=dev)
+            self.magnitude[:a.rope.n_rot // 2] = m
         heads = torch.arange(a.n_heads)[:, None]
         self.q_idx = (heads * 2 * hd + order).reshape(-1).to(dev)
         self.gate_idx = (heads * 2 * hd + hd + torch.arange(hd)).reshape(-1).to(dev)
         self.k_idx = None
-        if a.n_rot != hd:
+        if a.rope.n_rot != hd:
             self.k_idx = (torch.arange(a.n_kv_heads)[:, None] * hd + order).reshape(-1).to(dev)
             for b, rec in zip(self.layers, a.recurrent):
                 if not rec:
@@ -325,7 +330,8 @@ class Model(BaseModel):
         t = tokens.shape[0]
         positions = positions_of(pos, t, self.device)
         x = self.token_embd(tokens)
-        rope = ops.rope_angles(positions, self.inv_freq) if not all(a.recurrent) else None
+        rope = (ops.rope_angles(positions, self.inv_freq, magnitude=self.magnitude)
+                if not all(a.recurrent) else None)
         nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
         eps = a.norm_eps
         n = ops.rms_norm(x, self.layers[0].attn_norm, eps)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..tokenizer import StreamDecoder
-from .session import Session
+from .session import Session, prefill
 from .speculative import Drafter
 from .stop import StopMatcher
 
@@ -63,26 +63,6 @@ class Timings:
     reused_tokens: int = 0
     first_token_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def prefill(session: Session, prompt_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
-    """Bring the session's cache to exactly ``prompt_ids`` and return the next-token logits.
-
-    Tokens already in the cache are reused (at least the last prompt token is recomputed,
-    for its logits). Returns (logits (n_vocab,) float32, number of reused tokens).
-    """
-    keep = min(common_prefix(session.tokens, prompt_ids), len(prompt_ids) - 1)
-    session.truncate(keep)
-    reused = session.n_past
-    return session.eval(prompt_ids[reused:]), reused
 
 
 def generate_tokens(

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import LocalLLMError
+from ..errors import InsufficientMemoryError
 from ..memory import layout_bytes
 from ..models import memory_layout
 from ..models.base import DENSE_TENSORS, FLOAT32_MATRICES, layer_of
@@ -254,8 +254,8 @@ def check_memory(gguf, args, ctx_size: int | None, device: torch.device,
     Returns the estimate (also when the check is skipped by ``LOCALLLM_SKIP_MEMORY_CHECK=1``
     or the free memory is unknown).
     Raises:
-        LocalLLMError: one line naming the memory needed (weights + KV cache at --ctx-size)
-            and the memory free.
+        InsufficientMemoryError: one line naming the memory needed (weights + KV cache at
+            --ctx-size) and the memory free.
     """
     est = estimate_memory(gguf, args, ctx_size, device, dtype, quantized=quantized)
     if os.environ.get(SKIP_ENV, "") not in ("", "0"):
@@ -269,7 +269,7 @@ def check_memory(gguf, args, ctx_size: int | None, device: torch.device,
     if ctx_size:
         parts += (f" + KV cache {format_bytes(est.kv_cache)} at --ctx-size "
                   f"{min(ctx_size, args.context_length)}")
-    raise LocalLLMError(
+    raise InsufficientMemoryError(
         f"{gguf.path.name}: model needs {format_bytes(est.total)} ({parts}) but only "
         f"{format_bytes(free)} is free on {device.type} (lower --ctx-size, or set "
         f"{SKIP_ENV}=1 to try anyway)"

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..backends import select_backend
+from ..cpu.threads import use_threads_for
 from ..errors import ContextOverflowError, LocalLLMError
 from ..gguf.file import GGUFFile, open_gguf
 from ..gguf.validate import validate_vocab
@@ -66,14 +67,16 @@ class LoadedModel:
     _sha256: str | None = None
 
     def sha256(self) -> str:
-        """Hex SHA-256 of the model file (computed once, about 1 s per GB)."""
+        """Hex SHA-256 of the model file, of all its parts in order for a split model
+        (computed once, about 1 s per GB)."""
         if self._sha256 is None:
             import hashlib
 
             h = hashlib.sha256()
-            with open(self.gguf.path, "rb") as f:
-                while chunk := f.read(1 << 22):
-                    h.update(chunk)
+            for path in self.gguf.files:
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 22):
+                        h.update(chunk)
             self._sha256 = h.hexdigest()
         return self._sha256
 
@@ -236,6 +239,7 @@ class Session:
         ids = list(ids)
         if not ids:
             raise ValueError("eval needs at least one token")
+        use_threads_for(len(ids))  # llama.cpp's -tb for batches, -t for one-token steps
         if self.n_past + len(ids) > self.ctx_size:
             raise ContextOverflowError(
                 f"{self.n_past + len(ids)} tokens do not fit in the context of {self.ctx_size} "
@@ -261,19 +265,21 @@ class Session:
         logits = torch.cat(outs) if all_logits else outs[-1][-1]
         return logits.float()
 
-    def truncate(self, n: int) -> None:
+    def truncate(self, n: int) -> int:
         """Keep the first ``n`` tokens: the memory goes back to the longest prefix it can
         restore (any, for KV caches; a checkpoint, for recurrent states and wrapped rings)
-        and the rest up to ``n`` is recomputed."""
+        and the rest up to ``n`` is recomputed. Returns how many tokens were kept without
+        recomputation."""
         n = max(0, min(n, self.n_past))
         if n == self.n_past:
-            return
+            return n
         keep = self.tokens[:n]
         m = self.memory.restorable(n)
         self.memory.truncate(m)
         del self.tokens[m:]
         if m < n:
             self.eval(keep[m:])
+        return m
 
     def reset(self) -> None:
         """Forget every token."""
@@ -289,11 +295,14 @@ class Session:
 
         Tensors: ``tokens`` int64 (n,); per layer ``{i}.{name}``, its memory's ``state()``
         (``{i}.k`` / ``{i}.v`` (n_kv_heads, n, head_dim) for full caches, the whole ring and
-        ``{i}.positions`` for sliding-window layers, the state tensors of recurrent layers).
+        ``{i}.positions`` for sliding-window layers, the state tensors of recurrent layers and
+        those of their latest checkpoint, ``{i}.{name}@{position}``).
         Metadata: the model file's SHA-256, its name, the geometry and ``ctx_size``.
         Raises:
-            LocalLLMError: the file cannot be written.
+            LocalLLMError: the file cannot be written, or ``path`` is a device, FIFO, socket or
+                a symbolic link out of its directory (``localllm.atomic``).
         """
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         from ..atomic import atomic_output
@@ -304,21 +313,25 @@ class Session:
         meta = {"format": SESSION_FORMAT, "model_sha256": self.loaded.sha256(),
                 "model_name": self.loaded.gguf.path.name, "ctx_size": str(self.ctx_size),
                 **self._geometry()}
-        with atomic_output(path, "prompt cache") as tmp:
+        with atomic_output(path, "prompt cache", errors=(SafetensorError,)) as tmp:
             save_file(tensors, str(tmp), metadata=meta)
 
     def load(self, path: str | Path) -> None:
         """Replace this session's memory and tokens with those saved in ``path``.
 
         Raises:
-            LocalLLMError: the file is unreadable or not a session file, or it was saved for
-                another model file (SHA-256) or another geometry (layers, sliding-window
-                sizes, head shapes), or it holds more tokens than this session's context,
-                token ids that are not int64 ids of the vocabulary, or malformed memory
-                tensors (non-finite values, ring positions that do not fit the ring).
+            LocalLLMError: the file is unreadable, not a regular file (a FIFO, a device) or
+                not a session file, or it was saved for another model file (SHA-256) or
+                another geometry (layers, sliding-window sizes, head shapes), or it holds more
+                tokens than this session's context, token ids that are not int64 ids of the
+                vocabulary, or malformed memory tensors (non-finite values, ring positions
+                that do not fit the ring).
         """
         from safetensors import safe_open
 
+        from ..atomic import check_input_file
+
+        check_input_file(path, "prompt cache")  # a FIFO would block open(); a device, never end
         where = f"prompt cache {path}"
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -354,3 +367,24 @@ class Session:
         except ValueError as e:
             raise LocalLLMError(f"{where}: malformed cache ({e})") from None
         self.tokens = [int(t) for t in tokens.tolist()]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def prefill(session: Session, prompt_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
+    """Bring the session's cache to exactly ``prompt_ids`` and return the next-token logits.
+
+    Tokens already in the cache are reused (at least the last prompt token is recomputed,
+    for its logits; a recurrent state goes back to its nearest checkpoint and recomputes
+    from there). Returns (logits (n_vocab,) float32, number of reused tokens: those not
+    recomputed).
+    """
+    keep = min(common_prefix(session.tokens, prompt_ids), len(prompt_ids) - 1)
+    reused = session.truncate(keep)
+    return session.eval(prompt_ids[session.n_past:]), reused

@@ -39,6 +39,13 @@ SAMPLER_CHARS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k",
 DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
                     "temperature")
 DEFAULT_DRY_BREAKERS = ("\n", ":", '"', "*")
+# Each DRY breaker costs a pass over the vocabulary when the chain is built (5,000 of them
+# kept a server busy for 10 minutes); llama.cpp cuts each to 40 bytes, we also bound how many.
+MAX_DRY_BREAKERS = 16
+MAX_SAMPLERS = 32  # entries of --samplers (there are 9 kinds)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range; -inf (llama.cpp) bans a token
+_FLOAT32_MAX = 3.4028234663852886e38  # the chain runs in float32
+_INT32 = 2**31
 
 # Field name -> the command-line flag that sets it (error messages name the flag).
 FLAGS = {
@@ -172,11 +179,14 @@ class SamplingParams:
             bad_int = isinstance(value, bool) or not isinstance(value, int)
             if kind is int and bad_int and not (f.name == "seed" and value is None):
                 raise ParameterError(f"{_flag(f.name)} must be an integer, got {value!r}")
+            if kind is int and f.name != "seed" and not -_INT32 <= value < _INT32:
+                raise ParameterError(f"{_flag(f.name)} must be a 32-bit integer, got {value!r}")
             if kind is float:
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     raise ParameterError(f"{_flag(f.name)} must be a number, got {value!r}")
-                if math.isnan(value) or math.isinf(value):
-                    raise ParameterError(f"{_flag(f.name)} must be finite, got {value!r}")
+                if not abs(value) <= _FLOAT32_MAX:  # also NaN and infinities
+                    raise ParameterError(
+                        f"{_flag(f.name)} must be a finite float32 number, got {value!r}")
             if kind is bool and not isinstance(value, bool):
                 raise ParameterError(f"{_flag(f.name)} must be true or false, got {value!r}")
 
@@ -209,20 +219,29 @@ class SamplingParams:
         if not isinstance(self.dry_sequence_breakers, (list, tuple)) or not all(
                 isinstance(b, str) for b in self.dry_sequence_breakers):
             raise ParameterError(f"{_flag('dry_sequence_breakers')} must be a list of strings")
+        if len(self.dry_sequence_breakers) > MAX_DRY_BREAKERS:
+            raise ParameterError(f"{_flag('dry_sequence_breakers')}: at most {MAX_DRY_BREAKERS} "
+                                 f"breakers, got {len(self.dry_sequence_breakers)}")
         if not isinstance(self.samplers, (list, tuple)):
             raise ParameterError(f"{_flag('samplers')} must be a list of sampler names")
+        if len(self.samplers) > MAX_SAMPLERS:
+            raise ParameterError(f"{_flag('samplers')}: at most {MAX_SAMPLERS} entries, got "
+                                 f"{len(self.samplers)}")
         for name in self.samplers:
             sampler_name(str(name))
         if not isinstance(self.logit_bias, dict):
             raise ParameterError(f"{_flag('logit_bias')} must map token ids to biases")
         for tok, bias in self.logit_bias.items():
-            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < _INT32:
                 raise ParameterError(f"--logit-bias: token id must be an integer >= 0, got {tok!r}")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
                 raise ParameterError(f"--logit-bias: bias of token {tok} must be a number")
-            if bias == math.inf:  # softmax of inf - inf is NaN: the draw would be garbage
+            # A bias of 1e308 is +inf in float32, and softmax of inf - inf is NaN: the draw
+            # would be garbage. -inf bans the token (llama.cpp).
+            if bias != -math.inf and not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ParameterError(
-                    f"--logit-bias: bias of token {tok} must be finite or -inf, got +inf")
+                    f"--logit-bias: bias of token {tok} must be in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}] or -inf, got {bias!r}")
 
 
 class SamplerChain:

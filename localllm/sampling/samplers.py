@@ -166,6 +166,7 @@ class Penalties:
 # DRY limits from llama.cpp: breakers longer than this are cut, and their token tails too.
 _DRY_MAX_CHARS = 40
 _DRY_MAX_TAIL = 20
+_DRY_CACHED_TABLES = 8  # breaker tuples kept per tokenizer (each request may bring its own)
 _breaker_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -176,10 +177,11 @@ def dry_breaker_table(tokenizer, breakers: tuple[str, ...]) -> dict[int, set[tup
     text ends with a proper prefix of a breaker starts one, completed by the tokenization of the
     rest of the breaker (at most 20 tokens), as llama.cpp's ``get_overlapping_token_sequences``.
     Token texts render control tokens (llama.cpp detokenizes with ``special = true``).
-    Cached per tokenizer and breaker tuple.
+    Cached per tokenizer and breaker tuple (the last few tuples: a bounded cache).
     """
     per_tok = _breaker_cache.setdefault(tokenizer, {})
     if breakers in per_tok:
+        per_tok[breakers] = per_tok.pop(breakers)  # most recently used last
         return per_tok[breakers]
     render = getattr(tokenizer, "special_bytes", tokenizer.token_bytes)
     words = [render(i) for i in range(tokenizer.n_vocab)]
@@ -205,6 +207,8 @@ def dry_breaker_table(tokenizer, breakers: tuple[str, ...]) -> dict[int, set[tup
                         tails[k] = tuple(ids[:_DRY_MAX_TAIL])
                     table.setdefault(tok, set()).add(tails[k])
     per_tok[breakers] = table
+    while len(per_tok) > _DRY_CACHED_TABLES:
+        del per_tok[next(iter(per_tok))]
     return table
 
 

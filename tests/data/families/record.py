@@ -17,12 +17,17 @@ figure (``ppl``; not for MoE, where a routing near-tie somewhere in the text is 
 text of ``PPL_CHUNKS`` x ``PPL_CTX`` tokens the model sampled itself (``ppl_tokens``:
 :func:`sampled_text`), in chunks of ``PPL_CTX`` from an empty memory, the second half of
 each scored.
+of each prompt as float16, the GGUF's SHA-256, and llama-cpp-python's version. A file whose
+RoPE llama.cpp cannot read as written (the ``llama3`` scaling keys) is given to llama.cpp as
+its converter would have written it (:func:`as_llama_cpp_runs_it`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -155,8 +160,11 @@ def record(directory: Path) -> None:
     for path in sorted(directory.glob("*.gguf")):
         family = path.stem
         long = (directory / f"{family}.long").exists()
+        # YaRN's betas from the file where the family reads them (llama.cpp's own default;
+        # llama-cpp-python's is to force 32 and 1)
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_CTX_LONG if long else N_CTX,
-                              logits_all=True, seed=0, n_threads=2, verbose=False)
+                              logits_all=True, seed=0, n_threads=2, verbose=False,
+                              yarn_beta_fast=-1.0, yarn_beta_slow=-1.0)
         candidates = json.loads((directory / f"{family}.json").read_text())
         ps, logits = decisive_prompts(llm, candidates)
         sha = (directory / f"{family}.sha256").read_text().strip()
@@ -189,8 +197,9 @@ def main() -> None:
     from families import FAMILIES, RECURRENT, sha256, write_family
 
     with tempfile.TemporaryDirectory() as tmp:
+        written = Path(tmp) / "written"
         for family in args.families or FAMILIES:
-            path = write_family(family, tmp)
+            path = write_family(family, written)
             long = family in RECURRENT
             (Path(tmp) / f"{family}.sha256").write_text(sha256(path))
             (Path(tmp) / f"{family}.json").write_text(
@@ -198,7 +207,67 @@ def main() -> None:
             if long:  # MoE: no perplexity (a routing near-tie somewhere in its text is sure)
                 moe = any(k.endswith("expert_count") for k in FAMILIES[family][0].extra)
                 (Path(tmp) / f"{family}.long").write_text("" if moe else "ppl")
+            as_llama_cpp_runs_it(path, Path(tmp) / path.name)
         subprocess.run([args.llama_python, __file__, "--record", tmp], check=True)
+
+
+def as_llama_cpp_runs_it(path: Path, out: Path) -> None:
+    """The file llama.cpp is given for ``path``: the same file, except where its
+    ``rope.scaling.type`` is ``llama3`` (localllm computes Llama 3.1's frequency factors from
+    the ``rope.scaling.*`` keys; llama.cpp refuses that type, its converter writes the factors
+    as the ``rope_freqs`` tensor instead): then the converter's output, the factors computed
+    as ``conversion/llama.py``'s ``generate_extra_tensors`` does, the keys dropped."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = str(reader.get_field("general.architecture").contents())
+    kind = reader.get_field(f"{arch}.rope.scaling.type")
+    if kind is None or kind.contents() != "llama3":
+        shutil.copyfile(path, out)
+        return
+
+    def value(key: str, default: float) -> float:
+        field = reader.get_field(f"{arch}.{key}")
+        return float(field.contents()) if field is not None else default
+
+    dim = int(value("attention.key_length", 0))
+    base = value("rope.freq_base", 10000.0)
+    factor = value("rope.scaling.factor", 8.0)
+    low, high = value("rope.scaling.low_freq_factor", 1.0), value("rope.scaling.high_freq_factor", 4.0)
+    old_len = value("rope.scaling.original_context_length", 8192)
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    dropped = {f"{arch}.rope.scaling.{k}" for k in ("type", "factor", "low_freq_factor",
+                                                      "high_freq_factor")}
+    writer = gguf.GGUFWriter(out, arch)
+    for field in reader.fields.values():
+        if field.name in dropped or field.name.startswith("GGUF.") or \
+                field.name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        writer.add_key_value(field.name, field.contents(), vtype,
+                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    rope_freqs = np.array(factors, dtype=np.float32)
+    writer.add_tensor_info("rope_freqs.weight", rope_freqs.shape, rope_freqs.dtype,
+                           rope_freqs.nbytes, gguf.GGMLQuantizationType.F32)
+    for t in reader.tensors:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.write_tensor_data(rope_freqs)
+    for t in reader.tensors:
+        writer.write_tensor_data(t.data)
+    writer.close()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""The gated delta-net's operations against float64 references written here from their
-definitions (llama.cpp's ``ggml_ssm_conv`` and ``ggml_gated_delta_net``): the torch
-reference (recurrence for one token, chunked form for a prompt), the native CPU kernels
-(``localllm/cpu/csrc/recurrent.cpp``) and the Triton kernels (``kernels/recurrent.py``, in
-Triton's interpreter on the CPU)."""
+"""The gated delta rule against a float64 reference written here from its definition
+(llama.cpp's ``ggml_gated_delta_net``): the torch reference (recurrence for one token,
+chunked form for a prompt), the native CPU kernel (``localllm/cpu/csrc/recurrent.cpp``) and
+the Triton kernel (``kernels/recurrent.py``, in Triton's interpreter on the CPU). The short
+convolution the layer shares with Mamba2 is tested in test_cpu_ssm.py / test_ssm_kernels.py."""
 
 from __future__ import annotations
 
@@ -15,16 +15,6 @@ from localllm.backends.dense import TorchOps
 # (T, Hk, Hv, S): one token, a few, prompts across chunk boundaries; a head size that is no
 # multiple of the vector width
 SHAPES = [(1, 2, 4, 64), (3, 2, 2, 16), (70, 1, 3, 24), (130, 2, 4, 32)]
-
-
-def conv_reference(x, w, bias, state, silu):
-    """float64 ``ggml_ssm_conv`` over [state; x] (+ bias, SiLU) and the new state."""
-    k = w.shape[1]
-    u = torch.cat([state, x]).double()
-    y = torch.stack([(u[t:t + k].T * w.double()).sum(1) for t in range(x.shape[0])])
-    if bias is not None:
-        y = y + bias.double()
-    return (y * torch.sigmoid(y) if silu else y), u[x.shape[0]:]
 
 
 def delta_reference(qkv, alpha, beta_logit, dt_bias, a, state, hk, eps, interleave):
@@ -65,20 +55,6 @@ def assert_close64(ours, ref, *, rtol=2e-5, what=""):
     err = float((ours.double() - ref).abs().max())
     scale = float(ref.abs().max())
     assert err <= rtol * max(scale, 1.0), f"{what}: max error {err:.3g} at scale {scale:.3g}"
-
-
-@pytest.mark.parametrize("t", [1, 2, 5, 67])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_torch_conv_matches_float64(t, with_bias):
-    g = torch.Generator().manual_seed(t)
-    c, k = 37, 4
-    x, w = torch.randn(t, c, generator=g), torch.randn(c, k, generator=g)
-    bias = torch.randn(c, generator=g) if with_bias else None
-    state = torch.randn(k - 1, c, generator=g)
-    ref, ref_state = conv_reference(x, w, bias, state, True)
-    y = TorchOps.short_conv(x, w, bias, state, silu=True)
-    assert_close64(y, ref, what="y")
-    assert torch.equal(state, ref_state.float())
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -126,34 +102,6 @@ def native():
     return torch.ops.localllm_cpu
 
 
-@pytest.mark.parametrize("t", [1, 2, 5, 67])
-@pytest.mark.parametrize("c", [37, 512])
-@pytest.mark.parametrize("with_bias,act", [(False, True), (True, False)])
-def test_native_conv_matches_float64(native, t, c, with_bias, act):
-    g = torch.Generator().manual_seed(t * c)
-    k = 4
-    x, w = torch.randn(t, c, generator=g), torch.randn(c, k, generator=g)
-    bias = torch.randn(c, generator=g) if with_bias else None
-    state = torch.randn(k - 1, c, generator=g)
-    torch_state = state.clone()
-    ref, ref_state = conv_reference(x, w, bias, state, act)
-    y = native.conv1d(x, w, bias, state, act)
-    assert_close64(y, ref, what="y")
-    assert torch.equal(state, ref_state.float())
-    # the products and sums round as the torch composition's: equal without the SiLU
-    if not act:
-        assert torch.equal(y, TorchOps.short_conv(x, w, bias, torch_state, silu=False))
-
-
-def test_native_conv_reads_a_column_slice(native):
-    """x may be a column slice of a wider projection (unit column stride, longer rows)."""
-    g = torch.Generator().manual_seed(1)
-    wide = torch.randn(9, 100, generator=g)
-    x, w, state = wide[:, 10:60], torch.randn(50, 3, generator=g), torch.zeros(2, 50)
-    ref, _ = conv_reference(x, w, None, state, True)
-    assert_close64(native.conv1d(x, w, None, state, True), ref)
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("interleave", [False, True])
 def test_native_delta_rule_matches_float64(native, shape, interleave):
@@ -169,8 +117,8 @@ def test_native_ops_refuse_bad_shapes(native):
     qkv, alpha, beta, dt_bias, a, state = delta_inputs(2, 2, 4, 16)
     with pytest.raises(RuntimeError, match="Hv must be a multiple of Hk"):
         native.gated_delta_net(qkv, alpha, beta, dt_bias, a, state, 3, 1e-6, False)
-    with pytest.raises(RuntimeError, match="state must be"):
-        native.conv1d(torch.zeros(2, 8), torch.zeros(8, 4), None, torch.zeros(2, 8), True)
+    with pytest.raises(RuntimeError, match="qkv must have"):
+        native.gated_delta_net(qkv[:, 1:], alpha, beta, dt_bias, a, state, 2, 1e-6, False)
 
 
 # ---- Triton kernels (the interpreter on the CPU) -------------------------------------------
@@ -182,20 +130,6 @@ def kernels():
     if not kernels.triton_available():
         pytest.skip("Triton is not installed")
     return kernels
-
-
-@pytest.mark.parametrize("t", [1, 2, 6])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_triton_conv_matches_float64(kernels, t, with_bias):
-    g = torch.Generator().manual_seed(t)
-    c, k = 300, 4
-    x, w = torch.randn(t, c, generator=g), torch.randn(c, k, generator=g)
-    bias = torch.randn(c, generator=g) if with_bias else None
-    state = torch.randn(k - 1, c, generator=g)
-    ref, ref_state = conv_reference(x, w, bias, state, True)
-    y = kernels.short_conv(x, w, bias, state, silu=True)
-    assert_close64(y, ref, what="y")
-    assert torch.equal(state, ref_state.float())
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 4, 32), (5, 1, 3, 24)])

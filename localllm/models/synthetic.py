@@ -379,6 +379,18 @@ GEOMETRIES: dict[str, Geometry] = {
             "qwen35moe.ssm.group_count": 8, "qwen35moe.full_attention_interval": 4,
             "qwen35moe.rope.dimension_count": 64,
             "qwen35moe.rope.dimension_sections": [11, 11, 10, 0]}),
+    # Qwen3-Next-80B-A3B's proportions at 1B: 16 layers, 64 experts (8 used, 256 wide)
+    "qwen3next-1b": Geometry(
+        "qwen3next-1b", "qwen3next", 151936, 16, 1024, 8, 2, 256, 256, 262144, 10000000.0,
+        1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        n_pad_tokens=290, extra={
+            "qwen3next.expert_count": 64, "qwen3next.expert_used_count": 8,
+            "qwen3next.expert_feed_forward_length": 256,
+            "qwen3next.expert_shared_feed_forward_length": 256,
+            "qwen3next.ssm.conv_kernel": 4, "qwen3next.ssm.inner_size": 2048,
+            "qwen3next.ssm.state_size": 128, "qwen3next.ssm.time_step_rank": 16,
+            "qwen3next.ssm.group_count": 8, "qwen3next.full_attention_interval": 4,
+            "qwen3next.rope.dimension_count": 64}),
 }
 
 

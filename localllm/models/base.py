@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..errors import GGUFError, UnsupportedError
+from ..errors import GGUFError
 from .common import Embedding, Linear, fuse
 
 if TYPE_CHECKING:
@@ -193,19 +193,6 @@ class HParams:
         if not isinstance(v, list) or not 1 <= len(v) <= n_max:
             raise self._fail(key, f"must be an array of 1 to {n_max} integers, got {_show(v)}")
         return tuple(self._int(key, x, lo, hi) for x in v) + (0,) * (n_max - len(v))
-
-    def rope_scaling(self, supported: tuple[str, ...]) -> tuple[str, float]:
-        """(type, factor) of ``{arch}.rope.scaling.*``: type ``none`` when absent; a type
-        outside ``supported`` raises :class:`UnsupportedError` naming the key (the hybrid
-        families' reading, which keep their own RoPE tables; :func:`.rope.read_rope` is the
-        full one)."""
-        factor = self.float("rope.scaling.factor", None)
-        kind = self.str("rope.scaling.type", "linear" if factor and factor != 1.0 else "none")
-        if kind not in ("none", *supported):
-            raise UnsupportedError(
-                f"{self.pre}metadata {self.key('rope.scaling.type')} = {kind!r} is not supported "
-                f"for {self.arch} (supported: none, {', '.join(supported)})")
-        return kind, (factor or 1.0)
 
     def _int(self, key: str, v: Any, lo: int, hi: int) -> int:
         if isinstance(v, bool) or not isinstance(v, int):

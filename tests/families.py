@@ -115,6 +115,39 @@ FAMILIES: dict[str, tuple] = {
         GEOMETRIES["lfm2-1.2b"], **{**SMALL, "n_layers": 5}, **BPE, tied_output=False, extra={
             "lfm2.attention.head_count_kv": [0, 0, 2, 0, 2], "lfm2.shortconv.l_cache": 3}),
         "Q4_K_M"),
+    # ---- gated delta-net hybrids (issue #27): three delta-nets to one gated attention ----
+    # (value heads twice the key heads: Qwen3.5 tiles the key heads, Qwen3-Next repeats
+    # each in place; partial RoPE on a quarter of the head)
+    "qwen35": (dataclasses.replace(
+        GEOMETRIES["qwen35-0.8b"], **{**SMALL, "n_layers": 4}, **BPE, pre="qwen35",
+        tied_output=False, extra={
+            "qwen35.ssm.conv_kernel": 4, "qwen35.ssm.inner_size": 256,
+            "qwen35.ssm.state_size": 64, "qwen35.ssm.time_step_rank": 4,
+            "qwen35.ssm.group_count": 2, "qwen35.full_attention_interval": 4,
+            "qwen35.rope.dimension_count": 16, "qwen35.rope.dimension_sections": [3, 3, 2, 0]}),
+        "Q4_K_M"),
+    # interleaved M-RoPE sections that leave a pair to the fourth section (not turned)
+    "qwen35moe": (dataclasses.replace(
+        GEOMETRIES["qwen35moe-35b-a3b"], **{**SMALL, "n_layers": 4}, **BPE, pre="qwen35",
+        extra={"qwen35moe.expert_count": 4, "qwen35moe.expert_used_count": 2,
+               "qwen35moe.expert_feed_forward_length": 256,
+               "qwen35moe.expert_shared_feed_forward_length": 256,
+               "qwen35moe.ssm.conv_kernel": 4, "qwen35moe.ssm.inner_size": 256,
+               "qwen35moe.ssm.state_size": 64, "qwen35moe.ssm.time_step_rank": 4,
+               "qwen35moe.ssm.group_count": 2, "qwen35moe.full_attention_interval": 4,
+               "qwen35moe.rope.dimension_count": 16,
+               "qwen35moe.rope.dimension_sections": [3, 3, 1, 1]}), "Q8_0"),
+    # layer kinds from attention.recurrent_layers (one boolean per block)
+    "qwen3next": (dataclasses.replace(
+        GEOMETRIES["qwen3next-80b-a3b"], **{**SMALL, "n_layers": 4}, **BPE,
+        extra={"qwen3next.expert_count": 4, "qwen3next.expert_used_count": 2,
+               "qwen3next.expert_feed_forward_length": 256,
+               "qwen3next.expert_shared_feed_forward_length": 256,
+               "qwen3next.ssm.conv_kernel": 4, "qwen3next.ssm.inner_size": 256,
+               "qwen3next.ssm.state_size": 64, "qwen3next.ssm.time_step_rank": 4,
+               "qwen3next.ssm.group_count": 2,
+               "qwen3next.attention.recurrent_layers": [True, True, False, True],
+               "qwen3next.rope.dimension_count": 16}), "Q8_0"),
     # ---- issue 28: the dense families of 2025 and the complete RoPE scaling ----
     # YaRN with llama.cpp's mistral3 keys (betas, log multiplier) and Llama 4's attention
     # temperature; an original context of 16 tokens: the 20- and 27-token prompts run past it
@@ -172,7 +205,8 @@ FAMILIES: dict[str, tuple] = {
 # The families whose layers fold positions into a fixed-size state: their fixtures add a
 # long prompt (recurrent prefill in chunks, with context checkpoints), one-token steps
 # after it, and a perplexity (record.py).
-RECURRENT = ("mamba2", "granitehybrid", "granitehybrid-moe", "falcon-h1", "nemotron_h", "lfm2")
+RECURRENT = ("mamba2", "granitehybrid", "granitehybrid-moe", "falcon-h1", "nemotron_h", "lfm2",
+             "qwen35", "qwen35moe", "qwen3next")
 
 
 # Gemma 2/3 scale the (tied) embedding by sqrt(d_model) and post-norm each sublayer: with
@@ -182,7 +216,7 @@ STD = {"gemma2": 0.05, "gemma3": 0.05, "gemma3-linear": 0.05, "gemma3-swa": 0.05
        # the recurrent families' outputs pass through more norms and gates: a larger spread
        # keeps their next-token distributions as peaked as the others'
        "mamba2": 0.25, "granitehybrid": 0.3, "granitehybrid-moe": 0.3, "falcon-h1": 0.25,
-       "lfm2": 0.25}
+       "lfm2": 0.25, "qwen35": 0.2, "qwen35moe": 0.2, "qwen3next": 0.25}
 
 
 # Mamba2's input projection smaller than the other matrices: its time steps (dt) stay small,
@@ -191,6 +225,7 @@ STEM_STD = {"ssm_in": 0.05}
 # A router with a smaller spread: its probabilities spread over the experts, so that the
 # k-th and the next are seldom at a near-tie (fewer prompts lost to them).
 ROUTER_STD = {"ffn_gate_inp": 0.05}
+SPREAD_ROUTER = ("granitehybrid-moe", "qwen35moe", "qwen3next")
 
 
 def write_family(family: str, directory: str | Path) -> Path:
@@ -199,7 +234,7 @@ def write_family(family: str, directory: str | Path) -> Path:
     g = dataclasses.replace(g, name=f"tiny-{family}")
     return write_synthetic(Path(directory) / f"{family}.gguf", g, quant, seed=SEED,
                            weight_std=STD.get(family, WEIGHT_STD),
-                           stem_std={**STEM_STD, **ROUTER_STD} if family == "granitehybrid-moe"
+                           stem_std={**STEM_STD, **ROUTER_STD} if family in SPREAD_ROUTER
                            else STEM_STD if family in RECURRENT else None)
 
 

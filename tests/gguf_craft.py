@@ -346,7 +346,8 @@ EXTRA_KEYS = ["rope.scaling.type", "rope.scaling.factor", "attention.sliding_win
               "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank",
               "ssm.group_count", "shortconv.l_cache", "rope.scaling.finetuned",
               "expert_shared_feed_forward_length", "attention.layer_norm_epsilon",
-              "residual_scale",
+              "residual_scale", "full_attention_interval", "attention.recurrent_layers",
+              "rope.dimension_sections", "nextn_predict_layers",
               # issue 28: the RoPE scalings and the 2025 dense families
               "rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_beta_fast",
               "rope.scaling.yarn_beta_slow", "rope.scaling.low_freq_factor",
@@ -409,7 +410,8 @@ def metadata_fuzz_seeds(directory) -> list:
              ("hunyuan-dense", {"extra": {"rope.scaling.alpha": 1000.0}}), ("ernie4_5", {})]
     from families import write_family
 
-    hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2"]
+    hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2", "qwen35", "qwen35moe",
+               "qwen3next"]
     return [open_gguf(write_tiny_gguf(Path(directory) / f"seed-{arch}.gguf", arch, **kw))
             for arch, kw in cases] + [open_gguf(write_family(f, directory)) for f in hybrids]
 

@@ -48,6 +48,7 @@ from localllm.kernels.gemv import (
     mmvq_case,
 )
 from localllm.kernels.norm_rope import _rms_norm_kernel
+from localllm.kernels.recurrent import _delta_net_kernel, delta_case
 from localllm.kernels.ssm import _short_conv_kernel, _ssm_scan_kernel, conv_case, scan_case
 
 from localllm.gguf.quants import BLOCK_FORMATS
@@ -298,6 +299,9 @@ CASES = {
     "short_conv-lfm2-k3-nobias": conv_case(2048, 3, bias=False, silu=False)[0],
     "ssm_scan-granite4-p64-n128": scan_case(48, 64, 128)[0],
     "ssm_scan-n16-nod": scan_case(8, 64, 16, with_d=False)[0],
+    "gated_delta_net-qwen35-s128": delta_case(16, 16, 128, interleave=False)[0],
+    "gated_delta_net-qwen3next-s128": delta_case(32, 16, 128, interleave=True)[0],
+    "gated_delta_net-s64-ratio2": delta_case(4, 2, 64, interleave=False)[0],
 }
 
 
@@ -332,7 +336,8 @@ def test_every_kernel_type_is_covered():
                 _rms_norm_rope_kernel, _residual_rms_norm_kernel, _gated_act_kernel,
                 _norm_rope_kv_kernel, _mmvq_kernel, _mmvq32_kernel, _mmvq64_kernel,
                 _quantize_q8_kernel, _prefill_attention_kernel,
-                _decode_attention_kernel, _short_conv_kernel, _ssm_scan_kernel}  # fmt: skip
+                _decode_attention_kernel, _short_conv_kernel, _ssm_scan_kernel,
+                _delta_net_kernel}  # fmt: skip
     assert {c.kernel for c in cases} == launched
 
 

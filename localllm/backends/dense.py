@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from ..memory import attention_mask
-from . import ssm
+from . import deltanet, ssm
 from .base import Backend as _Backend
 
 # Above this many rows a CPU product takes the float32 GEMM path (see the module docstring).
@@ -355,6 +355,18 @@ class TorchOps:
         y (T, H, P) float32 (:func:`localllm.backends.ssm.ssm_scan`: the recurrence for one
         token, the chunked form for more)."""
         return ssm.ssm_scan(x, dt, dt_bias, a, b, c, d, state)
+
+    @staticmethod
+    def gated_delta_net(qkv: torch.Tensor, alpha: torch.Tensor, beta_logit: torch.Tensor,
+                        dt_bias: torch.Tensor, a: torch.Tensor, state: torch.Tensor, *,
+                        n_k_heads: int, eps: float, interleave: bool) -> torch.Tensor:
+        """A gated delta-net's recurrence from its convolved projections, continuing from
+        ``state`` (Hv, S, S), updated in place: qkv (T, 2 Hk S + Hv S), alpha / beta_logit
+        (T, Hv), dt_bias / a (Hv,) float32 -> (T, Hv, S) float32
+        (:func:`localllm.backends.deltanet.gated_delta_net`: the recurrence for one token,
+        the chunked form for more)."""
+        return deltanet.gated_delta_net(qkv, alpha, beta_logit, dt_bias, a, state,
+                                        n_k_heads=n_k_heads, eps=eps, interleave=interleave)
 
     def experts(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate,
                 up, down, act: str) -> torch.Tensor:

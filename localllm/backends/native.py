@@ -128,6 +128,7 @@ class NativeOps(TorchOps):
         self._gated, self._norm_rope = ops.gated.default, ops.norm_rope.default
         self._attn_decode = ops.attn_decode.default
         self._short_conv, self._ssm_scan = ops.short_conv.default, ops.ssm_scan.default
+        self._delta_net = ops.gated_delta_net.default
         self._no_positions = torch.empty(0, dtype=torch.long)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -178,6 +179,13 @@ class NativeOps(TorchOps):
         for a prompt as for one token (per token it reads the state once, as the chunked
         torch form's products do several times)."""
         return self._ssm_scan(x, dt, dt_bias, a, b, c, d, state)
+
+    def gated_delta_net(self, qkv, alpha, beta_logit, dt_bias, a, state, *, n_k_heads, eps,
+                        interleave):
+        """The native recurrence (``recurrent.cpp``), token by token with each head's state
+        in cache, for a decode step and a prompt."""
+        return self._delta_net(qkv.contiguous(), alpha.contiguous(), beta_logit.contiguous(),
+                               dt_bias, a, state, n_k_heads, eps, interleave)
 
     def experts(self, x, chosen, weights, gate, up, down, act):
         """Native int8 experts (all three :class:`PackedExperts` with ``q8`` weights): one

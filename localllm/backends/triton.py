@@ -155,6 +155,12 @@ class KernelOps(TorchOps):
     def ssm_scan(x, dt, dt_bias, a, b, c, d, state):
         return kernels.ssm_scan(x, dt, dt_bias, a, b, c, d, state)
 
+    @staticmethod
+    def gated_delta_net(qkv, alpha, beta_logit, dt_bias, a, state, *, n_k_heads, eps,
+                        interleave):
+        return kernels.gated_delta_net(qkv, alpha, beta_logit, dt_bias, a, state,
+                                       n_k_heads=n_k_heads, eps=eps, interleave=interleave)
+
     def attention(self, q, k, v, cache, pos, positions, *, scale: float,
                   softcap: float | None = None) -> torch.Tensor:
         if q.shape[1] != 1 and softcap is not None:  # SDPA has no soft-capping

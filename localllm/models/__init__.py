@@ -48,6 +48,9 @@ from . import (
     nemotron_h,
     olmo2,
     phi3,
+    qwen3next,
+    qwen35,
+    qwen35moe,
 )
 
 ARCHITECTURES: dict[str, ModuleType] = {
@@ -74,6 +77,9 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "falcon-h1": falcon_h1,
     "nemotron_h": nemotron_h,
     "lfm2": lfm2,
+    "qwen35": qwen35,
+    "qwen35moe": qwen35moe,
+    "qwen3next": qwen3next,
 }
 
 

@@ -328,16 +328,87 @@ GEOMETRIES: dict[str, Geometry] = {
                "nemotron_h.ssm.conv_kernel": 4, "nemotron_h.ssm.inner_size": 7168,
                "nemotron_h.ssm.state_size": 128, "nemotron_h.ssm.time_step_rank": 112,
                "nemotron_h.ssm.group_count": 8}),
+    # ---- gated delta-net hybrids (issue #27) -------------------------------------------------
+    # Qwen3.5-0.8B's text model: 24 layers, 3 gated delta-nets (16 heads x 128) to 1 gated
+    # attention (8 heads, 2 KV, head size 256, RoPE on 64 dims in interleaved M-RoPE
+    # sections), SwiGLU 3584, tied output
+    "qwen35-0.8b": Geometry(
+        "qwen35-0.8b", "qwen35", 248320, 24, 1024, 8, 2, 256, 3584, 262144, 10000000.0, 1e-6,
+        "gpt2", "qwen35", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        tied_output=True, n_pad_tokens=271, extra={
+            "qwen35.ssm.conv_kernel": 4, "qwen35.ssm.inner_size": 2048,
+            "qwen35.ssm.state_size": 128, "qwen35.ssm.time_step_rank": 16,
+            "qwen35.ssm.group_count": 16, "qwen35.full_attention_interval": 4,
+            "qwen35.rope.dimension_count": 64, "qwen35.rope.dimension_sections": [11, 11, 10, 0]}),
+    # Qwen3.5-35B-A3B: 40 layers, 256 experts (8 used, 512 wide) and a shared expert, 32
+    # value heads over 16 key heads
+    "qwen35moe-35b-a3b": Geometry(
+        "qwen35moe-35b-a3b", "qwen35moe", 248320, 40, 2048, 16, 2, 256, 512, 262144,
+        10000000.0, 1e-6, "gpt2", "qwen35",
+        specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), n_pad_tokens=271, extra={
+            "qwen35moe.expert_count": 256, "qwen35moe.expert_used_count": 8,
+            "qwen35moe.expert_feed_forward_length": 512,
+            "qwen35moe.expert_shared_feed_forward_length": 512,
+            "qwen35moe.ssm.conv_kernel": 4, "qwen35moe.ssm.inner_size": 4096,
+            "qwen35moe.ssm.state_size": 128, "qwen35moe.ssm.time_step_rank": 32,
+            "qwen35moe.ssm.group_count": 16, "qwen35moe.full_attention_interval": 4,
+            "qwen35moe.rope.dimension_count": 64,
+            "qwen35moe.rope.dimension_sections": [11, 11, 10, 0]}),
+    # Qwen3-Next-80B-A3B: 48 layers, 512 experts (10 used, 512 wide) and a shared expert
+    "qwen3next-80b-a3b": Geometry(
+        "qwen3next-80b-a3b", "qwen3next", 151936, 48, 2048, 16, 2, 256, 5120, 262144,
+        10000000.0, 1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>",
+                                                     "<|im_end|>"), n_pad_tokens=290, extra={
+            "qwen3next.expert_count": 512, "qwen3next.expert_used_count": 10,
+            "qwen3next.expert_feed_forward_length": 512,
+            "qwen3next.expert_shared_feed_forward_length": 512,
+            "qwen3next.ssm.conv_kernel": 4, "qwen3next.ssm.inner_size": 4096,
+            "qwen3next.ssm.state_size": 128, "qwen3next.ssm.time_step_rank": 32,
+            "qwen3next.ssm.group_count": 16, "qwen3next.full_attention_interval": 4,
+            "qwen3next.rope.dimension_count": 64}),
+    # Qwen3.5-35B-A3B's proportions at 1B: 16 layers, 64 experts (8 used, 256 wide)
+    "qwen35moe-1b": Geometry(
+        "qwen35moe-1b", "qwen35moe", 248320, 16, 1024, 8, 2, 256, 256, 262144, 10000000.0,
+        1e-6, "gpt2", "qwen35", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        n_pad_tokens=271, extra={
+            "qwen35moe.expert_count": 64, "qwen35moe.expert_used_count": 8,
+            "qwen35moe.expert_feed_forward_length": 256,
+            "qwen35moe.expert_shared_feed_forward_length": 256,
+            "qwen35moe.ssm.conv_kernel": 4, "qwen35moe.ssm.inner_size": 2048,
+            "qwen35moe.ssm.state_size": 128, "qwen35moe.ssm.time_step_rank": 16,
+            "qwen35moe.ssm.group_count": 8, "qwen35moe.full_attention_interval": 4,
+            "qwen35moe.rope.dimension_count": 64,
+            "qwen35moe.rope.dimension_sections": [11, 11, 10, 0]}),
+    # Qwen3-Next-80B-A3B's proportions at 1B: 16 layers, 64 experts (8 used, 256 wide)
+    "qwen3next-1b": Geometry(
+        "qwen3next-1b", "qwen3next", 151936, 16, 1024, 8, 2, 256, 256, 262144, 10000000.0,
+        1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        n_pad_tokens=290, extra={
+            "qwen3next.expert_count": 64, "qwen3next.expert_used_count": 8,
+            "qwen3next.expert_feed_forward_length": 256,
+            "qwen3next.expert_shared_feed_forward_length": 256,
+            "qwen3next.ssm.conv_kernel": 4, "qwen3next.ssm.inner_size": 2048,
+            "qwen3next.ssm.state_size": 128, "qwen3next.ssm.time_step_rank": 16,
+            "qwen3next.ssm.group_count": 8, "qwen3next.full_attention_interval": 4,
+            "qwen3next.rope.dimension_count": 64}),
 }
+
+
+def geometry_args(g: Geometry):
+    """The architecture's validated ``ModelArgs`` of the geometry's metadata (what a model
+    loaded from its file has: memory layouts and estimates read them)."""
+    from . import model_args
+
+    return model_args(_hparams(g), g.n_vocab)
 
 
 def tensor_shapes(g: Geometry) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape in torch order) of every tensor, from the architecture's declaration
     (``tensor_specs`` of the geometry's metadata): the required tensors, ``output.weight``
     unless the output is tied, and the optional ones named in ``g.optional``."""
-    from . import model_args, tensor_specs
+    from . import tensor_specs
 
-    args = model_args(_hparams(g), g.n_vocab)
+    args = geometry_args(g)
     return [(s.name, s.shape) for s in tensor_specs(args)
             if not s.optional or (s.name == "output.weight" and not g.tied_output)
             or s.name in g.optional or _unlayered(s.name) in g.optional

@@ -22,6 +22,10 @@ N_VOCAB = 320
 SMALL = {"n_vocab": N_VOCAB, "n_layers": 2, "d_model": 256, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64,
              "ffn_dim": 512, "context_length": 512, "n_pad_tokens": 0}
 BPE = {"vocab": "gpt2", "specials": ("<|endoftext|>", "<|im_end|>")}
+# o200k_harmony's markers (gpt-oss), as the released vocabulary names them
+HARMONY = {"vocab": "gpt2", "specials": ("<|startoftext|>", "<|endoftext|>", "<|return|>",
+                                         "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
+                                         "<|message|>", "<|call|>")}
 
 # family -> (geometry, recipe)
 FAMILIES: dict[str, tuple] = {
@@ -66,7 +70,21 @@ FAMILIES: dict[str, tuple] = {
         GEOMETRIES["granite3-8b"], **SMALL, extra={
             "granite.embedding_scale": 12.0, "granite.residual_scale": 0.22,
             "granite.attention.scale": 0.1, "granite.logit_scale": 2.0}), "Q4_K_M"),
+    # gpt-oss: MXFP4 experts with biases (the release format: every other matrix Q8_0),
+    # attention sinks, a window of 4 on the even layers (the prompts pass it), YaRN over an
+    # original context of 16 (the longer prompts pass it), its own RoPE base on the sliding
+    # layers
+    "gpt-oss": (dataclasses.replace(
+        GEOMETRIES["gpt-oss-20b"], **SMALL, **HARMONY, sliding_window=4, rope_base=10000.0,
+        extra={"gpt-oss.expert_count": 4, "gpt-oss.expert_used_count": 2,
+               "gpt-oss.expert_feed_forward_length": 256, "gpt-oss.rope.freq_base_swa": 1000.0,
+               "gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": 4.0,
+               "gpt-oss.rope.scaling.original_context_length": 16}), "MXFP4_MOE"),
 }
+
+# Prompt lengths of the families whose fixtures need others than record.py's defaults
+# (gpt-oss: past its original context of 16, so that YaRN's interpolation counts).
+PROMPT_LENGTHS: dict[str, tuple[int, ...]] = {"gpt-oss": (5, 12, 20, 27)}
 
 
 # Gemma 2/3 scale the (tied) embedding by sqrt(d_model) and post-norm each sublayer: with

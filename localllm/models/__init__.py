@@ -34,7 +34,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import UnsupportedError
-from . import gemma, llama, olmo2, phi3
+from . import gemma, gptoss, llama, olmo2, phi3
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "llama": llama,
@@ -48,6 +48,7 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "gemma3": gemma,
     "phi3": phi3,
     "olmo2": olmo2,
+    "gpt-oss": gptoss,
 }
 
 

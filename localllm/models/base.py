@@ -21,7 +21,8 @@ From these alone follow: the check of a file's tensors before any weight is read
 models. The ``Model`` is built from ``args`` alone and :func:`bind` attaches the weights the
 backend loads: matrices become one :class:`~localllm.models.common.Linear`, 3-D expert
 tensors an :class:`~localllm.backends.ExpertMatrix`, vectors float32 tensors, ``.bias``
-tensors the bias of the ``Linear`` of the same stem; projections of one input
+tensors the float32 bias of the ``Linear`` or ``ExpertMatrix`` of the same stem (an expert
+tensor's: one row per expert); projections of one input
 (``model.FUSE``: Q/K/V, gate/up) are fused into one product where the backend can stack
 them. A tensor without a field, or a required field without a tensor, fails at bind time
 naming the GGUF tensor.
@@ -287,6 +288,30 @@ def common_hparams(hp: HParams, n_vocab: int, *, eps_key: str = "attention.layer
     }
 
 
+def swa_layers(hp: HParams, n_layers: int, pattern: int, *, dense_first: bool = False) -> list[bool]:
+    """Which layers use sliding-window attention (llama.cpp's ``load_swa_pattern``):
+    ``attention.sliding_window_pattern`` as one boolean per layer, or as a period ``n``
+    (default ``pattern``) where layer il slides when il % n < n - 1 (``dense_first``: when
+    il % n != 0); a period of 0 makes every layer slide.
+
+    Raises:
+        GGUFError: an array whose length is not ``n_layers``, or of other values than
+            booleans (0/1).
+    """
+    key = hp.key("attention.sliding_window_pattern")
+    v = hp.md.get(key, pattern)
+    if isinstance(v, list):
+        if len(v) != n_layers:
+            raise hp._fail(key, f"has {len(v)} values for {n_layers} layers")
+        if not all(x in (0, 1) and not isinstance(x, float) for x in v):
+            raise hp._fail(key, "must be booleans, one per layer")
+        return [bool(x) for x in v]
+    n = hp.int("attention.sliding_window_pattern", pattern, lo=0, hi=MAX_LAYERS)
+    if dense_first:
+        return [n == 0 or il % n != 0 for il in range(n_layers)]
+    return [n == 0 or il % n < n - 1 for il in range(n_layers)]
+
+
 class BaseModel:
     """A decoder built from its ``args`` alone; :func:`bind` attaches weights.
 
@@ -354,8 +379,8 @@ def bind(model: BaseModel, gguf, backend, specs: list[TensorSpec], *,
         i, stem, suffix = layer_of(s.name)
         owner = top if i is None else blocks[i]
         info = gguf.tensor(s.name)
-        if suffix == "bias":
-            owner[stem].bias = backend.dense(info)
+        if suffix == "bias":  # a Linear's, or an ExpertMatrix's (one row per expert)
+            owner[stem].bias = backend.dense(info, torch.float32)
             continue
         names[(i, stem)] = s.name
         if stem == "token_embd":

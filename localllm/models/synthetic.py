@@ -67,6 +67,24 @@ _LLAMA3_SPECIALS = tuple(
     for i in range(256)
 )
 
+# o200k_harmony's special tokens (ids 199998 .. 201087 of the released vocabulary): the
+# harmony chat format's markers among reserved ones.
+_HARMONY_SPECIALS = tuple(
+    {0: "<|startoftext|>", 1: "<|endoftext|>", 4: "<|return|>", 5: "<|constrain|>",
+     7: "<|channel|>", 8: "<|start|>", 9: "<|end|>", 10: "<|message|>", 14: "<|call|>",
+     20: "<|endofprompt|>"}.get(i, f"<|reserved_{199998 + i}|>")
+    for i in range(1090)
+)
+
+
+def _gpt_oss_keys(n_expert: int, n_used: int, expert_ffn: int) -> dict:
+    """gpt-oss's expert and RoPE keys (YaRN x32 over an original context of 4096)."""
+    return {"gpt-oss.expert_count": n_expert, "gpt-oss.expert_used_count": n_used,
+            "gpt-oss.expert_feed_forward_length": expert_ffn,
+            "gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": 32.0,
+            "gpt-oss.rope.scaling.original_context_length": 4096}
+
+
 GEOMETRIES: dict[str, Geometry] = {
     # Meta-Llama-3-8B (config.json of the HF release)
     "llama3-8b": Geometry(
@@ -180,12 +198,25 @@ GEOMETRIES: dict[str, Geometry] = {
         "gpt2", "llama-bpe", specials=("<|endoftext|>", "<fim_prefix>"), tied_output=True,
         extra={"granite.embedding_scale": 12.0, "granite.residual_scale": 0.22,
                "granite.attention.scale": 0.015625, "granite.logit_scale": 8.0}),
+    # gpt-oss-20b: 24 layers alternating sliding-window (128) and full attention, 32 experts
+    # (4 used, 2880 wide, MXFP4 in the released files) with biases, attention sinks, YaRN
+    # (x32 over 4096), the o200k_harmony vocabulary (pre-tokenizer gpt-4o)
+    "gpt-oss-20b": Geometry(
+        "gpt-oss-20b", "gpt-oss", 201088, 24, 2880, 64, 8, 64, 2880, 131072, 150000.0, 1e-5,
+        "gpt2", "gpt-4o", specials=_HARMONY_SPECIALS, qkv_bias=True, sliding_window=128,
+        extra=_gpt_oss_keys(32, 4, 2880)),
     # Qwen3-30B-A3B's proportions at 1B: 64 experts, 8 used (0.3B active), expert FFN 256
     "qwen3moe-1b": Geometry(
         "qwen3moe-1b", "qwen3moe", 151936, 16, 1024, 16, 4, 128, 3072, 40960, 1000000.0,
         1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
         n_pad_tokens=290, extra={"qwen3moe.expert_count": 64, "qwen3moe.expert_used_count": 8,
                                  "qwen3moe.expert_feed_forward_length": 256}),
+    # gpt-oss-20b's layer kinds, vocabulary and expert proportions at 1.4B: 12 layers,
+    # 16 experts (4 used, 768 wide; 0.55B active with the output projection)
+    "gpt-oss-1b": Geometry(
+        "gpt-oss-1b", "gpt-oss", 201088, 12, 1536, 24, 8, 64, 768, 131072, 150000.0, 1e-5,
+        "gpt2", "gpt-4o", specials=_HARMONY_SPECIALS, qkv_bias=True, sliding_window=128,
+        extra=_gpt_oss_keys(16, 4, 768)),
 }
 
 
@@ -207,7 +238,10 @@ def tensor_types(g: Geometry, quant: str) -> dict[str, GGMLQuantizationType]:
     from ..quantize.recipe import parse_file_type, plan
 
     ftype = parse_file_type(quant)
-    tensors = [(n, s, Q.F16 if len(s) > 1 else Q.F32) for n, s in tensor_shapes(g)]
+    # vectors and biases (gpt-oss's per-expert biases are matrices) F32, as the converter
+    # writes them; the other matrices F16 before the recipe
+    tensors = [(n, s, Q.F32 if len(s) == 1 or n.endswith(".bias") else Q.F16)
+               for n, s in tensor_shapes(g)]
     return plan(tensors, _hparams(g), ftype)
 
 
@@ -251,7 +285,12 @@ def _bpe_vocab(g: Geometry) -> dict:
     md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": g.pre,
           "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
           "tokenizer.ggml.merges": merges}
-    if g.arch in ("llama", "mistral", "granite", "olmo2", "phi3"):
+    if "<|return|>" in g.specials:  # harmony: as the released gpt-oss files
+        md.update({"tokenizer.ggml.bos_token_id": first_special + g.specials.index("<|startoftext|>"),
+                   "tokenizer.ggml.eos_token_id": first_special + g.specials.index("<|return|>"),
+                   "tokenizer.ggml.padding_token_id": first_special + g.specials.index("<|endoftext|>"),
+                   "tokenizer.ggml.add_bos_token": False})
+    elif g.arch in ("llama", "mistral", "granite", "olmo2", "phi3"):
         md.update({"tokenizer.ggml.bos_token_id": first_special,
                    "tokenizer.ggml.eos_token_id": first_special + 1,
                    "tokenizer.ggml.add_bos_token": True})
@@ -332,10 +371,15 @@ _UNIT_STD: dict[GGMLQuantizationType, float] = {}
 def _random_blocks(qtype: GGMLQuantizationType, n_blocks: int, d: float,
                    rng: np.random.Generator) -> np.ndarray:
     """``n_blocks`` random blocks of ``qtype`` with scales ``d`` x U(0.75, 1.25): uint8
-    (n_blocks, block_bytes)."""
-    d_off, m_off, ratio = _SCALE_LAYOUT[qtype]
+    (n_blocks, block_bytes). MXFP4's scale is a power of two (an E8M0 byte, 2^(e - 128)
+    per unit of its codebook): ``d`` x U(0.75, 1.25) rounded to the nearest one."""
     size = BLOCK_FORMATS[qtype].type_size
     raw = np.frombuffer(rng.bytes(n_blocks * size), dtype=np.uint8).reshape(n_blocks, size).copy()
+    if qtype == Q.MXFP4:  # block_mxfp4: [e: uint8][qs: 16 bytes of nibbles]
+        e = 128 + np.rint(np.log2(d * rng.uniform(0.75, 1.25, n_blocks)))
+        raw[:, 0] = np.clip(e, 2, 254).astype(np.uint8)
+        return raw
+    d_off, m_off, ratio = _SCALE_LAYOUT[qtype]
     scales = (d * rng.uniform(0.75, 1.25, n_blocks)).astype(np.float16)
     raw[:, d_off:d_off + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
     if m_off is not None:
@@ -382,7 +426,7 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
         if qtype == Q.F16:
             return x.astype(np.float16).view(np.uint8)
         return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-    if qtype not in _SCALE_LAYOUT:
+    if qtype not in _SCALE_LAYOUT and qtype != Q.MXFP4:
         raise LocalLLMError(f"synthetic weights of type {qtype.name} are not supported")
     n_blocks = n // BLOCK_FORMATS[qtype].block_size
     return _random_blocks(qtype, n_blocks, std / _unit_std(qtype), rng).reshape(-1)
@@ -444,11 +488,13 @@ def cache_path(name: str, quant: str) -> Path:
 
 
 def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: int = 0,
-                    weight_std: float = WEIGHT_STD,
+                    weight_std: float = WEIGHT_STD, stem_std: dict[str, float] | None = None,
                     progress: Callable[[int, int], None] | None = None) -> Path:
     """Write a random-weights GGUF of ``geometry`` with the tensor types of recipe ``quant``.
 
-    ``weight_std``: standard deviation of the matrices (larger: a more peaked next-token
+    ``stem_std``: another standard deviation for the tensors of some stems (``{"ssm_in":
+    0.05}``: a state-space input projection whose time steps stay small, as trained ones
+    do). ``weight_std``: standard deviation of the matrices (larger: a more peaked next-token
     distribution, as the llama.cpp comparison fixtures use). The file is a deterministic
     function of the arguments.
 
@@ -463,6 +509,7 @@ def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: i
         LocalLLMError: not enough disk space, or the file cannot be written.
     """
     from ..quantize.recipe import FILE_TYPES
+    from .base import layer_of
 
     path = Path(path)
     quant = quant.upper()
@@ -498,7 +545,8 @@ def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: i
         w.write_ti_data_to_file()
         done = 0
         for name, shape in shapes:
-            data = random_tensor(name, shape, types[name], rng, weight_std)
+            std = (stem_std or {}).get(layer_of(name)[1], weight_std)
+            data = random_tensor(name, shape, types[name], rng, std)
             w.write_tensor_data(data)  # straight to the file: one tensor in memory at a time
             done += data.nbytes
             del data
@@ -521,7 +569,8 @@ def _add_kv(w: GGUFWriter, key: str, value) -> None:
         w.add_string(key, value)
     elif isinstance(value, list):
         sub = (V.STRING if isinstance(value[0], str) else
-               V.FLOAT32 if isinstance(value[0], float) else V.INT32)
+               V.FLOAT32 if isinstance(value[0], float) else
+               V.BOOL if isinstance(value[0], bool) else V.INT32)
         w.add_key_value(key, value, V.ARRAY, sub)
     else:
         raise TypeError(f"{key}: cannot store {type(value).__name__}")

@@ -32,10 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CorruptModelError, LocalLLMError, ModelNotFoundError, PullError
+from .paths import CACHE_ENV, cache_dir
 from .stores.integrity import CHUNK as _CHUNK
 from .stores.integrity import open_regular, verify_file
-
-CACHE_ENV = "LOCALLLM_CACHE"
 
 
 @dataclass(frozen=True)
@@ -57,16 +56,6 @@ class WheelSource:
     @property
     def requirement(self) -> str:
         return f"{self.package}=={self.version}"
-
-
-def cache_dir() -> Path:
-    """The root of localllm's cache (``$LOCALLLM_CACHE`` or the platform's user cache dir)."""
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser()
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("localllm"))
 
 
 def _folder(source: WheelSource) -> str:

@@ -38,6 +38,7 @@ from pathlib import Path
 from .atomic import atomic_output, read_input_file
 from .data import MODELS_TOML as PROJECT_MODELS
 from .errors import LocalLLMError, ModelNotFoundError
+from .paths import user_models_file
 
 
 @dataclass
@@ -373,9 +374,7 @@ class Registry:
 
 
 def config_files() -> list[Path]:
-    from .usermodels import user_file
-
-    files = [PROJECT_MODELS, user_file()]
+    files = [PROJECT_MODELS, user_models_file()]
     if os.environ.get("LOCALLLM_MODELS"):
         files.append(Path(os.environ["LOCALLLM_MODELS"]))
     # Missing files are skipped; anything else at those paths (a FIFO, a device) is read

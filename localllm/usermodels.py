@@ -27,19 +27,13 @@ from pathlib import Path
 
 from .atomic import atomic_output
 from .errors import LocalLLMError, ModelNotFoundError, ParameterError
+from .paths import user_models_file as user_file
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_SYSTEM = 64 * 1024
 _HEADER = re.compile(r"^\s*\[\[?\s*([^\]]*?)\s*\]\]?\s*(?:#.*)?$")
 _FIELDS = ("base", "path", "package", "assembler", "version", "file", "sha256", "size",
            "chat_template", "system", "notes")
-
-
-def user_file() -> Path:
-    """The user's models.toml (whether or not it exists)."""
-    from platformdirs import user_config_dir
-
-    return Path(user_config_dir("localllm")) / "models.toml"
 
 
 def check_name(name: str) -> str:

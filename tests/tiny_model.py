@@ -123,7 +123,10 @@ def write_tiny_gguf(
           a + "rope.freq_base": 10000.0}
     if arch in ("gemma2", "gemma3"):
         md[a + "attention.sliding_window"] = sliding_window
-    md.update({(k if "." in k and k.split(".")[0] in (arch, "general") else a + k): v
+    if arch == "apertus":  # xIELU's parameters (keys outside the arch's namespace)
+        md.update({"xielu.alpha_n": 0.8, "xielu.alpha_p": 0.8, "xielu.beta": 0.5,
+                   "xielu.eps": -1e-6})
+    md.update({(k if "." in k and k.split(".")[0] in (arch, "general", "xielu") else a + k): v
                for k, v in (extra or {}).items()})
     from localllm.models.synthetic import _add_kv
 

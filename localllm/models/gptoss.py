@@ -45,9 +45,9 @@ from .base import (
     common_hparams,
     swa_layers,
 )
-from .common import Linear, Split, positions_of, rope_inv_freq, yarn_rope
-from .llama import yarn_hparams
+from .common import Linear, Split, positions_of
 from .moe import route
+from .rope import GLOBAL, SWA, Rope, read_rope
 
 SWA_PERIOD = 2  # llama.cpp's load_swa_pattern(ml, 2): even layers slide
 
@@ -61,9 +61,7 @@ class ModelArgs(DecoderArgs):
     expert_ffn_dim: int  # expert_feed_forward_length
     sliding_window: int  # attention.sliding_window
     swa: tuple[bool, ...]  # per layer: sliding (attention.sliding_window_pattern)
-    rope_base_swa: float  # rope.freq_base_swa (default rope.freq_base)
-    rope_yarn: dict | None = None  # YaRN: common.yarn_rope's arguments, base excluded
-    attention_scale: float = 0.0
+    attention_scale: float = 0.0  # 1/sqrt(head_dim), before RoPE's magnitude
 
     @classmethod
     def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
@@ -72,9 +70,7 @@ class ModelArgs(DecoderArgs):
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named): no
                 experts, more used experts than experts, a sliding-window pattern whose
-                length is not ``block_count``, a YaRN factor <= 0.
-            UnsupportedError: a RoPE scaling other than linear or YaRN, YaRN's
-                ``rope.scaling.yarn_log_multiplier``.
+                length is not ``block_count``, a YaRN factor <= 0 or a base <= 1.
         """
         hp = HParams(md, source)
         c = common_hparams(hp, n_vocab)
@@ -83,23 +79,16 @@ class ModelArgs(DecoderArgs):
         expert_ffn = hp.int("expert_feed_forward_length", REQUIRED, per_layer=True)
         window = hp.int("attention.sliding_window", REQUIRED, hi=MAX_CONTEXT)
         swa = tuple(swa_layers(hp, c["n_layers"], SWA_PERIOD))
-        base_swa = hp.float("rope.freq_base_swa", c["rope_base"])
-        kind, factor = hp.rope_scaling(("linear", "yarn"))
-        kw: dict = {}
-        # llama.cpp multiplies cos and sin (so Q and K) by rope.scaling.attn_factor and by
-        # YaRN's magnitude: the scores by the square of both.
-        mscale = hp.float("rope.scaling.attn_factor", 1.0)
-        if kind == "yarn":
-            hp.require(base_swa > 1.0, "rope.freq_base_swa", "must be > 1 for YaRN scaling "
-                       "(its correction dimensions divide by log(base))")
-            yarn = yarn_hparams(hp, factor, c["context_length"])
-            mscale *= yarn_rope(c["head_dim"], c["rope_base"], **yarn)[1]
-            kw["rope_yarn"] = yarn
-            factor = 1.0  # folded into the frequencies (Model.prepare)
-        scale = 1.0 / math.sqrt(c["head_dim"]) * mscale ** 2
-        return cls(**c, n_expert=n_expert, n_expert_used=n_used, expert_ffn_dim=expert_ffn,
-                   sliding_window=window, swa=swa, rope_base_swa=base_swa,
-                   rope_scale=1.0 / factor, attention_scale=scale, **kw)
+        # llama.cpp's loader reads no optional YaRN key for gpt-oss (betas 32 / 1); the
+        # sliding layers' base defaults to the global one
+        rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
+                         neox=True)
+        if rope.kind == "yarn" and any(swa):
+            hp.require(rope.layer(swa=True)[0] > 1.0, "rope.freq_base_swa", "must be > 1 for "
+                       "YaRN scaling (its correction dimensions divide by log(base))")
+        return cls(**c, rope=rope, n_expert=n_expert, n_expert_used=n_used,
+                   expert_ffn_dim=expert_ffn, sliding_window=window, swa=swa,
+                   attention_scale=1.0 / math.sqrt(c["head_dim"]))
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
@@ -162,14 +151,9 @@ class Model(BaseModel):
 
     def prepare(self) -> None:
         a = self.args
-        self.inv_freq = {False: self._inv_freq(a.rope_base), True: self._inv_freq(a.rope_base_swa)}
-
-    def _inv_freq(self, base: float) -> torch.Tensor:
-        a = self.args
-        inv = rope_inv_freq(a.head_dim, base, device=self.device)
-        if a.rope_yarn is not None:  # the correction dimensions depend on the layer's base
-            inv = inv / yarn_rope(a.head_dim, base, **a.rope_yarn)[0].to(inv.device)
-        return inv
+        self.rope = Rope(a.rope, self.device)
+        self.kinds = [SWA if sliding else GLOBAL for sliding in a.swa]
+        self.scales = {k: a.attention_scale * self.rope.score_scale(k) for k in set(self.kinds)}
 
     def forward(
         self,
@@ -191,29 +175,36 @@ class Model(BaseModel):
         t = tokens.shape[0]
         positions = positions_of(pos, t, self.device)
         x = self.token_embd(tokens)  # (T, d)
-        full = ops.rope_angles(positions, self.inv_freq[False], a.rope_scale)
-        rope = {False: full, True: full if a.rope_base_swa == a.rope_base else
-                ops.rope_angles(positions, self.inv_freq[True], a.rope_scale)}
+        # the angles per kind of layer, shared by all layers of that kind
+        angles = self.rope.angles(ops, positions, memory.ctx_size, tuple(self.scales))
         # Each block ends with the next block's pre-norm (the output norm after the last),
         # fused with its residual add.
         nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
         eps = a.norm_eps
         n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
-        for b, cache, next_norm, sliding in zip(self.layers, memory, nexts, a.swa):
-            q, k, v = b.attn_qkv(n)
-            del n  # each intermediate dropped once used: prefill's peak holds fewer of them
-            attn = ops.self_attention(q, k, v, None, None, eps, rope[sliding], cache, pos,
-                                      positions, head_dim=a.head_dim, neox=True,
-                                      scale=a.attention_scale, sinks=b.attn_sinks)
-            del q, k, v
-            o = b.attn_output(attn)
-            del attn
-            h, n = ops.residual_norm(x, o, None, b.post_attention_norm, eps)
-            del o, x
-            weights, chosen = route(b.ffn_gate_inp(n), a.n_expert_used, gating="softmax_weight")
-            f = ops.experts(n, chosen, weights, b.ffn_gate_exps, b.ffn_up_exps,
-                            b.ffn_down_exps, "swiglu_oai")
-            del n
-            x, n = ops.residual_norm(h, f, None, next_norm, eps)
-            del h, f
+        for b, cache, next_norm, kind in zip(self.layers, memory, nexts, self.kinds):
+            x, n = self._block(b, cache, x, n, next_norm, pos, positions, angles[kind],
+                               self.scales[kind])
         return self.output(n[logits_start:] if all_logits else n[-1:])
+
+    def _block(self, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
+               next_norm: torch.Tensor, pos, positions: torch.Tensor, angles, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, d) residual stream, n = attn_norm(x) -> (x', next_norm(x'))."""
+        a, ops = self.args, self.ops
+        eps = a.norm_eps
+        q, k, v = b.attn_qkv(n)
+        del n  # each intermediate dropped once used: prefill's peak holds fewer of them
+        attn = ops.self_attention(q, k, v, None, None, eps, angles, cache, pos, positions,
+                                  head_dim=a.head_dim, neox=True, scale=scale,
+                                  sinks=b.attn_sinks)
+        del q, k, v
+        o = b.attn_output(attn)
+        del attn
+        h, n = ops.residual_norm(x, o, None, b.post_attention_norm, eps)
+        del o, x
+        weights, chosen = route(b.ffn_gate_inp(n), a.n_expert_used, gating="softmax_weight")
+        f = ops.experts(n, chosen, weights, b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps,
+                        "swiglu_oai")
+        del n
+        return ops.residual_norm(h, f, None, next_norm, eps)

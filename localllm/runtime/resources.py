@@ -42,7 +42,7 @@ import torch
 from ..errors import InsufficientMemoryError
 from ..memory import layout_bytes
 from ..models import memory_layout
-from ..models.base import FLOAT32_MATRICES
+from ..models.base import DENSE_TENSORS, FLOAT32_MATRICES, layer_of
 
 SKIP_ENV = "LOCALLLM_SKIP_MEMORY_CHECK"
 CUDA_WORKSPACE = 256 * 2**20  # activations, logits and allocator slack on the GPU (bytes)
@@ -97,9 +97,9 @@ def _kept_in_blocks(device: torch.device):
 
 def stored_bytes(info, quantized: bool, dtype: torch.dtype = torch.float16) -> int:
     """Bytes the runtime holds for one GGUF tensor (a ``TensorInfo``): its file bytes when
-    ``quantized`` and a matrix, else ``dtype`` elements for matrices, float32 for vectors and
-    MoE routers (``models.base.FLOAT32_MATRICES``)."""
-    if len(info.shape) < 2 or info.name.split(".")[-2] in FLOAT32_MATRICES:
+    ``quantized`` and a matrix, else ``dtype`` elements for matrices, float32 for vectors, MoE
+    routers and state-space parameters (``models.base.FLOAT32_MATRICES``, ``DENSE_TENSORS``)."""
+    if len(info.shape) < 2 or layer_of(info.name)[1] in (*FLOAT32_MATRICES, *DENSE_TENSORS):
         return info.n_elements * 4
     if quantized:
         return info.n_bytes

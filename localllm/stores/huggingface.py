@@ -133,7 +133,7 @@ def repo_dir(repo: str) -> Path:
 
 # ---- what the cache holds -------------------------------------------------------------------
 def _listing_record(repo: str) -> Path:
-    from ..hub import cache_dir
+    from ..paths import cache_dir
 
     return cache_dir() / "huggingface" / f"models--{repo.replace('/', '--')}.json"
 
@@ -208,7 +208,7 @@ def _verify_part(repo: str, path: Path, meta: dict | None, fix: str) -> None:
                                     f"{fix}")
     if digest is None:
         return  # nothing to check against: a file another tool wrote without a known hash
-    from ..hub import cache_dir
+    from ..paths import cache_dir
 
     try:
         verify_file(blob, digest=digest, record=record_for(cache_dir(), blob, digest), fix=fix,

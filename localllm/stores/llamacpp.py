@@ -60,7 +60,7 @@ def _check(path: Path, name: str) -> None:
     m = _ETAG.match(etag)
     if m is None:
         return
-    from ..hub import cache_dir
+    from ..paths import cache_dir
 
     verify_file(path, digest=m.group(1), record=record_for(cache_dir(), path, m.group(1)),
                 fix="download it again with llama.cpp", label=f"verify {name}")

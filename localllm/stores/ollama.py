@@ -189,7 +189,7 @@ def _load(root: Path, manifest: Path, name: str, *, check: bool) -> LocalModel:
 
 
 def _cache() -> Path:
-    from ..hub import cache_dir
+    from ..paths import cache_dir
 
     return cache_dir()
 

@@ -406,7 +406,11 @@ def metadata_fuzz_seeds(directory) -> list:
              ("smollm3", {"n_layers": 4}), ("apertus", {}), ("seed_oss", {}),
              ("exaone4", {"n_layers": 64, "d_model": 32, "n_heads": 2, "n_kv_heads": 1,
                           "ffn_dim": 32}),
-             ("hunyuan-dense", {"extra": {"rope.scaling.alpha": 1000.0}}), ("ernie4_5", {})]
+             ("hunyuan-dense", {"extra": {"rope.scaling.alpha": 1000.0}}), ("ernie4_5", {}),
+             ("gpt-oss", {"extra": {**moe, "rope.scaling.type": "yarn",
+                                    "rope.scaling.factor": 4.0,
+                                    "rope.scaling.original_context_length": 16,
+                                    "rope.freq_base_swa": 1000.0}})]
     from families import write_family
 
     hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2"]

@@ -165,6 +165,8 @@ def test_valid_values_still_load(tiny_model_path):
 
 # ---- issue 28: the keys of the 2025 dense families ---------------------------------------------
 EXAONE4_ISWA = {"n_layers": 64, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 32}
+GPT_OSS = {"extra": (("expert_count", 4), ("expert_used_count", 2),
+                     ("expert_feed_forward_length", 32))}
 NEW_KEYS = [
     ("apertus", {}, "xielu.alpha_n", [0.8], "xielu.alpha_n"),  # one value for two layers
     ("apertus", {}, "xielu.beta", None, "xielu.beta"),  # required
@@ -186,6 +188,22 @@ NEW_KEYS = [
      "hunyuan-dense.rope.scaling.alpha"),
     ("smollm3", {"n_layers": 4}, "smollm3.rope.dimension_count", 3,
      "smollm3.rope.dimension_count"),
+    # gpt-oss: expert counts, its window and pattern, YaRN
+    ("gpt-oss", GPT_OSS, "gpt-oss.expert_count", 0, "gpt-oss.expert_count"),
+    ("gpt-oss", GPT_OSS, "gpt-oss.expert_count", 3, "ffn_gate_inp"),  # tensors have 4
+    ("gpt-oss", GPT_OSS, "gpt-oss.expert_used_count", 5, "gpt-oss.expert_used_count"),
+    ("gpt-oss", GPT_OSS, "gpt-oss.expert_feed_forward_length", None,
+     "gpt-oss.expert_feed_forward_length"),
+    ("gpt-oss", GPT_OSS, "gpt-oss.attention.sliding_window", None,
+     "gpt-oss.attention.sliding_window"),
+    ("gpt-oss", GPT_OSS, "gpt-oss.attention.sliding_window_pattern", [True, False, True],
+     "gpt-oss.attention.sliding_window_pattern"),  # three values for two layers
+    ("gpt-oss", GPT_OSS, "gpt-oss.rope.scaling.type", "yarm", "gpt-oss.rope.scaling.type"),
+    ("gpt-oss", {**GPT_OSS, "extra": (*GPT_OSS["extra"], ("rope.scaling.type", "yarn"))},
+     "gpt-oss.rope.scaling.factor", -4.0, "gpt-oss.rope.scaling.factor"),
+    ("gpt-oss", {**GPT_OSS, "extra": (*GPT_OSS["extra"], ("rope.scaling.type", "yarn"),
+                                      ("rope.scaling.factor", 4.0))},
+     "gpt-oss.rope.freq_base_swa", 1.0, "gpt-oss.rope.freq_base_swa"),
 ]
 
 

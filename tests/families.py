@@ -181,6 +181,16 @@ FAMILIES: dict[str, tuple] = {
                "gpt-oss.expert_feed_forward_length": 256, "gpt-oss.rope.freq_base_swa": 1000.0,
                "gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": 4.0,
                "gpt-oss.rope.scaling.original_context_length": 16}), "MXFP4_MOE"),
+    # GLM-4.5: a leading dense layer then two routed ones (sigmoid scores, a selection bias,
+    # normalised and scaled weights, a shared expert), Q/K/V biases, QK-norm (the 355B's),
+    # RoPE on half of each head
+    "glm4moe": (dataclasses.replace(
+        GEOMETRIES["glm4moe-1b"], **{**SMALL, "n_layers": 3}, **BPE,
+        optional=("attn_q_norm.weight", "attn_k_norm.weight"),
+        extra={**{k: v for k, v in GEOMETRIES["glm4moe-1b"].extra.items()},
+               "glm4moe.expert_count": 4, "glm4moe.expert_used_count": 2,
+               "glm4moe.expert_feed_forward_length": 128, "glm4moe.expert_weights_scale": 2.5,
+               "glm4moe.rope.dimension_count": 32}), "Q8_0"),
 }
 
 # The families whose layers fold positions into a fixed-size state: their fixtures add a

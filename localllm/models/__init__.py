@@ -41,6 +41,7 @@ from . import (
     exaone4,
     falcon_h1,
     gemma,
+    glm4moe,
     gptoss,
     granite_hybrid,
     lfm2,
@@ -76,6 +77,7 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "nemotron_h": nemotron_h,
     "lfm2": lfm2,
     "gpt-oss": gptoss,
+    "glm4moe": glm4moe,
 }
 
 

@@ -67,12 +67,15 @@ class TensorSpec:
     reversed: (rows, cols) for a matrix, (n_expert, rows, cols) for experts), whether a
     file may omit it (``optional``: a tied output, biases, RoPE factors), and for a matrix
     holding several projections stacked by rows (a file's fused ``attn_qkv``) their sizes
-    (``parts``: its ``Linear`` returns one output each)."""
+    (``parts``: its ``Linear`` returns one output each). ``skip``: accepted in a file and
+    checked, never loaded (GLM-4.5's next-token-prediction layer, which llama.cpp loads only
+    for multi-token prediction)."""
 
     name: str
     shape: tuple[int, ...]
     optional: bool = False
     parts: tuple[int, ...] | None = None
+    skip: bool = False
 
 
 @dataclass(kw_only=True)
@@ -422,7 +425,7 @@ def bind(model: BaseModel, gguf, backend, specs: list[TensorSpec], *,
     top: dict[str, Any] = {}
     blocks: list[dict[str, Any]] = [{} for _ in range(model.args.n_layers)]
     names: dict[tuple[int | None, str], str] = {}  # (layer, stem) -> GGUF name, for errors
-    present = [s for s in specs if s.name in gguf.tensors]
+    present = [s for s in specs if s.name in gguf.tensors and not s.skip]
     for s in sorted(present, key=lambda s: s.name.endswith(".bias")):  # weights first
         i, stem, suffix = layer_of(s.name)
         owner = top if i is None else blocks[i]

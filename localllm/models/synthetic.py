@@ -106,6 +106,20 @@ def _xielu(n_layers: int) -> dict:
             "xielu.beta": [0.5] * n_layers, "xielu.eps": [-1e-6] * n_layers}
 
 
+def _glm4moe_keys(n_expert: int, n_used: int, expert_ffn: int, scale: float, *,
+                  nextn: int = 0) -> dict:
+    """GLM-4.5's MoE and RoPE keys: one leading dense layer, one shared expert, sigmoid
+    scores normalised and scaled, half of each head rotated (64 of 128 in the releases)."""
+    keys = {"glm4moe.expert_count": n_expert, "glm4moe.expert_used_count": n_used,
+            "glm4moe.expert_feed_forward_length": expert_ffn,
+            "glm4moe.expert_shared_count": 1, "glm4moe.leading_dense_block_count": 1,
+            "glm4moe.expert_gating_func": 2, "glm4moe.expert_weights_norm": True,
+            "glm4moe.expert_weights_scale": scale, "glm4moe.rope.dimension_count": 64}
+    if nextn:
+        keys["glm4moe.nextn_predict_layers"] = nextn
+    return keys
+
+
 GEOMETRIES: dict[str, Geometry] = {
     # Meta-Llama-3-8B (config.json of the HF release)
     "llama3-8b": Geometry(
@@ -353,6 +367,20 @@ GEOMETRIES: dict[str, Geometry] = {
                "nemotron_h.ssm.conv_kernel": 4, "nemotron_h.ssm.inner_size": 7168,
                "nemotron_h.ssm.state_size": 128, "nemotron_h.ssm.time_step_rank": 112,
                "nemotron_h.ssm.group_count": 8}),
+    # GLM-4.5-Air: 46 decoder layers (the first dense) and its next-token-prediction block,
+    # 128 experts (8 used, sigmoid scores with a selection bias, normalised) and a shared one,
+    # Q/K/V biases, RoPE on half of each head
+    "glm4.5-air": Geometry(
+        "glm4.5-air", "glm4moe", 151552, 47, 4096, 96, 8, 128, 10944, 131072, 1000000.0, 1e-5,
+        "gpt2", "glm4", specials=("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>",
+                                  "<|assistant|>", "<|observation|>"),
+        qkv_bias=True, extra=_glm4moe_keys(128, 8, 1408, 1.0, nextn=1)),
+    # GLM-4.5-Air's proportions at ~1B active: 16 layers (the first dense), 32 experts
+    "glm4moe-1b": Geometry(
+        "glm4moe-1b", "glm4moe", 151552, 16, 1536, 24, 4, 64, 4608, 131072, 1000000.0, 1e-5,
+        "gpt2", "glm4", specials=("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>",
+                                  "<|assistant|>", "<|observation|>"),
+        qkv_bias=True, extra=_glm4moe_keys(32, 8, 512, 1.0)),
     # gpt-oss-20b's layer kinds, vocabulary and expert proportions at 1.4B: 12 layers,
     # 16 experts (4 used, 768 wide; 0.55B active with the output projection)
     "gpt-oss-1b": Geometry(

@@ -55,16 +55,22 @@ N_CANDIDATES = 3  # per length, for MoE (non-MoE: 50)
 
 class RouterSpy:
     """A MoE layer's router (its ``ffn_gate_inp``) that records, per call, the smallest gap
-    between the k-th and the (k+1)-th expert's softmax probability over the tokens."""
+    between the k-th and the (k+1)-th expert's selection score over the tokens: the softmax
+    probability, or for sigmoid gating (GLM-4.5) the sigmoid plus the selection bias."""
 
-    def __init__(self, router, k: int, gaps: list[float]) -> None:
+    def __init__(self, router, k: int, gaps: list[float], gating: str = "softmax",
+                 bias=None) -> None:
         self.router, self.k, self.gaps = router, k, gaps
+        self.gating, self.bias = gating, bias
 
     def __call__(self, x):
         import torch
 
         y = self.router(x)
-        p = torch.softmax(y.float(), -1).sort(-1, descending=True).values
+        p = torch.sigmoid(y.float()) if self.gating == "sigmoid" else torch.softmax(y.float(), -1)
+        if self.bias is not None:
+            p = p + self.bias
+        p = p.sort(-1, descending=True).values
         self.gaps.append(float((p[:, self.k - 1] - p[:, self.k]).min()))
         return y
 
@@ -85,7 +91,9 @@ def candidate_prompts(path: Path, seed: int, *, long: bool = False,
     if is_moe:  # every family's router is its layers' ffn_gate_inp
         for b in m.model.layers:
             if getattr(b, "ffn_gate_inp", None) is not None:
-                b.ffn_gate_inp = RouterSpy(b.ffn_gate_inp, m.args.n_expert_used, gaps)
+                b.ffn_gate_inp = RouterSpy(b.ffn_gate_inp, m.args.n_expert_used, gaps,
+                                           getattr(m.args, "gating", "softmax"),
+                                           getattr(b, "exp_probs_b_bias", None))
     rng = np.random.default_rng(seed)
     out = []
     if lengths is None:

@@ -209,8 +209,9 @@ STD = {"gemma2": 0.05, "gemma3": 0.05, "gemma3-linear": 0.05, "gemma3-swa": 0.05
        "smollm3": 0.1, "ernie4_5": 0.1,
        # gpt-oss: no QK-norm and large attention scores (YaRN's magnitude squared): at 0.15
        # llama.cpp's 8-bit activations alone move its logits by KL ~0.005 with spikes where
-       # an attention or routing argmax flips (with F16 weights both agree to 1e-5)
-       "gpt-oss": 0.1,
+       # an attention or routing argmax flips (with F16 weights both agree to 1e-5); glm4moe
+       # likewise (a flipped sigmoid routing at 0.15)
+       "gpt-oss": 0.1, "glm4moe": 0.1,
        # the recurrent families' outputs pass through more norms and gates: a larger spread
        # keeps their next-token distributions as peaked as the others'
        "mamba2": 0.25, "granitehybrid": 0.3, "granitehybrid-moe": 0.3, "falcon-h1": 0.25,

@@ -167,6 +167,10 @@ def test_valid_values_still_load(tiny_model_path):
 EXAONE4_ISWA = {"n_layers": 64, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 32}
 GPT_OSS = {"extra": (("expert_count", 4), ("expert_used_count", 2),
                      ("expert_feed_forward_length", 32))}
+GLM4MOE = {"n_layers": 3, "extra": (("expert_count", 4), ("expert_used_count", 2),
+                                    ("expert_feed_forward_length", 32),
+                                    ("expert_shared_count", 1),
+                                    ("leading_dense_block_count", 1))}
 NEW_KEYS = [
     ("apertus", {}, "xielu.alpha_n", [0.8], "xielu.alpha_n"),  # one value for two layers
     ("apertus", {}, "xielu.beta", None, "xielu.beta"),  # required
@@ -204,6 +208,16 @@ NEW_KEYS = [
     ("gpt-oss", {**GPT_OSS, "extra": (*GPT_OSS["extra"], ("rope.scaling.type", "yarn"),
                                       ("rope.scaling.factor", 4.0))},
      "gpt-oss.rope.freq_base_swa", 1.0, "gpt-oss.rope.freq_base_swa"),
+    # glm4moe: its MoE layout
+    ("glm4moe", GLM4MOE, "glm4moe.nextn_predict_layers", 3, "glm4moe.nextn_predict_layers"),
+    ("glm4moe", GLM4MOE, "glm4moe.leading_dense_block_count", 4,
+     "glm4moe.leading_dense_block_count"),
+    ("glm4moe", GLM4MOE, "glm4moe.leading_dense_block_count", 2, "blk.1."),  # routed tensors
+    ("glm4moe", GLM4MOE, "glm4moe.expert_shared_count", None, "glm4moe.expert_shared_count"),
+    ("glm4moe", GLM4MOE, "glm4moe.expert_gating_func", 7, "glm4moe.expert_gating_func"),
+    ("glm4moe", GLM4MOE, "glm4moe.expert_count", 5, "ffn_gate_inp"),  # the tensors have 4
+    ("glm4moe", GLM4MOE, "glm4moe.expert_weights_scale", -1.0,
+     "glm4moe.expert_weights_scale"),
 ]
 
 
@@ -215,6 +229,13 @@ def test_bad_key_of_a_new_family_is_one_error_naming_it(tiny_model_path, no_weig
         _load(tiny_model_path(arch, **kw), **{key: value})
     msg = str(e.value)
     assert "\n" not in msg and named in msg
+
+
+def test_glm4moe_next_token_prediction_block_is_checked_not_loaded(tiny_model_path):
+    """nextn_predict_layers: the last block (counted in block_count) is accepted with its
+    tensors' shapes checked, and the decoder has one layer less (llama.cpp's trunk)."""
+    m = _load(tiny_model_path("glm4moe", **GLM4MOE), **{"glm4moe.nextn_predict_layers": 1})
+    assert m.args.n_layers == 2 and len(m.model.layers) == 2
 
 
 def test_exaone4_slides_only_with_the_32b_layer_count(tiny_model_path):

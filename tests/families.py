@@ -191,6 +191,9 @@ FAMILIES: dict[str, tuple] = {
                "glm4moe.expert_count": 4, "glm4moe.expert_used_count": 2,
                "glm4moe.expert_feed_forward_length": 128, "glm4moe.expert_weights_scale": 2.5,
                "glm4moe.rope.dimension_count": 32}), "Q8_0"),
+    "olmoe": (dataclasses.replace(
+        GEOMETRIES["olmoe-1b-7b"], **{**SMALL, "n_kv_heads": 4, "ffn_dim": 256}, **BPE,
+        extra={"olmoe.expert_count": 4, "olmoe.expert_used_count": 2}), "Q8_0"),
 }
 
 # The families whose layers fold positions into a fixed-size state: their fixtures add a
@@ -210,8 +213,9 @@ STD = {"gemma2": 0.05, "gemma3": 0.05, "gemma3-linear": 0.05, "gemma3-swa": 0.05
        # gpt-oss: no QK-norm and large attention scores (YaRN's magnitude squared): at 0.15
        # llama.cpp's 8-bit activations alone move its logits by KL ~0.005 with spikes where
        # an attention or routing argmax flips (with F16 weights both agree to 1e-5); glm4moe
-       # likewise (a flipped sigmoid routing at 0.15)
-       "gpt-oss": 0.1, "glm4moe": 0.1,
+       # likewise (a flipped sigmoid routing at 0.15); olmoe (the native int8 experts flip a
+       # routing at 0.15, and at 0.1 no 6-token prompt is decisive)
+       "gpt-oss": 0.1, "glm4moe": 0.1, "olmoe": 0.12,
        # the recurrent families' outputs pass through more norms and gates: a larger spread
        # keeps their next-token distributions as peaked as the others'
        "mamba2": 0.25, "granitehybrid": 0.3, "granitehybrid-moe": 0.3, "falcon-h1": 0.25,

@@ -418,7 +418,8 @@ def metadata_fuzz_seeds(directory) -> list:
                           "extra": {**moe, "expert_shared_count": 1,
                                     "leading_dense_block_count": 1, "expert_gating_func": 2,
                                     "expert_weights_norm": True, "expert_weights_scale": 2.5,
-                                    "rope.dimension_count": 8}})]
+                                    "rope.dimension_count": 8}}),
+             ("olmoe", {"extra": {"expert_count": 4, "expert_used_count": 2}})]
     from families import write_family
 
     hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2"]

@@ -218,6 +218,10 @@ NEW_KEYS = [
     ("glm4moe", GLM4MOE, "glm4moe.expert_count", 5, "ffn_gate_inp"),  # the tensors have 4
     ("glm4moe", GLM4MOE, "glm4moe.expert_weights_scale", -1.0,
      "glm4moe.expert_weights_scale"),
+    ("olmoe", {"extra": (("expert_count", 4), ("expert_used_count", 2))},
+     "olmoe.expert_used_count", 0, "olmoe.expert_used_count"),
+    ("olmoe", {"extra": (("expert_count", 4), ("expert_used_count", 2))},
+     "olmoe.expert_count", 8, "ffn_gate_inp"),  # the tensors have 4
 ]
 
 

@@ -49,6 +49,7 @@ from . import (
     mamba2,
     nemotron_h,
     olmo2,
+    olmoe,
     phi3,
 )
 
@@ -78,6 +79,7 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "lfm2": lfm2,
     "gpt-oss": gptoss,
     "glm4moe": glm4moe,
+    "olmoe": olmoe,
 }
 
 

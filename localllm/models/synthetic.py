@@ -381,6 +381,12 @@ GEOMETRIES: dict[str, Geometry] = {
         "gpt2", "glm4", specials=("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>",
                                   "<|assistant|>", "<|observation|>"),
         qkv_bias=True, extra=_glm4moe_keys(32, 8, 512, 1.0)),
+    # OLMoE-1B-7B: 16 layers, 64 experts (8 used, softmax, not renormalised) 1024 wide,
+    # QK-norm over all heads
+    "olmoe-1b-7b": Geometry(
+        "olmoe-1b-7b", "olmoe", 50304, 16, 2048, 16, 16, 128, 1024, 4096, 10000.0, 1e-5,
+        "gpt2", "olmo", specials=("<|endoftext|>", "<|padding|>"),
+        extra={"olmoe.expert_count": 64, "olmoe.expert_used_count": 8}),
     # gpt-oss-20b's layer kinds, vocabulary and expert proportions at 1.4B: 12 layers,
     # 16 experts (4 used, 768 wide; 0.55B active with the output projection)
     "gpt-oss-1b": Geometry(

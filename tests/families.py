@@ -194,6 +194,15 @@ FAMILIES: dict[str, tuple] = {
     "olmoe": (dataclasses.replace(
         GEOMETRIES["olmoe-1b-7b"], **{**SMALL, "n_kv_heads": 4, "ffn_dim": 256}, **BPE,
         extra={"olmoe.expert_count": 4, "olmoe.expert_used_count": 2}), "Q8_0"),
+    # a leading dense layer, then softmax routing with a selection bias, renormalised, and a
+    # shared FFN; the unused attn_output.bias present
+    "ernie4_5-moe": (dataclasses.replace(
+        GEOMETRIES["ernie4.5-21b-a3b"], **{**SMALL, "n_layers": 3},
+        optional=("exp_probs_b.bias", "attn_output.bias"),
+        extra={**GEOMETRIES["ernie4.5-21b-a3b"].extra, "ernie4_5-moe.expert_count": 4,
+               "ernie4_5-moe.expert_used_count": 2,
+               "ernie4_5-moe.expert_feed_forward_length": 128,
+               "ernie4_5-moe.expert_shared_feed_forward_length": 256}), "Q8_0"),
 }
 
 # The families whose layers fold positions into a fixed-size state: their fixtures add a
@@ -214,8 +223,9 @@ STD = {"gemma2": 0.05, "gemma3": 0.05, "gemma3-linear": 0.05, "gemma3-swa": 0.05
        # llama.cpp's 8-bit activations alone move its logits by KL ~0.005 with spikes where
        # an attention or routing argmax flips (with F16 weights both agree to 1e-5); glm4moe
        # likewise (a flipped sigmoid routing at 0.15); olmoe (the native int8 experts flip a
-       # routing at 0.15, and at 0.1 no 6-token prompt is decisive)
-       "gpt-oss": 0.1, "glm4moe": 0.1, "olmoe": 0.12,
+       # routing at 0.15, and at 0.1 no 6-token prompt is decisive); ernie4_5-moe (KL 0.003
+       # at 0.15, 0.001 at 0.12)
+       "gpt-oss": 0.1, "glm4moe": 0.1, "olmoe": 0.12, "ernie4_5-moe": 0.12,
        # the recurrent families' outputs pass through more norms and gates: a larger spread
        # keeps their next-token distributions as peaked as the others'
        "mamba2": 0.25, "granitehybrid": 0.3, "granitehybrid-moe": 0.3, "falcon-h1": 0.25,

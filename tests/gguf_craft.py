@@ -355,7 +355,7 @@ EXTRA_KEYS = ["rope.scaling.type", "rope.scaling.factor", "attention.sliding_win
               "attention.temperature_scale",
               # MoE routing variants (gpt-oss, glm4moe ...)
               "expert_shared_count", "leading_dense_block_count", "expert_gating_func",
-              "expert_weights_scale", "nextn_predict_layers"]
+              "expert_weights_scale", "nextn_predict_layers", "interleave_moe_layer_step"]
 # Keys outside the architecture's namespace (llama.cpp's names), added as they are.
 GLOBAL_KEYS = ["xielu.alpha_n", "xielu.alpha_p", "xielu.beta", "xielu.eps"]
 
@@ -419,7 +419,10 @@ def metadata_fuzz_seeds(directory) -> list:
                                     "leading_dense_block_count": 1, "expert_gating_func": 2,
                                     "expert_weights_norm": True, "expert_weights_scale": 2.5,
                                     "rope.dimension_count": 8}}),
-             ("olmoe", {"extra": {"expert_count": 4, "expert_used_count": 2}})]
+             ("olmoe", {"extra": {"expert_count": 4, "expert_used_count": 2}}),
+             ("ernie4_5-moe", {"extra": {**moe, "expert_shared_feed_forward_length": 32,
+                                         "leading_dense_block_count": 1,
+                                         "interleave_moe_layer_step": 1}})]
     from families import write_family
 
     hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2"]

@@ -171,6 +171,10 @@ GLM4MOE = {"n_layers": 3, "extra": (("expert_count", 4), ("expert_used_count", 2
                                     ("expert_feed_forward_length", 32),
                                     ("expert_shared_count", 1),
                                     ("leading_dense_block_count", 1))}
+ERNIE_MOE = {"extra": (("expert_count", 4), ("expert_used_count", 2),
+                       ("expert_feed_forward_length", 32),
+                       ("expert_shared_feed_forward_length", 32),
+                       ("leading_dense_block_count", 1), ("interleave_moe_layer_step", 1))}
 NEW_KEYS = [
     ("apertus", {}, "xielu.alpha_n", [0.8], "xielu.alpha_n"),  # one value for two layers
     ("apertus", {}, "xielu.beta", None, "xielu.beta"),  # required
@@ -222,6 +226,14 @@ NEW_KEYS = [
      "olmoe.expert_used_count", 0, "olmoe.expert_used_count"),
     ("olmoe", {"extra": (("expert_count", 4), ("expert_used_count", 2))},
      "olmoe.expert_count", 8, "ffn_gate_inp"),  # the tensors have 4
+    ("ernie4_5-moe", ERNIE_MOE, "ernie4_5-moe.interleave_moe_layer_step", 2,
+     "ernie4_5-moe.interleave_moe_layer_step"),
+    ("ernie4_5-moe", ERNIE_MOE, "ernie4_5-moe.interleave_moe_layer_step", None,
+     "ernie4_5-moe.interleave_moe_layer_step"),
+    ("ernie4_5-moe", ERNIE_MOE, "ernie4_5-moe.leading_dense_block_count", 3,
+     "ernie4_5-moe.leading_dense_block_count"),
+    ("ernie4_5-moe", ERNIE_MOE, "ernie4_5-moe.expert_shared_feed_forward_length", 64,
+     "ffn_gate_shexp"),  # the tensors are 32 wide
 ]
 
 

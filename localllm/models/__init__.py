@@ -38,6 +38,7 @@ from types import ModuleType
 from ..errors import UnsupportedError
 from . import (
     apertus,
+    ernie4_5_moe,
     exaone4,
     falcon_h1,
     gemma,
@@ -80,6 +81,7 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "gpt-oss": gptoss,
     "glm4moe": glm4moe,
     "olmoe": olmoe,
+    "ernie4_5-moe": ernie4_5_moe,
 }
 
 

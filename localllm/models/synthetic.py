@@ -387,6 +387,17 @@ GEOMETRIES: dict[str, Geometry] = {
         "olmoe-1b-7b", "olmoe", 50304, 16, 2048, 16, 16, 128, 1024, 4096, 10000.0, 1e-5,
         "gpt2", "olmo", specials=("<|endoftext|>", "<|padding|>"),
         extra={"olmoe.expert_count": 64, "olmoe.expert_used_count": 8}),
+    # ERNIE-4.5-21B-A3B: 28 layers (the first dense), 64 experts (6 used) 1536 wide and a
+    # shared FFN of two experts' width
+    "ernie4.5-21b-a3b": Geometry(
+        "ernie4.5-21b-a3b", "ernie4_5-moe", 103424, 28, 2560, 20, 4, 128, 12288, 131072,
+        500000.0, 1e-5, "llama", "default", specials=("<unk>", "<s>", "</s>", "<pad>"),
+        tied_output=True,
+        extra={"ernie4_5-moe.expert_count": 64, "ernie4_5-moe.expert_used_count": 6,
+               "ernie4_5-moe.expert_feed_forward_length": 1536,
+               "ernie4_5-moe.expert_shared_feed_forward_length": 3072,
+               "ernie4_5-moe.leading_dense_block_count": 1,
+               "ernie4_5-moe.interleave_moe_layer_step": 1}),
     # gpt-oss-20b's layer kinds, vocabulary and expert proportions at 1.4B: 12 layers,
     # 16 experts (4 used, 768 wide; 0.55B active with the output projection)
     "gpt-oss-1b": Geometry(

@@ -203,6 +203,13 @@ FAMILIES: dict[str, tuple] = {
                "ernie4_5-moe.expert_used_count": 2,
                "ernie4_5-moe.expert_feed_forward_length": 128,
                "ernie4_5-moe.expert_shared_feed_forward_length": 256}), "Q8_0"),
+    # biased RMSNorms, an output bias, LongRoPE factors (the long ones past 16 tokens:
+    # the 20-token context of the longer prompts)
+    "phimoe": (dataclasses.replace(
+        GEOMETRIES["phi3.5-moe"], **{**SMALL, "ffn_dim": 256},
+        extra={"phimoe.expert_count": 4, "phimoe.expert_used_count": 2,
+               "phimoe.rope.scaling.original_context_length": 16,
+               "phimoe.rope.scaling.attn_factor": 1.19}), "Q8_0"),
 }
 
 # The families whose layers fold positions into a fixed-size state: their fixtures add a

@@ -422,7 +422,8 @@ def metadata_fuzz_seeds(directory) -> list:
              ("olmoe", {"extra": {"expert_count": 4, "expert_used_count": 2}}),
              ("ernie4_5-moe", {"extra": {**moe, "expert_shared_feed_forward_length": 32,
                                          "leading_dense_block_count": 1,
-                                         "interleave_moe_layer_step": 1}})]
+                                         "interleave_moe_layer_step": 1}}),
+             ("phimoe", {"extra": {"expert_count": 4, "expert_used_count": 2}})]
     from families import write_family
 
     hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2"]

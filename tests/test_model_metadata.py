@@ -234,6 +234,10 @@ NEW_KEYS = [
      "ernie4_5-moe.leading_dense_block_count"),
     ("ernie4_5-moe", ERNIE_MOE, "ernie4_5-moe.expert_shared_feed_forward_length", 64,
      "ffn_gate_shexp"),  # the tensors are 32 wide
+    ("phimoe", {"extra": (("expert_count", 4), ("expert_used_count", 2))},
+     "phimoe.expert_used_count", 5, "phimoe.expert_used_count"),
+    ("phimoe", {"extra": (("expert_count", 4), ("expert_used_count", 2))},
+     "phimoe.expert_count", None, "phimoe.expert_count"),
 ]
 
 

@@ -52,6 +52,7 @@ from . import (
     olmo2,
     olmoe,
     phi3,
+    phimoe,
 )
 
 ARCHITECTURES: dict[str, ModuleType] = {
@@ -82,6 +83,7 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "glm4moe": glm4moe,
     "olmoe": olmoe,
     "ernie4_5-moe": ernie4_5_moe,
+    "phimoe": phimoe,
 }
 
 

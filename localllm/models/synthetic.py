@@ -398,6 +398,14 @@ GEOMETRIES: dict[str, Geometry] = {
                "ernie4_5-moe.expert_shared_feed_forward_length": 3072,
                "ernie4_5-moe.leading_dense_block_count": 1,
                "ernie4_5-moe.interleave_moe_layer_step": 1}),
+    # Phi-3.5-MoE: 32 layers, 16 experts (2 used) 6400 wide, biased norms, LongRoPE
+    "phi3.5-moe": Geometry(
+        "phi3.5-moe", "phimoe", 32064, 32, 4096, 32, 8, 128, 6400, 131072, 10000.0, 1e-5,
+        "llama", "default", specials=("<unk>", "<s>", "</s>", "<|endoftext|>", "<|end|>"),
+        optional=("rope_factors_long.weight", "rope_factors_short.weight"),
+        extra={"phimoe.expert_count": 16, "phimoe.expert_used_count": 2,
+               "phimoe.rope.scaling.original_context_length": 4096,
+               "phimoe.rope.scaling.attn_factor": 1.19}),
     # gpt-oss-20b's layer kinds, vocabulary and expert proportions at 1.4B: 12 layers,
     # 16 experts (4 used, 768 wide; 0.55B active with the output projection)
     "gpt-oss-1b": Geometry(

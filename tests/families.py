@@ -22,6 +22,10 @@ N_VOCAB = 320
 SMALL = {"n_vocab": N_VOCAB, "n_layers": 2, "d_model": 256, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64,
              "ffn_dim": 512, "context_length": 512, "n_pad_tokens": 0}
 BPE = {"vocab": "gpt2", "specials": ("<|endoftext|>", "<|im_end|>")}
+# o200k_harmony's markers (gpt-oss), as the released vocabulary names them
+HARMONY = {"vocab": "gpt2", "specials": ("<|startoftext|>", "<|endoftext|>", "<|return|>",
+                                         "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
+                                         "<|message|>", "<|call|>")}
 
 # Apertus' xIELU parameters of two layers (before softplus)
 _XIELU_2 = {"xielu.alpha_n": [0.4, 0.9], "xielu.alpha_p": [0.6, 0.2], "xielu.beta": [0.5, 0.5],
@@ -200,6 +204,45 @@ FAMILIES: dict[str, tuple] = {
             "gemma3.rope.freq_base_swa": 500.0,
             "gemma3.attention.sliding_window_pattern": [True, False, True, True, False, True]}),
         "Q4_K_M"),
+    # gpt-oss: MXFP4 experts with biases (the release format: every other matrix Q8_0),
+    # attention sinks, a window of 4 on the even layers (the prompts pass it), YaRN over an
+    # original context of 16 (the longer prompts pass it), its own RoPE base on the sliding
+    # layers
+    "gpt-oss": (dataclasses.replace(
+        GEOMETRIES["gpt-oss-20b"], **SMALL, **HARMONY, sliding_window=4, rope_base=10000.0,
+        extra={"gpt-oss.expert_count": 4, "gpt-oss.expert_used_count": 2,
+               "gpt-oss.expert_feed_forward_length": 256, "gpt-oss.rope.freq_base_swa": 1000.0,
+               "gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": 4.0,
+               "gpt-oss.rope.scaling.original_context_length": 16}), "MXFP4_MOE"),
+    # GLM-4.5: a leading dense layer then two routed ones (sigmoid scores, a selection bias,
+    # normalised and scaled weights, a shared expert), Q/K/V biases, QK-norm (the 355B's),
+    # RoPE on half of each head
+    "glm4moe": (dataclasses.replace(
+        GEOMETRIES["glm4moe-1b"], **{**SMALL, "n_layers": 3}, **BPE,
+        optional=("attn_q_norm.weight", "attn_k_norm.weight"),
+        extra={**{k: v for k, v in GEOMETRIES["glm4moe-1b"].extra.items()},
+               "glm4moe.expert_count": 4, "glm4moe.expert_used_count": 2,
+               "glm4moe.expert_feed_forward_length": 128, "glm4moe.expert_weights_scale": 2.5,
+               "glm4moe.rope.dimension_count": 32}), "Q8_0"),
+    "olmoe": (dataclasses.replace(
+        GEOMETRIES["olmoe-1b-7b"], **{**SMALL, "n_kv_heads": 4, "ffn_dim": 256}, **BPE,
+        extra={"olmoe.expert_count": 4, "olmoe.expert_used_count": 2}), "Q8_0"),
+    # a leading dense layer, then softmax routing with a selection bias, renormalised, and a
+    # shared FFN; the unused attn_output.bias present
+    "ernie4_5-moe": (dataclasses.replace(
+        GEOMETRIES["ernie4.5-21b-a3b"], **{**SMALL, "n_layers": 3},
+        optional=("exp_probs_b.bias", "attn_output.bias"),
+        extra={**GEOMETRIES["ernie4.5-21b-a3b"].extra, "ernie4_5-moe.expert_count": 4,
+               "ernie4_5-moe.expert_used_count": 2,
+               "ernie4_5-moe.expert_feed_forward_length": 128,
+               "ernie4_5-moe.expert_shared_feed_forward_length": 256}), "Q8_0"),
+    # biased RMSNorms, an output bias, LongRoPE factors (the long ones past 16 tokens:
+    # the 20-token context of the longer prompts)
+    "phimoe": (dataclasses.replace(
+        GEOMETRIES["phi3.5-moe"], **{**SMALL, "ffn_dim": 256},
+        extra={"phimoe.expert_count": 4, "phimoe.expert_used_count": 2,
+               "phimoe.rope.scaling.original_context_length": 16,
+               "phimoe.rope.scaling.attn_factor": 1.19}), "Q8_0"),
 }
 
 # The families whose layers fold positions into a fixed-size state: their fixtures add a
@@ -208,11 +251,22 @@ FAMILIES: dict[str, tuple] = {
 RECURRENT = ("mamba2", "granitehybrid", "granitehybrid-moe", "falcon-h1", "nemotron_h", "lfm2",
              "qwen35", "qwen35moe", "qwen3next")
 
+# Prompt lengths of the families whose fixtures need others than record.py's defaults
+# (gpt-oss: past its original context of 16, so that YaRN's interpolation counts).
+PROMPT_LENGTHS: dict[str, tuple[int, ...]] = {"gpt-oss": (5, 12, 20, 27)}
+
 
 # Gemma 2/3 scale the (tied) embedding by sqrt(d_model) and post-norm each sublayer: with
 # WEIGHT_STD the input token's own logit would dominate every distribution.
 STD = {"gemma2": 0.05, "gemma3": 0.05, "gemma3-linear": 0.05, "gemma3-swa": 0.05,
        "smollm3": 0.1, "ernie4_5": 0.1,
+       # gpt-oss: no QK-norm and large attention scores (YaRN's magnitude squared): at 0.15
+       # llama.cpp's 8-bit activations alone move its logits by KL ~0.005 with spikes where
+       # an attention or routing argmax flips (with F16 weights both agree to 1e-5); glm4moe
+       # likewise (a flipped sigmoid routing at 0.15); olmoe (the native int8 experts flip a
+       # routing at 0.15, and at 0.1 no 6-token prompt is decisive); ernie4_5-moe (KL 0.003
+       # at 0.15, 0.001 at 0.12)
+       "gpt-oss": 0.1, "glm4moe": 0.1, "olmoe": 0.12, "ernie4_5-moe": 0.12,
        # the recurrent families' outputs pass through more norms and gates: a larger spread
        # keeps their next-token distributions as peaked as the others'
        "mamba2": 0.25, "granitehybrid": 0.3, "granitehybrid-moe": 0.3, "falcon-h1": 0.25,

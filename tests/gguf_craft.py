@@ -353,7 +353,10 @@ EXTRA_KEYS = ["rope.scaling.type", "rope.scaling.factor", "attention.sliding_win
               "rope.scaling.yarn_beta_slow", "rope.scaling.low_freq_factor",
               "rope.scaling.high_freq_factor", "rope.scaling.alpha", "rope.scale_linear",
               "rope.freq_base_swa", "attention.sliding_window_pattern",
-              "attention.temperature_scale"]
+              "attention.temperature_scale",
+              # MoE routing variants (gpt-oss, glm4moe ...)
+              "expert_shared_count", "leading_dense_block_count", "expert_gating_func",
+              "expert_weights_scale", "nextn_predict_layers", "interleave_moe_layer_step"]
 # Keys outside the architecture's namespace (llama.cpp's names), added as they are.
 GLOBAL_KEYS = ["xielu.alpha_n", "xielu.alpha_p", "xielu.beta", "xielu.eps"]
 
@@ -407,7 +410,21 @@ def metadata_fuzz_seeds(directory) -> list:
              ("smollm3", {"n_layers": 4}), ("apertus", {}), ("seed_oss", {}),
              ("exaone4", {"n_layers": 64, "d_model": 32, "n_heads": 2, "n_kv_heads": 1,
                           "ffn_dim": 32}),
-             ("hunyuan-dense", {"extra": {"rope.scaling.alpha": 1000.0}}), ("ernie4_5", {})]
+             ("hunyuan-dense", {"extra": {"rope.scaling.alpha": 1000.0}}), ("ernie4_5", {}),
+             ("gpt-oss", {"extra": {**moe, "rope.scaling.type": "yarn",
+                                    "rope.scaling.factor": 4.0,
+                                    "rope.scaling.original_context_length": 16,
+                                    "rope.freq_base_swa": 1000.0}}),
+             ("glm4moe", {"n_layers": 3,
+                          "extra": {**moe, "expert_shared_count": 1,
+                                    "leading_dense_block_count": 1, "expert_gating_func": 2,
+                                    "expert_weights_norm": True, "expert_weights_scale": 2.5,
+                                    "rope.dimension_count": 8}}),
+             ("olmoe", {"extra": {"expert_count": 4, "expert_used_count": 2}}),
+             ("ernie4_5-moe", {"extra": {**moe, "expert_shared_feed_forward_length": 32,
+                                         "leading_dense_block_count": 1,
+                                         "interleave_moe_layer_step": 1}}),
+             ("phimoe", {"extra": {"expert_count": 4, "expert_used_count": 2}})]
     from families import write_family
 
     hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2", "qwen35", "qwen35moe",

@@ -121,7 +121,7 @@ def write_tiny_gguf(
           a + "attention.head_count_kv": n_kv_heads, a + "attention.key_length": head_dim,
           a + "attention.value_length": head_dim, a + "attention.layer_norm_rms_epsilon": 1e-6,
           a + "rope.freq_base": 10000.0}
-    if arch in ("gemma2", "gemma3"):
+    if arch in ("gemma2", "gemma3", "gpt-oss"):
         md[a + "attention.sliding_window"] = sliding_window
     if arch == "apertus":  # xIELU's parameters (keys outside the arch's namespace)
         md.update({"xielu.alpha_n": 0.8, "xielu.alpha_p": 0.8, "xielu.beta": 0.5,

@@ -150,6 +150,7 @@ def attend(
     window: int | None,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads (GQA), float32.
 
@@ -158,6 +159,10 @@ def attend(
     holds position ``j`` -> (T, n_heads * hd) float32.
     ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2's
     ``attn_logit_softcapping``, llama.cpp's ``hparams.attn_soft_cap``).
+    ``sinks``: (n_heads,) float32, one learned logit per query head that joins the softmax's
+    denominator and attends to nothing (gpt-oss's attention sinks; llama.cpp's
+    ``ggml_soft_max_add_sinks``: ``p_j = exp(s_j - m) / (sum_i exp(s_i - m) + exp(sink - m))``,
+    ``m`` the maximum of the scores and the sink, the sink neither scaled nor capped).
     Query head h reads KV head h // (n_heads / n_kv_heads), as llama.cpp does. The heads of a
     group are stacked into one product instead of repeating K/V: in decode this is several
     times faster on the CPU than torch's SDPA with a mask.
@@ -173,6 +178,9 @@ def attend(
     # that prefill's working set stays small; each row's result is the same either way.
     out = torch.empty(n_kv, group * t, hd, dtype=torch.float32, device=q.device)
     hidden = ~mask
+    # each score row's sink: row r of KV head h belongs to query head h * group + r // t
+    sink_rows = (None if sinks is None else
+                 sinks.float().view(n_kv, group).repeat_interleave(t, dim=1)[..., None])
     for h0, h1, r0, r1 in score_blocks(n_kv, group, t, s):
         scores = torch.matmul(qg[h0:h1, r0:r1], keys[h0:h1].float().transpose(1, 2))
         scores.mul_(scale)
@@ -182,21 +190,38 @@ def attend(
             scores.view(h1 - h0, -1, t, s).masked_fill_(hidden, float("-inf"))
         else:  # part of one query head's rows
             scores.masked_fill_(hidden[r0 % t : r0 % t + r1 - r0], float("-inf"))
-        torch.softmax(scores, dim=-1, out=scores)
+        if sink_rows is None:
+            torch.softmax(scores, dim=-1, out=scores)
+        else:
+            sink_softmax_(scores, sink_rows[h0:h1, r0:r1])
         torch.matmul(scores, values[h0:h1].float(), out=out[h0:h1, r0:r1])  # (n, rows, hd)
         del scores
     return out.view(n_heads, t, hd).transpose(0, 1).reshape(t, n_heads * hd)
 
 
+def sink_softmax_(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim in place, with one more logit per row in the denominator
+    (attention sinks, see :func:`attend`): scores (..., S) float32, sinks broadcastable to
+    (..., 1). A row whose scores are all -inf becomes zeros (the sink takes everything)."""
+    m = torch.maximum(scores.amax(-1, keepdim=True), sinks)
+    scores.sub_(m).exp_()
+    scores.div_(scores.sum(-1, keepdim=True) + (sinks - m).exp())
+    return scores
+
+
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       q_positions: torch.Tensor, k_positions: torch.Tensor | None, *,
-                      window: int | None, scale: float) -> torch.Tensor:
+                      window: int | None, scale: float,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`attend` (no soft-capping) in the cache's dtype through torch's fused
     ``scaled_dot_product_attention`` (float16 on CUDA: its memory-efficient kernel, after
     Rabe & Staats 2021; float32 accumulation), with no float32 copies of the keys and values.
 
     q: (n_heads, T, hd) float32; keys/values: (n_kv_heads, S, hd) float16/float32 ->
     (T, n_heads * hd) float32. A query with no visible key gives NaN, as ``attend``.
+    ``sinks`` (n_heads,): attention sinks (see :func:`attend`), taken as one more key of
+    zeros whose score is set by an additive mask to the head's sink logit, and whose value
+    is zero (the sink in the cache's dtype: float16 on CUDA).
     """
     n_heads, t, hd = q.shape
     n_kv = keys.shape[0]
@@ -207,8 +232,17 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     # A KV group's query heads as one longer query sequence (as attend does): no repeated
     # K/V, and no enable_gqa, which with a mask sends SDPA to its quadratic math backend.
     qg = q.to(dt).reshape(n_kv, group * t, hd)
-    out = F.scaled_dot_product_attention(qg[None], keys[None], values.to(dt)[None],
-                                         attn_mask=mask.repeat(group, 1), scale=scale)
+    mask = mask.repeat(group, 1)  # (group * T, S)
+    values = values.to(dt)
+    if sinks is not None:
+        zero = keys.new_zeros(n_kv, 1, hd)
+        keys, values = torch.cat([keys, zero], 1), torch.cat([values, zero], 1)
+        bias = torch.zeros(n_kv, group * t, mask.shape[1] + 1, dtype=dt, device=q.device)
+        bias[..., :-1].masked_fill_(~mask, float("-inf"))
+        bias[..., -1] = sinks.view(n_kv, group).repeat_interleave(t, dim=1).to(dt)
+        mask = bias
+    out = F.scaled_dot_product_attention(qg[None], keys[None], values[None],
+                                         attn_mask=mask[None], scale=scale)
     return out[0].reshape(n_heads, t, hd).transpose(0, 1).reshape(t, n_heads * hd).float()
 
 
@@ -233,6 +267,26 @@ def xielu(x: torch.Tensor, alpha_n: float, alpha_p: float, beta: float, eps: flo
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_tanh": gelu_tanh,
     "silu": F.silu,
+}
+
+# gpt-oss's clamped SwiGLU (llama.cpp's LLM_FFN_SWIGLU_OAI_MOE in src/llama-graph.cpp).
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's gated activation, as ggml's ``ggml_swiglu_oai`` computes it
+    (``ggml/src/ggml-cpu/ops.cpp``): ``x * sigmoid(alpha x) * (y + 1)`` with
+    ``x = min(gate, limit)``, ``y = clamp(up, -limit, limit)``, alpha 1.702, limit 7.
+    (T, F) float32 each -> (T, F) float32."""
+    x = gate.clamp(max=SWIGLU_OAI_LIMIT)
+    return x * torch.sigmoid(SWIGLU_OAI_ALPHA * x) * (up.clamp(-SWIGLU_OAI_LIMIT,
+                                                               SWIGLU_OAI_LIMIT) + 1.0)
+
+
+# Gated activations that are not ``act(gate) * up``, by name.
+GATED: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "swiglu_oai": swiglu_oai,
 }
 
 
@@ -271,9 +325,12 @@ class TorchOps:
     @staticmethod
     def gated(gate: torch.Tensor, up: torch.Tensor, act: str, *,
               overwrite: bool = False) -> torch.Tensor:
-        """act(gate) * up (T, F), ``act`` a key of :data:`ACTIVATIONS`. ``overwrite``: the
-        caller no longer needs ``gate``, and the result may be written over it (the native
-        ops do: no buffer of its own; these return a new tensor)."""
+        """act(gate) * up (T, F), ``act`` a key of :data:`ACTIVATIONS`, or the gated
+        function :data:`GATED` names (``swiglu_oai``). ``overwrite``: the caller no longer
+        needs ``gate``, and the result may be written over it (the native ops do: no buffer
+        of its own; these return a new tensor)."""
+        if act in GATED:
+            return GATED[act](gate, up)
         return ACTIVATIONS[act](gate) * up
 
     def self_attention(
@@ -294,6 +351,7 @@ class TorchOps:
         scale: float,
         softcap: float | None = None,
         norm_after_rope: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The attention of a layer from its projections: per-head RMSNorm of q and k by
         ``q_norm`` / ``k_norm`` when given (QK-norm), RoPE by ``angles`` (from
@@ -302,7 +360,8 @@ class TorchOps:
         llama.cpp's ``hunyuan-vl.cpp``).
 
         q: (T, n_heads * head_dim), k/v: (T, n_kv_heads * head_dim) float32 (views with unit
-        column stride) -> (T, n_heads * head_dim) float32.
+        column stride) -> (T, n_heads * head_dim) float32. ``sinks``: (n_heads,) float32
+        attention sinks (see :func:`attend`), or None.
         """
         t = q.shape[0]
         q = q.reshape(t, -1, head_dim).transpose(0, 1)  # (nh, T, hd)
@@ -314,7 +373,8 @@ class TorchOps:
         else:
             q = self.norm_rope(q, q_norm, eps, angles, neox=neox)
             k = self.norm_rope(k, k_norm, eps, angles, neox=neox)
-        return self.attention(q, k, v, cache, pos, positions, scale=scale, softcap=softcap)
+        return self.attention(q, k, v, cache, pos, positions, scale=scale, softcap=softcap,
+                              sinks=sinks)
 
     def attention(
         self,
@@ -327,16 +387,17 @@ class TorchOps:
         *,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store the new keys/values in ``cache`` and attend the new queries over it.
 
         q: (n_heads, T, hd), k/v: (n_kv_heads, T, hd) float32 at ``positions`` (T,) int64, the
         first of which is ``pos`` (an int, or a (1,) device tensor in static decode: see
-        :mod:`localllm.memory.kv`) -> (T, n_heads * hd) float32.
+        :mod:`localllm.memory.kv`) -> (T, n_heads * hd) float32. ``sinks``: see :func:`attend`.
         """
         keys, values, k_pos = store_kv(cache, pos, k, v)
         return attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale,
-                      softcap=softcap)
+                      softcap=softcap, sinks=sinks)
 
     @staticmethod
     def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -147,10 +147,12 @@ class NativeOps(TorchOps):
         return self._residual_norm(x, f, post_weight, weight, eps)
 
     def gated(self, gate, up, act, *, overwrite=False):
+        if act not in self.ACT:  # gated functions without a kernel (swiglu_oai): torch
+            return super().gated(gate, up, act, overwrite=overwrite)
         return self._gated(gate, up, self.ACT[act], gate if overwrite else None)
 
     def self_attention(self, q, k, v, q_norm, k_norm, eps, angles, cache, pos, positions, *,
-                       head_dim, neox, scale, softcap=None, norm_after_rope=False):
+                       head_dim, neox, scale, softcap=None, norm_after_rope=False, sinks=None):
         t = q.shape[0]
         where = None
         if (t <= self.FEW and isinstance(pos, int) and not norm_after_rope
@@ -160,12 +162,12 @@ class NativeOps(TorchOps):
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
                                           positions, head_dim=head_dim, neox=neox,
                                           scale=scale, softcap=softcap,
-                                          norm_after_rope=norm_after_rope)
+                                          norm_after_rope=norm_after_rope, sinks=sinks)
         slot, live, k_pos = where
         cos, sin = angles
         return self._attn_decode(q, k, v, q_norm, k_norm, eps, cos, sin, neox, cache.k, cache.v,
                                  self._no_positions if k_pos is None else k_pos, slot, live,
-                                 pos, cache.window or 0, scale, softcap or 0.0)
+                                 pos, cache.window or 0, scale, softcap or 0.0, sinks)
 
     def short_conv(self, x, weight, bias, state, *, silu):
         """One native call (``localllm/cpu/csrc/ssm.cpp``): every token and channel, and the
@@ -190,18 +192,28 @@ class NativeOps(TorchOps):
     def experts(self, x, chosen, weights, gate, up, down, act):
         """Native int8 experts (all three :class:`PackedExperts` with ``q8`` weights): one
         token's k experts in one :func:`localllm.cpu.gemv_experts` call per matrix (a call
-        per expert and matrix spent most of a MoE decode step in Python), and a prompt of at
-        least :data:`MOE_MIN_ROWS` rows per expert on average in one
-        :func:`localllm.cpu.moe_ffn_q8` call (SiLU experts; the per-expert loop spent most of
-        a MoE prefill in small products and Python). Otherwise the torch grouping."""
-        stacked = [m.stacked if isinstance(m, PackedExperts) else None for m in (gate, up, down)]
-        if act == "silu" and all(w is not None and w.q8 for w in stacked):
+        per expert and matrix spent most of a MoE decode step in Python; the experts'
+        biases added by row), and a prompt of at least :data:`MOE_MIN_ROWS` rows per expert
+        on average in one :func:`localllm.cpu.moe_ffn_q8` call (SiLU experts without biases;
+        the per-expert loop spent most of a MoE prefill in small products and Python).
+        Otherwise the torch grouping."""
+        mats = (gate, up, down)
+        stacked = [m.stacked if isinstance(m, PackedExperts) else None for m in mats]
+        if all(w is not None and w.q8 for w in stacked):
             n_expert, n_ff = gate.shape[0], gate.shape[1]
             if x.shape[0] == 1:
-                h = self.gated(cpu.gemv_experts(x, stacked[0], chosen[0], n_ff),
-                               cpu.gemv_experts(x, stacked[1], chosen[0], n_ff), act,
-                               overwrite=True)  # (k, n_ff)
-                return weights @ cpu.gemv_experts(h, stacked[2], chosen[0], x.shape[1])
-            if x.shape[0] * chosen.shape[1] >= MOE_MIN_ROWS * n_expert and cpu.moe_q8():
+                e = chosen[0]
+                g, u = (_biased(cpu.gemv_experts(x, w, e, n_ff), m.bias, e)
+                        for w, m in zip(stacked[:2], mats[:2]))
+                h = self.gated(g, u, act, overwrite=True)  # (k, n_ff)
+                return weights @ _biased(cpu.gemv_experts(h, stacked[2], e, x.shape[1]),
+                                         down.bias, e)
+            if (act == "silu" and all(m.bias is None for m in mats) and cpu.moe_q8()
+                    and x.shape[0] * chosen.shape[1] >= MOE_MIN_ROWS * n_expert):
                 return cpu.moe_ffn_q8(x, chosen, weights, *stacked)
         return super().experts(x, chosen, weights, gate, up, down, act)
+
+
+def _biased(y: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor) -> torch.Tensor:
+    """``y`` (k, out), one row per chosen expert, plus each expert's bias row (in place)."""
+    return y if bias is None else y.add_(bias[experts])

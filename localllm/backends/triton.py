@@ -13,8 +13,8 @@ import torch
 
 from .. import kernels
 from .base import ExpertList
+from .dense import GATED, TorchOps, prefill_attention, store_kv
 from .dense import Backend as _Backend
-from .dense import TorchOps, prefill_attention, store_kv
 
 
 class TritonMatrix:
@@ -126,17 +126,21 @@ class KernelOps(TorchOps):
 
     @staticmethod
     def gated(gate, up, act, *, overwrite=False):
+        if act in GATED:  # gated functions without a kernel (swiglu_oai): torch
+            return TorchOps.gated(gate, up, act)
         return kernels.gated_act(gate, up, act=act)
 
     def self_attention(self, q, k, v, q_norm, k_norm, eps, angles, cache, pos, positions, *,
-                       head_dim, neox, scale, softcap=None, norm_after_rope=False):
+                       head_dim, neox, scale, softcap=None, norm_after_rope=False, sinks=None):
         """One token: two launches, :func:`localllm.kernels.norm_rope_kv` (QK-norm, RoPE and
-        the cache write) then :func:`localllm.kernels.decode_attention`."""
+        the cache write) then :func:`localllm.kernels.decode_attention`. Attention sinks
+        (gpt-oss) go the torch way (:meth:`attention`): the decode kernel has none yet."""
         rope_pos, inv_freq, rope_scale, magnitude = angles
-        if q.shape[0] != 1 or magnitude is not None or norm_after_rope:
+        if q.shape[0] != 1 or magnitude is not None or norm_after_rope or sinks is not None:
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
                                           positions, head_dim=head_dim, neox=neox, scale=scale,
-                                          softcap=softcap, norm_after_rope=norm_after_rope)
+                                          softcap=softcap, norm_after_rope=norm_after_rope,
+                                          sinks=sinks)
         q = q.reshape(1, -1, head_dim).transpose(0, 1)  # (nh, 1, hd)
         k = k.reshape(1, -1, head_dim).transpose(0, 1)  # (nkv, 1, hd)
         v = v.reshape(1, -1, head_dim).transpose(0, 1)
@@ -162,14 +166,20 @@ class KernelOps(TorchOps):
                                        n_k_heads=n_k_heads, eps=eps, interleave=interleave)
 
     def attention(self, q, k, v, cache, pos, positions, *, scale: float,
-                  softcap: float | None = None) -> torch.Tensor:
-        if q.shape[1] != 1 and softcap is not None:  # SDPA has no soft-capping
+                  softcap: float | None = None, sinks: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+        """Prefill: SDPA (sinks as one more key, see :func:`prefill_attention`); a decode
+        token: the flash-decoding kernel, or :func:`~localllm.backends.dense.attend` with
+        sinks."""
+        if softcap is not None and (q.shape[1] != 1 or sinks is not None):  # SDPA: no cap
             return super().attention(q, k, v, cache, pos, positions, scale=scale,
-                                     softcap=softcap)
+                                     softcap=softcap, sinks=sinks)
+        if q.shape[1] == 1 and sinks is not None:
+            return super().attention(q, k, v, cache, pos, positions, scale=scale, sinks=sinks)
         keys, values, k_pos = store_kv(cache, pos, k, v)
         if q.shape[1] != 1:
             return prefill_attention(q, keys, values, positions, k_pos, window=cache.window,
-                                     scale=scale)
+                                     scale=scale, sinks=sinks)
         return kernels.decode_attention(q[:, 0], keys, values, positions, k_positions=k_pos,
                                 window=cache.window, scale=scale, softcap=softcap)
 

@@ -38,16 +38,21 @@ from types import ModuleType
 from ..errors import UnsupportedError
 from . import (
     apertus,
+    ernie4_5_moe,
     exaone4,
     falcon_h1,
     gemma,
+    glm4moe,
+    gptoss,
     granite_hybrid,
     lfm2,
     llama,
     mamba2,
     nemotron_h,
     olmo2,
+    olmoe,
     phi3,
+    phimoe,
     qwen3next,
     qwen35,
     qwen35moe,
@@ -80,6 +85,11 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "qwen35": qwen35,
     "qwen35moe": qwen35moe,
     "qwen3next": qwen3next,
+    "gpt-oss": gptoss,
+    "glm4moe": glm4moe,
+    "olmoe": olmoe,
+    "ernie4_5-moe": ernie4_5_moe,
+    "phimoe": phimoe,
 }
 
 

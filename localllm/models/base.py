@@ -22,7 +22,8 @@ models. The ``Model`` is built from ``args`` alone and :func:`bind` attaches the
 backend loads: matrices become one :class:`~localllm.models.common.Linear`, 3-D expert
 tensors an :class:`~localllm.backends.ExpertMatrix`, vectors and the parameters of
 :data:`DENSE_TENSORS` float32 tensors, ``.bias`` tensors the bias of the ``Linear`` of the
-same stem (a field ``{stem}_bias`` where the stem has no matrix: ``ssm_dt_bias``); dots in a
+same stem, or the float32 bias of its ``ExpertMatrix`` (one row per expert; gpt-oss), or a
+field ``{stem}_bias`` where the stem has no matrix (``ssm_dt_bias``); dots in a
 stem become underscores in its field (``shortconv.in_proj``); projections of one input
 (``model.FUSE``: Q/K/V, gate/up) are fused into one product where the backend can stack
 them. A tensor without a field, or a required field without a tensor, fails at bind time
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..backends.base import ExpertList
 from ..errors import GGUFError
 from .common import Embedding, Linear, fuse
 
@@ -461,6 +463,9 @@ def bind(model: BaseModel, gguf, backend, specs: list[TensorSpec], *,
         stem = field_name(stem)
         if suffix == "bias" and isinstance(owner.get(stem), Linear):
             owner[stem].bias = backend.dense(info)
+            continue
+        if suffix == "bias" and isinstance(owner.get(stem), ExpertList):
+            owner[stem].bias = backend.dense(info, torch.float32)  # (n_expert, out)
             continue
         if suffix == "bias":  # the bias of no matrix (Mamba's ssm_dt.bias): its own field
             stem += "_bias"

@@ -67,6 +67,24 @@ _LLAMA3_SPECIALS = tuple(
     for i in range(256)
 )
 
+# o200k_harmony's special tokens (ids 199998 .. 201087 of the released vocabulary): the
+# harmony chat format's markers among reserved ones.
+_HARMONY_SPECIALS = tuple(
+    {0: "<|startoftext|>", 1: "<|endoftext|>", 4: "<|return|>", 5: "<|constrain|>",
+     7: "<|channel|>", 8: "<|start|>", 9: "<|end|>", 10: "<|message|>", 14: "<|call|>",
+     20: "<|endofprompt|>"}.get(i, f"<|reserved_{199998 + i}|>")
+    for i in range(1090)
+)
+
+
+def _gpt_oss_keys(n_expert: int, n_used: int, expert_ffn: int) -> dict:
+    """gpt-oss's expert and RoPE keys (YaRN x32 over an original context of 4096)."""
+    return {"gpt-oss.expert_count": n_expert, "gpt-oss.expert_used_count": n_used,
+            "gpt-oss.expert_feed_forward_length": expert_ffn,
+            "gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": 32.0,
+            "gpt-oss.rope.scaling.original_context_length": 4096}
+
+
 _MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]")
 _HUNYUAN_SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|extra_0|>")
 # Ministral 3's RoPE and attention temperature (the keys llama.cpp's converter writes)
@@ -86,6 +104,20 @@ def _xielu(n_layers: int) -> dict:
     return {"xielu.alpha_n": [0.4 + 0.5 * r for r in ramp],
             "xielu.alpha_p": [0.6 - 0.4 * r for r in ramp],
             "xielu.beta": [0.5] * n_layers, "xielu.eps": [-1e-6] * n_layers}
+
+
+def _glm4moe_keys(n_expert: int, n_used: int, expert_ffn: int, scale: float, *,
+                  nextn: int = 0) -> dict:
+    """GLM-4.5's MoE and RoPE keys: one leading dense layer, one shared expert, sigmoid
+    scores normalised and scaled, half of each head rotated (64 of 128 in the releases)."""
+    keys = {"glm4moe.expert_count": n_expert, "glm4moe.expert_used_count": n_used,
+            "glm4moe.expert_feed_forward_length": expert_ffn,
+            "glm4moe.expert_shared_count": 1, "glm4moe.leading_dense_block_count": 1,
+            "glm4moe.expert_gating_func": 2, "glm4moe.expert_weights_norm": True,
+            "glm4moe.expert_weights_scale": scale, "glm4moe.rope.dimension_count": 64}
+    if nextn:
+        keys["glm4moe.nextn_predict_layers"] = nextn
+    return keys
 
 
 GEOMETRIES: dict[str, Geometry] = {
@@ -271,6 +303,13 @@ GEOMETRIES: dict[str, Geometry] = {
     "ernie4.5-1b": Geometry(
         "ernie4.5-1b", "ernie4_5", 103424, 16, 2048, 32, 4, 64, 6144, 131072, 500000.0,
         1e-5, "llama", "default", specials=("<unk>", "<s>", "</s>", "<pad>"), tied_output=True),
+    # gpt-oss-20b: 24 layers alternating sliding-window (128) and full attention, 32 experts
+    # (4 used, 2880 wide, MXFP4 in the released files) with biases, attention sinks, YaRN
+    # (x32 over 4096), the o200k_harmony vocabulary (pre-tokenizer gpt-4o)
+    "gpt-oss-20b": Geometry(
+        "gpt-oss-20b", "gpt-oss", 201088, 24, 2880, 64, 8, 64, 2880, 131072, 150000.0, 1e-5,
+        "gpt2", "gpt-4o", specials=_HARMONY_SPECIALS, qkv_bias=True, sliding_window=128,
+        extra=_gpt_oss_keys(32, 4, 2880)),
     # Qwen3-30B-A3B's proportions at 1B: 64 experts, 8 used (0.3B active), expert FFN 256
     "qwen3moe-1b": Geometry(
         "qwen3moe-1b", "qwen3moe", 151936, 16, 1024, 16, 4, 128, 3072, 40960, 1000000.0,
@@ -391,6 +430,51 @@ GEOMETRIES: dict[str, Geometry] = {
             "qwen3next.ssm.state_size": 128, "qwen3next.ssm.time_step_rank": 16,
             "qwen3next.ssm.group_count": 8, "qwen3next.full_attention_interval": 4,
             "qwen3next.rope.dimension_count": 64}),
+    # GLM-4.5-Air: 46 decoder layers (the first dense) and its next-token-prediction block,
+    # 128 experts (8 used, sigmoid scores with a selection bias, normalised) and a shared one,
+    # Q/K/V biases, RoPE on half of each head
+    "glm4.5-air": Geometry(
+        "glm4.5-air", "glm4moe", 151552, 47, 4096, 96, 8, 128, 10944, 131072, 1000000.0, 1e-5,
+        "gpt2", "glm4", specials=("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>",
+                                  "<|assistant|>", "<|observation|>"),
+        qkv_bias=True, extra=_glm4moe_keys(128, 8, 1408, 1.0, nextn=1)),
+    # GLM-4.5-Air's proportions at ~1B active: 16 layers (the first dense), 32 experts
+    "glm4moe-1b": Geometry(
+        "glm4moe-1b", "glm4moe", 151552, 16, 1536, 24, 4, 64, 4608, 131072, 1000000.0, 1e-5,
+        "gpt2", "glm4", specials=("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>",
+                                  "<|assistant|>", "<|observation|>"),
+        qkv_bias=True, extra=_glm4moe_keys(32, 8, 512, 1.0)),
+    # OLMoE-1B-7B: 16 layers, 64 experts (8 used, softmax, not renormalised) 1024 wide,
+    # QK-norm over all heads
+    "olmoe-1b-7b": Geometry(
+        "olmoe-1b-7b", "olmoe", 50304, 16, 2048, 16, 16, 128, 1024, 4096, 10000.0, 1e-5,
+        "gpt2", "olmo", specials=("<|endoftext|>", "<|padding|>"),
+        extra={"olmoe.expert_count": 64, "olmoe.expert_used_count": 8}),
+    # ERNIE-4.5-21B-A3B: 28 layers (the first dense), 64 experts (6 used) 1536 wide and a
+    # shared FFN of two experts' width
+    "ernie4.5-21b-a3b": Geometry(
+        "ernie4.5-21b-a3b", "ernie4_5-moe", 103424, 28, 2560, 20, 4, 128, 12288, 131072,
+        500000.0, 1e-5, "llama", "default", specials=("<unk>", "<s>", "</s>", "<pad>"),
+        tied_output=True,
+        extra={"ernie4_5-moe.expert_count": 64, "ernie4_5-moe.expert_used_count": 6,
+               "ernie4_5-moe.expert_feed_forward_length": 1536,
+               "ernie4_5-moe.expert_shared_feed_forward_length": 3072,
+               "ernie4_5-moe.leading_dense_block_count": 1,
+               "ernie4_5-moe.interleave_moe_layer_step": 1}),
+    # Phi-3.5-MoE: 32 layers, 16 experts (2 used) 6400 wide, biased norms, LongRoPE
+    "phi3.5-moe": Geometry(
+        "phi3.5-moe", "phimoe", 32064, 32, 4096, 32, 8, 128, 6400, 131072, 10000.0, 1e-5,
+        "llama", "default", specials=("<unk>", "<s>", "</s>", "<|endoftext|>", "<|end|>"),
+        optional=("rope_factors_long.weight", "rope_factors_short.weight"),
+        extra={"phimoe.expert_count": 16, "phimoe.expert_used_count": 2,
+               "phimoe.rope.scaling.original_context_length": 4096,
+               "phimoe.rope.scaling.attn_factor": 1.19}),
+    # gpt-oss-20b's layer kinds, vocabulary and expert proportions at 1.4B: 12 layers,
+    # 16 experts (4 used, 768 wide; 0.55B active with the output projection)
+    "gpt-oss-1b": Geometry(
+        "gpt-oss-1b", "gpt-oss", 201088, 12, 1536, 24, 8, 64, 768, 131072, 150000.0, 1e-5,
+        "gpt2", "gpt-4o", specials=_HARMONY_SPECIALS, qkv_bias=True, sliding_window=128,
+        extra=_gpt_oss_keys(16, 4, 768)),
 }
 
 
@@ -422,11 +506,12 @@ def _unlayered(name: str) -> str:
 
 
 def _stored_f32(name: str, shape: tuple[int, ...]) -> bool:
-    """Vectors and the state-space parameters (``models.base.DENSE_TENSORS``: llama.cpp's
-    SSM kernels read them as F32) are written F32; other matrices F16 before the recipe."""
+    """Vectors, biases (gpt-oss's per-expert biases are matrices) and the state-space
+    parameters (``models.base.DENSE_TENSORS``: llama.cpp's SSM kernels read them as F32) are
+    written F32, as the converters write them; other matrices F16 before the recipe."""
     from .base import DENSE_TENSORS, layer_of
 
-    return len(shape) == 1 or layer_of(name)[1] in DENSE_TENSORS
+    return len(shape) == 1 or name.endswith(".bias") or layer_of(name)[1] in DENSE_TENSORS
 
 
 def tensor_types(g: Geometry, quant: str) -> dict[str, GGMLQuantizationType]:
@@ -478,7 +563,12 @@ def _bpe_vocab(g: Geometry) -> dict:
     md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": g.pre,
           "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
           "tokenizer.ggml.merges": merges}
-    if g.arch in ("llama", "mistral", "granite", "olmo2", "phi3"):
+    if "<|return|>" in g.specials:  # harmony: as the released gpt-oss files
+        md.update({"tokenizer.ggml.bos_token_id": first_special + g.specials.index("<|startoftext|>"),
+                   "tokenizer.ggml.eos_token_id": first_special + g.specials.index("<|return|>"),
+                   "tokenizer.ggml.padding_token_id": first_special + g.specials.index("<|endoftext|>"),
+                   "tokenizer.ggml.add_bos_token": False})
+    elif g.arch in ("llama", "mistral", "granite", "olmo2", "phi3"):
         md.update({"tokenizer.ggml.bos_token_id": first_special,
                    "tokenizer.ggml.eos_token_id": first_special + 1,
                    "tokenizer.ggml.add_bos_token": True})
@@ -577,10 +667,15 @@ def _ssm_values(name: str, x: np.ndarray, rng: np.random.Generator) -> np.ndarra
 def _random_blocks(qtype: GGMLQuantizationType, n_blocks: int, d: float,
                    rng: np.random.Generator) -> np.ndarray:
     """``n_blocks`` random blocks of ``qtype`` with scales ``d`` x U(0.75, 1.25): uint8
-    (n_blocks, block_bytes)."""
-    d_off, m_off, ratio = _SCALE_LAYOUT[qtype]
+    (n_blocks, block_bytes). MXFP4's scale is a power of two (an E8M0 byte, 2^(e - 128)
+    per unit of its codebook): ``d`` x U(0.75, 1.25) rounded to the nearest one."""
     size = BLOCK_FORMATS[qtype].type_size
     raw = np.frombuffer(rng.bytes(n_blocks * size), dtype=np.uint8).reshape(n_blocks, size).copy()
+    if qtype == Q.MXFP4:  # block_mxfp4: [e: uint8][qs: 16 bytes of nibbles]
+        e = 128 + np.rint(np.log2(d * rng.uniform(0.75, 1.25, n_blocks)))
+        raw[:, 0] = np.clip(e, 2, 254).astype(np.uint8)
+        return raw
+    d_off, m_off, ratio = _SCALE_LAYOUT[qtype]
     scales = (d * rng.uniform(0.75, 1.25, n_blocks)).astype(np.float16)
     raw[:, d_off:d_off + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
     if m_off is not None:
@@ -631,7 +726,7 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
         if qtype == Q.F16:
             return x.astype(np.float16).view(np.uint8)
         return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-    if qtype not in _SCALE_LAYOUT:
+    if qtype not in _SCALE_LAYOUT and qtype != Q.MXFP4:
         raise LocalLLMError(f"synthetic weights of type {qtype.name} are not supported")
     n_blocks = n // BLOCK_FORMATS[qtype].block_size
     return _random_blocks(qtype, n_blocks, std / _unit_std(qtype), rng).reshape(-1)

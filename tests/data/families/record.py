@@ -53,46 +53,63 @@ MIN_ROUTER_GAP = 0.005  # MoE: router probability between the last chosen expert
 N_CANDIDATES = 3  # per length, for MoE (non-MoE: 50)
 
 
-def candidate_prompts(path: Path, seed: int, *, long: bool = False) -> list[list[int]]:
-    """Random prompts, N_CANDIDATES per length (run with localllm's environment). For a MoE
-    model only prompts whose every routing decision is clear (the k-th expert's probability
-    exceeds the next one's by MIN_ROUTER_GAP in every layer, at every position) are kept:
-    at a near-tie, rounding differences between two correct implementations pick different
-    experts and the outputs diverge by far more than the rounding."""
-    import torch
+class RouterSpy:
+    """A MoE layer's router (its ``ffn_gate_inp``) that records, per call, the smallest gap
+    between the k-th and the (k+1)-th expert's selection score over the tokens: the softmax
+    probability, or for sigmoid gating (GLM-4.5) the sigmoid plus the selection bias."""
 
-    from localllm.models import llama
+    def __init__(self, router, k: int, gaps: list[float], gating: str = "softmax",
+                 bias=None) -> None:
+        self.router, self.k, self.gaps = router, k, gaps
+        self.gating, self.bias = gating, bias
+
+    def __call__(self, x):
+        import torch
+
+        y = self.router(x)
+        p = torch.sigmoid(y.float()) if self.gating == "sigmoid" else torch.softmax(y.float(), -1)
+        if self.bias is not None:
+            p = p + self.bias
+        p = p.sort(-1, descending=True).values
+        self.gaps.append(float((p[:, self.k - 1] - p[:, self.k]).min()))
+        return y
+
+
+def candidate_prompts(path: Path, seed: int, *, long: bool = False,
+                      lengths: tuple[int, ...] | None = None) -> list[list[int]]:
+    """Random prompts, N_CANDIDATES per length (``lengths``, default by kind of model, and
+    with ``long`` a LONG_PROMPT for non-MoE models; run with localllm's environment). For a
+    MoE model only prompts whose every routing decision is clear (the k-th expert's probability exceeds the next one's by MIN_ROUTER_GAP in every
+    layer, at every position) are kept: at a near-tie, rounding differences between two
+    correct implementations pick different experts and the outputs diverge by far more than
+    the rounding."""
     from localllm.runtime.session import Session, load_model
 
     m = load_model(path, device="cpu", progress=False)
     gaps: list[float] = []
-    moe = llama.moe_ffn
-
-    def spy(layer, x, n_used, norm, ops):
-        p = torch.softmax(layer.ffn_gate_inp(x), -1).sort(-1, descending=True).values
-        gaps.append(float((p[:, n_used - 1] - p[:, n_used]).min()))
-        return moe(layer, x, n_used, norm, ops)
-
+    is_moe = bool(getattr(m.args, "n_expert", 0))
+    if is_moe:  # every family's router is its layers' ffn_gate_inp
+        for b in m.model.layers:
+            if getattr(b, "ffn_gate_inp", None) is not None:
+                b.ffn_gate_inp = RouterSpy(b.ffn_gate_inp, m.args.n_expert_used, gaps,
+                                           getattr(m.args, "gating", "softmax"),
+                                           getattr(b, "exp_probs_b_bias", None))
     rng = np.random.default_rng(seed)
     out = []
-    llama.moe_ffn = spy
-    is_moe = bool(getattr(m.args, "n_expert", 0))
-    lengths = PROMPT_LENGTHS_MOE if is_moe else PROMPT_LENGTHS
+    if lengths is None:
+        lengths = PROMPT_LENGTHS_MOE if is_moe else PROMPT_LENGTHS
     if long and not is_moe:  # a MoE prompt this long always has a near-tie somewhere
         lengths = (*lengths, LONG_PROMPT)
-    try:
-        for n in lengths:
-            found = 0
-            while found < (N_CANDIDATES if is_moe else 50):
-                ids = rng.integers(4, m.tokenizer.n_vocab - 4, n).tolist()
-                gaps.clear()
-                if is_moe:
-                    Session(m, ctx_size=N_CTX_LONG).eval(ids)
-                if not gaps or min(gaps) >= MIN_ROUTER_GAP:
-                    out.append(ids)
-                    found += 1
-    finally:
-        llama.moe_ffn = moe
+    for n in lengths:
+        found = 0
+        while found < (N_CANDIDATES if is_moe else 50):
+            ids = rng.integers(4, m.tokenizer.n_vocab - 4, n).tolist()
+            gaps.clear()
+            if is_moe:
+                Session(m, ctx_size=N_CTX_LONG).eval(ids)
+            if not gaps or min(gaps) >= MIN_ROUTER_GAP:
+                out.append(ids)
+                found += 1
     return out
 
 
@@ -194,7 +211,7 @@ def main() -> None:
         record(args.record)
         return
     sys.path.insert(0, str(HERE.parents[1]))
-    from families import FAMILIES, RECURRENT, sha256, write_family
+    from families import FAMILIES, PROMPT_LENGTHS, RECURRENT, sha256, write_family
 
     with tempfile.TemporaryDirectory() as tmp:
         written = Path(tmp) / "written"
@@ -203,7 +220,8 @@ def main() -> None:
             long = family in RECURRENT
             (Path(tmp) / f"{family}.sha256").write_text(sha256(path))
             (Path(tmp) / f"{family}.json").write_text(
-                json.dumps(candidate_prompts(path, seed=len(family), long=long)))
+                json.dumps(candidate_prompts(path, seed=len(family), long=long,
+                                             lengths=PROMPT_LENGTHS.get(family))))
             if long:  # MoE: no perplexity (a routing near-tie somewhere in its text is sure)
                 moe = any(k.endswith("expert_count") for k in FAMILIES[family][0].extra)
                 (Path(tmp) / f"{family}.long").write_text("" if moe else "ppl")

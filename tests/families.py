@@ -167,6 +167,14 @@ FAMILIES: dict[str, tuple] = {
             "gemma3.rope.freq_base_swa": 500.0,
             "gemma3.attention.sliding_window_pattern": [True, False, True, True, False, True]}),
         "Q4_K_M"),
+    # Llama 4: layers 0-2 chunked with RoPE and the L2 QK-norm, layer 3 global NoPE;
+    # layers 1 and 3 MoE (top-1 of 4 experts, sigmoid weight on the input, shared expert),
+    # 0 and 2 dense
+    "llama4": (dataclasses.replace(
+        GEOMETRIES["llama4-scout"], **{**SMALL, "n_layers": 4}, **BPE, pre="llama4", extra={
+            "llama4.expert_count": 4, "llama4.expert_used_count": 1,
+            "llama4.expert_feed_forward_length": 256,
+            "llama4.interleave_moe_layer_step": 2}), "Q8_0"),
 }
 
 # The families whose layers fold positions into a fixed-size state: their fixtures add a

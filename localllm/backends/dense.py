@@ -150,6 +150,7 @@ def attend(
     window: int | None,
     scale: float,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads (GQA), float32.
 
@@ -157,7 +158,8 @@ def attend(
     k_positions: (S,) int64 absolute positions (-1: empty slot), or None when slot ``j``
     holds position ``j`` -> (T, n_heads * hd) float32.
     ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2's
-    ``attn_logit_softcapping``, llama.cpp's ``hparams.attn_soft_cap``).
+    ``attn_logit_softcapping``, llama.cpp's ``hparams.attn_soft_cap``). ``chunk``: chunked
+    local attention (see :func:`~localllm.memory.attention_mask`).
     Query head h reads KV head h // (n_heads / n_kv_heads), as llama.cpp does. The heads of a
     group are stacked into one product instead of repeating K/V: in decode this is several
     times faster on the CPU than torch's SDPA with a mask.
@@ -166,7 +168,7 @@ def attend(
     n_kv, s = keys.shape[0], keys.shape[1]
     group = n_heads // n_kv
     mask = attention_mask(q_positions, s if k_positions is None else k_positions,
-                          window)  # (T, S)
+                          window, chunk)  # (T, S)
     qg = q.reshape(n_kv, group * t, hd)  # (nkv, g*T, hd)
     # A long prompt's scores are large (32 heads x 512 x 512 x 4 bytes = 32 MiB): computed
     # in place (softmax included) in blocks of at most ATTEND_CHUNK_BYTES (score_blocks), so
@@ -190,7 +192,8 @@ def attend(
 
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       q_positions: torch.Tensor, k_positions: torch.Tensor | None, *,
-                      window: int | None, scale: float) -> torch.Tensor:
+                      window: int | None, scale: float,
+                      chunk: int | None = None) -> torch.Tensor:
     """:func:`attend` (no soft-capping) in the cache's dtype through torch's fused
     ``scaled_dot_product_attention`` (float16 on CUDA: its memory-efficient kernel, after
     Rabe & Staats 2021; float32 accumulation), with no float32 copies of the keys and values.
@@ -203,7 +206,7 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     group = n_heads // n_kv
     dt = keys.dtype
     mask = attention_mask(q_positions, keys.shape[1] if k_positions is None else k_positions,
-                          window)  # (T, S)
+                          window, chunk)  # (T, S)
     # A KV group's query heads as one longer query sequence (as attend does): no repeated
     # K/V, and no enable_gqa, which with a mask sends SDPA to its quadratic math backend.
     qg = q.to(dt).reshape(n_kv, group * t, hd)
@@ -336,7 +339,7 @@ class TorchOps:
         """
         keys, values, k_pos = store_kv(cache, pos, k, v)
         return attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale,
-                      softcap=softcap)
+                      softcap=softcap, chunk=cache.chunk)
 
     @staticmethod
     def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import kernels
+from ..memory import query_window
 from .base import ExpertList
 from .dense import Backend as _Backend
 from .dense import TorchOps, prefill_attention, store_kv
@@ -133,7 +134,9 @@ class KernelOps(TorchOps):
         """One token: two launches, :func:`localllm.kernels.norm_rope_kv` (QK-norm, RoPE and
         the cache write) then :func:`localllm.kernels.decode_attention`."""
         rope_pos, inv_freq, rope_scale, magnitude = angles
-        if q.shape[0] != 1 or magnitude is not None or norm_after_rope:
+        # a chunked layer's window depends on the position, read on the host
+        if (q.shape[0] != 1 or magnitude is not None or norm_after_rope
+                or (cache.chunk is not None and isinstance(pos, torch.Tensor))):
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
                                           positions, head_dim=head_dim, neox=neox, scale=scale,
                                           softcap=softcap, norm_after_rope=norm_after_rope)
@@ -145,7 +148,8 @@ class KernelOps(TorchOps):
         keys, values, k_pos = (cache.written_static() if isinstance(pos, torch.Tensor)
                                else cache.written(pos))
         return kernels.decode_attention(q1, keys, values, positions, k_positions=k_pos,
-                                window=cache.window, scale=scale, softcap=softcap)
+                                window=query_window(cache, pos) if cache.chunk else cache.window,
+                                scale=scale, softcap=softcap)
 
     @staticmethod
     def short_conv(x, weight, bias, state, *, silu):
@@ -157,15 +161,18 @@ class KernelOps(TorchOps):
 
     def attention(self, q, k, v, cache, pos, positions, *, scale: float,
                   softcap: float | None = None) -> torch.Tensor:
-        if q.shape[1] != 1 and softcap is not None:  # SDPA has no soft-capping
+        # SDPA has no soft-capping; a chunked step at a device position has no host window
+        if (q.shape[1] != 1 and softcap is not None) or (
+                cache.chunk is not None and q.shape[1] == 1 and isinstance(pos, torch.Tensor)):
             return super().attention(q, k, v, cache, pos, positions, scale=scale,
                                      softcap=softcap)
         keys, values, k_pos = store_kv(cache, pos, k, v)
         if q.shape[1] != 1:
             return prefill_attention(q, keys, values, positions, k_pos, window=cache.window,
-                                     scale=scale)
+                                     scale=scale, chunk=cache.chunk)
         return kernels.decode_attention(q[:, 0], keys, values, positions, k_positions=k_pos,
-                                window=cache.window, scale=scale, softcap=softcap)
+                                window=query_window(cache, pos) if cache.chunk else cache.window,
+                                scale=scale, softcap=softcap)
 
 
 def _magnified(x: torch.Tensor, magnitude: torch.Tensor | None, neox: bool) -> torch.Tensor:

@@ -67,6 +67,8 @@ _LLAMA3_SPECIALS = tuple(
     for i in range(256)
 )
 
+_LLAMA4_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>",
+                    "<|header_end|>", "<|eot|>")
 _MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]")
 _HUNYUAN_SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|extra_0|>")
 # Ministral 3's RoPE and attention temperature (the keys llama.cpp's converter writes)
@@ -208,7 +210,29 @@ GEOMETRIES: dict[str, Geometry] = {
     "ernie4.5-0.3b": Geometry(
         "ernie4.5-0.3b", "ernie4_5", 103424, 18, 1024, 16, 2, 64, 3072, 131072, 500000.0,
         1e-5, "llama", "default", specials=("<unk>", "<s>", "</s>", "<pad>"), tied_output=True),
+    # Llama-4-Scout-17B-16E: every layer MoE (16 experts, top-1, a shared expert), chunked
+    # attention in 3 of 4 layers, Llama 3 RoPE factors (rope_freqs)
+    "llama4-scout": Geometry(
+        "llama4-scout", "llama4", 202048, 48, 5120, 40, 8, 128, 16384, 10485760, 500000.0,
+        1e-5, "gpt2", "llama4", specials=_LLAMA4_SPECIALS, optional=("rope_freqs.weight",),
+        extra={"llama4.expert_count": 16, "llama4.expert_used_count": 1,
+               "llama4.expert_feed_forward_length": 8192,
+               "llama4.interleave_moe_layer_step": 1}),
+    # Llama-4-Maverick-17B-128E: MoE every other layer (128 experts), no QK-norm
+    "llama4-maverick": Geometry(
+        "llama4-maverick", "llama4", 202048, 48, 5120, 40, 8, 128, 16384, 1048576, 500000.0,
+        1e-5, "gpt2", "llama4", specials=_LLAMA4_SPECIALS, optional=("rope_freqs.weight",),
+        extra={"llama4.expert_count": 128, "llama4.expert_used_count": 1,
+               "llama4.expert_feed_forward_length": 8192,
+               "llama4.interleave_moe_layer_step": 2}),
     # ---- 0.5-1B geometries of every family (bench/bench_families.py) ----------------------
+    # Llama-4-Scout's vocabulary, head size and routing at 1B active (16 experts of 1024)
+    "llama4-1b": Geometry(
+        "llama4-1b", "llama4", 202048, 8, 1536, 12, 4, 128, 4096, 10485760, 500000.0, 1e-5,
+        "gpt2", "llama4", specials=_LLAMA4_SPECIALS, optional=("rope_freqs.weight",),
+        extra={"llama4.expert_count": 16, "llama4.expert_used_count": 1,
+               "llama4.expert_feed_forward_length": 1024,
+               "llama4.interleave_moe_layer_step": 1}),
     # Gemma-3-1B: 5 of 6 layers sliding (512), MQA, head size 256
     "gemma3-1b": Geometry(
         "gemma3-1b", "gemma3", 262144, 26, 1152, 4, 1, 256, 6912, 32768, 1000000.0, 1e-6,

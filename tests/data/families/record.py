@@ -61,21 +61,28 @@ def candidate_prompts(path: Path, seed: int, *, long: bool = False) -> list[list
     experts and the outputs diverge by far more than the rounding."""
     import torch
 
-    from localllm.models import llama
+    from localllm.models import llama, llama4
     from localllm.runtime.session import Session, load_model
 
     m = load_model(path, device="cpu", progress=False)
     gaps: list[float] = []
-    moe = llama.moe_ffn
+    moe, route4 = llama.moe_ffn, llama4.route
 
-    def spy(layer, x, n_used, norm, ops):
+    def gap(layer, x, n_used):
         p = torch.softmax(layer.ffn_gate_inp(x), -1).sort(-1, descending=True).values
         gaps.append(float((p[:, n_used - 1] - p[:, n_used]).min()))
+
+    def spy(layer, x, n_used, norm, ops):
+        gap(layer, x, n_used)
         return moe(layer, x, n_used, norm, ops)
+
+    def spy4(layer, x, n_used):  # Llama 4 selects on the logits: the same order
+        gap(layer, x, n_used)
+        return route4(layer, x, n_used)
 
     rng = np.random.default_rng(seed)
     out = []
-    llama.moe_ffn = spy
+    llama.moe_ffn, llama4.route = spy, spy4
     is_moe = bool(getattr(m.args, "n_expert", 0))
     lengths = PROMPT_LENGTHS_MOE if is_moe else PROMPT_LENGTHS
     if long and not is_moe:  # a MoE prompt this long always has a near-tie somewhere
@@ -92,7 +99,7 @@ def candidate_prompts(path: Path, seed: int, *, long: bool = False) -> list[list
                     out.append(ids)
                     found += 1
     finally:
-        llama.moe_ffn = moe
+        llama.moe_ffn, llama4.route = moe, route4
     return out
 
 

@@ -175,7 +175,22 @@ FAMILIES: dict[str, tuple] = {
             "llama4.expert_count": 4, "llama4.expert_used_count": 1,
             "llama4.expert_feed_forward_length": 256,
             "llama4.interleave_moe_layer_step": 2}), "Q8_0"),
+    # Llama 4 past its first attention chunk (llama.cpp's chunk of 8192 positions): a prompt
+    # of LONG_PROMPTS tokens, whose last positions attend within the second chunk in the
+    # chunked layers and carry an attention temperature above 1 in the NoPE layer; narrow
+    # and dense (interleave_moe_layer_step 0), so that the long prompts stay cheap
+    "llama4-chunked": (dataclasses.replace(
+        GEOMETRIES["llama4-scout"], **{**SMALL, "n_layers": 4, "d_model": 128, "n_heads": 2,
+                                      "n_kv_heads": 1, "ffn_dim": 256,
+                                      "context_length": 16384}, **BPE, pre="llama4", extra={
+            "llama4.expert_count": 4, "llama4.expert_used_count": 1,
+            "llama4.expert_feed_forward_length": 256,
+            "llama4.interleave_moe_layer_step": 0}), "Q8_0"),
 }
+
+# Families with one more prompt of this many tokens (record.py), past a length where their
+# attention changes.
+LONG_PROMPTS = {"llama4-chunked": 8200}
 
 # The families whose layers fold positions into a fixed-size state: their fixtures add a
 # long prompt (recurrent prefill in chunks, with context checkpoints), one-token steps

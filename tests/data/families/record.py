@@ -53,7 +53,8 @@ MIN_ROUTER_GAP = 0.005  # MoE: router probability between the last chosen expert
 N_CANDIDATES = 3  # per length, for MoE (non-MoE: 50)
 
 
-def candidate_prompts(path: Path, seed: int, *, long: bool = False) -> list[list[int]]:
+def candidate_prompts(path: Path, seed: int, *, long: bool = False,
+                      extra_lengths: tuple[int, ...] = ()) -> list[list[int]]:
     """Random prompts, N_CANDIDATES per length (run with localllm's environment). For a MoE
     model only prompts whose every routing decision is clear (the k-th expert's probability
     exceeds the next one's by MIN_ROUTER_GAP in every layer, at every position) are kept:
@@ -87,6 +88,7 @@ def candidate_prompts(path: Path, seed: int, *, long: bool = False) -> list[list
     lengths = PROMPT_LENGTHS_MOE if is_moe else PROMPT_LENGTHS
     if long and not is_moe:  # a MoE prompt this long always has a near-tie somewhere
         lengths = (*lengths, LONG_PROMPT)
+    lengths = (*lengths, *extra_lengths)
     try:
         for n in lengths:
             found = 0
@@ -94,7 +96,7 @@ def candidate_prompts(path: Path, seed: int, *, long: bool = False) -> list[list
                 ids = rng.integers(4, m.tokenizer.n_vocab - 4, n).tolist()
                 gaps.clear()
                 if is_moe:
-                    Session(m, ctx_size=N_CTX_LONG).eval(ids)
+                    Session(m, ctx_size=max(N_CTX_LONG, n + 1)).eval(ids)
                 if not gaps or min(gaps) >= MIN_ROUTER_GAP:
                     out.append(ids)
                     found += 1
@@ -169,10 +171,11 @@ def record(directory: Path) -> None:
         long = (directory / f"{family}.long").exists()
         # YaRN's betas from the file where the family reads them (llama.cpp's own default;
         # llama-cpp-python's is to force 32 and 1)
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_CTX_LONG if long else N_CTX,
+        candidates = json.loads((directory / f"{family}.json").read_text())
+        n_ctx = max(N_CTX_LONG if long else N_CTX, max(len(c) for c in candidates) + 1)
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx,
                               logits_all=True, seed=0, n_threads=2, verbose=False,
                               yarn_beta_fast=-1.0, yarn_beta_slow=-1.0)
-        candidates = json.loads((directory / f"{family}.json").read_text())
         ps, logits = decisive_prompts(llm, candidates)
         sha = (directory / f"{family}.sha256").read_text().strip()
         extra = {}
@@ -201,7 +204,7 @@ def main() -> None:
         record(args.record)
         return
     sys.path.insert(0, str(HERE.parents[1]))
-    from families import FAMILIES, RECURRENT, sha256, write_family
+    from families import FAMILIES, LONG_PROMPTS, RECURRENT, sha256, write_family
 
     with tempfile.TemporaryDirectory() as tmp:
         written = Path(tmp) / "written"
@@ -210,7 +213,9 @@ def main() -> None:
             long = family in RECURRENT
             (Path(tmp) / f"{family}.sha256").write_text(sha256(path))
             (Path(tmp) / f"{family}.json").write_text(
-                json.dumps(candidate_prompts(path, seed=len(family), long=long)))
+                json.dumps(candidate_prompts(path, seed=len(family), long=long,
+                                             extra_lengths=tuple(filter(None, [
+                                                 LONG_PROMPTS.get(family)])))))
             if long:  # MoE: no perplexity (a routing near-tie somewhere in its text is sure)
                 moe = any(k.endswith("expert_count") for k in FAMILIES[family][0].extra)
                 (Path(tmp) / f"{family}.long").write_text("" if moe else "ppl")

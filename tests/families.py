@@ -186,6 +186,21 @@ FAMILIES: dict[str, tuple] = {
             "llama4.expert_count": 4, "llama4.expert_used_count": 1,
             "llama4.expert_feed_forward_length": 256,
             "llama4.interleave_moe_layer_step": 0}), "Q8_0"),
+    # Gemma 4: layers 0, 2, 4 sliding (head 32, 24 dims rotated, base 500, window 8), 1, 3, 5
+    # global (head 64, rope_freqs); 4 and 5 share the KV of 2 and 3 with a wider FFN;
+    # layers 0-2 with attn_v, 3 with values from attn_k; per-layer embeddings of 32;
+    # output scales; soft-capped logits
+    "gemma4": (dataclasses.replace(
+        GEOMETRIES["gemma4-e2b"], **{**SMALL, "n_layers": 6}, sliding_window=8,
+        optional=("blk.0.attn_v.weight", "blk.1.attn_v.weight", "blk.2.attn_v.weight",
+                  "layer_output_scale.weight"), extra={
+            "gemma4.attention.sliding_window_pattern": [True, False] * 3,
+            "gemma4.attention.key_length_swa": 32, "gemma4.attention.value_length_swa": 32,
+            "gemma4.rope.dimension_count": 64, "gemma4.rope.dimension_count_swa": 24,
+            "gemma4.rope.freq_base_swa": 500.0, "gemma4.attention.shared_kv_layers": 2,
+            "gemma4.embedding_length_per_layer_input": 32,
+            "gemma4.final_logit_softcapping": 30.0,
+            "gemma4.feed_forward_length": [512] * 4 + [1024] * 2}), "Q8_0"),
 }
 
 # Families with one more prompt of this many tokens (record.py), past a length where their
@@ -200,7 +215,7 @@ RECURRENT = ("mamba2", "granitehybrid", "granitehybrid-moe", "falcon-h1", "nemot
 
 # Gemma 2/3 scale the (tied) embedding by sqrt(d_model) and post-norm each sublayer: with
 # WEIGHT_STD the input token's own logit would dominate every distribution.
-STD = {"gemma2": 0.05, "gemma3": 0.05, "gemma3-linear": 0.05, "gemma3-swa": 0.05,
+STD = {"gemma2": 0.05, "gemma3": 0.05, "gemma4": 0.08, "gemma3-linear": 0.05, "gemma3-swa": 0.05,
        "smollm3": 0.1, "ernie4_5": 0.1,
        # the recurrent families' outputs pass through more norms and gates: a larger spread
        # keeps their next-token distributions as peaked as the others'

@@ -341,6 +341,28 @@ class TorchOps:
         return attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale,
                       softcap=softcap, chunk=cache.chunk)
 
+    def attention_shared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache,
+                         pos: int | torch.Tensor, positions: torch.Tensor, *, scale: float,
+                         softcap: float | None = None):
+        """:meth:`attention`, also returning what the queries attended over, for layers that
+        share this layer's keys and values (Gemma 3n/4's shared-KV layers: llama.cpp's
+        ``layer_reuse_cb``): (out (T, n_heads * hd), kv), ``kv`` opaque, for
+        :meth:`attend_shared`. q, k, v as :meth:`attention` takes them."""
+        keys, values, k_pos = store_kv(cache, pos, k, v)
+        out = attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale,
+                     softcap=softcap, chunk=cache.chunk)
+        return out, (keys, values, k_pos)
+
+    def attend_shared(self, q: torch.Tensor, kv, positions: torch.Tensor, *,
+                      window: int | None, scale: float,
+                      softcap: float | None = None) -> torch.Tensor:
+        """Queries q (n_heads, T, hd) float32 at ``positions`` over another layer's keys and
+        values of the same step (``kv`` from :meth:`attention_shared`), with this layer's
+        ``window`` -> (T, n_heads * hd) float32; nothing is stored."""
+        keys, values, k_pos = kv
+        return attend(q, keys, values, positions, k_pos, window=window, scale=scale,
+                      softcap=softcap)
+
     @staticmethod
     def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    state: torch.Tensor, *, silu: bool) -> torch.Tensor:

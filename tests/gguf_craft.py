@@ -352,7 +352,11 @@ EXTRA_KEYS = ["rope.scaling.type", "rope.scaling.factor", "attention.sliding_win
               "rope.scaling.yarn_beta_slow", "rope.scaling.low_freq_factor",
               "rope.scaling.high_freq_factor", "rope.scaling.alpha", "rope.scale_linear",
               "rope.freq_base_swa", "attention.sliding_window_pattern",
-              "attention.temperature_scale"]
+              "attention.temperature_scale",
+              # Llama 4 and Gemma 4
+              "interleave_moe_layer_step", "attention.shared_kv_layers",
+              "attention.key_length_swa", "attention.value_length_swa",
+              "rope.dimension_count_swa", "embedding_length_per_layer_input"]
 # Keys outside the architecture's namespace (llama.cpp's names), added as they are.
 GLOBAL_KEYS = ["xielu.alpha_n", "xielu.alpha_p", "xielu.beta", "xielu.eps"]
 
@@ -409,7 +413,8 @@ def metadata_fuzz_seeds(directory) -> list:
              ("hunyuan-dense", {"extra": {"rope.scaling.alpha": 1000.0}}), ("ernie4_5", {})]
     from families import write_family
 
-    hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2"]
+    hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2", "llama4",
+               "gemma4"]
     return [open_gguf(write_tiny_gguf(Path(directory) / f"seed-{arch}.gguf", arch, **kw))
             for arch, kw in cases] + [open_gguf(write_family(f, directory)) for f in hybrids]
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -216,7 +217,8 @@ class Model(BaseModel):
     LAYER = Layer
     WEIGHTS = RopeWeights
     weights: RopeWeights
-    FUSE = {**BaseModel.FUSE, "ffn_gate_up_shexp": ("ffn_gate_shexp", "ffn_up_shexp")}
+    FUSE: ClassVar[dict[str, tuple[str, ...]]] = {
+        **BaseModel.FUSE, "ffn_gate_up_shexp": ("ffn_gate_shexp", "ffn_up_shexp")}
 
     def prepare(self) -> None:
         a = self.args
@@ -257,7 +259,7 @@ class Model(BaseModel):
                                       scale=self.scales[kind])
             del q, k, v
             h, n = ops.residual_norm(x, b.attn_output(attn), None, b.ffn_norm, eps)
-            del attn, x
+            del attn
             if a.is_moe(i):
                 f = moe_ffn(b, n, a.n_expert_used, ops)
             else:

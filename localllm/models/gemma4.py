@@ -218,7 +218,10 @@ class Model(BaseModel):
 
     def prepare(self) -> None:
         a = self.args
-        self.rope_full = Rope(a.rope, self.device, rope_freqs=self.weights.rope_freqs)
+        # rope_freqs holds head_dim / 2 factors; ggml's rope reads the first n_rot / 2
+        ff = self.weights.rope_freqs
+        self.rope_full = Rope(a.rope, self.device,
+                              rope_freqs=None if ff is None else ff[: a.rope.n_rot // 2])
         self.rope_swa = Rope(a.rope_swa, self.device)
         # llama.cpp's f_attention_scale = 1, times the RoPE magnitude folded in
         self.scale_full = self.rope_full.score_scale(GLOBAL)

@@ -175,6 +175,12 @@ FAMILIES: dict[str, tuple] = {
             "llama4.expert_count": 4, "llama4.expert_used_count": 1,
             "llama4.expert_feed_forward_length": 256,
             "llama4.interleave_moe_layer_step": 2}), "Q8_0"),
+    # Llama-4-Maverick's 128 experts: llama.cpp drops the L2 QK-norm for that count
+    "llama4-128e": (dataclasses.replace(
+        GEOMETRIES["llama4-maverick"], **{**SMALL, "n_layers": 4}, **BPE, pre="llama4", extra={
+            "llama4.expert_count": 128, "llama4.expert_used_count": 1,
+            "llama4.expert_feed_forward_length": 64,
+            "llama4.interleave_moe_layer_step": 2}), "Q8_0"),
     # Llama 4 past its first attention chunk (llama.cpp's chunk of 8192 positions): a prompt
     # of LONG_PROMPTS tokens, whose last positions attend within the second chunk in the
     # chunked layers and carry an attention temperature above 1 in the NoPE layer; narrow

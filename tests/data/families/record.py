@@ -50,6 +50,7 @@ MIN_MARGIN = 0.2  # nats between llama.cpp's top two tokens at a prompt's last p
 
 
 MIN_ROUTER_GAP = 0.005  # MoE: router probability between the last chosen expert and the next
+MIN_ROUTER_LOGIT_GAP = 0.2  # Llama 4 (selection on the router's logits)
 N_CANDIDATES = 3  # per length, for MoE (non-MoE: 50)
 
 
@@ -77,8 +78,13 @@ def candidate_prompts(path: Path, seed: int, *, long: bool = False,
         gap(layer, x, n_used)
         return moe(layer, x, n_used, norm, ops)
 
-    def spy4(layer, x, n_used):  # Llama 4 selects on the logits: the same order
-        gap(layer, x, n_used)
+    def spy4(layer, x, n_used):
+        # Llama 4 selects on the logits: their gap, scaled to compare with MIN_ROUTER_GAP
+        # (with 128 experts a probability gap of MIN_ROUTER_GAP is a logit gap small
+        # enough for the two CPU paths' rounding to cross)
+        lg = layer.ffn_gate_inp(x).sort(-1, descending=True).values
+        gaps.append(float((lg[:, n_used - 1] - lg[:, n_used]).min())
+                    * MIN_ROUTER_GAP / MIN_ROUTER_LOGIT_GAP)
         return route4(layer, x, n_used)
 
     rng = np.random.default_rng(seed)

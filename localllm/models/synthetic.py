@@ -262,11 +262,11 @@ GEOMETRIES: dict[str, Geometry] = {
         "llama", "default", specials=_GEMMA_SPECIALS, tied_output=True, sliding_window=1024,
         extra=_gemma4(60, 0, 0, 6, 21504)),
     # ---- 0.5-1B geometries of every family (bench/bench_families.py) ----------------------
-    # Gemma-4-E2B's layers at 14 of its 35 (the last 4 sharing KV)
+    # Gemma-4-E2B's layers at 9 of its 35 (the last 4 sharing KV)
     "gemma4-1b": Geometry(
-        "gemma4-1b", "gemma4", 262144, 14, 1536, 8, 1, 512, 6144, 131072, 1000000.0, 1e-6,
+        "gemma4-1b", "gemma4", 262144, 9, 1536, 8, 1, 512, 6144, 131072, 1000000.0, 1e-6,
         "llama", "default", specials=_GEMMA_SPECIALS, tied_output=True, sliding_window=512,
-        extra=_gemma4(14, 4, 256, 5, 6144)),
+        extra=_gemma4(9, 4, 256, 5, 6144)),
     # Llama-4-Scout's vocabulary, head size and routing at 1B active (16 experts of 1024)
     "llama4-1b": Geometry(
         "llama4-1b", "llama4", 202048, 8, 1536, 12, 4, 128, 4096, 10485760, 500000.0, 1e-5,

@@ -65,6 +65,8 @@ FAMILIES: dict[str, str] = {
     "qwen35": "qwen35-0.8b",
     "qwen35moe": "qwen35moe-1b",
     "qwen3next": "qwen3next-1b",
+    "llama4": "llama4-1b",
+    "gemma4": "gemma4-1b",
 }
 MIN_RELATIVE = 0.8  # the floor, tok/s per weight byte relative to llama
 

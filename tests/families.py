@@ -243,7 +243,51 @@ FAMILIES: dict[str, tuple] = {
         extra={"phimoe.expert_count": 4, "phimoe.expert_used_count": 2,
                "phimoe.rope.scaling.original_context_length": 16,
                "phimoe.rope.scaling.attn_factor": 1.19}), "Q8_0"),
+    # Llama 4: layers 0-2 chunked with RoPE and the L2 QK-norm, layer 3 global NoPE;
+    # layers 1 and 3 MoE (top-1 of 4 experts, sigmoid weight on the input, shared expert),
+    # 0 and 2 dense
+    "llama4": (dataclasses.replace(
+        GEOMETRIES["llama4-scout"], **{**SMALL, "n_layers": 4}, **BPE, pre="llama4", extra={
+            "llama4.expert_count": 4, "llama4.expert_used_count": 1,
+            "llama4.expert_feed_forward_length": 256,
+            "llama4.interleave_moe_layer_step": 2}), "Q8_0"),
+    # Llama-4-Maverick's 128 experts: llama.cpp drops the L2 QK-norm for that count
+    "llama4-128e": (dataclasses.replace(
+        GEOMETRIES["llama4-maverick"], **{**SMALL, "n_layers": 4}, **BPE, pre="llama4", extra={
+            "llama4.expert_count": 128, "llama4.expert_used_count": 1,
+            "llama4.expert_feed_forward_length": 64,
+            "llama4.interleave_moe_layer_step": 2}), "Q8_0"),
+    # Llama 4 past its first attention chunk (llama.cpp's chunk of 8192 positions): a prompt
+    # of LONG_PROMPTS tokens, whose last positions attend within the second chunk in the
+    # chunked layers and carry an attention temperature above 1 in the NoPE layer; narrow
+    # and dense (interleave_moe_layer_step 0), so that the long prompts stay cheap
+    "llama4-chunked": (dataclasses.replace(
+        GEOMETRIES["llama4-scout"], **{**SMALL, "n_layers": 4, "d_model": 128, "n_heads": 2,
+                                      "n_kv_heads": 1, "ffn_dim": 256,
+                                      "context_length": 16384}, **BPE, pre="llama4", extra={
+            "llama4.expert_count": 4, "llama4.expert_used_count": 1,
+            "llama4.expert_feed_forward_length": 256,
+            "llama4.interleave_moe_layer_step": 0}), "Q8_0"),
+    # Gemma 4: layers 0, 2, 4 sliding (head 32, 24 dims rotated, base 500, window 8), 1, 3, 5
+    # global (head 64, rope_freqs); 4 and 5 share the KV of 2 and 3 with a wider FFN;
+    # layers 0-2 with attn_v, 3 with values from attn_k; per-layer embeddings of 32;
+    # output scales; soft-capped logits
+    "gemma4": (dataclasses.replace(
+        GEOMETRIES["gemma4-e2b"], **{**SMALL, "n_layers": 6}, sliding_window=8,
+        optional=("blk.0.attn_v.weight", "blk.1.attn_v.weight", "blk.2.attn_v.weight",
+                  "layer_output_scale.weight"), extra={
+            "gemma4.attention.sliding_window_pattern": [True, False] * 3,
+            "gemma4.attention.key_length_swa": 32, "gemma4.attention.value_length_swa": 32,
+            "gemma4.rope.dimension_count": 64, "gemma4.rope.dimension_count_swa": 24,
+            "gemma4.rope.freq_base_swa": 500.0, "gemma4.attention.shared_kv_layers": 2,
+            "gemma4.embedding_length_per_layer_input": 32,
+            "gemma4.final_logit_softcapping": 30.0,
+            "gemma4.feed_forward_length": [512] * 4 + [1024] * 2}), "Q8_0"),
 }
+
+# Families with one more prompt of this many tokens (record.py), past a length where their
+# attention changes.
+LONG_PROMPTS = {"llama4-chunked": 8200}
 
 # The families whose layers fold positions into a fixed-size state: their fixtures add a
 # long prompt (recurrent prefill in chunks, with context checkpoints), one-token steps
@@ -258,7 +302,7 @@ PROMPT_LENGTHS: dict[str, tuple[int, ...]] = {"gpt-oss": (5, 12, 20, 27)}
 
 # Gemma 2/3 scale the (tied) embedding by sqrt(d_model) and post-norm each sublayer: with
 # WEIGHT_STD the input token's own logit would dominate every distribution.
-STD = {"gemma2": 0.05, "gemma3": 0.05, "gemma3-linear": 0.05, "gemma3-swa": 0.05,
+STD = {"gemma2": 0.05, "gemma3": 0.05, "gemma4": 0.08, "gemma3-linear": 0.05, "gemma3-swa": 0.05,
        "smollm3": 0.1, "ernie4_5": 0.1,
        # gpt-oss: no QK-norm and large attention scores (YaRN's magnitude squared): at 0.15
        # llama.cpp's 8-bit activations alone move its logits by KL ~0.005 with spikes where

@@ -356,7 +356,11 @@ EXTRA_KEYS = ["rope.scaling.type", "rope.scaling.factor", "attention.sliding_win
               "attention.temperature_scale",
               # MoE routing variants (gpt-oss, glm4moe ...)
               "expert_shared_count", "leading_dense_block_count", "expert_gating_func",
-              "expert_weights_scale", "nextn_predict_layers", "interleave_moe_layer_step"]
+              "expert_weights_scale", "nextn_predict_layers", "interleave_moe_layer_step",
+              # Llama 4 and Gemma 4
+              "attention.shared_kv_layers", "attention.key_length_swa",
+              "attention.value_length_swa", "rope.dimension_count_swa",
+              "embedding_length_per_layer_input"]
 # Keys outside the architecture's namespace (llama.cpp's names), added as they are.
 GLOBAL_KEYS = ["xielu.alpha_n", "xielu.alpha_p", "xielu.beta", "xielu.eps"]
 
@@ -428,7 +432,7 @@ def metadata_fuzz_seeds(directory) -> list:
     from families import write_family
 
     hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2", "qwen35", "qwen35moe",
-               "qwen3next"]
+               "qwen3next", "llama4", "gemma4"]
     return [open_gguf(write_tiny_gguf(Path(directory) / f"seed-{arch}.gguf", arch, **kw))
             for arch, kw in cases] + [open_gguf(write_family(f, directory)) for f in hybrids]
 

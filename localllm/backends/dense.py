@@ -151,6 +151,7 @@ def attend(
     scale: float,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads (GQA), float32.
 
@@ -163,6 +164,7 @@ def attend(
     denominator and attends to nothing (gpt-oss's attention sinks; llama.cpp's
     ``ggml_soft_max_add_sinks``: ``p_j = exp(s_j - m) / (sum_i exp(s_i - m) + exp(sink - m))``,
     ``m`` the maximum of the scores and the sink, the sink neither scaled nor capped).
+    ``chunk``: chunked local attention (see :func:`~localllm.memory.attention_mask`).
     Query head h reads KV head h // (n_heads / n_kv_heads), as llama.cpp does. The heads of a
     group are stacked into one product instead of repeating K/V: in decode this is several
     times faster on the CPU than torch's SDPA with a mask.
@@ -171,7 +173,7 @@ def attend(
     n_kv, s = keys.shape[0], keys.shape[1]
     group = n_heads // n_kv
     mask = attention_mask(q_positions, s if k_positions is None else k_positions,
-                          window)  # (T, S)
+                          window, chunk)  # (T, S)
     qg = q.reshape(n_kv, group * t, hd)  # (nkv, g*T, hd)
     # A long prompt's scores are large (32 heads x 512 x 512 x 4 bytes = 32 MiB): computed
     # in place (softmax included) in blocks of at most ATTEND_CHUNK_BYTES (score_blocks), so
@@ -212,7 +214,8 @@ def sink_softmax_(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       q_positions: torch.Tensor, k_positions: torch.Tensor | None, *,
                       window: int | None, scale: float,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None,
+                      chunk: int | None = None) -> torch.Tensor:
     """:func:`attend` (no soft-capping) in the cache's dtype through torch's fused
     ``scaled_dot_product_attention`` (float16 on CUDA: its memory-efficient kernel, after
     Rabe & Staats 2021; float32 accumulation), with no float32 copies of the keys and values.
@@ -228,7 +231,7 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     group = n_heads // n_kv
     dt = keys.dtype
     mask = attention_mask(q_positions, keys.shape[1] if k_positions is None else k_positions,
-                          window)  # (T, S)
+                          window, chunk)  # (T, S)
     # A KV group's query heads as one longer query sequence (as attend does): no repeated
     # K/V, and no enable_gqa, which with a mask sends SDPA to its quadratic math backend.
     qg = q.to(dt).reshape(n_kv, group * t, hd)
@@ -397,7 +400,29 @@ class TorchOps:
         """
         keys, values, k_pos = store_kv(cache, pos, k, v)
         return attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale,
-                      softcap=softcap, sinks=sinks)
+                      softcap=softcap, sinks=sinks, chunk=cache.chunk)
+
+    def attention_shared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache,
+                         pos: int | torch.Tensor, positions: torch.Tensor, *, scale: float,
+                         softcap: float | None = None):
+        """:meth:`attention`, also returning what the queries attended over, for layers that
+        share this layer's keys and values (Gemma 3n/4's shared-KV layers: llama.cpp's
+        ``layer_reuse_cb``): (out (T, n_heads * hd), kv), ``kv`` opaque, for
+        :meth:`attend_shared`. q, k, v as :meth:`attention` takes them."""
+        keys, values, k_pos = store_kv(cache, pos, k, v)
+        out = attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale,
+                     softcap=softcap, chunk=cache.chunk)
+        return out, (keys, values, k_pos)
+
+    def attend_shared(self, q: torch.Tensor, kv, positions: torch.Tensor, *,
+                      window: int | None, scale: float,
+                      softcap: float | None = None) -> torch.Tensor:
+        """Queries q (n_heads, T, hd) float32 at ``positions`` over another layer's keys and
+        values of the same step (``kv`` from :meth:`attention_shared`), with this layer's
+        ``window`` -> (T, n_heads * hd) float32; nothing is stored."""
+        keys, values, k_pos = kv
+        return attend(q, keys, values, positions, k_pos, window=window, scale=scale,
+                      softcap=softcap)
 
     @staticmethod
     def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

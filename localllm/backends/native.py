@@ -14,6 +14,7 @@ import torch
 
 from .. import cpu
 from ..errors import UnsupportedError
+from ..memory import query_window
 from .base import ExpertList
 from .dense import Backend as _Backend
 from .dense import TorchOps
@@ -155,7 +156,10 @@ class NativeOps(TorchOps):
                        head_dim, neox, scale, softcap=None, norm_after_rope=False, sinks=None):
         t = q.shape[0]
         where = None
+        # chunked attention: one query's chunk is a window (query_window), several queries'
+        # are not one window
         if (t <= self.FEW and isinstance(pos, int) and not norm_after_rope
+                and (cache.chunk is None or t == 1)
                 and cache.k.dtype in (torch.float32, torch.float16)):
             where = cache.decode_slot(pos, t)
         if where is None:  # prefill, static decode, a wrapped ring, a norm after the rotation
@@ -167,7 +171,7 @@ class NativeOps(TorchOps):
         cos, sin = angles
         return self._attn_decode(q, k, v, q_norm, k_norm, eps, cos, sin, neox, cache.k, cache.v,
                                  self._no_positions if k_pos is None else k_pos, slot, live,
-                                 pos, cache.window or 0, scale, softcap or 0.0, sinks)
+                                 pos, query_window(cache, pos) or 0, scale, softcap or 0.0, sinks)
 
     def short_conv(self, x, weight, bias, state, *, silu):
         """One native call (``localllm/cpu/csrc/ssm.cpp``): every token and channel, and the

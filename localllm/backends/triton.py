@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import kernels
+from ..memory import query_window
 from .base import ExpertList
 from .dense import GATED, TorchOps, prefill_attention, store_kv
 from .dense import Backend as _Backend
@@ -136,7 +137,9 @@ class KernelOps(TorchOps):
         the cache write) then :func:`localllm.kernels.decode_attention`. Attention sinks
         (gpt-oss) go the torch way (:meth:`attention`): the decode kernel has none yet."""
         rope_pos, inv_freq, rope_scale, magnitude = angles
-        if q.shape[0] != 1 or magnitude is not None or norm_after_rope or sinks is not None:
+        # a chunked layer's window depends on the position, read on the host
+        if (q.shape[0] != 1 or magnitude is not None or norm_after_rope or sinks is not None
+                or (cache.chunk is not None and isinstance(pos, torch.Tensor))):
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
                                           positions, head_dim=head_dim, neox=neox, scale=scale,
                                           softcap=softcap, norm_after_rope=norm_after_rope,
@@ -149,7 +152,8 @@ class KernelOps(TorchOps):
         keys, values, k_pos = (cache.written_static() if isinstance(pos, torch.Tensor)
                                else cache.written(pos))
         return kernels.decode_attention(q1, keys, values, positions, k_positions=k_pos,
-                                window=cache.window, scale=scale, softcap=softcap)
+                                window=query_window(cache, pos) if cache.chunk else cache.window,
+                                scale=scale, softcap=softcap)
 
     @staticmethod
     def short_conv(x, weight, bias, state, *, silu):
@@ -171,7 +175,9 @@ class KernelOps(TorchOps):
         """Prefill: SDPA (sinks as one more key, see :func:`prefill_attention`); a decode
         token: the flash-decoding kernel, or :func:`~localllm.backends.dense.attend` with
         sinks."""
-        if softcap is not None and (q.shape[1] != 1 or sinks is not None):  # SDPA: no cap
+        # SDPA has no soft-capping; a chunked step at a device position has no host window
+        if (softcap is not None and (q.shape[1] != 1 or sinks is not None)) or (
+                cache.chunk is not None and q.shape[1] == 1 and isinstance(pos, torch.Tensor)):
             return super().attention(q, k, v, cache, pos, positions, scale=scale,
                                      softcap=softcap, sinks=sinks)
         if q.shape[1] == 1 and sinks is not None:
@@ -179,9 +185,10 @@ class KernelOps(TorchOps):
         keys, values, k_pos = store_kv(cache, pos, k, v)
         if q.shape[1] != 1:
             return prefill_attention(q, keys, values, positions, k_pos, window=cache.window,
-                                     scale=scale, sinks=sinks)
+                                     scale=scale, sinks=sinks, chunk=cache.chunk)
         return kernels.decode_attention(q[:, 0], keys, values, positions, k_positions=k_pos,
-                                window=cache.window, scale=scale, softcap=softcap)
+                                window=query_window(cache, pos) if cache.chunk else cache.window,
+                                scale=scale, softcap=softcap)
 
 
 def _magnified(x: torch.Tensor, magnitude: torch.Tensor | None, neox: bool) -> torch.Tensor:

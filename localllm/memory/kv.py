@@ -32,13 +32,17 @@ RING_SLACK = 256
 
 
 def attention_mask(
-    q_positions: torch.Tensor, k_positions: torch.Tensor | int, window: int | None
+    q_positions: torch.Tensor, k_positions: torch.Tensor | int, window: int | None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Boolean (T, S) mask, True where query ``i`` may attend to key ``j``.
 
     Causal over absolute positions; keys with position -1 are empty cells. ``k_positions``
     may be the number of keys S instead, when cell ``j`` holds position ``j``. With a
     ``window``, a query at p sees keys at p - window + 1 .. p (llama.cpp's standard SWA).
+    With a ``chunk`` (chunked local attention, Llama 4: llama.cpp's LLAMA_SWA_TYPE_CHUNKED,
+    ``llama_hparams::is_masked_swa``), a query at p sees only the keys of its own chunk,
+    floor(p / chunk) * chunk .. p.
     """
     if isinstance(k_positions, int):
         k_positions = torch.arange(k_positions, device=q_positions.device)
@@ -47,12 +51,30 @@ def attention_mask(
     mask = (k >= 0) & (k <= q)
     if window is not None:
         mask &= q - k < window
+    if chunk is not None:
+        mask &= k >= torch.div(q, chunk, rounding_mode="floor") * chunk
     return mask
+
+
+def query_window(cache, pos: int) -> int | None:
+    """The window of keys one query at ``pos`` sees in ``cache`` (a :class:`KVCache` or
+    :class:`RingKVCache`): its own window, or for a chunked layer the keys from the start of
+    the query's chunk, ``pos % chunk + 1`` of them (what lets one-token kernels that take a
+    window run chunked attention unchanged)."""
+    if cache.chunk is None:
+        return cache.window
+    w = pos % cache.chunk + 1
+    return w if cache.window is None else min(w, cache.window)
 
 
 def _heads(cache) -> str:
     """``{kv heads}x{key size}x{value size}`` of a cache, for :meth:`describe`."""
     return f"{cache.k.shape[0]}x{cache.k.shape[2]}x{cache.v.shape[2]}"
+
+
+def _chunk(cache) -> str:
+    """The chunk size of a chunked cache for :meth:`describe` (``:chunk8192``), or ``""``."""
+    return f":chunk{cache.chunk}" if cache.chunk else ""
 
 
 def _check_float(name: str, t: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
@@ -79,8 +101,9 @@ class KVCache(Appendable):
     positions: torch.Tensor | None = None  # cell j holds position j
 
     def __init__(self, size: int, n_kv_heads: int, head_dim: int, *, dtype: torch.dtype,
-                 device, head_dim_v: int | None = None) -> None:
+                 device, head_dim_v: int | None = None, chunk: int | None = None) -> None:
         self.size = size
+        self.chunk = chunk  # chunked local attention (attention_mask), or None
         self.k = torch.zeros(n_kv_heads, size, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(n_kv_heads, size, head_dim_v or head_dim, dtype=dtype,
                              device=device)
@@ -132,7 +155,7 @@ class KVCache(Appendable):
         return self.k.nbytes + self.v.nbytes
 
     def describe(self) -> str:
-        return f"full:{_heads(self)}"
+        return f"full:{_heads(self)}{_chunk(self)}"
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"k": self.k[:, : self.n], "v": self.v[:, : self.n]}
@@ -160,8 +183,11 @@ class RingKVCache:
 
     def __init__(self, window: int, n_kv_heads: int, head_dim: int, *, slack: int,
                  dtype: torch.dtype, device, head_dim_v: int | None = None,
-                 checkpoints: int = 0) -> None:
+                 checkpoints: int = 0, chunk: int | None = None) -> None:
         self.window = window
+        # chunked local attention (attention_mask): a query sees its own chunk only, a
+        # subset of the window when window == chunk, so the ring holds what it needs
+        self.chunk = chunk
         self.size = window + slack
         self.k = torch.zeros(n_kv_heads, self.size, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(n_kv_heads, self.size, head_dim_v or head_dim, dtype=dtype,
@@ -328,7 +354,7 @@ class RingKVCache:
         return []  # a step writes only the cells of its own positions
 
     def describe(self) -> str:
-        return f"ring{self.size}:{_heads(self)}"
+        return f"ring{self.size}:{_heads(self)}{_chunk(self)}"
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"k": self.k, "v": self.v, "positions": self.positions}

@@ -85,6 +85,8 @@ def _gpt_oss_keys(n_expert: int, n_used: int, expert_ffn: int) -> dict:
             "gpt-oss.rope.scaling.original_context_length": 4096}
 
 
+_LLAMA4_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>",
+                    "<|header_end|>", "<|eot|>")
 _MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]")
 _HUNYUAN_SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|extra_0|>")
 # Ministral 3's RoPE and attention temperature (the keys llama.cpp's converter writes)
@@ -118,6 +120,22 @@ def _glm4moe_keys(n_expert: int, n_used: int, expert_ffn: int, scale: float, *,
     if nextn:
         keys["glm4moe.nextn_predict_layers"] = nextn
     return keys
+_GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
+
+
+def _gemma4(n_layers: int, shared: int, per_layer: int, period: int, ffn: int) -> dict:
+    """Gemma 4's keys: every ``period``-th layer global (head 512), the others sliding
+    (head 256, RoPE base 10,000), the last ``shared`` layers sharing KV with an FFN twice
+    as wide, ``per_layer`` embedding values per layer, logits soft-capped at 30."""
+    return {"gemma4.attention.sliding_window_pattern": [i % period != period - 1
+                                                        for i in range(n_layers)],
+            "gemma4.attention.key_length_swa": 256, "gemma4.attention.value_length_swa": 256,
+            "gemma4.rope.dimension_count": 512, "gemma4.rope.dimension_count_swa": 256,
+            "gemma4.rope.freq_base_swa": 10000.0, "gemma4.attention.shared_kv_layers": shared,
+            "gemma4.embedding_length_per_layer_input": per_layer,
+            "gemma4.final_logit_softcapping": 30.0,
+            "gemma4.feed_forward_length": [ffn if i < n_layers - shared else 2 * ffn
+                                           for i in range(n_layers)]}
 
 
 GEOMETRIES: dict[str, Geometry] = {
@@ -240,7 +258,52 @@ GEOMETRIES: dict[str, Geometry] = {
     "ernie4.5-0.3b": Geometry(
         "ernie4.5-0.3b", "ernie4_5", 103424, 18, 1024, 16, 2, 64, 3072, 131072, 500000.0,
         1e-5, "llama", "default", specials=("<unk>", "<s>", "</s>", "<pad>"), tied_output=True),
+    # Llama-4-Scout-17B-16E: every layer MoE (16 experts, top-1, a shared expert), chunked
+    # attention in 3 of 4 layers, Llama 3 RoPE factors (rope_freqs)
+    "llama4-scout": Geometry(
+        "llama4-scout", "llama4", 202048, 48, 5120, 40, 8, 128, 16384, 10485760, 500000.0,
+        1e-5, "gpt2", "llama4", specials=_LLAMA4_SPECIALS, optional=("rope_freqs.weight",),
+        extra={"llama4.expert_count": 16, "llama4.expert_used_count": 1,
+               "llama4.expert_feed_forward_length": 8192,
+               "llama4.interleave_moe_layer_step": 1}),
+    # Llama-4-Maverick-17B-128E: MoE every other layer (128 experts), no QK-norm
+    "llama4-maverick": Geometry(
+        "llama4-maverick", "llama4", 202048, 48, 5120, 40, 8, 128, 16384, 1048576, 500000.0,
+        1e-5, "gpt2", "llama4", specials=_LLAMA4_SPECIALS, optional=("rope_freqs.weight",),
+        extra={"llama4.expert_count": 128, "llama4.expert_used_count": 1,
+               "llama4.expert_feed_forward_length": 8192,
+               "llama4.interleave_moe_layer_step": 2}),
+    # Gemma-4-E2B: per-layer embeddings (256 per layer), the last 20 of 35 layers sharing
+    # KV, four sliding layers (head 256, window 512) to one global (head 512), the shared
+    # layers' FFN twice as wide, soft-capped logits
+    "gemma4-e2b": Geometry(
+        "gemma4-e2b", "gemma4", 262144, 35, 1536, 8, 1, 512, 6144, 131072, 1000000.0, 1e-6,
+        "llama", "default", specials=_GEMMA_SPECIALS, tied_output=True, sliding_window=512,
+        extra=_gemma4(35, 20, 256, 5, 6144)),
+    # Gemma-4-E4B: 42 layers, the last 18 sharing KV
+    "gemma4-e4b": Geometry(
+        "gemma4-e4b", "gemma4", 262144, 42, 2560, 8, 2, 512, 10240, 131072, 1000000.0, 1e-6,
+        "llama", "default", specials=_GEMMA_SPECIALS, tied_output=True, sliding_window=512,
+        extra=_gemma4(42, 18, 256, 6, 10240)),
+    # Gemma-4-31B: dense, five sliding layers (window 1024) to one global, no per-layer
+    # embeddings or shared KV
+    "gemma4-31b": Geometry(
+        "gemma4-31b", "gemma4", 262144, 60, 5376, 32, 16, 512, 21504, 262144, 1000000.0, 1e-6,
+        "llama", "default", specials=_GEMMA_SPECIALS, tied_output=True, sliding_window=1024,
+        extra=_gemma4(60, 0, 0, 6, 21504)),
     # ---- 0.5-1B geometries of every family (bench/bench_families.py) ----------------------
+    # Gemma-4-E2B's layers at 9 of its 35 (the last 4 sharing KV)
+    "gemma4-1b": Geometry(
+        "gemma4-1b", "gemma4", 262144, 9, 1536, 8, 1, 512, 6144, 131072, 1000000.0, 1e-6,
+        "llama", "default", specials=_GEMMA_SPECIALS, tied_output=True, sliding_window=512,
+        extra=_gemma4(9, 4, 256, 5, 6144)),
+    # Llama-4-Scout's vocabulary, head size and routing at 1B active (16 experts of 1024)
+    "llama4-1b": Geometry(
+        "llama4-1b", "llama4", 202048, 8, 1536, 12, 4, 128, 4096, 10485760, 500000.0, 1e-5,
+        "gpt2", "llama4", specials=_LLAMA4_SPECIALS, optional=("rope_freqs.weight",),
+        extra={"llama4.expert_count": 16, "llama4.expert_used_count": 1,
+               "llama4.expert_feed_forward_length": 1024,
+               "llama4.interleave_moe_layer_step": 1}),
     # Gemma-3-1B: 5 of 6 layers sliding (512), MQA, head size 256
     "gemma3-1b": Geometry(
         "gemma3-1b", "gemma3", 262144, 26, 1152, 4, 1, 256, 6912, 32768, 1000000.0, 1e-6,
@@ -703,7 +766,8 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
                   rng: np.random.Generator, std: float = WEIGHT_STD) -> np.ndarray:
     """Random data of one tensor as the bytes GGUF stores: uint8 (n_bytes,).
 
-    Norm weights are 1 + N(0, 0.02) (Gemma's GGUF norms already include its +1); RoPE
+    Norm weights and Gemma 4's layer output scales are 1 + N(0, 0.02) (Gemma's GGUF norms
+    already include its +1); RoPE
     frequency factors (``rope_freqs``, ``rope_factors_*``) 1 + |N(0, 2)|; state-space
     parameters as :func:`_ssm_values` makes them; biases and float matrices are
     N(0, ``std``); quantized matrices dequantize to std ~``std``.
@@ -714,7 +778,7 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
         ssm = _ssm_values(name, x, rng)
         if ssm is not None:
             x = ssm
-        elif "norm" in name:
+        elif "norm" in name or "output_scale" in name:
             x *= WEIGHT_STD
             x += 1.0
         elif name.startswith("rope_f"):

@@ -50,13 +50,17 @@ MIN_MARGIN = 0.2  # nats between llama.cpp's top two tokens at a prompt's last p
 
 
 MIN_ROUTER_GAP = 0.005  # MoE: router probability between the last chosen expert and the next
+MIN_ROUTER_LOGIT_GAP = 0.2  # Llama 4 (selection on the router's logits)
 N_CANDIDATES = 3  # per length, for MoE (non-MoE: 50)
 
 
 class RouterSpy:
     """A MoE layer's router (its ``ffn_gate_inp``) that records, per call, the smallest gap
     between the k-th and the (k+1)-th expert's selection score over the tokens: the softmax
-    probability, or for sigmoid gating (GLM-4.5) the sigmoid plus the selection bias."""
+    probability, for sigmoid gating (GLM-4.5) the sigmoid plus the selection bias, and for
+    Llama 4 (``logits``: selection on the router's logits) the logit gap scaled by
+    MIN_ROUTER_GAP / MIN_ROUTER_LOGIT_GAP (with 128 experts a probability gap of
+    MIN_ROUTER_GAP is a logit gap small enough for the two CPU paths' rounding to cross)."""
 
     def __init__(self, router, k: int, gaps: list[float], gating: str = "softmax",
                  bias=None) -> None:
@@ -67,6 +71,11 @@ class RouterSpy:
         import torch
 
         y = self.router(x)
+        if self.gating == "logits":
+            lg = y.float().sort(-1, descending=True).values
+            self.gaps.append(float((lg[:, self.k - 1] - lg[:, self.k]).min())
+                             * MIN_ROUTER_GAP / MIN_ROUTER_LOGIT_GAP)
+            return y
         p = torch.sigmoid(y.float()) if self.gating == "sigmoid" else torch.softmax(y.float(), -1)
         if self.bias is not None:
             p = p + self.bias
@@ -76,23 +85,25 @@ class RouterSpy:
 
 
 def candidate_prompts(path: Path, seed: int, *, long: bool = False,
-                      lengths: tuple[int, ...] | None = None) -> list[list[int]]:
-    """Random prompts, N_CANDIDATES per length (``lengths``, default by kind of model, and
-    with ``long`` a LONG_PROMPT for non-MoE models; run with localllm's environment). For a
-    MoE model only prompts whose every routing decision is clear (the k-th expert's probability exceeds the next one's by MIN_ROUTER_GAP in every
-    layer, at every position) are kept: at a near-tie, rounding differences between two
-    correct implementations pick different experts and the outputs diverge by far more than
-    the rounding."""
+                      lengths: tuple[int, ...] | None = None,
+                      extra_lengths: tuple[int, ...] = ()) -> list[list[int]]:
+    """Random prompts, N_CANDIDATES per length (``lengths``, default by kind of model, then
+    ``extra_lengths``, and with ``long`` a LONG_PROMPT for non-MoE models; run with
+    localllm's environment). For a MoE model only prompts whose every routing decision is
+    clear (the k-th expert's score exceeds the next one's by MIN_ROUTER_GAP in every layer,
+    at every position: :class:`RouterSpy`) are kept: at a near-tie, rounding differences
+    between two correct implementations pick different experts and the outputs diverge by
+    far more than the rounding."""
     from localllm.runtime.session import Session, load_model
 
     m = load_model(path, device="cpu", progress=False)
     gaps: list[float] = []
     is_moe = bool(getattr(m.args, "n_expert", 0))
     if is_moe:  # every family's router is its layers' ffn_gate_inp
+        gating = "logits" if m.args.arch == "llama4" else getattr(m.args, "gating", "softmax")
         for b in m.model.layers:
             if getattr(b, "ffn_gate_inp", None) is not None:
-                b.ffn_gate_inp = RouterSpy(b.ffn_gate_inp, m.args.n_expert_used, gaps,
-                                           getattr(m.args, "gating", "softmax"),
+                b.ffn_gate_inp = RouterSpy(b.ffn_gate_inp, m.args.n_expert_used, gaps, gating,
                                            getattr(b, "exp_probs_b_bias", None))
     rng = np.random.default_rng(seed)
     out = []
@@ -100,13 +111,13 @@ def candidate_prompts(path: Path, seed: int, *, long: bool = False,
         lengths = PROMPT_LENGTHS_MOE if is_moe else PROMPT_LENGTHS
     if long and not is_moe:  # a MoE prompt this long always has a near-tie somewhere
         lengths = (*lengths, LONG_PROMPT)
-    for n in lengths:
+    for n in (*lengths, *extra_lengths):
         found = 0
         while found < (N_CANDIDATES if is_moe else 50):
             ids = rng.integers(4, m.tokenizer.n_vocab - 4, n).tolist()
             gaps.clear()
             if is_moe:
-                Session(m, ctx_size=N_CTX_LONG).eval(ids)
+                Session(m, ctx_size=max(N_CTX_LONG, n + 1)).eval(ids)
             if not gaps or min(gaps) >= MIN_ROUTER_GAP:
                 out.append(ids)
                 found += 1
@@ -179,10 +190,11 @@ def record(directory: Path) -> None:
         long = (directory / f"{family}.long").exists()
         # YaRN's betas from the file where the family reads them (llama.cpp's own default;
         # llama-cpp-python's is to force 32 and 1)
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_CTX_LONG if long else N_CTX,
+        candidates = json.loads((directory / f"{family}.json").read_text())
+        n_ctx = max(N_CTX_LONG if long else N_CTX, max(len(c) for c in candidates) + 1)
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx,
                               logits_all=True, seed=0, n_threads=2, verbose=False,
                               yarn_beta_fast=-1.0, yarn_beta_slow=-1.0)
-        candidates = json.loads((directory / f"{family}.json").read_text())
         ps, logits = decisive_prompts(llm, candidates)
         sha = (directory / f"{family}.sha256").read_text().strip()
         extra = {}
@@ -211,7 +223,7 @@ def main() -> None:
         record(args.record)
         return
     sys.path.insert(0, str(HERE.parents[1]))
-    from families import FAMILIES, PROMPT_LENGTHS, RECURRENT, sha256, write_family
+    from families import FAMILIES, LONG_PROMPTS, PROMPT_LENGTHS, RECURRENT, sha256, write_family
 
     with tempfile.TemporaryDirectory() as tmp:
         written = Path(tmp) / "written"
@@ -221,7 +233,9 @@ def main() -> None:
             (Path(tmp) / f"{family}.sha256").write_text(sha256(path))
             (Path(tmp) / f"{family}.json").write_text(
                 json.dumps(candidate_prompts(path, seed=len(family), long=long,
-                                             lengths=PROMPT_LENGTHS.get(family))))
+                                             lengths=PROMPT_LENGTHS.get(family),
+                                             extra_lengths=tuple(filter(None, [
+                                                 LONG_PROMPTS.get(family)])))))
             if long:  # MoE: no perplexity (a routing near-tie somewhere in its text is sure)
                 moe = any(k.endswith("expert_count") for k in FAMILIES[family][0].extra)
                 (Path(tmp) / f"{family}.long").write_text("" if moe else "ppl")

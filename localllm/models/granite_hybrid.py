@@ -35,9 +35,10 @@ from .base import (
     TensorSpec,
     check_vocab,
 )
-from .common import Linear, Split, positions_of, rope_inv_freq
+from .common import Linear, Split, positions_of
 from .hybrid import AttentionWeights, HeadArgs, attention, attention_specs, head_args, layer_heads
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
+from .rope import rope_inv_freq
 
 
 @dataclass

@@ -38,6 +38,7 @@ from types import ModuleType
 from ..errors import UnsupportedError
 from . import (
     apertus,
+    deepseek2,
     exaone4,
     falcon_h1,
     gemma,
@@ -74,6 +75,7 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "falcon-h1": falcon_h1,
     "nemotron_h": nemotron_h,
     "lfm2": lfm2,
+    "deepseek2": deepseek2,
 }
 
 

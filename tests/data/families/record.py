@@ -50,6 +50,9 @@ MIN_MARGIN = 0.2  # nats between llama.cpp's top two tokens at a prompt's last p
 
 
 MIN_ROUTER_GAP = 0.005  # MoE: router probability between the last chosen expert and the next
+# deepseek2 (sigmoid gating, groups): its scores move by up to ~0.02 between llama.cpp and
+# localllm (MLA's chain of products, each rounded by llama.cpp's 8-bit activations)
+MIN_ROUTER_GAP_MLA = 0.01
 N_CANDIDATES = 3  # per length, for MoE (non-MoE: 50)
 
 
@@ -61,21 +64,38 @@ def candidate_prompts(path: Path, seed: int, *, long: bool = False) -> list[list
     experts and the outputs diverge by far more than the rounding."""
     import torch
 
-    from localllm.models import llama
+    from localllm.models import deepseek2, llama
     from localllm.runtime.session import Session, load_model
 
     m = load_model(path, device="cpu", progress=False)
     gaps: list[float] = []
-    moe = llama.moe_ffn
+    moe, route = llama.moe_ffn, deepseek2.route
 
     def spy(layer, x, n_used, norm, ops):
         p = torch.softmax(layer.ffn_gate_inp(x), -1).sort(-1, descending=True).values
-        gaps.append(float((p[:, n_used - 1] - p[:, n_used]).min()))
+        gaps.append(float((p[:, n_used - 1] - p[:, n_used]).min()) / MIN_ROUTER_GAP)
         return moe(layer, x, n_used, norm, ops)
+
+    def spy_route(logits, a, bias):
+        # deepseek2: the gaps of its selection scores, of the groups' scores too
+        p = torch.softmax(logits, -1) if a.gating == "softmax" else torch.sigmoid(logits)
+        s = p if bias is None else p + bias
+        if a.n_group > 1:
+            grouped = s.view(s.shape[0], a.n_group, -1)
+            g = grouped.topk(2, -1).values.sum(-1).sort(-1, descending=True)
+            gaps.append(float((g.values[:, a.n_group_used - 1]
+                               - g.values[:, a.n_group_used]).min()) / MIN_ROUTER_GAP_MLA)
+            out = torch.ones_like(g.values, dtype=torch.bool).scatter_(
+                1, g.indices[:, :a.n_group_used], False)
+            s = grouped.masked_fill(out[:, :, None], float("-inf")).view(s.shape[0], -1)
+        s = s.sort(-1, descending=True).values
+        k = a.n_expert_used
+        gaps.append(float((s[:, k - 1] - s[:, k]).min()) / MIN_ROUTER_GAP_MLA)
+        return route(logits, a, bias)
 
     rng = np.random.default_rng(seed)
     out = []
-    llama.moe_ffn = spy
+    llama.moe_ffn, deepseek2.route = spy, spy_route
     is_moe = bool(getattr(m.args, "n_expert", 0))
     lengths = PROMPT_LENGTHS_MOE if is_moe else PROMPT_LENGTHS
     if long and not is_moe:  # a MoE prompt this long always has a near-tie somewhere
@@ -88,12 +108,13 @@ def candidate_prompts(path: Path, seed: int, *, long: bool = False) -> list[list
                 gaps.clear()
                 if is_moe:
                     Session(m, ctx_size=N_CTX_LONG).eval(ids)
-                if not gaps or min(gaps) >= MIN_ROUTER_GAP:
+                if not gaps or min(gaps) >= 1.0:  # each gap over its threshold
                     out.append(ids)
                     found += 1
     finally:
-        llama.moe_ffn = moe
+        llama.moe_ffn, deepseek2.route = moe, route
     return out
+
 
 
 def decisive_prompts(llm, candidates: list[list[int]]) -> tuple[list[list[int]], list[np.ndarray]]:

@@ -352,7 +352,12 @@ EXTRA_KEYS = ["rope.scaling.type", "rope.scaling.factor", "attention.sliding_win
               "rope.scaling.yarn_beta_slow", "rope.scaling.low_freq_factor",
               "rope.scaling.high_freq_factor", "rope.scaling.alpha", "rope.scale_linear",
               "rope.freq_base_swa", "attention.sliding_window_pattern",
-              "attention.temperature_scale"]
+              "attention.temperature_scale",
+              # issue 28: multi-head latent attention and its routing (deepseek2)
+              "attention.q_lora_rank", "attention.kv_lora_rank", "attention.key_length_mla",
+              "attention.value_length_mla", "leading_dense_block_count",
+              "expert_shared_count", "expert_weights_scale", "expert_gating_func",
+              "expert_group_count", "expert_group_used_count", "attention.temperature_length"]
 # Keys outside the architecture's namespace (llama.cpp's names), added as they are.
 GLOBAL_KEYS = ["xielu.alpha_n", "xielu.alpha_p", "xielu.beta", "xielu.eps"]
 
@@ -409,7 +414,8 @@ def metadata_fuzz_seeds(directory) -> list:
              ("hunyuan-dense", {"extra": {"rope.scaling.alpha": 1000.0}}), ("ernie4_5", {})]
     from families import write_family
 
-    hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2"]
+    hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2", "deepseek2",
+               "deepseek2-lite"]
     return [open_gguf(write_tiny_gguf(Path(directory) / f"seed-{arch}.gguf", arch, **kw))
             for arch, kw in cases] + [open_gguf(write_family(f, directory)) for f in hybrids]
 

@@ -216,3 +216,15 @@ def test_cli_names_the_key_in_one_line(monkeypatch, capsys, tmp_path):
         assert code == 1
         assert_one_line_error(code, err, "deepseek2.expert_group_count",
                               "do not divide expert_count 16")
+
+
+def test_info_states_the_latent_cache_bytes_per_token(monkeypatch, capsys, tmp_path):
+    """2 layers x (128 + 32) float16 values: 640 bytes per token, 0.3 MiB at the file's
+    context of 512 tokens."""
+    path = write_family("deepseek2", tmp_path)
+    code, out, err = run_cli(monkeypatch, capsys, "info", str(path))
+    assert code == 0, err
+    line = " ".join(out.split())
+    assert ("memory per sequence: latent cache 0.3 MiB at 512 tokens (2 layers, float16: "
+            "640 bytes per token)") in line
+    assert "kv_lora_rank" in line and "KV cache" not in line

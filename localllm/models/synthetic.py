@@ -329,16 +329,16 @@ GEOMETRIES: dict[str, Geometry] = {
                    value_mla=128, experts=256, used=8, shared=1, expert_ffn=2048,
                    dense_lead=3, groups=(8, 4), sigmoid=True, scale=2.5,
                    yarn=(40.0, 4096, 1.0))),
-    # DeepSeek-V3's layout at ~1B active (0.9B without the embeddings): 16 layers of 2048,
-    # q_lora_rank 768, 32 experts of 1024 in 4 groups (2 used), 6 routed + 1 shared
+    # DeepSeek-V3's layout at 1.4B (0.7B active with the embeddings): 12 layers of 1536,
+    # q_lora_rank 512, 32 experts of 512 in 4 groups (2 used), 6 routed + 1 shared
     "deepseek-v3-1b": Geometry(
-        "deepseek-v3-1b", "deepseek2", 129280, 16, 2048, 16, 1, 192, 5632, 163840, 10000.0,
+        "deepseek-v3-1b", "deepseek2", 129280, 12, 1536, 16, 1, 192, 4096, 163840, 10000.0,
         1e-6, "gpt2", "deepseek-v3", specials=_DEEPSEEK_SPECIALS,
         optional=("exp_probs_b.bias",),
-        extra=mla_keys("deepseek2", q_lora_rank=768, kv_lora_rank=512, rope=64, key_mla=192,
-                   value_mla=128, experts=32, used=6, shared=1, expert_ffn=1024,
-                   dense_lead=1, groups=(4, 2), sigmoid=True, scale=2.5,
-                   yarn=(40.0, 4096, 1.0))),
+        extra=mla_keys("deepseek2", q_lora_rank=512, kv_lora_rank=512, rope=64, key_mla=192,
+                       value_mla=128, experts=32, used=6, shared=1, expert_ffn=512,
+                       dense_lead=1, groups=(4, 2), sigmoid=True, scale=2.5,
+                       yarn=(40.0, 4096, 1.0))),
     # ---- hybrid and state-space models (issue #27) ------------------------------------------
     # Mamba2-370m (state-spaces): 48 Mamba2 layers, GPT-NeoX vocabulary padded to 16
     "mamba2-370m": Geometry(

@@ -179,14 +179,14 @@ FAMILIES: dict[str, tuple] = {
         "Q4_K_M"),
     # ---- issue 28: multi-head latent attention (deepseek2) ----
     # DeepSeek-V3's layout: compressed queries, a latent of 128 + 32 RoPE dims, one dense
-    # layer, then 8 experts in 4 groups (2 kept) with sigmoid gating, the selection bias,
-    # renormalised weights x2.5 and a shared expert; YaRN x4 over an original context of 8
-    # tokens (every prompt runs past it) with DeepSeek's log multiplier
+    # layer, then 16 experts in 4 groups (2 kept) with sigmoid gating, the selection bias,
+    # renormalised weights x2.5 and a shared expert; YaRN x4 over an original context of 4
+    # tokens (the prompts of 5 to 8 run past it) with DeepSeek's log multiplier
     "deepseek2": (dataclasses.replace(
         GEOMETRIES["deepseek-v3-1b"], **{**SMALL, "n_layers": 2, "n_kv_heads": 1,
                                          "head_dim": 96}, **BPE,
         extra=_mla_small(q_lora_rank=128, experts=16, groups=(4, 2), sigmoid=True,
-                         scale=2.5)), "Q8_0"),
+                         scale=2.5, yarn=(4.0, 4, 0.707))), "Q8_0"),
     # DeepSeek-V2-Lite's: queries without compression (q_lora_rank 0 written, as llama.cpp
     # requires the key below 26 layers), softmax over 8 experts, 2 shared, no YaRN
     "deepseek2-lite": (dataclasses.replace(

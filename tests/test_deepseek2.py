@@ -228,3 +228,21 @@ def test_info_states_the_latent_cache_bytes_per_token(monkeypatch, capsys, tmp_p
     assert ("memory per sequence: latent cache 0.3 MiB at 512 tokens (2 layers, float16: "
             "640 bytes per token)") in line
     assert "kv_lora_rank" in line and "KV cache" not in line
+
+
+def test_synthetic_memory_check_counts_the_latent_cache(monkeypatch):
+    """``bench --synthetic``'s memory check sizes the memories from the geometry's validated
+    arguments (a latent per position for MLA), and refuses DeepSeek-V3 on a small machine."""
+    from localllm.eval import bench
+    from localllm.models.synthetic import GEOMETRIES, geometry_args, planned_tensors
+    from localllm.runtime import resources
+
+    g = GEOMETRIES["deepseek-v2-lite"]
+    args = geometry_args(g)
+    assert resources.kv_cache_bytes(args, 4096) == 27 * 576 * 4 * 4096  # float32 on the CPU
+    monkeypatch.delenv(resources.SKIP_ENV, raising=False)
+    monkeypatch.setattr(resources, "free_memory", lambda device: 64 * 2**30)
+    v3 = GEOMETRIES["deepseek-v3"]
+    with pytest.raises(LocalLLMError, match="--synthetic deepseek-v3: benching it needs"):
+        bench.check_synthetic_memory(v3, planned_tensors(v3, "Q4_K_M"), torch.device("cpu"),
+                                     512)

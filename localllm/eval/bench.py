@@ -337,6 +337,7 @@ def check_synthetic_memory(geometry, tensors, device: torch.device, ctx_size: in
     import os
 
     from ..errors import LocalLLMError
+    from ..models.synthetic import geometry_args
     from ..runtime.resources import (
         SKIP_ENV,
         format_bytes,
@@ -349,7 +350,7 @@ def check_synthetic_memory(geometry, tensors, device: torch.device, ctx_size: in
         return
     quantized = device.type == "cuda"
     need = (sum(stored_bytes(t, quantized) for t in tensors)
-            + kv_cache_bytes(geometry, ctx_size, device))
+            + kv_cache_bytes(geometry_args(geometry), ctx_size, device))
     free = free_memory(device)
     if free is not None and need > free:
         raise LocalLLMError(

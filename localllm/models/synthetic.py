@@ -393,14 +393,20 @@ GEOMETRIES: dict[str, Geometry] = {
 }
 
 
+def geometry_args(g: Geometry):
+    """The architecture's validated ``ModelArgs`` of the geometry's metadata."""
+    from . import model_args
+
+    return model_args(_hparams(g), g.n_vocab)
+
+
 def tensor_shapes(g: Geometry) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape in torch order) of every tensor, from the architecture's declaration
     (``tensor_specs`` of the geometry's metadata): the required tensors, ``output.weight``
     unless the output is tied, and the optional ones named in ``g.optional``."""
-    from . import model_args, tensor_specs
+    from . import tensor_specs
 
-    args = model_args(_hparams(g), g.n_vocab)
-    return [(s.name, s.shape) for s in tensor_specs(args)
+    return [(s.name, s.shape) for s in tensor_specs(geometry_args(g))
             if not s.optional or (s.name == "output.weight" and not g.tied_output)
             or s.name in g.optional or _unlayered(s.name) in g.optional
             or (g.qkv_bias and ".bias" in s.name and "attn_output" not in s.name)]

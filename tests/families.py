@@ -194,6 +194,13 @@ FAMILIES: dict[str, tuple] = {
                                            "head_dim": 96}, **BPE, optional=(),
         extra={**_mla_small(shared=2, yarn=None), "deepseek2.attention.q_lora_rank": 0}),
         "Q8_0"),
+    # a file converted before llama.cpp split attn_kv_b (early-2025 DeepSeek-R1 GGUFs): the
+    # per-head sizes in key_length / value_length, as many KV heads as heads
+    "deepseek2-kvb": (dataclasses.replace(
+        GEOMETRIES["deepseek-v2-lite"], **{**SMALL, "n_layers": 3, "n_kv_heads": 4,
+                                           "head_dim": 96}, **BPE, optional=(),
+        extra={**_mla_small(shared=2, yarn=None, kv_b=True),
+               "deepseek2.attention.q_lora_rank": 0}), "Q8_0"),
 }
 
 # The families whose layers fold positions into a fixed-size state: their fixtures add a
@@ -221,7 +228,7 @@ ROUTER_STD = {"ffn_gate_inp": 0.05}
 # deepseek2's router too: its selection then leans on the (exact) bias exp_probs_b as much as
 # on the router's probabilities, which llama.cpp's 8-bit activations move by ~4% of the
 # router logits after two layers (random weights: the rounding of each product compounds)
-MLA = ("deepseek2", "deepseek2-lite")
+MLA = ("deepseek2", "deepseek2-lite", "deepseek2-kvb")
 
 
 def write_family(family: str, directory: str | Path) -> Path:

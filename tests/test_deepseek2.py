@@ -132,7 +132,7 @@ def test_latent_cache_is_what_a_layer_remembers(family_file):
     from localllm.models import memory_layout, model_args
     from localllm.models.synthetic import GEOMETRIES, _hparams
 
-    for name, layers in (("deepseek-v2-lite", 27), ("deepseek-v3", 61), ("deepseek-v3-1b", 16)):
+    for name, layers in (("deepseek-v2-lite", 27), ("deepseek-v3", 61), ("deepseek-v3-1b", 12)):
         g = GEOMETRIES[name]
         layout = memory_layout(model_args(_hparams(g), g.n_vocab))
         assert layout == [LatentSpec(576)] * layers
@@ -148,8 +148,16 @@ BAD = [
     ("deepseek2", "deepseek2.attention.kv_lora_rank", 96, "deepseek2.attention.key_length"),
     ("deepseek2", "deepseek2.attention.key_length_mla", 32,
      "deepseek2.attention.key_length_mla: 32 must exceed rope.dimension_count 32"),
+    # without key_length_mla a file is read as converted before the attn_kv_b split
     ("deepseek2", "deepseek2.attention.key_length_mla", None,
-     "deepseek2.attention.key_length_mla: is missing: a file converted before"),
+     ("deepseek2.attention.head_count_kv: must be attention.head_count 4 in a file with "
+     "attn_kv_b")),
+    ("deepseek2-kvb", "deepseek2.attention.head_count_kv", 1,
+     "deepseek2.attention.head_count_kv: must be attention.head_count 4"),
+    ("deepseek2-kvb", "deepseek2.attention.value_length", 32,
+     "'blk.0.attn_kv_b.weight' has shape (512, 128), but the hyperparameters need (384, 128)"),
+    ("deepseek2-kvb", "deepseek2.attention.key_length", 32,
+     "deepseek2.attention.key_length: 32 must exceed rope.dimension_count 32"),
     ("deepseek2", "deepseek2.rope.dimension_count", 33, "deepseek2.rope.dimension_count"),
     ("deepseek2", "deepseek2.attention.head_count_kv", 4,
      "deepseek2.attention.head_count_kv: must be 1"),

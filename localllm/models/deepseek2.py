@@ -34,7 +34,10 @@ correction bias; the weights stay unbiased) -> with ``expert_group_count`` > 1, 
 ``expert_shared_count * expert_feed_forward_length``) are added to every token's output.
 
 Files converted before llama.cpp split ``attn_kv_b`` into ``attn_k_b``/``attn_v_b`` (no
-``attention.key_length_mla``) are refused with a message naming the key.
+``attention.key_length_mla``; ``attention.key_length`` / ``value_length`` are then the
+per-head sizes and ``attention.head_count_kv`` the head count, as llama.cpp's non-MLA path
+reads them, e.g. early-2025 DeepSeek-R1 GGUFs) run the same way: ``attn_kv_b``, the per-head
+(nope + dv, r) matrices stacked, is split into the two at load.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ GATING = {1: "softmax", 2: "sigmoid"}
 class ModelArgs(DecoderArgs):
     """Hyperparameters from ``deepseek2.*`` keys; ``head_dim`` is the query/key head size
     (``attention.key_length_mla`` = nope + n_rot), ``n_kv_heads`` 1 (the shared latent)."""
+
+    kv_b: bool = False  # attn_kv_b instead of attn_k_b / attn_v_b (files before the split)
 
     q_lora_rank: int  # attention.q_lora_rank; 0: queries projected directly (attn_q)
     kv_lora_rank: int  # attention.kv_lora_rank: the compressed KV of the latent
@@ -114,29 +119,35 @@ class ModelArgs(DecoderArgs):
         n_layers = hp.int("block_count", REQUIRED, hi=MAX_LAYERS)
         d_model = hp.int("embedding_length", REQUIRED)
         n_heads = hp.int("attention.head_count", REQUIRED, hi=MAX_HEADS, per_layer=True)
-        n_kv = hp.int("attention.head_count_kv", 1, hi=MAX_HEADS, per_layer=True)
-        hp.require(n_kv == 1, "attention.head_count_kv",
-                   f"must be 1 for multi-head latent attention (one latent shared by every "
-                   f"head), got {n_kv}")
         kv_rank = hp.int("attention.kv_lora_rank", REQUIRED)
         q_rank = hp.int("attention.q_lora_rank", 0, lo=0)
         n_rot = hp.int("rope.dimension_count", REQUIRED, lo=2)
         hp.require(n_rot % 2 == 0, "rope.dimension_count", f"{n_rot} is odd (RoPE turns pairs)")
-        if hp.key("attention.key_length_mla") not in md:
-            hp.require(False, "attention.key_length_mla",
-                       "is missing: a file converted before llama.cpp split attn_kv_b into "
-                       "attn_k_b/attn_v_b, which localllm does not run (convert it again)")
-        dk = hp.int("attention.key_length_mla", REQUIRED)
-        dv = hp.int("attention.value_length_mla", REQUIRED)
-        hp.require(dk > n_rot, "attention.key_length_mla",
+        kv_b = hp.key("attention.key_length_mla") not in md
+        if kv_b:  # before the split: the per-head sizes in the plain keys (module docstring)
+            n_kv = hp.int("attention.head_count_kv", n_heads, hi=MAX_HEADS, per_layer=True)
+            hp.require(n_kv == n_heads, "attention.head_count_kv",
+                       f"must be attention.head_count {n_heads} in a file with attn_kv_b "
+                       f"(no attention.key_length_mla), got {n_kv}")
+            dk_key, dk = "attention.key_length", hp.int("attention.key_length", REQUIRED)
+            dv = hp.int("attention.value_length", REQUIRED)
+        else:
+            n_kv = hp.int("attention.head_count_kv", 1, hi=MAX_HEADS, per_layer=True)
+            hp.require(n_kv == 1, "attention.head_count_kv",
+                       f"must be 1 for multi-head latent attention (one latent shared by "
+                       f"every head), got {n_kv}")
+            dk_key, dk = "attention.key_length_mla", hp.int("attention.key_length_mla",
+                                                            REQUIRED)
+            dv = hp.int("attention.value_length_mla", REQUIRED)
+            key_len = hp.int("attention.key_length", kv_rank + n_rot)
+            hp.require(key_len == kv_rank + n_rot, "attention.key_length",
+                       f"must be attention.kv_lora_rank + rope.dimension_count = "
+                       f"{kv_rank + n_rot} (the latent), got {key_len}")
+            val_len = hp.int("attention.value_length", kv_rank)
+            hp.require(val_len == kv_rank, "attention.value_length",
+                       f"must be attention.kv_lora_rank = {kv_rank}, got {val_len}")
+        hp.require(dk > n_rot, dk_key,
                    f"{dk} must exceed rope.dimension_count {n_rot} (its RoPE part)")
-        key_len = hp.int("attention.key_length", kv_rank + n_rot)
-        hp.require(key_len == kv_rank + n_rot, "attention.key_length",
-                   f"must be attention.kv_lora_rank + rope.dimension_count = "
-                   f"{kv_rank + n_rot} (the latent), got {key_len}")
-        val_len = hp.int("attention.value_length", kv_rank)
-        hp.require(val_len == kv_rank, "attention.value_length",
-                   f"must be attention.kv_lora_rank = {kv_rank}, got {val_len}")
         ctx = hp.int("context_length", 4096, hi=MAX_CONTEXT)
 
         n_dense = hp.int("leading_dense_block_count", 0, lo=0, hi=n_layers)
@@ -190,7 +201,7 @@ class ModelArgs(DecoderArgs):
                    n_heads=n_heads, n_kv_heads=1, head_dim=dk, context_length=ctx,
                    norm_eps=hp.float("attention.layer_norm_rms_epsilon", 1e-6, hi=1.0),
                    rope=rope, q_lora_rank=q_rank, kv_lora_rank=kv_rank, n_rot=n_rot,
-                   head_dim_v=dv, n_dense_lead=n_dense, ffn_dim=ffn,
+                   head_dim_v=dv, n_dense_lead=n_dense, ffn_dim=ffn, kv_b=kv_b,
                    kq_scale=mscale * mscale / math.sqrt(dk), **kw)
 
 
@@ -208,10 +219,14 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
         else:
             specs.append(TensorSpec(p + "attn_q.weight", (h * a.head_dim, d)))
         specs += [TensorSpec(p + "attn_kv_a_mqa.weight", (a.latent_dim, d)),
-                  TensorSpec(p + "attn_kv_a_norm.weight", (a.kv_lora_rank,)),
-                  TensorSpec(p + "attn_k_b.weight", (h, a.kv_lora_rank, a.nope_dim)),
-                  TensorSpec(p + "attn_v_b.weight", (h, a.head_dim_v, a.kv_lora_rank)),
-                  TensorSpec(p + "attn_output.weight", (d, h * a.head_dim_v)),
+                  TensorSpec(p + "attn_kv_a_norm.weight", (a.kv_lora_rank,))]
+        if a.kv_b:
+            specs.append(TensorSpec(p + "attn_kv_b.weight",
+                                    (h * (a.nope_dim + a.head_dim_v), a.kv_lora_rank)))
+        else:
+            specs += [TensorSpec(p + "attn_k_b.weight", (h, a.kv_lora_rank, a.nope_dim)),
+                      TensorSpec(p + "attn_v_b.weight", (h, a.head_dim_v, a.kv_lora_rank))]
+        specs += [TensorSpec(p + "attn_output.weight", (d, h * a.head_dim_v)),
                   TensorSpec(p + "ffn_norm.weight", (d,))]
         if i < a.n_dense_lead:
             specs += [TensorSpec(p + "ffn_gate.weight", (a.ffn_dim, d)),
@@ -246,10 +261,11 @@ class Layer:
     attn_norm: torch.Tensor
     attn_kv_a_mqa: Linear
     attn_kv_a_norm: torch.Tensor
-    attn_k_b: ExpertMatrix | torch.Tensor  # (H, r, nope): dense float32 after prepare
-    attn_v_b: ExpertMatrix | torch.Tensor  # (H, dv, r)
     attn_output: Linear
     ffn_norm: torch.Tensor
+    attn_k_b: ExpertMatrix | torch.Tensor | None = None  # (H, r, nope): dense after prepare
+    attn_v_b: ExpertMatrix | torch.Tensor | None = None  # (H, dv, r)
+    attn_kv_b: Linear | None = None  # files before the split: (H * (nope + dv), r)
     attn_q: Linear | None = None  # no q_lora_rank
     attn_q_a: Linear | None = None
     attn_q_a_norm: torch.Tensor | None = None
@@ -309,9 +325,17 @@ class Model(BaseModel):
         # The magnitude of cos and sin multiplies the rotated part only (q_pe, k_pe), never
         # the scale the nope part shares: not folded into the scores (norm_after).
         self.rope = Rope(self.args.rope, self.device, norm_after=True)
+        a = self.args
         for b in self.layers:
-            b.attn_k_b = dense_heads(b.attn_k_b, self.device)
-            b.attn_v_b = dense_heads(b.attn_v_b, self.device)
+            if b.attn_kv_b is not None:  # split as llama.cpp's converter does now
+                eye = torch.eye(a.kv_lora_rank, dtype=torch.float32, device=self.device)
+                w = b.attn_kv_b(eye).T.float().reshape(a.n_heads, -1, a.kv_lora_rank)
+                b.attn_k_b = w[:, :a.nope_dim].transpose(1, 2).contiguous()
+                b.attn_v_b = w[:, a.nope_dim:].contiguous()
+                b.attn_kv_b = None
+            else:
+                b.attn_k_b = dense_heads(b.attn_k_b, self.device)
+                b.attn_v_b = dense_heads(b.attn_v_b, self.device)
 
     def ffn(self, b: Layer, n: torch.Tensor) -> torch.Tensor:
         """The FFN of a block on its normed input n (T, d) -> (T, d) float32."""

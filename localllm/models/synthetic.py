@@ -84,17 +84,24 @@ _DEEPSEEK_SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence�
 def mla_keys(arch: str, *, kv_lora_rank: int, rope: int, key_mla: int, value_mla: int,
          experts: int, used: int, shared: int, expert_ffn: int, dense_lead: int,
          q_lora_rank: int = 0, groups: tuple[int, int] = (1, 1), sigmoid: bool = False,
-         scale: float = 1.0, yarn: tuple[float, int, float] | None = None) -> dict:
+         scale: float = 1.0, yarn: tuple[float, int, float] | None = None,
+         kv_b: bool = False) -> dict:
     """The ``deepseek2`` keys llama.cpp's converter writes (``conversion/deepseek.py``): the
     latent's sizes (``attention.key_length`` = kv_lora_rank + RoPE dims, ``value_length`` =
     kv_lora_rank, the per-head sizes in the ``_mla`` keys), experts, groups, gating and YaRN
-    (factor, original context, mscale_all_dim, stored x 0.1)."""
+    (factor, original context, mscale_all_dim, stored x 0.1). ``kv_b``: the keys of files
+    converted before the ``attn_kv_b`` split (the per-head sizes in ``key_length`` /
+    ``value_length``, no ``_mla`` keys)."""
     a = arch + "."
-    md = {a + "attention.kv_lora_rank": kv_lora_rank,
-          a + "attention.key_length": kv_lora_rank + rope,
-          a + "attention.value_length": kv_lora_rank, a + "rope.dimension_count": rope,
-          a + "attention.key_length_mla": key_mla, a + "attention.value_length_mla": value_mla,
-          a + "leading_dense_block_count": dense_lead, a + "expert_count": experts,
+    md = {a + "attention.kv_lora_rank": kv_lora_rank, a + "rope.dimension_count": rope}
+    if kv_b:
+        md.update({a + "attention.key_length": key_mla, a + "attention.value_length": value_mla})
+    else:
+        md.update({a + "attention.key_length": kv_lora_rank + rope,
+                   a + "attention.value_length": kv_lora_rank,
+                   a + "attention.key_length_mla": key_mla,
+                   a + "attention.value_length_mla": value_mla})
+    md |= {a + "leading_dense_block_count": dense_lead, a + "expert_count": experts,
           a + "expert_used_count": used, a + "expert_shared_count": shared,
           a + "expert_feed_forward_length": expert_ffn, a + "expert_weights_scale": scale,
           a + "expert_gating_func": 2 if sigmoid else 1}

@@ -188,11 +188,14 @@ FAMILIES: dict[str, tuple] = {
         extra=_mla_small(q_lora_rank=128, experts=16, groups=(4, 2), sigmoid=True,
                          scale=2.5, yarn=(4.0, 4, 0.707))), "Q8_0"),
     # DeepSeek-V2-Lite's: queries without compression (q_lora_rank 0 written, as llama.cpp
-    # requires the key below 26 layers), softmax over 8 experts, 2 shared, no YaRN
+    # requires the key below 26 layers), softmax over 8 experts, 2 shared, no YaRN; Mistral
+    # Large 3's attention temperature (scale 0.5, floor length 2: it grows along the prompt)
     "deepseek2-lite": (dataclasses.replace(
         GEOMETRIES["deepseek-v2-lite"], **{**SMALL, "n_layers": 3, "n_kv_heads": 1,
                                            "head_dim": 96}, **BPE, optional=(),
-        extra={**_mla_small(shared=2, yarn=None), "deepseek2.attention.q_lora_rank": 0}),
+        extra={**_mla_small(shared=2, yarn=None), "deepseek2.attention.q_lora_rank": 0,
+               "deepseek2.attention.temperature_scale": 0.5,
+               "deepseek2.attention.temperature_length": 2}),
         "Q8_0"),
     # a file converted before llama.cpp split attn_kv_b (early-2025 DeepSeek-R1 GGUFs): the
     # per-head sizes in key_length / value_length, as many KV heads as heads

@@ -67,6 +67,7 @@ FAMILIES: dict[str, str] = {
     "qwen3next": "qwen3next-1b",
     "llama4": "llama4-1b",
     "gemma4": "gemma4-1b",
+    "deepseek2": "deepseek-v3-1b",
 }
 MIN_RELATIVE = 0.8  # the floor, tok/s per weight byte relative to llama
 

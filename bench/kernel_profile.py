@@ -220,6 +220,11 @@ def other_cases(arch: int) -> dict[str, tuple[Case, dict]]:
 
     out["gated_delta_net/qwen35-0.8b"] = delta_case(16, 16, 128, interleave=False, arch=arch)
     out["gated_delta_net/qwen3next-80b"] = delta_case(32, 16, 128, interleave=True, arch=arch)
+    # Multi-head latent attention at decode (DeepSeek-V3: 128 heads over latents of 512 + 64
+    # float16 values): bytes per step are BLOCK_S latents, read once for 16 heads
+    from localllm.kernels.mla import mla_case
+
+    out["mla_decode/deepseek-v3"] = mla_case(128, 512, 64, arch=arch)
     return out
 
 

@@ -67,6 +67,7 @@ _LAZY = {
     "gated_delta_net": ".recurrent",
     "gemv": ".gemv",
     "gemm": ".gemm",
+    "mla_decode": ".mla",
     "norm_rope_kv": ".fused",
     "prefill_attention": ".flash_attention",
     "residual_rms_norm": ".fused",

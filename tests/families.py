@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 from pathlib import Path
 
-from localllm.models.synthetic import GEOMETRIES, write_synthetic
+from localllm.models.synthetic import GEOMETRIES, mla_keys, write_synthetic
 
 WEIGHT_STD = 0.15
 SEED = 14
@@ -30,6 +30,16 @@ HARMONY = {"vocab": "gpt2", "specials": ("<|startoftext|>", "<|endoftext|>", "<|
 # Apertus' xIELU parameters of two layers (before softplus)
 _XIELU_2 = {"xielu.alpha_n": [0.4, 0.9], "xielu.alpha_p": [0.6, 0.2], "xielu.beta": [0.5, 0.5],
             "xielu.eps": [-1e-6, -1e-6]}
+
+
+def _mla_small(**kw) -> dict:
+    """deepseek2 keys of the small MLA models: a latent of 128 + 32 RoPE dims, heads of
+    64 + 32 (keys) and 64 (values), one dense layer, 8 experts (2 used) of 256."""
+    return mla_keys("deepseek2", **{"kv_lora_rank": 128, "rope": 32, "key_mla": 96,
+                                "value_mla": 64, "experts": 8, "used": 2, "shared": 1,
+                                "expert_ffn": 256, "dense_lead": 1,
+                                "yarn": (4.0, 8, 0.707), **kw})
+
 
 # family -> (geometry, recipe)
 FAMILIES: dict[str, tuple] = {
@@ -283,6 +293,33 @@ FAMILIES: dict[str, tuple] = {
             "gemma4.embedding_length_per_layer_input": 32,
             "gemma4.final_logit_softcapping": 30.0,
             "gemma4.feed_forward_length": [512] * 4 + [1024] * 2}), "Q8_0"),
+    # ---- issue 28: multi-head latent attention (deepseek2) ----
+    # DeepSeek-V3's layout: compressed queries, a latent of 128 + 32 RoPE dims, one dense
+    # layer, then 16 experts in 4 groups (2 kept) with sigmoid gating, the selection bias,
+    # renormalised weights x2.5 and a shared expert; YaRN x4 over an original context of 4
+    # tokens (the prompts of 5 to 8 run past it) with DeepSeek's log multiplier
+    "deepseek2": (dataclasses.replace(
+        GEOMETRIES["deepseek-v3-1b"], **{**SMALL, "n_layers": 2, "n_kv_heads": 1,
+                                         "head_dim": 96}, **BPE,
+        extra=_mla_small(q_lora_rank=128, experts=16, groups=(4, 2), sigmoid=True,
+                         scale=2.5, yarn=(4.0, 4, 0.707))), "Q8_0"),
+    # DeepSeek-V2-Lite's: queries without compression (q_lora_rank 0 written, as llama.cpp
+    # requires the key below 26 layers), softmax over 8 experts, 2 shared, no YaRN; Mistral
+    # Large 3's attention temperature (scale 0.5, floor length 2: it grows along the prompt)
+    "deepseek2-lite": (dataclasses.replace(
+        GEOMETRIES["deepseek-v2-lite"], **{**SMALL, "n_layers": 3, "n_kv_heads": 1,
+                                           "head_dim": 96}, **BPE, optional=(),
+        extra={**_mla_small(shared=2, yarn=None), "deepseek2.attention.q_lora_rank": 0,
+               "deepseek2.attention.temperature_scale": 0.5,
+               "deepseek2.attention.temperature_length": 2}),
+        "Q8_0"),
+    # a file converted before llama.cpp split attn_kv_b (early-2025 DeepSeek-R1 GGUFs): the
+    # per-head sizes in key_length / value_length, as many KV heads as heads
+    "deepseek2-kvb": (dataclasses.replace(
+        GEOMETRIES["deepseek-v2-lite"], **{**SMALL, "n_layers": 3, "n_kv_heads": 4,
+                                           "head_dim": 96}, **BPE, optional=(),
+        extra={**_mla_small(shared=2, yarn=None, kv_b=True),
+               "deepseek2.attention.q_lora_rank": 0}), "Q8_0"),
 }
 
 # Families with one more prompt of this many tokens (record.py), past a length where their
@@ -324,6 +361,10 @@ STEM_STD = {"ssm_in": 0.05}
 # k-th and the next are seldom at a near-tie (fewer prompts lost to them).
 ROUTER_STD = {"ffn_gate_inp": 0.05}
 SPREAD_ROUTER = ("granitehybrid-moe", "qwen35moe", "qwen3next")
+# deepseek2's router too: its selection then leans on the (exact) bias exp_probs_b as much as
+# on the router's probabilities, which llama.cpp's 8-bit activations move by ~4% of the
+# router logits after two layers (random weights: the rounding of each product compounds)
+MLA = ("deepseek2", "deepseek2-lite", "deepseek2-kvb")
 
 
 def write_family(family: str, directory: str | Path) -> Path:
@@ -333,6 +374,7 @@ def write_family(family: str, directory: str | Path) -> Path:
     return write_synthetic(Path(directory) / f"{family}.gguf", g, quant, seed=SEED,
                            weight_std=STD.get(family, WEIGHT_STD),
                            stem_std={**STEM_STD, **ROUTER_STD} if family in SPREAD_ROUTER
+                           else ROUTER_STD if family in MLA
                            else STEM_STD if family in RECURRENT else None)
 
 

@@ -360,7 +360,11 @@ EXTRA_KEYS = ["rope.scaling.type", "rope.scaling.factor", "attention.sliding_win
               # Llama 4 and Gemma 4
               "attention.shared_kv_layers", "attention.key_length_swa",
               "attention.value_length_swa", "rope.dimension_count_swa",
-              "embedding_length_per_layer_input"]
+              "embedding_length_per_layer_input",
+              # multi-head latent attention and its routing (deepseek2)
+              "attention.q_lora_rank", "attention.kv_lora_rank", "attention.key_length_mla",
+              "attention.value_length_mla", "expert_group_count", "expert_group_used_count",
+              "attention.temperature_length"]
 # Keys outside the architecture's namespace (llama.cpp's names), added as they are.
 GLOBAL_KEYS = ["xielu.alpha_n", "xielu.alpha_p", "xielu.beta", "xielu.eps"]
 
@@ -432,7 +436,7 @@ def metadata_fuzz_seeds(directory) -> list:
     from families import write_family
 
     hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2", "qwen35", "qwen35moe",
-               "qwen3next", "llama4", "gemma4"]
+               "qwen3next", "llama4", "gemma4", "deepseek2", "deepseek2-lite", "deepseek2-kvb"]
     return [open_gguf(write_tiny_gguf(Path(directory) / f"seed-{arch}.gguf", arch, **kw))
             for arch, kw in cases] + [open_gguf(write_family(f, directory)) for f in hybrids]
 

@@ -424,6 +424,44 @@ class TorchOps:
         return attend(q, keys, values, positions, k_pos, window=window, scale=scale,
                       softcap=softcap)
 
+    def mla_attention(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        k_b: torch.Tensor,
+        v_b: torch.Tensor,
+        cache,
+        pos: int | torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        scale: float,
+    ) -> torch.Tensor:
+        """Multi-head latent attention over a latent cache with absorbed projections
+        (DeepSeek-V2, Liu et al. 2024; llama.cpp's ``src/models/deepseek2.cpp``, MLA branch):
+        each head's query is taken into the latent space, ``[k_b[h] @ q_nope[h], q_pe[h]]``,
+        and attends over the cached latents ``[c, k_pe]`` of every position as one shared
+        key (MQA); the values are the latents' first ``kv_lora_rank`` values ``c``, and each
+        head's result is expanded by ``v_b[h]``. Only the latent is stored.
+
+        q_nope: (H, T, nope), q_pe: (H, T, n_rot) (rotated) float32; latent: (T, r + n_rot)
+        float32, the new positions' ``[c, k_pe]`` (c RMS-normed, k_pe rotated), written into
+        ``cache`` (a :class:`~localllm.memory.LatentCache`) at ``positions`` (T,) int64 from
+        ``pos`` (an int, or a (1,) device tensor in static decode); k_b: (H, r, nope), v_b:
+        (H, dv, r) float32 -> (T, H * dv) float32.
+        """
+        h, t, _ = q_nope.shape
+        r = k_b.shape[1]
+        if isinstance(pos, torch.Tensor):
+            cached = cache.update_static(pos, latent)
+        else:
+            cached = cache.update(pos, latent)
+        q = torch.cat([torch.matmul(q_nope, k_b.transpose(1, 2)), q_pe], dim=-1)  # (H, T, D)
+        kv = cached[None]  # (1, S, D): the latent is both keys and (its first r) values
+        out = attend(q, kv, kv, positions, None, window=None, scale=scale)  # (T, H * D)
+        o = out.view(t, h, -1)[:, :, :r].transpose(0, 1)  # (H, T, r)
+        return torch.matmul(o, v_b.transpose(1, 2)).transpose(0, 1).reshape(t, -1)
+
     @staticmethod
     def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    state: torch.Tensor, *, silu: bool) -> torch.Tensor:

@@ -155,6 +155,18 @@ class KernelOps(TorchOps):
                                 window=query_window(cache, pos) if cache.chunk else cache.window,
                                 scale=scale, softcap=softcap)
 
+    def mla_attention(self, q_nope, q_pe, latent, k_b, v_b, cache, pos, positions, *, scale):
+        """One token: the latent written, then one :func:`localllm.kernels.mla_decode`
+        launch over the latent cache (every head); prefill: the torch form."""
+        if q_nope.shape[1] != 1:
+            return super().mla_attention(q_nope, q_pe, latent, k_b, v_b, cache, pos, positions,
+                                         scale=scale)
+        cached = (cache.update_static(pos, latent) if isinstance(pos, torch.Tensor)
+                  else cache.update(pos, latent))
+        q = torch.cat([torch.matmul(q_nope, k_b.transpose(1, 2)), q_pe], dim=-1)[:, 0]
+        o = kernels.mla_decode(q, cached, positions, k_b.shape[1], scale)  # (H, r)
+        return torch.matmul(o[:, None], v_b.transpose(1, 2)).reshape(1, -1)
+
     @staticmethod
     def short_conv(x, weight, bias, state, *, silu):
         return kernels.short_conv(x, weight, bias, state, silu=silu)

@@ -39,18 +39,23 @@ INFO_CTX = 4096
 
 
 def memory_line(layout: list, context_length: int) -> str:
-    """A sequence's memory by kind: the KV (and latent) caches at ``INFO_CTX`` tokens in
+    """A sequence's memory by kind: the KV and latent (MLA) caches at ``INFO_CTX`` tokens in
     float16 (llama.cpp's default cache type), the recurrent states (fixed: float32 whatever
     the context)."""
-    from ..memory import RecurrentSpec
+    from ..memory import LatentSpec, RecurrentSpec
 
     ctx = min(INFO_CTX, context_length)
     rec = [s for s in layout if isinstance(s, RecurrentSpec)]
-    kv = [s for s in layout if not isinstance(s, RecurrentSpec)]
+    latent = [s for s in layout if isinstance(s, LatentSpec)]
+    kv = [s for s in layout if not isinstance(s, (RecurrentSpec, LatentSpec))]
     parts = []
     if kv:
         mib = sum(s.nbytes(ctx, 2) for s in kv) / 2**20
         parts.append(f"KV cache {mib:.1f} MiB at {ctx} tokens ({len(kv)} layers, float16)")
+    if latent:  # MLA: one latent per position instead of every head's keys and values
+        per_token = sum(s.nbytes(1, 2) for s in latent)
+        parts.append(f"latent cache {per_token * ctx / 2**20:.1f} MiB at {ctx} tokens "
+                     f"({len(latent)} layers, float16: {per_token} bytes per token)")
     if rec:
         mib = sum(s.nbytes(ctx, 4) for s in rec) / 2**20
         parts.append(f"recurrent state {mib:.1f} MiB ({len(rec)} layers, fixed, float32; "

@@ -337,6 +337,7 @@ def check_synthetic_memory(geometry, tensors, device: torch.device, ctx_size: in
     import os
 
     from ..errors import LocalLLMError
+    from ..models.synthetic import geometry_args
     from ..runtime.resources import (
         SKIP_ENV,
         format_bytes,
@@ -347,7 +348,6 @@ def check_synthetic_memory(geometry, tensors, device: torch.device, ctx_size: in
 
     if os.environ.get(SKIP_ENV, "") not in ("", "0"):
         return
-    from ..models.synthetic import geometry_args
 
     quantized = device.type == "cuda"
     # the memories from the architecture's own args (a hybrid's recurrent layers and states

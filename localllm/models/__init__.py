@@ -38,6 +38,7 @@ from types import ModuleType
 from ..errors import UnsupportedError
 from . import (
     apertus,
+    deepseek2,
     ernie4_5_moe,
     exaone4,
     falcon_h1,
@@ -94,6 +95,7 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "olmoe": olmoe,
     "ernie4_5-moe": ernie4_5_moe,
     "phimoe": phimoe,
+    "deepseek2": deepseek2,
 }
 
 

@@ -98,6 +98,46 @@ _MINISTRAL3_ROPE = {
     "mistral3.attention.temperature_scale": 0.1}
 
 
+_DEEPSEEK_SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>")
+
+
+def mla_keys(arch: str, *, kv_lora_rank: int, rope: int, key_mla: int, value_mla: int,
+         experts: int, used: int, shared: int, expert_ffn: int, dense_lead: int,
+         q_lora_rank: int = 0, groups: tuple[int, int] = (1, 1), sigmoid: bool = False,
+         scale: float = 1.0, yarn: tuple[float, int, float] | None = None,
+         kv_b: bool = False) -> dict:
+    """The ``deepseek2`` keys llama.cpp's converter writes (``conversion/deepseek.py``): the
+    latent's sizes (``attention.key_length`` = kv_lora_rank + RoPE dims, ``value_length`` =
+    kv_lora_rank, the per-head sizes in the ``_mla`` keys), experts, groups, gating and YaRN
+    (factor, original context, mscale_all_dim, stored x 0.1). ``kv_b``: the keys of files
+    converted before the ``attn_kv_b`` split (the per-head sizes in ``key_length`` /
+    ``value_length``, no ``_mla`` keys)."""
+    a = arch + "."
+    md = {a + "attention.kv_lora_rank": kv_lora_rank, a + "rope.dimension_count": rope}
+    if kv_b:
+        md.update({a + "attention.key_length": key_mla, a + "attention.value_length": value_mla})
+    else:
+        md.update({a + "attention.key_length": kv_lora_rank + rope,
+                   a + "attention.value_length": kv_lora_rank,
+                   a + "attention.key_length_mla": key_mla,
+                   a + "attention.value_length_mla": value_mla})
+    md |= {a + "leading_dense_block_count": dense_lead, a + "expert_count": experts,
+          a + "expert_used_count": used, a + "expert_shared_count": shared,
+          a + "expert_feed_forward_length": expert_ffn, a + "expert_weights_scale": scale,
+          a + "expert_gating_func": 2 if sigmoid else 1}
+    if q_lora_rank:
+        md[a + "attention.q_lora_rank"] = q_lora_rank
+    if sigmoid:
+        md[a + "expert_weights_norm"] = True
+    if groups[0] > 1:
+        md[a + "expert_group_count"], md[a + "expert_group_used_count"] = groups
+    if yarn is not None:
+        md.update({a + "rope.scaling.type": "yarn", a + "rope.scaling.factor": yarn[0],
+                   a + "rope.scaling.original_context_length": yarn[1],
+                   a + "rope.scaling.yarn_log_multiplier": 0.1 * yarn[2]})
+    return md
+
+
 def _xielu(n_layers: int) -> dict:
     """Apertus' xIELU parameters, one per layer, as the checkpoint stores them (before
     softplus): near its initial values alpha_p = alpha_n = 0.8, beta = 0.5, eps = -1e-6,
@@ -379,6 +419,35 @@ GEOMETRIES: dict[str, Geometry] = {
         1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
         n_pad_tokens=290, extra={"qwen3moe.expert_count": 64, "qwen3moe.expert_used_count": 8,
                                  "qwen3moe.expert_feed_forward_length": 256}),
+    # ---- multi-head latent attention (issue #28): GGUF architecture deepseek2 ----------------
+    # DeepSeek-V2-Lite (16B, 2.4B active): queries without compression, latent 512 + 64, 64
+    # experts (6 used, softmax) and 2 shared of 1408, first layer dense, YaRN x40 (mscale 0.707)
+    "deepseek-v2-lite": Geometry(
+        "deepseek-v2-lite", "deepseek2", 102400, 27, 2048, 16, 1, 192, 10944, 163840, 10000.0,
+        1e-6, "gpt2", "deepseek-llm", specials=_DEEPSEEK_SPECIALS,
+        extra=mla_keys("deepseek2", kv_lora_rank=512, rope=64, key_mla=192, value_mla=128,
+                   experts=64, used=6, shared=2, expert_ffn=1408, dense_lead=1,
+                   yarn=(40.0, 4096, 0.707))),
+    # DeepSeek-V3 / R1 (671B, 37B active): q_lora_rank 1536, 256 experts in 8 groups (4 used
+    # per token), sigmoid gating with the selection bias, 3 dense layers (memory estimates)
+    "deepseek-v3": Geometry(
+        "deepseek-v3", "deepseek2", 129280, 61, 7168, 128, 1, 192, 18432, 163840, 10000.0,
+        1e-6, "gpt2", "deepseek-v3", specials=_DEEPSEEK_SPECIALS,
+        optional=("exp_probs_b.bias",),
+        extra=mla_keys("deepseek2", q_lora_rank=1536, kv_lora_rank=512, rope=64, key_mla=192,
+                   value_mla=128, experts=256, used=8, shared=1, expert_ffn=2048,
+                   dense_lead=3, groups=(8, 4), sigmoid=True, scale=2.5,
+                   yarn=(40.0, 4096, 1.0))),
+    # DeepSeek-V3's layout at 1.4B (0.7B active with the embeddings): 12 layers of 1536,
+    # q_lora_rank 512, 32 experts of 512 in 4 groups (2 used), 6 routed + 1 shared
+    "deepseek-v3-1b": Geometry(
+        "deepseek-v3-1b", "deepseek2", 129280, 12, 1536, 16, 1, 192, 4096, 163840, 10000.0,
+        1e-6, "gpt2", "deepseek-v3", specials=_DEEPSEEK_SPECIALS,
+        optional=("exp_probs_b.bias",),
+        extra=mla_keys("deepseek2", q_lora_rank=512, kv_lora_rank=512, rope=64, key_mla=192,
+                       value_mla=128, experts=32, used=6, shared=1, expert_ffn=512,
+                       dense_lead=1, groups=(4, 2), sigmoid=True, scale=2.5,
+                       yarn=(40.0, 4096, 1.0))),
     # ---- hybrid and state-space models (issue #27) ------------------------------------------
     # Mamba2-370m (state-spaces): 48 Mamba2 layers, GPT-NeoX vocabulary padded to 16
     "mamba2-370m": Geometry(
@@ -555,8 +624,7 @@ def tensor_shapes(g: Geometry) -> list[tuple[str, tuple[int, ...]]]:
     unless the output is tied, and the optional ones named in ``g.optional``."""
     from . import tensor_specs
 
-    args = geometry_args(g)
-    return [(s.name, s.shape) for s in tensor_specs(args)
+    return [(s.name, s.shape) for s in tensor_specs(geometry_args(g))
             if not s.optional or (s.name == "output.weight" and not g.tied_output)
             or s.name in g.optional or _unlayered(s.name) in g.optional
             or (g.qkv_bias and ".bias" in s.name and "attn_output" not in s.name)]

@@ -51,6 +51,9 @@ MIN_MARGIN = 0.2  # nats between llama.cpp's top two tokens at a prompt's last p
 
 MIN_ROUTER_GAP = 0.005  # MoE: router probability between the last chosen expert and the next
 MIN_ROUTER_LOGIT_GAP = 0.2  # Llama 4 (selection on the router's logits)
+# deepseek2 (sigmoid gating, groups): its scores move by up to ~0.02 between llama.cpp and
+# localllm (MLA's chain of products, each rounded by llama.cpp's 8-bit activations)
+MIN_ROUTER_GAP_MLA = 0.01
 N_CANDIDATES = 3  # per length, for MoE (non-MoE: 50)
 
 
@@ -58,9 +61,10 @@ class RouterSpy:
     """A MoE layer's router (its ``ffn_gate_inp``) that records, per call, the smallest gap
     between the k-th and the (k+1)-th expert's selection score over the tokens: the softmax
     probability, for sigmoid gating (GLM-4.5) the sigmoid plus the selection bias, and for
-    Llama 4 (``logits``: selection on the router's logits) the logit gap scaled by
-    MIN_ROUTER_GAP / MIN_ROUTER_LOGIT_GAP (with 128 experts a probability gap of
-    MIN_ROUTER_GAP is a logit gap small enough for the two CPU paths' rounding to cross)."""
+    Llama 4 (``logits``: selection on the router's logits) the logit gap; each as a fraction
+    of its threshold (MIN_ROUTER_GAP, MIN_ROUTER_LOGIT_GAP: with 128 experts a probability
+    gap of MIN_ROUTER_GAP is a logit gap small enough for the two CPU paths' rounding to
+    cross), so that a prompt is kept where every recorded value is at least 1."""
 
     def __init__(self, router, k: int, gaps: list[float], gating: str = "softmax",
                  bias=None) -> None:
@@ -74,13 +78,13 @@ class RouterSpy:
         if self.gating == "logits":
             lg = y.float().sort(-1, descending=True).values
             self.gaps.append(float((lg[:, self.k - 1] - lg[:, self.k]).min())
-                             * MIN_ROUTER_GAP / MIN_ROUTER_LOGIT_GAP)
+                             / MIN_ROUTER_LOGIT_GAP)
             return y
         p = torch.sigmoid(y.float()) if self.gating == "sigmoid" else torch.softmax(y.float(), -1)
         if self.bias is not None:
             p = p + self.bias
         p = p.sort(-1, descending=True).values
-        self.gaps.append(float((p[:, self.k - 1] - p[:, self.k]).min()))
+        self.gaps.append(float((p[:, self.k - 1] - p[:, self.k]).min()) / MIN_ROUTER_GAP)
         return y
 
 
@@ -94,12 +98,36 @@ def candidate_prompts(path: Path, seed: int, *, long: bool = False,
     at every position: :class:`RouterSpy`) are kept: at a near-tie, rounding differences
     between two correct implementations pick different experts and the outputs diverge by
     far more than the rounding."""
+    import torch
+
+    from localllm.models import deepseek2
     from localllm.runtime.session import Session, load_model
 
     m = load_model(path, device="cpu", progress=False)
     gaps: list[float] = []
+    route = deepseek2.route
+
+    def spy_route(logits, a, bias):
+        # deepseek2: the gaps of its selection scores, of the groups' scores too
+        p = torch.softmax(logits, -1) if a.gating == "softmax" else torch.sigmoid(logits)
+        s = p if bias is None else p + bias
+        if a.n_group > 1:
+            grouped = s.view(s.shape[0], a.n_group, -1)
+            g = grouped.topk(2, -1).values.sum(-1).sort(-1, descending=True)
+            gaps.append(float((g.values[:, a.n_group_used - 1]
+                               - g.values[:, a.n_group_used]).min()) / MIN_ROUTER_GAP_MLA)
+            out = torch.ones_like(g.values, dtype=torch.bool).scatter_(
+                1, g.indices[:, :a.n_group_used], False)
+            s = grouped.masked_fill(out[:, :, None], float("-inf")).view(s.shape[0], -1)
+        s = s.sort(-1, descending=True).values
+        k = a.n_expert_used
+        gaps.append(float((s[:, k - 1] - s[:, k]).min()) / MIN_ROUTER_GAP_MLA)
+        return route(logits, a, bias)
+
     is_moe = bool(getattr(m.args, "n_expert", 0))
-    if is_moe:  # every family's router is its layers' ffn_gate_inp
+    if is_moe and m.args.arch == "deepseek2":  # its own routing function (groups)
+        deepseek2.route = spy_route
+    elif is_moe:  # every other family's router is its layers' ffn_gate_inp
         gating = "logits" if m.args.arch == "llama4" else getattr(m.args, "gating", "softmax")
         for b in m.model.layers:
             if getattr(b, "ffn_gate_inp", None) is not None:
@@ -111,17 +139,21 @@ def candidate_prompts(path: Path, seed: int, *, long: bool = False,
         lengths = PROMPT_LENGTHS_MOE if is_moe else PROMPT_LENGTHS
     if long and not is_moe:  # a MoE prompt this long always has a near-tie somewhere
         lengths = (*lengths, LONG_PROMPT)
-    for n in (*lengths, *extra_lengths):
-        found = 0
-        while found < (N_CANDIDATES if is_moe else 50):
-            ids = rng.integers(4, m.tokenizer.n_vocab - 4, n).tolist()
-            gaps.clear()
-            if is_moe:
-                Session(m, ctx_size=max(N_CTX_LONG, n + 1)).eval(ids)
-            if not gaps or min(gaps) >= MIN_ROUTER_GAP:
-                out.append(ids)
-                found += 1
+    try:
+        for n in (*lengths, *extra_lengths):
+            found = 0
+            while found < (N_CANDIDATES if is_moe else 50):
+                ids = rng.integers(4, m.tokenizer.n_vocab - 4, n).tolist()
+                gaps.clear()
+                if is_moe:
+                    Session(m, ctx_size=max(N_CTX_LONG, n + 1)).eval(ids)
+                if not gaps or min(gaps) >= 1.0:  # each gap over its threshold
+                    out.append(ids)
+                    found += 1
+    finally:
+        deepseek2.route = route
     return out
+
 
 
 def decisive_prompts(llm, candidates: list[list[int]]) -> tuple[list[list[int]], list[np.ndarray]]:

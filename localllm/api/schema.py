@@ -45,6 +45,8 @@ Int32 = Annotated[int, Field(ge=-_INT32, le=_INT32 - 1)]
 Int64 = Annotated[int, Field(ge=-_INT64, le=_INT64 - 1)]
 Positive = Annotated[int, Field(ge=1)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+# llama.cpp's reasoning budget: -1 no limit, 0 no thinking, N tokens.
+ReasoningBudget = Annotated[int, Field(ge=-1, le=_INT32 - 1)]
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 
 M = TypeVar("M", bound=BaseModel)
@@ -273,6 +275,7 @@ class Message(_Open):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier reply's reasoning (templates read it)
 
 
 class FunctionDef(_Open):
@@ -441,6 +444,15 @@ class ChatParams(_Request):
     # A built-in template's name, a tokenizer.chat_template.NAME variant, or Jinja text;
     # never a file (see localllm.chat.template.select_template).
     chat_template: str | None = None
+    # Template variables (llama-server's name): enable_thinking, reasoning_effort ...
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Reasoning, as llama-server takes it: where it goes, how many tokens it may use.
+    reasoning_format: Literal["none", "deepseek", "auto"] | None = None
+    reasoning_budget_tokens: ReasoningBudget | None = Field(
+        None, validation_alias=AliasChoices("reasoning_budget_tokens", "thinking_budget_tokens",
+                                            "reasoning_budget"))
+    # OpenAI's: passed to the template (gpt-oss's harmony reads it); "none": no thinking.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     def template_messages(self) -> list[dict]:
         """The messages as dicts for the chat template (extra fields kept, None dropped)."""

@@ -32,6 +32,7 @@ from ..grammar.lazy import Thinking, ThinkingControl
 from ..registry import ModelEntry, load_registry
 from ..runtime.generate import Step, Timings, generate_tokens
 from ..runtime.session import Session, load_model
+from ..runtime.speculative import Speculation
 from ..sampling.chain import SamplingParams, build_sampler
 from .schema import parse_options
 
@@ -148,6 +149,12 @@ class LLM:
         progress: a progress bar while loading (None: when stderr is a terminal).
         dtype: storage dtype of dequantized weights on the torch backend (float32 for an
             exact evaluation; twice the memory of the float16 default).
+        draft_model, spec_ngram, draft_max, draft_min, draft_p_min: speculative decoding
+            (:mod:`localllm.runtime.speculative`, llama.cpp's ``--model-draft``,
+            ``--draft-max``, ``--draft-min``, ``--draft-p-min``; ``--spec-ngram N``: prompt
+            lookup with n-grams of up to N tokens): a draft model (name or path, same
+            vocabulary) or n-gram lookup guesses tokens that one batched forward verifies;
+            the output is the same as without it.
     Raises:
         ParameterError: an unknown keyword, or an argument of the wrong type or range.
         ModelNotFoundError, GGUFError, UnsupportedError: see :func:`load_model`.
@@ -193,6 +200,15 @@ class LLM:
         self.chat_template_kwargs: dict = {}
         self.reasoning_format: str = "auto"
         self.reasoning_budget: int = -1
+        draft = None
+        if options.draft_model is not None:
+            draft = load_model(load_registry().resolve(options.draft_model)[0],
+                               device=options.device, progress=options.progress,
+                               ctx_size=options.ctx_size, dtype=dtype)
+        self.speculation = Speculation(
+            self.loaded, self.ctx_size, draft=draft, ngram=options.spec_ngram,
+            draft_max=options.draft_max, draft_min=options.draft_min,
+            p_min=options.draft_p_min)
         self._session: Session | None = None
         self._lock = threading.RLock()  # one generation (or forward) at a time
         self._lock_owner: int | None = None
@@ -459,10 +475,13 @@ class LLM:
                                                        constraint=req.constraint,
                                                        n_ctx=session.ctx_size)
                 gen.sampler = sampler
+                spec = self.speculation
                 steps = generate_tokens(session, req.ids, sampler, n_predict=req.n_predict,
                                         stop=req.stop, constraint=req.constraint,
                                         timings=gen.timings, on_context_full=req.on_context_full,
-                                        drafter=req.drafter, preserved=req.preserved)
+                                        drafter=req.drafter or spec.drafter(),
+                                        draft_max=spec.draft_max, draft_min=spec.draft_min,
+                                        preserved=req.preserved)
                 for step in steps:
                     if req.deadline is not None and time.monotonic() > req.deadline:
                         raise GenerationTimeout(

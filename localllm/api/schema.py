@@ -32,6 +32,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..errors import ParameterError
+from ..runtime.generate import DRAFT_MAX
 
 MAX_JSON_DEPTH = 128  # nesting of any value in a request (the JSON-schema compiler's limit too)
 MAX_JSON_NODES = 1 << 22  # values (containers and scalars) in one request, shared ones per use
@@ -468,7 +469,10 @@ _MODEL_NAMES = {cls.__name__ for cls in (
     StreamOptions)}
 
 # ---- LLM(...) ---------------------------------------------------------------------------------
-_OPTION_FLAGS = {"ctx_size": "--ctx-size", "batch_size": "--batch-size", "device": "--device"}
+_OPTION_FLAGS = {"ctx_size": "--ctx-size", "batch_size": "--batch-size", "device": "--device",
+                 "draft_model": "--model-draft", "spec_ngram": "--spec-ngram",
+                 "draft_max": "--draft-max", "draft_min": "--draft-min",
+                 "draft_p_min": "--draft-p-min"}
 
 
 class LLMOptions(_Model):
@@ -480,6 +484,12 @@ class LLMOptions(_Model):
     batch_size: Annotated[int, Field(ge=1, le=_INT32 - 1)] = 512
     verbose: bool = False
     progress: bool | None = None
+    # speculative decoding (localllm.runtime.speculative; llama.cpp's flag names)
+    draft_model: str | None = None
+    spec_ngram: Annotated[int, Field(ge=0, le=64)] = 0
+    draft_max: Annotated[int, Field(ge=1, le=64)] = DRAFT_MAX
+    draft_min: Annotated[int, Field(ge=0, le=64)] = 0
+    draft_p_min: Annotated[float, Field(ge=0.0, le=1.0)] = 0.8
 
 
 def parse_options(options: dict[str, Any]) -> LLMOptions:

@@ -18,7 +18,13 @@ import typer.main
 
 from ..errors import LocalLLMError, ParameterError
 from . import chat, perplexity, pull, quantize, serve
-from .options import ThreadsBatchOpt, ThreadsOpt, apply_threads, prefer_passive_openmp_wait
+from .options import (
+    ThreadsBatchOpt,
+    ThreadsOpt,
+    apply_threads,
+    prefer_passive_openmp_wait,
+    speculative_options,
+)
 from .terminal import guard_standard_streams, restore_standard_streams, say
 
 app = typer.Typer(
@@ -99,6 +105,8 @@ def print_model_summary(llm) -> None:
     loaded = llm.loaded
     _err(f"model: {llm.path} ({loaded.gguf.architecture}, device {llm.device}, "
          f"backend {loaded.backend})")
+    if llm.speculation.enabled:
+        _err(f"speculative decoding: {llm.speculation.describe()}")
     for name in loaded.fallbacks or ():
         _err(f"no {loaded.backend} kernel, dequantized: {name}")
     if llm.device.type == "cuda":
@@ -127,6 +135,11 @@ def print_timings(llm, timings, finish_reason: str | None) -> None:
     _err(line("prompt eval time", t.prompt_seconds, t.prompt_tokens))
     _err(line("eval time", t.generate_seconds, max(0, t.generated_tokens - 1)))
     _err(f"{'first token':>18} = {t.first_token_seconds * 1e3:10.2f} ms")
+    if "draft_tokens" in t.extra:  # llama.cpp's "draft acceptance rate"
+        drafted, accepted = t.extra["draft_tokens"], t.extra["draft_accepted"]
+        rate = accepted / drafted if drafted else 0.0
+        _err(f"{'draft acceptance':>18} = {rate:10.5f} ({accepted} accepted / {drafted} "
+             "generated)")
     _err(f"{'finish reason':>18} = {finish_reason}")
 
 
@@ -157,6 +170,7 @@ def _run(
     threads_batch: ThreadsBatchOpt = None,
     verbose: VerboseOpt = False,
     sampling=None,
+    speculative=None,
 ) -> None:
     """Generate a continuation of PROMPT and stream it to stdout."""
     apply_threads(threads, threads_batch)
@@ -181,7 +195,8 @@ def _run(
 
     from ..api import LLM
 
-    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None)
+    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None,
+              **(speculative or {}))
     params = llm.sampling_params(**(sampling.overrides if sampling is not None else {}))
     if verbose:
         print_model_summary(llm)
@@ -300,7 +315,7 @@ def _attach_sampling(func):
     return sampling_options(func)
 
 
-app.command("run")(_attach_sampling(_run))
+app.command("run")(_attach_sampling(speculative_options(_run)))
 
 
 # ---- info / tokenize / models -------------------------------------------------------------
@@ -401,12 +416,12 @@ def bench(
 
 
 # --- commands defined in their own modules ---
-app.command("chat")(_attach_sampling(chat.chat_command))
+app.command("chat")(_attach_sampling(speculative_options(chat.chat_command)))
 app.command("quantize")(quantize.quantize_command)
 app.command("perplexity")(perplexity.perplexity_command)
 app.command("pull")(pull.pull_command)
 app.command("rm")(pull.rm_command)
-app.command("serve")(serve.serve_command)
+app.command("serve")(speculative_options(serve.serve_command))
 
 
 def _click_exceptions() -> list:

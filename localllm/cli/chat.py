@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from ..errors import ParameterError
+from .options import ThreadsBatchOpt, ThreadsOpt, apply_threads
 
 
 def chat_command(
@@ -31,10 +32,11 @@ def chat_command(
     no_loop_guard: Annotated[bool, typer.Option(
         "--no-loop-guard", help="let a reply that repeats itself go on")] = False,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda")] = "auto",
-    threads: Annotated[int | None, typer.Option(
-        "--threads", "-t", help="CPU threads (default: physical cores)")] = None,
+    threads: ThreadsOpt = None,
+    threads_batch: ThreadsBatchOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="details on stderr")] = False,
     sampling=None,
+    speculative=None,
 ) -> None:
     """Chat with a model in the terminal (streaming, /help for commands)."""
     from rich.console import Console
@@ -44,17 +46,17 @@ def chat_command(
     with step_progress("starting: importing torch"):  # seconds of a blank screen otherwise
         from ..api import LLM
         from ..chat.template import template_for
-        from ..cpu.threads import set_threads
         from .repl import ChatREPL
 
-    set_threads(threads)
+    apply_threads(threads, threads_batch)
     if model is None:  # chat's own default: an instruct model
         from ..registry import load_registry
 
         reg = load_registry()
         model = reg.chat_default or reg.default
     llm = LLM(  # its own progress bar while the weights load (on a terminal)
-        model, device=device, ctx_size=ctx_size, batch_size=batch_size, verbose=verbose)
+        model, device=device, ctx_size=ctx_size, batch_size=batch_size, verbose=verbose,
+        **(speculative or {}))
     if sampling is None:
         params = llm.sampling_params()
     elif hasattr(sampling, "overrides"):

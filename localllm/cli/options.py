@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
@@ -47,3 +50,77 @@ def prefer_passive_openmp_wait(environ=None) -> None:
     environ = os.environ if environ is None else environ
     if not any(k in environ for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
         environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
+def option_group(param: str, options: list[tuple[str, Any, Any]],
+                 build: Callable[[dict[str, Any]], Any]) -> Callable[[Callable], Callable]:
+    """Decorator: append a group of typer options to a command's signature and hand the
+    command one argument ``param`` built from them.
+
+    Args:
+        param: the command's parameter that receives ``build(values)``.
+        options: (parameter name, default, annotation with its ``typer.Option``) per flag.
+        build: turns {parameter name: value given or default} into the argument.
+    """
+    names = [name for name, _, _ in options]
+
+    def decorate(func: Callable) -> Callable:
+        sig = inspect.signature(func, eval_str=True)
+        if param not in sig.parameters:
+            raise TypeError(f"{func.__name__} has no {param!r} parameter")
+        params = [p for p in sig.parameters.values() if p.name != param]
+        clash = {p.name for p in params} & set(names)
+        if clash:
+            raise TypeError(f"{func.__name__} already has parameters {sorted(clash)}")
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                   annotation=ann) for name, default, ann in options]
+        var_kw = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+        rest = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        new_sig = sig.replace(parameters=rest + added + var_kw)
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            kwargs[param] = build({name: kwargs.pop(name) for name in names if name in kwargs})
+            return func(*args, **kwargs)
+
+        wrapper.__signature__ = new_sig  # type: ignore[attr-defined]
+        wrapper.__annotations__ = {p.name: p.annotation for p in new_sig.parameters.values()
+                                   if p.annotation is not inspect.Parameter.empty}
+        if new_sig.return_annotation is not inspect.Signature.empty:
+            wrapper.__annotations__["return"] = new_sig.return_annotation
+        del wrapper.__wrapped__  # typer must see the new signature, not the wrapped one
+        return wrapper
+
+    return decorate
+
+
+_SPEC = "Speculative decoding"
+
+
+def _spec_opt(*names: str, help: str) -> Any:
+    return typer.Option(*names, help=help, rich_help_panel=_SPEC, show_default=False)
+
+
+# llama.cpp's flags (common/arg.cpp); the defaults are localllm.api.schema.LLMOptions'.
+SPECULATIVE_OPTIONS: list[tuple[str, Any, Any]] = [
+    ("draft_model", None, Annotated[str | None, _spec_opt(
+        "--model-draft", "-md", help="draft model (name or .gguf path, same vocabulary) that "
+        "guesses tokens for the model to verify in one step")]),
+    ("spec_ngram", None, Annotated[int | None, _spec_opt(
+        "--spec-ngram", help="guess tokens by looking up the last N tokens earlier in the "
+        "context (prompt lookup; no draft model)")]),
+    ("draft_max", None, Annotated[int | None, _spec_opt(
+        "--draft-max", help="most tokens guessed per step (default 7)")]),
+    ("draft_min", None, Annotated[int | None, _spec_opt(
+        "--draft-min", help="fewest guesses worth verifying (default 0)")]),
+    ("draft_p_min", None, Annotated[float | None, _spec_opt(
+        "--draft-p-min", help="the draft model stops guessing below this probability "
+        "(default 0.8)")]),
+]
+
+
+def speculative_options(func: Callable) -> Callable:
+    """Decorator: the speculative-decoding flags, handed to ``func`` as ``speculative``: a
+    dict of the ``LLM(...)`` keywords the user gave."""
+    return option_group("speculative", SPECULATIVE_OPTIONS,
+                        lambda values: {k: v for k, v in values.items() if v is not None})(func)

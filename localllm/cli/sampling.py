@@ -10,8 +10,6 @@ laid over a model's own defaults from models.toml.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import math
 import re
 from collections.abc import Callable
@@ -20,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from ..errors import ParameterError
+from .options import option_group
 
 if TYPE_CHECKING:  # the sampler chain imports torch: only when a command runs
     from ..sampling.chain import SamplingParams
@@ -169,35 +168,8 @@ def sampling_options(func: Callable) -> Callable:
     ``func`` must take a ``sampling`` parameter; it receives a SamplingParams whose
     ``overrides`` dict holds only the flags given on the command line.
     """
-    sig = inspect.signature(func, eval_str=True)
-    if "sampling" not in sig.parameters:
-        raise TypeError(f"{func.__name__} has no 'sampling' parameter")
-    params = [p for p in sig.parameters.values() if p.name != "sampling"]
-    taken = {p.name for p in params}
-    clash = taken & {name for name, _, _ in _OPTIONS}
-    if clash:
-        raise TypeError(f"{func.__name__} already has parameters {sorted(clash)}")
-    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
-                               default=False if name == "ignore_eos" else None, annotation=ann)
-             for name, _, ann in _OPTIONS]
-    var_kw = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
-    rest = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    new_sig = sig.replace(parameters=rest + added + var_kw)
-    names = [name for name, _, _ in _OPTIONS]
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        values = {name: kwargs.pop(name, None) for name in names}
-        kwargs["sampling"] = params_from_flags(values)
-        return func(*args, **kwargs)
-
-    wrapper.__signature__ = new_sig  # type: ignore[attr-defined]
-    wrapper.__annotations__ = {p.name: p.annotation for p in new_sig.parameters.values()
-                               if p.annotation is not inspect.Parameter.empty}
-    if new_sig.return_annotation is not inspect.Signature.empty:
-        wrapper.__annotations__["return"] = new_sig.return_annotation
-    del wrapper.__wrapped__  # typer must see the new signature, not the wrapped one
-    return wrapper
+    options = [(name, False if name == "ignore_eos" else None, ann) for name, _, ann in _OPTIONS]
+    return option_group("sampling", options, params_from_flags)(func)
 
 
 def describe(params: SamplingParams) -> str:

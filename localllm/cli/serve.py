@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from ..errors import ParameterError
+from .options import ThreadsBatchOpt, ThreadsOpt, apply_threads
 
 
 def serve_command(
@@ -35,9 +36,10 @@ def serve_command(
         "--max-queue", help="requests that may wait (more get 503)")] = 64,
     max_body: Annotated[int, typer.Option(
         "--max-body", help="largest request body in bytes (more get 413)")] = 8 << 20,
-    threads: Annotated[int | None, typer.Option(
-        "--threads", "-t", help="CPU threads (default: physical cores)")] = None,
+    threads: ThreadsOpt = None,
+    threads_batch: ThreadsBatchOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="uvicorn's own log")] = False,
+    speculative=None,
 ) -> None:
     """Serve MODEL over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics. One line per request goes to stderr."""
@@ -58,14 +60,13 @@ def serve_command(
 
     import torch
 
-    from ..cpu.threads import set_threads
-
-    set_threads(threads)
+    apply_threads(threads, threads_batch)
     n_threads = torch.get_num_threads()  # as in effect (OMP_NUM_THREADS without -t)
     from ..api import LLM
     from ..server import serve
 
-    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None)
+    llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None,
+              **(speculative or {}))
     if chat_template is not None:
         from ..chat.template import template_for
 

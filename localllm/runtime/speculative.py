@@ -160,3 +160,52 @@ class ModelDrafter:
                 break
             logits = s.eval([out[-1]])
         return out
+
+
+class Speculation:
+    """A model's speculative decoding setup, made once per ``LLM``: the drafter of each
+    generation (a fresh :class:`NgramDrafter`, or a :class:`ModelDrafter` over one
+    persistent session of the draft model, so that consecutive generations reuse its prefix)
+    and the draft sizes.
+
+    Args:
+        target: the :class:`~localllm.runtime.session.LoadedModel` being sped up.
+        ctx_size: the target's context size (the draft session's too).
+        draft: a loaded draft model (``--model-draft``), or None.
+        ngram: prompt-lookup n-gram size (``--spec-ngram``; 0: off). With a draft model too,
+            the draft model is used.
+        draft_max, draft_min, p_min: llama.cpp's ``--draft-max``, ``--draft-min``,
+            ``--draft-p-min``.
+    Raises:
+        ParameterError: the draft model's vocabulary does not match the target's
+            (:func:`check_draft_vocabulary`), or a size is out of range.
+    """
+
+    def __init__(self, target, ctx_size: int, *, draft=None, ngram: int = 0,
+                 draft_max: int = 7, draft_min: int = 0, p_min: float = 0.8) -> None:
+        from .session import Session
+
+        if draft_max < 1 or draft_min < 0 or draft_min > draft_max:
+            raise ParameterError(f"--draft-min {draft_min} and --draft-max {draft_max} must "
+                                 "satisfy 0 <= min <= max, max >= 1")
+        if draft is not None:
+            check_draft_vocabulary(target.tokenizer, draft.tokenizer)
+        self.draft_max, self.draft_min, self.ngram, self.p_min = draft_max, draft_min, ngram, p_min
+        self.n_vocab = target.tokenizer.n_vocab
+        self.session = Session(draft, ctx_size=ctx_size) if draft is not None else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.session is not None or self.ngram > 0
+
+    def drafter(self) -> Drafter | None:
+        """The drafter of one generation (None when speculation is off)."""
+        if self.session is not None:
+            return ModelDrafter(self.session, p_min=self.p_min, n_vocab=self.n_vocab)
+        return NgramDrafter(self.ngram) if self.ngram > 0 else None
+
+    def describe(self) -> str:
+        if self.session is not None:
+            return (f"draft model {self.session.loaded.gguf.path.name}, --draft-max "
+                    f"{self.draft_max}, --draft-min {self.draft_min}, --draft-p-min {self.p_min}")
+        return f"n-gram lookup, n = {self.ngram}, --draft-max {self.draft_max}"

@@ -487,7 +487,8 @@ class ToolScanner:
         self._args(index, "}")
 
     def _mistral(self) -> Parse:
-        """After ``[TOOL_CALLS]``: a JSON array of calls, or ``N[CALL_ID]ID[ARGS]{...}``."""
+        """After ``[TOOL_CALLS]``: a JSON array of calls, an object, or
+        ``N[CALL_ID]ID[ARGS]{...}``."""
         yield from self._ws()
         if (yield from self._literal("[")):
             while True:
@@ -498,6 +499,9 @@ class ToolScanner:
                 if (yield from self._literal("]")) or self._eof:
                     return
                 raise _Broken
+        if (yield from self._peek()) == "{":  # one object (our built-in template writes it)
+            yield from self._bare_calls()
+            return
         name, ended = yield from self._until("[ARGS]", "[CALL_ID]", limit=_MAX_NAME)
         if ended == "[CALL_ID]":
             yield from self._until("[ARGS]", limit=_MAX_NAME)

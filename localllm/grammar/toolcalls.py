@@ -185,7 +185,7 @@ def _close(syntax: str, lark: _Lark) -> str:
 
 def _call_body(syntax: str, lark: _Lark, name: str, i: int, params: Any) -> str | None:
     q = json.dumps
-    if syntax in ("hermes", "fenced", "mistral"):
+    if syntax in ("hermes", "fenced"):
         return q('{"name": ' + q(name) + ', "arguments": ') + f" args{i} " + q("}")
     if syntax == "llama3":
         return q('{"name": ' + q(name) + ', "parameters": ') + f" args{i} " + q("}")
@@ -196,9 +196,13 @@ def _call_body(syntax: str, lark: _Lark, name: str, i: int, params: Any) -> str 
                 + f" args{i} " + q("\n```"))
     if syntax == "deepseek-v3":
         return q(name) + " " + lark.lit(_DS["sep"]) + f" args{i}"
-    if syntax == "harmony":
-        return (q(name) + ' (" " ' + lark.lit("<|constrain|>") + ' "json")? '
-                + lark.lit("<|message|>") + f" args{i}")
+    if syntax == "harmony":  # the channel may follow the recipient, or precede it
+        return (q(name) + " (" + lark.lit("<|channel|>") + ' "commentary")? (" " '
+                + lark.lit("<|constrain|>") + '? "json")? ' + lark.lit("<|message|>")
+                + f" args{i}")
+    if syntax == "mistral":  # Nemo's template writes the call's id after its arguments
+        return (q('{"name": ' + q(name) + ', "arguments": ') + f" args{i} "
+                + '(", \\"id\\": \\"" /[A-Za-z0-9]{9}/ "\\"")? ' + q("}"))
     props = params.get("properties") if isinstance(params, dict) else None
     props = props if isinstance(props, dict) else {}
     required = params.get("required") if isinstance(params, dict) else None

@@ -509,3 +509,51 @@ def parse_options(options: dict[str, Any]) -> LLMOptions:
                                  f"(known: {known})") from None
         flag = _OPTION_FLAGS.get(err.param or "")
         raise ParameterError(f"{err} ({flag})" if flag else str(err)) from None
+
+
+# ---- embeddings and tokens (the server's /v1/embeddings, /tokenize, /detokenize) ---------------
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
+
+
+class EmbeddingParams(_Model):
+    """``POST /v1/embeddings`` (OpenAI's fields)."""
+
+    input: either("a string, a list of strings, token ids or a list of token-id lists",
+                  str=str, list=Annotated[list[either(
+                      "a string, a token id or a list of token ids", str=str, num=Int32,
+                      list=list[Int32])], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Positive | None = None
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs, each a text or token ids (a flat list of ids is one input).
+
+        Raises:
+            InvalidRequest: texts and ids mixed in one list.
+        """
+        if isinstance(self.input, str):
+            return [self.input]
+        if all(isinstance(x, int) for x in self.input):
+            return [list(self.input)]
+        if any(isinstance(x, int) for x in self.input):
+            raise InvalidRequest("input: a list mixes token ids with other inputs", "input")
+        return list(self.input)
+
+
+class TokenizeParams(_Model):
+    """llama-server's ``POST /tokenize``."""
+
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+    model: str | None = None
+
+
+class DetokenizeParams(_Model):
+    """llama-server's ``POST /detokenize``."""
+
+    tokens: list[Int32]
+    model: str | None = None

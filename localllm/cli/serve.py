@@ -18,7 +18,8 @@ def serve_command(
     host: Annotated[str, typer.Option("--host", help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port")] = 8080,
     api_key: Annotated[str | None, typer.Option(
-        "--api-key", help="require 'Authorization: Bearer KEY' on /v1/*",
+        "--api-key", help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on "
+        "/v1/* and /tokenize, /detokenize, /props",
         envvar="LOCALLLM_API_KEY")] = None,
     ctx_size: Annotated[int, typer.Option(
         "--ctx-size", "-c", help="context size in tokens")] = 4096,
@@ -38,11 +39,29 @@ def serve_command(
         "--max-body", help="largest request body in bytes (more get 413)")] = 8 << 20,
     threads: ThreadsOpt = None,
     threads_batch: ThreadsBatchOpt = None,
+    reasoning_format: Annotated[str, typer.Option(
+        "--reasoning-format", help="none: thinking left in content; deepseek, auto: in "
+        "reasoning_content")] = "auto",
+    reasoning_budget: Annotated[int, typer.Option(
+        "--reasoning-budget", help="thinking tokens per reply (-1: no limit, 0: no "
+        "thinking)")] = -1,
+    chat_template_kwargs: Annotated[str | None, typer.Option(
+        "--chat-template-kwargs", help="JSON object of template variables, e.g. "
+        "'{\"enable_thinking\": false}'")] = None,
+    cors_origins: Annotated[str | None, typer.Option(
+        "--cors-origins", help="comma-separated browser origins allowed to call the server "
+        "('*': any)")] = None,
+    alias: Annotated[list[str] | None, typer.Option(
+        "--alias", "-a", help="another model name requests may give (repeatable)")] = None,
+    pooling: Annotated[str | None, typer.Option(
+        "--pooling", help="embeddings pooling: mean, cls or last (default: the model's, "
+        "else mean)")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="uvicorn's own log")] = False,
     speculative=None,
 ) -> None:
-    """Serve MODEL over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions,
-    /v1/models, /health, /metrics. One line per request goes to stderr."""
+    """Serve MODEL over HTTP: OpenAI's /v1/chat/completions, /v1/completions,
+    /v1/responses, /v1/embeddings, /v1/models; Anthropic's /v1/messages; llama-server's
+    /tokenize, /detokenize, /props, /health, /metrics. One line per request goes to stderr."""
     if not 0 <= port <= 65535:
         raise ParameterError(f"--port must be 0..65535, got {port}")
     if max_queue < 0:
@@ -55,6 +74,13 @@ def serve_command(
         raise ParameterError(f"--n-predict must be -1 (the context) or >= 1, got {n_predict}")
     if not 0 < timeout < float("inf"):
         raise ParameterError(f"--timeout must be a number of seconds > 0, got {timeout}")
+    from .chat_options import parse_reasoning_options
+
+    kwargs, reasoning_format = parse_reasoning_options(reasoning_format, reasoning_budget,
+                                                       chat_template_kwargs)
+    if pooling is not None and pooling not in ("mean", "cls", "last"):
+        raise ParameterError(f"--pooling must be mean, cls or last, got {pooling!r}")
+    origins = tuple(o.strip() for o in (cors_origins or "").split(",") if o.strip())
     if sys.stderr is None:  # started with stderr closed: the log goes nowhere, not to a crash
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives until exit
 
@@ -67,6 +93,9 @@ def serve_command(
 
     llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None,
               **(speculative or {}))
+    llm.chat_template_kwargs = kwargs
+    llm.reasoning_format = reasoning_format
+    llm.reasoning_budget = reasoning_budget
     if chat_template is not None:
         from ..chat.template import template_for
 
@@ -81,4 +110,4 @@ def serve_command(
 
     serve(llm, host=host, port=port, api_key=api_key, max_queue=max_queue, max_body=max_body,
           n_predict=n_predict, timeout=timeout, log_level="info" if verbose else "warning",
-          on_ready=ready)
+          on_ready=ready, cors_origins=origins, aliases=tuple(alias or ()), pooling=pooling)

@@ -55,6 +55,13 @@ FAMILIES: dict[str, str] = {
     "phi3": "phi3-1b",
     "olmo2": "olmo2-1b",
     "granite": "granite3-1b",
+    "mistral3": "ministral3-1b",
+    "smollm3": "smollm3-1b",
+    "apertus": "apertus-1b",
+    "seed_oss": "seed-oss-1b",
+    "exaone4": "exaone4-1.2b",
+    "hunyuan-dense": "hunyuan-1b",
+    "ernie4_5": "ernie4.5-1b",
 }
 MIN_RELATIVE = 0.8  # the floor, tok/s per weight byte relative to llama
 

@@ -5,6 +5,7 @@ Usage::
     python bench/kernel_profile.py                          # decode GEMV, sm_90, 3 models
     python bench/kernel_profile.py --arch 90 86 89 --all    # every kernel, three GPUs
     python bench/kernel_profile.py --types Q4_K Q6_K --out prof --json
+    python bench/kernel_profile.py --types Q4_K --prefill Q4_K Q6_K   # + prefill estimates
 
 Each kernel is compiled with Triton's own toolchain (``triton.compile`` down to a cubin;
 ``ptxas`` and ``cuobjdump`` ship in the Triton wheel) for the specialization its launcher
@@ -44,6 +45,15 @@ RTX 3090       82    1.695 GHz  936 GB/s    550 ns       1536             65536
 
 Code compiled for sm_90 is held against the H100, sm_89 against the RTX 4090, sm_86 against
 the RTX 3090.
+
+Prefill (``--prefill TYPES``, or every type with ``--all``; sm_90 only): the GEMM as
+``gemm()`` launches it for 512 rows of each Llama-3-8B matrix, and flash attention at 512
+tokens for the three models' layer shapes, with an estimated share of the H100's dense
+float16 tensor peak from the main loop's SASS: per loop step the tensor-core time at peak
+against the issue, shared-memory and L2 time of the step's instructions and bytes (see
+"prefill" below: the model and its constants, the L2 bandwidth an assumption), times the
+wave efficiency (the GEMM) or over the makespan of the causal prompt's uneven programs
+(attention, counting only the visible query-key pairs as useful).
 
 All GPU figures printed here are **estimates** from the compiled code, not measurements
 (``bench/gpu_validate.sh`` measures them on a GPU).
@@ -117,16 +127,16 @@ def decode_gemv_case(qtype: T, n: int, k: int, arch: int) -> tuple[Case, dict]:
     loop step, per-step marker. Split-K launches (``SPLITK``: the last program of a row range
     sums the splits) are their own variant."""
     from localllm.kernels import PLANES
-    from localllm.kernels.decode import GROUP_SIZES, MMVQ_TYPES
-    from localllm.kernels.gemv import _gemv1_kernel, mmvq_case
+    from localllm.kernels.decode import GROUP_SIZES
+    from localllm.kernels.gemv import _gemv1_kernel, mmvq_case, mmvq_unit
 
     fmt = block_format(qtype)
     layout = "planes" if qtype in PLANES else "blocks"
-    if qtype in MMVQ_TYPES:
+    if mmvq_unit(qtype, layout):
         case, cfg = mmvq_case(qtype, n, k, layout=layout, arch=arch)
-        sub = cfg["UNIT"] == 32  # the sub-block kernel: two dp4a per word, four words a slot
+        # one dp4a per 4 weights of a slot (16, 32 or 64 weights), RPT slots a thread
         launch = {"grid": cfg["grid"], "bytes_per_step": cfg["bytes_per_step"],
-                  "marker": ("IDP", (8 if sub else 4) * cfg["RPT"]), "stages": cfg["STAGES"],
+                  "marker": ("IDP", cfg["UNIT"] // 4 * cfg["RPT"]), "stages": cfg["STAGES"],
                   "variant": f"{'planes-' if layout == 'planes' else ''}R{cfg['ROWS']}"
                              f"G{cfg['GP']}P{cfg['RPT']}"
                              f"{'-splitK' if cfg['SPLIT'] > 1 else ''}"}  # fmt: skip
@@ -165,37 +175,17 @@ def decode_gemv_case(qtype: T, n: int, k: int, arch: int) -> tuple[Case, dict]:
 
 
 def other_cases(arch: int) -> dict[str, tuple[Case, dict]]:
-    """Prefill GEMM, dequantize, activation quantization and decode attention (one shape
-    each: their code does not depend on the matrix shape)."""
+    """Dequantize, activation quantization, decode attention (one shape each: their code does
+    not depend on the matrix shape) and the state-space recurrences."""
     from localllm.kernels import PLANES
     from localllm.kernels.attention import attention_case, default_block_s
-    from localllm.kernels.decode import GROUP_SIZES
     from localllm.kernels.dequant import _dequant_kernel
-    from localllm.kernels.gemm import NUM_STAGES, WORD_TYPES, _gemm_kernel
     from localllm.kernels.gemv import _quantize_q8_kernel
 
     out: dict[str, tuple[Case, dict]] = {}
 
-    for q in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0):
+    for q in (T.Q4_K, T.Q6_K, T.Q8_0):
         fmt = block_format(q)
-        # Prefill GEMM as gemm() launches it for a prompt of > 64 rows: 128 x 64 x 64 tiles,
-        # 8 warps; bytes per step: the 64 x 64 weight tile. The main loop: the one with the
-        # tensor-core products.
-        out[f"gemm/{q.name}"] = (Case(
-            _gemm_kernel,
-            {"x": "*fp16", "w": "*u8", "y": "*fp32", "M": "i32", "N": "i32", "K": "i32",
-             "stride_xm": "i32", "stride_ym": "i32"},
-            {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(q),
-             "G": GROUP_SIZES.get(q, 0), "BF16": False, "BLOCK_M": 128, "BLOCK_N": 64,
-             "BLOCK_K": 64, "WORDS": WORD_TYPES.get(int(q), 0), "EMULATE": False,
-             "PLANES": q in PLANES},
-            num_warps=8, num_stages=NUM_STAGES, arch=arch,
-            aligned=("x", "w", "y", "N", "K", "stride_xm", "stride_ym")),
-            {"bytes_per_step": 64 * 64 * fmt.type_size // fmt.block_size, "marker": None,
-             "loop_op": "HMMA",
-             "variant": f"128x64x64{'-words' if int(q) in WORD_TYPES else ''}"})  # fmt: skip
-        if q == T.Q5_K:  # dequantize: one K-quant of each layout family is enough
-            continue
         out[f"dequant/{q.name}"] = (Case(
             _dequant_kernel, {"data": "*u8", "out": "*fp16", "n_elements": "i32"},
             {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(q), "BLOCK": 1024,
@@ -215,7 +205,197 @@ def other_cases(arch: int) -> dict[str, tuple[Case, dict]]:
             attention_case(group, d, ring=ring, arch=arch),
             {"bytes_per_step": 2 * bs * d * 2, "marker": None, "loop_op": "HMMA",
              "variant": f"G{group}D{d}S{bs}{'R' if ring else ''}"})  # fmt: skip
+    # State-space models' recurrences (Granite-4.0-H-1B's Mamba2: 48 heads x 64, state 128,
+    # 3328 convolution channels; LFM2-1.2B's gated convolution: 2048 channels, 3 taps):
+    # the main loop is the one over tokens; bytes per step are what a program reads a token.
+    from localllm.kernels.ssm import conv_case, scan_case
+
+    out["short_conv/granite4-1b"] = conv_case(3328, 4, arch=arch)
+    out["short_conv/lfm2-1.2b"] = conv_case(2048, 3, bias=False, silu=False, arch=arch)
+    out["ssm_scan/granite4-1b"] = scan_case(48, 64, 128, arch=arch)
     return out
+
+
+# ---- prefill: the GEMM on tensor cores ----------------------------------------------------------
+#
+# Model (sm_90 against the H100; an estimate, not a measurement). Per loop step a program
+# multiplies a BLOCK_N x BLOCK_K weight tile by a BLOCK_M x BLOCK_K activation tile. The SM
+# needs, per step, at least:
+#
+# - tensor cores: 2 * BLOCK_M * BLOCK_N * BLOCK_K / TENSOR_FLOPS_CLK cycles (dense float16
+#   with float32 sums: 4096 FLOP a cycle an SM, the 989 TFLOPS of NVIDIA's H100 SXM figure at
+#   1.83 GHz; the tensor-core time of the step at peak);
+# - issue: loop warp-instructions / 4 schedulers;
+# - shared memory: the bytes of the loop's shared-memory instructions (LDS, STS, LDSM and the
+#   async copies' writes, LDGSTS) plus what HGMMA reads of its shared-memory operands, at
+#   SMEM_BYTES_CLK (128) bytes a cycle;
+# - L2: the bytes of the loop's global loads at L2_GBPS (an assumption: third-party figures
+#   for the H100 SXM range to about 12 TB/s) shared by the SMs.
+#
+# The step takes the longest of these (perfect overlap: an upper bound); the share of peak is
+# the tensor-core time over it, times the wave efficiency (CTAs / (waves * SMs)), and the whole
+# matrix at most what DRAM can feed (every weight byte, the activations and the result once).
+TENSOR_FLOPS_CLK = {90: 4096}
+SMEM_BYTES_CLK = 128
+L2_GBPS = {90: 10000.0}
+PREFILL_ROWS = 512
+GEMM_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+              "IQ4_NL", "IQ4_XS", "MXFP4"]
+
+
+def gemm_case(qtype: T, m: int, n: int, k: int, arch: int) -> tuple[Case, dict]:
+    """The GEMM as ``gemm()`` launches it for ``m`` float16 rows and an (n, k) ``qtype``
+    matrix in the layout a loaded model keeps it, and its launch shape."""
+    from localllm.kernels import PLANES
+    from localllm.kernels.gemm import _gemm_kernel, gemm_config
+
+    fmt = block_format(qtype)
+    layout = "planes" if qtype in PLANES else "blocks"
+    cfg = gemm_config(m, k, qtype, layout, n=n, split_k=True)  # a float32 result
+    case = Case(
+        _gemm_kernel,
+        {"x": "*fp16", "w": "*u8", "y": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+         "stride_xm": "i32", "stride_ym": "i32"},
+        {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype), "BF16": False,
+         "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
+         "CHUNKS": cfg["CHUNKS"], "EMULATE": False, "ASM": True, "PLANES": layout == "planes",
+         "SPLIT_K": cfg["SPLIT_K"]},
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], arch=arch,
+        aligned=("x", "w", "y", "N", "K", "stride_xm", "stride_ym"),
+    )  # fmt: skip
+    launch = {"grid": (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]),
+                       cfg["SPLIT_K"]),
+              "bytes_per_step": cfg["BLOCK_N"] * cfg["BLOCK_K"] * fmt.type_size // fmt.block_size,
+              "tile": (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]), "marker": None,
+              "loop_op": "HGMMA", "mma_k": cfg["BLOCK_K"],
+              "variant": f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}"
+                         f"{'-chunks' if cfg['CHUNKS'] else ''}"
+                         f"{'-splitK' if cfg['SPLIT_K'] > 1 else ''}"}  # fmt: skip
+    return case, launch
+
+
+def _ldsm_bytes(op: str) -> int:
+    """Bytes a thread receives from ``LDSM[.16.M88|.MT88][.2|.4]`` (8x8 16-bit matrices)."""
+    mods = op.split(".")
+    return 4 * (int(mods[-1]) if mods[-1] in ("2", "4") else 1)
+
+
+def _mma_shape(op: str) -> tuple[int, int, int]:
+    """(m, n, k) of ``HGMMA.64x128x16.F32``."""
+    m, n, k = op.split(".")[1].split("x")
+    return int(m), int(n), int(k)
+
+
+def memory_traffic(body, warps: int) -> dict:
+    """Bytes the loop body moves, per pass: shared memory (LDS, STS, LDSM, the writes of
+    LDGSTS, and the shared-memory operands HGMMA reads: once per warpgroup) and global
+    (LDG, LDGSTS). ``LDS RZ, [RZ]`` (a fence, no data) counts no bytes."""
+    smem = glob = 0
+    for i in body:
+        if i.base in ("LDS", "STS", "LDGSTS", "LDG"):
+            if i.base == "LDS" and i.operands.startswith("RZ"):
+                continue
+            nbytes = _aot.load_bits(i) // 8 * 32 * warps
+            if i.base != "LDG":
+                smem += nbytes
+            if i.base in ("LDG", "LDGSTS"):
+                glob += nbytes
+        elif i.base == "LDSM":
+            smem += _ldsm_bytes(i.op) * 32 * warps
+        elif i.base == "HGMMA":
+            m, n, k = _mma_shape(i.op)
+            ops = [o.strip() for o in i.operands.split(",")]
+            b = n * k * 2 + (m * k * 2 if ops[1].startswith("gdesc") else 0)
+            smem += b * max(1, warps // 4)
+    return {"smem_bytes": smem, "global_bytes": glob}
+
+
+def gemm_estimate(gpu: GPU, arch: int, fig: dict, launch: dict, n: int, k: int, m: int,
+                  traffic: dict, qtype: T) -> dict:  # fmt: skip
+    """The model above for one (n, k) matrix at ``m`` rows: bounds in cycles a step and the
+    estimated share of the dense float16 peak."""
+    bm, bn, bk = launch["tile"]
+    steps = max(1, fig["loop_mma"] // max(1, bk // 16))  # loop passes per body (unrolling)
+    t_mma = 2 * bm * bn * bk / TENSOR_FLOPS_CLK[arch]
+    t_issue = fig["loop_instructions"] / steps * fig["num_warps"] / 4
+    t_smem = traffic["smem_bytes"] / steps / SMEM_BYTES_CLK
+    l2_clk = L2_GBPS[arch] / (gpu.sms * gpu.clock_ghz)  # bytes a cycle an SM
+    t_l2 = traffic["global_bytes"] / steps / l2_clk
+    bounds = {"tensor": t_mma, "issue": t_issue, "smem": t_smem, "l2": t_l2}
+    limit = max(bounds, key=bounds.get)
+    ctas = math.prod(launch["grid"])
+    eff = ctas / (math.ceil(ctas / gpu.sms) * gpu.sms)
+    frac = t_mma / bounds[limit] * eff
+    peak = gpu.sms * TENSOR_FLOPS_CLK[arch] * gpu.clock_ghz * 1e9
+    fmt = block_format(qtype)
+    dram_bytes = n * k * fmt.type_size / fmt.block_size + m * k * 2 + m * n * 4
+    t_dram = dram_bytes / (gpu.dram_gbps * 1e9)
+    t_comp = 2 * m * n * k / (peak * frac)
+    if t_dram > t_comp:
+        limit, frac = "dram", 2 * m * n * k / peak / t_dram
+    return {"cycles_per_step": {b: round(v, 1) for b, v in bounds.items()},
+            "wave_efficiency": round(eff, 3), "limit": limit,
+            "peak_fraction": round(frac, 3), "tflops": round(frac * peak / 1e12, 1),
+            "peak_tflops": round(peak / 1e12, 1)}
+
+
+# ---- prefill: flash attention ------------------------------------------------------------------
+#
+# The same bounds a loop step (a BLOCK_N-key step of a BLOCK_M-row program: 4 * BLOCK_M *
+# BLOCK_N * head_dim FLOP of Q K^T and P V on tensor cores). A prompt of PREFILL_ROWS tokens
+# into an empty cache: a program's steps cover the keys up to its last row's position (the
+# causal mask skips later key blocks); the programs are spread over the SMs longest first
+# (the makespan: the SM with the most steps), and the useful FLOP are those of the visible
+# (query, key) pairs, so the causal diagonal's masked half of a step and the imbalance
+# between programs count against the estimate.
+
+# (query heads, KV heads, head_dim, sliding window or None) of the models' attention layers.
+ATTENTION = {"llama3-8b": (32, 8, 128, None), "qwen2.5-7b": (28, 4, 128, None),
+             "gemma3-270m": (4, 1, 256, 512)}  # fmt: skip
+
+
+def attention_prefill_record(model: str, arch: int, compiled_figures) -> dict:
+    """The JSON record of prefill attention for ``model``'s layer shape at PREFILL_ROWS."""
+    import torch
+    from localllm.kernels.flash_attention import prefill_case, prefill_config
+
+    n_heads, n_kv, d, window = ATTENTION[model]
+    group = n_heads // n_kv
+    case = prefill_case(group, d, window=window is not None, arch=arch)
+    cfg = prefill_config(d, torch.float16)
+    bm, bn, t = cfg["BLOCK_M"], cfg["BLOCK_N"], PREFILL_ROWS
+    launch = {"loop_op": "HGMMA", "marker": None, "bytes_per_step": 2 * bn * d * 2,
+              "variant": f"G{group}D{d}M{bm}N{bn}{'W' if window else ''}"}  # fmt: skip
+    fig, cubin = compiled_figures(f"prefill_attention/{model}", case, launch)
+    gpu = GPUS[ARCH_GPU[arch]]
+    steps, useful = [], 0
+    for blk in range(math.ceil(group * t / bm)):
+        pos = [r % t for r in range(blk * bm, min(group * t, (blk + 1) * bm))]
+        lo = max(0, min(pos) - window + 1) // bn * bn if window else 0
+        steps.append(math.ceil((max(pos) + 1 - lo) / bn))
+        useful += sum(min(p + 1, window or p + 1) for p in pos)
+    steps = steps * n_kv
+    loads = [0] * gpu.sms
+    for st in sorted(steps, reverse=True):  # longest first onto the least loaded SM
+        loads[loads.index(min(loads))] += st
+    t_mma = 4 * bm * bn * d / TENSOR_FLOPS_CLK[arch]
+    bounds = {"tensor": t_mma, "issue": fig["loop_instructions"] * fig["num_warps"] / 4,
+              "smem": fig["smem_bytes"] / SMEM_BYTES_CLK,
+              "l2": fig["global_bytes"] / (L2_GBPS[arch] / (gpu.sms * gpu.clock_ghz))}
+    limit = max(bounds, key=bounds.get)
+    cycles = max(loads) * bounds[limit]
+    flops = 4 * d * useful * n_kv
+    frac = flops / (cycles * gpu.sms * TENSOR_FLOPS_CLK[arch])
+    est = {"gpu": gpu.name, "cycles_per_step": {b: round(v, 1) for b, v in bounds.items()},
+           "limit": limit, "programs": len(steps), "steps_max": max(loads),
+           "steps_mean_per_sm": round(sum(steps) / gpu.sms, 1),
+           "useful_fraction": round(flops / (sum(steps) * 4 * bm * bn * d), 3),
+           "peak_fraction": round(frac, 3),
+           "resident_ctas_per_sm": resident_ctas(gpu, fig["registers"], fig["num_warps"],
+                                                 fig["shared_bytes"], 228 * 1024)}  # fmt: skip
+    return {"kernel": "_prefill_attention_kernel", "model": model, "arch": arch, "rows": t,
+            "variant": launch["variant"], "triton": triton.__version__, "cubin": cubin, **fig,
+            "estimated": est}
 
 
 # ---- figures ------------------------------------------------------------------------------------
@@ -238,6 +418,7 @@ def static_figures(compiled, case: Case, launch: dict) -> dict:
     res = _aot.resource_usage(cubin)
     instrs = _aot.parse_sass(_aot.sass(cubin))
     body = _aot.counted(_main_loop(instrs, launch.get("loop_op")))
+    mma = [i for i in body if i.base in ("HGMMA", "HMMA", "IMMA")]
     spill_ops = sum(1 for i in instrs if i.base in ("LDL", "STL"))
     loads = Counter(f"{i.op}" for i in _aot.global_loads(body))
     steps = 1
@@ -261,6 +442,9 @@ def static_figures(compiled, case: Case, launch: dict) -> dict:
         "instruction_mix": dict(Counter(i.base for i in body).most_common(8)),
         "bytes_per_step": launch["bytes_per_step"],
         "warp_instructions_per_byte": round(ipb, 4),
+        "loop_mma": len(mma),
+        "mma_ops": sorted({i.op for i in mma}),
+        **memory_traffic(body, case.num_warps),
     }
 
 
@@ -297,8 +481,10 @@ def _fmt_loads(loads: dict) -> str:
 
 
 def profile(types: list[str], archs: list[int], models: list[str], with_others: bool,
-            out_dir: str | None, write_json: bool, show_sass: bool = False) -> list[dict]:
-    """Compile, analyse and print; returns the JSON records."""
+            out_dir: str | None, write_json: bool, show_sass: bool = False,
+            prefill: list[str] = ()) -> list[dict]:  # fmt: skip
+    """Compile, analyse and print; returns the JSON records. ``prefill``: the types whose
+    prefill GEMM is estimated on Llama-3-8B's matrices at :data:`PREFILL_ROWS` rows (sm_90)."""
     records: list[dict] = []
     cache: dict[tuple, tuple] = {}
     if out_dir:
@@ -350,6 +536,40 @@ def profile(types: list[str], archs: list[int], models: list[str], with_others: 
                           f"  {_fmt_loads(fig['loop_global_loads']):<28}{ctas:>7}"
                           f"{ctas / gpu.sms:>6.1f}  {ARCH_GPU[arch]:<10}"
                           f"{ceil['ceiling_gbps']:>7.0f} {ceil['limit']}")  # fmt: skip
+        if prefill and arch in TENSOR_FLOPS_CLK:
+            print(f"# prefill at {PREFILL_ROWS} rows, llama3-8b; est: estimated share of the "
+                  f"dense float16 peak; bounds: cycles a step (tensor/issue/smem/l2)")
+            for tname in prefill:
+                for mat, (n, k) in MODELS["llama3-8b"].items():
+                    rec = prefill_record(tname, n, k, arch, compiled_figures)
+                    rec["matrix"] = mat
+                    records.append(rec)
+                    est = rec["estimated"]
+                    b = est["cycles_per_step"]
+                    print(f"{'gemm/' + tname:<30}{f'{n}x{k}':>14}{arch:>4}{rec['registers']:>5}"
+                          f"{rec['spill_instructions']:>6}{rec['shared_bytes']:>7}"
+                          f"{rec['loop_instructions']:>6}{rec['warp_instructions_per_byte']:>7.3f}"
+                          f"  {'/'.join(o.split('.')[0] + o.split('.')[1][:10] for o in rec['mma_ops'])[:18]:<18}"
+                          f"{rec['ctas']:>6}{est['resident_ctas_per_sm']:>3}/SM"
+                          f"  {b['tensor']:.0f}/{b['issue']:.0f}/{b['smem']:.0f}/{b['l2']:.0f}"
+                          f"  est {100 * est['peak_fraction']:.0f}% {est['limit']}")  # fmt: skip
+        if prefill and arch in TENSOR_FLOPS_CLK:
+            print(f"# prefill attention at {PREFILL_ROWS} tokens (causal, empty cache); est: "
+                  f"useful FLOP / the dense float16 peak over the makespan")
+            for model in ATTENTION:
+                rec = attention_prefill_record(model, arch, compiled_figures)
+                records.append(rec)
+                est = rec["estimated"]
+                b = est["cycles_per_step"]
+                print(f"{'prefill_attention/' + model:<30}{rec['variant']:>14}{arch:>4}"
+                      f"{rec['registers']:>5}{rec['spill_instructions']:>6}{rec['shared_bytes']:>7}"
+                      f"{rec['loop_instructions']:>6}{'':>7}"
+                      f"  {'/'.join(o.split('.')[0] + o.split('.')[1][:10] for o in rec['mma_ops'])[:18]:<18}"
+                      f"{est['programs']:>6}{est['resident_ctas_per_sm']:>3}/SM"
+                      f"  {b['tensor']:.0f}/{b['issue']:.0f}/{b['smem']:.0f}/{b['l2']:.0f}"
+                      f"  useful {100 * est['useful_fraction']:.0f}% steps {est['steps_max']}"
+                      f"/{est['steps_mean_per_sm']}  est {100 * est['peak_fraction']:.0f}%"
+                      f" {est['limit']}")  # fmt: skip
         if with_others:
             for kname, (case, launch) in other_cases(arch).items():
                 fig, cubin = compiled_figures(kname, case, launch)
@@ -369,6 +589,24 @@ def profile(types: list[str], archs: list[int], models: list[str], with_others: 
     return records
 
 
+def prefill_record(tname: str, n: int, k: int, arch: int, compiled_figures) -> dict:
+    """The JSON record of the prefill GEMM of an (n, k) ``tname`` matrix (see the model)."""
+    qtype = T[tname]
+    case, launch = gemm_case(qtype, PREFILL_ROWS, n, k, arch)
+    fig, cubin = compiled_figures(f"gemm/{tname}", case, launch)
+    gpu = GPUS[ARCH_GPU[arch]]
+    est = gemm_estimate(gpu, arch, fig, launch, n, k, PREFILL_ROWS,
+                        {"smem_bytes": fig["smem_bytes"], "global_bytes": fig["global_bytes"]},
+                        qtype)  # fmt: skip
+    est["resident_ctas_per_sm"] = resident_ctas(gpu, fig["registers"], fig["num_warps"],
+                                                fig["shared_bytes"], 228 * 1024)  # fmt: skip
+    ctas = math.prod(launch["grid"])
+    return {"kernel": "_gemm_kernel", "qtype": tname, "arch": arch, "model": "llama3-8b",
+            "rows": PREFILL_ROWS, "shape": [n, k], "variant": launch["variant"],
+            "grid": list(launch["grid"]), "ctas": ctas, "triton": triton.__version__,
+            "cubin": cubin, **fig, "estimated": {"gpu": gpu.name, **est}}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--types", nargs="+", default=DECODE_TYPES, choices=DECODE_TYPES)
@@ -376,7 +614,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="sm_XX to compile for")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--all", action="store_true",
-                    help="also GEMM, dequantize, activation quantization, attention")
+                    help="also the prefill GEMM (every --prefill type), dequantize, activation "
+                         "quantization, attention")
+    ap.add_argument("--prefill", nargs="*", choices=GEMM_TYPES,
+                    help="prefill GEMM types to estimate (default with --all: all of them)")
     ap.add_argument("--out", help="directory for the cubins (and profile.jsonl with --json)")
     ap.add_argument("--json", action="store_true", help="write DIR/profile.jsonl (needs --out)")
     ap.add_argument("--show-sass", action="store_true", help="print each kernel's SASS")
@@ -384,7 +625,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json and not args.out:
         ap.error("--json needs --out DIR")
     try:
-        profile(args.types, args.arch, args.models, args.all, args.out, args.json, args.show_sass)
+        prefill = args.prefill if args.prefill is not None else (GEMM_TYPES if args.all else [])
+        profile(args.types, args.arch, args.models, args.all, args.out, args.json, args.show_sass,
+                prefill)
     except _aot.CompileUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -7,11 +7,13 @@ decode them on the fly:
 - :mod:`.dequant`: blocks -> float32/float16/bfloat16 tensor (bit-exact in float32);
 - :mod:`.gemv`: fused dequant x vector for decode (<= 8 rows); one row: integer dot
   products on 8-bit activations (llama.cpp's ``mul_mat_vec_q``);
-- :mod:`.gemm`: prefill GEMM decoding weight tiles for ``tl.dot``;
+- :mod:`.gemm`: prefill GEMM decoding weight tiles for ``tl.dot`` (:mod:`.gemm_decode`);
 - :mod:`.norm_rope`: RMSNorm and RoPE;
 - :mod:`.fused`: fused element-wise work of a layer (``rms_norm_rope``, ``norm_rope_kv``,
   ``residual_rms_norm``, ``gated_act``): fewer launches per decode step;
-- :mod:`.attention`: decode attention over the KV cache (flash-decoding, split-K).
+- :mod:`.attention`: decode attention over the KV cache (flash-decoding, split-K);
+- :mod:`.ssm`: the short convolution and Mamba2's selective scan of state-space models.
+- :mod:`.flash_attention`: prefill attention over the KV cache (flash attention).
 
 Every kernel also runs on CPU tensors through Triton's interpreter (slowly: for tests);
 :mod:`._aot` compiles them for NVIDIA GPUs without one (``bench/kernel_profile.py``).
@@ -27,30 +29,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from localllm.errors import UnsupportedError
-from localllm.gguf.quants import BlockFormat
-from localllm.gguf.quants import block_format as _reference_block_format
+from localllm.gguf.quants import block_format
 from localllm.gguf.quants import dequantize as reference_dequantize
-
-# Types the kernels decode beyond localllm.gguf.quants' table when that table lacks them
-# (their geometry from gguf-py's GGML_QUANT_SIZES; the layouts are ggml's block_iq4_nl,
-# block_iq4_xs and block_mxfp4, ggml/src/ggml-common.h).
-IQ_TYPES = (T.IQ4_NL, T.IQ4_XS, T.MXFP4)
-
-
-def block_format(qtype: T) -> BlockFormat:
-    """Geometry of ``qtype`` (localllm.gguf.quants' table, then :data:`IQ_TYPES`).
-
-    Raises:
-        UnsupportedError: unknown type.
-    """
-    try:
-        return _reference_block_format(qtype)
-    except UnsupportedError:
-        if qtype not in IQ_TYPES:
-            raise
-        from gguf import GGML_QUANT_SIZES
-
-        return BlockFormat(*GGML_QUANT_SIZES[T(qtype)])
 
 __all__ = [
     "GEMV_MAX_ROWS",
@@ -62,12 +42,15 @@ __all__ = [
     "gemm",
     "gemv",
     "norm_rope_kv",
+    "prefill_attention",
     "quant_linear",
     "register_quants_backend",
     "residual_rms_norm",
     "rms_norm",
     "rms_norm_rope",
     "rope",
+    "short_conv",
+    "ssm_scan",
     "supports",
     "triton_available",
 ]
@@ -80,10 +63,13 @@ _LAZY = {
     "gemv": ".gemv",
     "gemm": ".gemm",
     "norm_rope_kv": ".fused",
+    "prefill_attention": ".flash_attention",
     "residual_rms_norm": ".fused",
     "rms_norm": ".norm_rope",
     "rms_norm_rope": ".fused",
     "rope": ".norm_rope",
+    "short_conv": ".ssm",
+    "ssm_scan": ".ssm",
 }
 
 
@@ -117,14 +103,14 @@ def supports(qtype: T) -> bool:
         return False
     from .decode import KERNEL_TYPES
 
-    return qtype in KERNEL_TYPES or qtype in IQ_TYPES
+    return qtype in KERNEL_TYPES
 
 
 # ---- aligned weight planes ----------------------------------------------------------------------
 #
 # Blocks whose size is not a multiple of 16 bytes (Q4_0: 18, IQ4_NL: 18, Q5_0: 22, Q8_0: 34,
-# Q6_K: 210, IQ4_XS: 136) leave their fields only 2- (or 8-) byte aligned in the GGUF layout,
-# so a kernel cannot read them with 128-bit loads. The "planes" layout stores the same bytes
+# Q6_K: 210, IQ4_XS: 136, Q2_K: 84, Q3_K: 110, MXFP4: 17) leave their fields only 1-, 2-,
+# 4- or 8-byte aligned in the GGUF layout, so a kernel cannot read them with 128-bit loads. The "planes" layout stores the same bytes
 # field by field: plane i holds field i of every block of the matrix, blocks in file order,
 # and starts on a 16-byte boundary. Bit-exact: only the byte order changes.
 
@@ -136,6 +122,9 @@ PLANES: dict[T, tuple[tuple[int, int], ...]] = {
     T.Q8_0: ((2, 16), (18, 16), (0, 2)),  # qs[0:16] | qs[16:32] | d
     T.Q6_K: ((0, 128), (128, 64), (192, 16), (208, 2)),  # ql | qh | scales | d
     T.IQ4_XS: ((8, 128), (0, 8)),  # qs[128] | d, scales_h, scales_l[4]
+    T.Q2_K: ((16, 64), (0, 16), (80, 4)),  # qs[64] | scales[16] | d, dmin
+    T.Q3_K: ((32, 64), (0, 32), (96, 12), (108, 2)),  # qs[64] | hmask[32] | scales[12] | d
+    T.MXFP4: ((1, 16), (0, 1)),  # qs[16] | e
 }
 LAYOUTS = ("blocks", "planes")
 

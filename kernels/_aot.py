@@ -67,6 +67,7 @@ class Case:
     arch: int = 90
     aligned: tuple[str, ...] | None = None
     num_stages: int | None = None
+    maxnreg: int | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -97,6 +98,8 @@ def compile_case(case: Case):
     options = {"num_warps": case.num_warps, "enable_fp_fusion": case.enable_fp_fusion}
     if case.num_stages is not None:
         options["num_stages"] = case.num_stages
+    if case.maxnreg is not None:
+        options["maxnreg"] = case.maxnreg
     return triton.compile(src, target=target, options=options)
 
 

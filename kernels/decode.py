@@ -3,12 +3,12 @@
 :func:`decode` turns (pointer to a block, index of a weight in that block) into the weight's
 float32 value, for tensors of any shape: the dequantize, GEMV and GEMM kernels all call it on
 their tiles, so the bit layouts live in one place. The layouts and the float operation order
-are those of the torch reference, ``localllm/quants.py`` (diagrams there), which follows
-llama.cpp's ``dequantize_row_q*`` (``ggml/src/ggml-quants.c``); with fp contraction disabled
-the result is bit-exact with it.
+are those of the torch reference, ``localllm/gguf/quants.py`` (diagrams there), which
+follows llama.cpp's ``dequantize_row_q*`` (``ggml/src/ggml-quants.c``); with fp contraction
+disabled the result is bit-exact with it.
 
-Type codes are ``gguf.GGMLQuantizationType`` values, written as literals because kernels may
-only read constexpr globals.
+Type codes are ``gguf.GGMLQuantizationType``'s, bound below as constexpr globals (``F32``,
+``Q4_K``, ...: the only globals a kernel may read), so that kernels test ``QTYPE == Q4_K``.
 """
 
 from __future__ import annotations
@@ -18,22 +18,29 @@ from gguf import GGMLQuantizationType as T
 
 from ._jit import device_fn
 
-# ggml types decode() handles: code -> (weights per block, bytes per block).
+# The ggml types decode() handles.
 KERNEL_TYPES = (
-    T.F32,  # 0
-    T.F16,  # 1
-    T.Q4_0,  # 2
-    T.Q4_1,  # 3
-    T.Q5_0,  # 6
-    T.Q5_1,  # 7
-    T.Q8_0,  # 8
-    T.Q2_K,  # 10
-    T.Q3_K,  # 11
-    T.Q4_K,  # 12
-    T.Q5_K,  # 13
-    T.Q6_K,  # 14
-    T.BF16,  # 30
+    T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K,
+    T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.BF16, T.MXFP4,
 )
+
+# Their codes as constexpr globals, for the kernels' QTYPE tests.
+F32: tl.constexpr = tl.constexpr(T.F32.value)
+F16: tl.constexpr = tl.constexpr(T.F16.value)
+BF16: tl.constexpr = tl.constexpr(T.BF16.value)
+Q4_0: tl.constexpr = tl.constexpr(T.Q4_0.value)
+Q4_1: tl.constexpr = tl.constexpr(T.Q4_1.value)
+Q5_0: tl.constexpr = tl.constexpr(T.Q5_0.value)
+Q5_1: tl.constexpr = tl.constexpr(T.Q5_1.value)
+Q8_0: tl.constexpr = tl.constexpr(T.Q8_0.value)
+Q2_K: tl.constexpr = tl.constexpr(T.Q2_K.value)
+Q3_K: tl.constexpr = tl.constexpr(T.Q3_K.value)
+Q4_K: tl.constexpr = tl.constexpr(T.Q4_K.value)
+Q5_K: tl.constexpr = tl.constexpr(T.Q5_K.value)
+Q6_K: tl.constexpr = tl.constexpr(T.Q6_K.value)
+IQ4_NL: tl.constexpr = tl.constexpr(T.IQ4_NL.value)
+IQ4_XS: tl.constexpr = tl.constexpr(T.IQ4_XS.value)
+MXFP4: tl.constexpr = tl.constexpr(T.MXFP4.value)
 
 
 @device_fn
@@ -71,6 +78,16 @@ def _scale_min_k4(b, s, mask):
     return _f16(b, mask) * sc.to(tl.float32), _f16(b + 2, mask) * mn.to(tl.float32)
 
 
+@device_fn
+def _iq4xs_scale(h, ib, mask):
+    """Scale of sub-block ``ib`` (0..7) of an IQ4_XS block whose d, scales_h (u16) and
+    scales_l[4] start at byte pointer ``h``, as float32: ``d * (ls - 32)`` with the six-bit
+    ``ls`` from a nibble of scales_l and two bits of scales_h (ggml's block_iq4_xs)."""
+    hi = ((_u8(h + 2 + ib // 4, mask) >> ((ib % 4) * 2)) & 3) << 4
+    ls = ((_u8(h + 4 + ib // 2, mask) >> ((ib % 2) * 4)) & 15) | hi
+    return _f16(h, mask) * (ls - 32).to(tl.float32)
+
+
 # kvalues_iq4nl (ggml-common.h), four int8 per int32, little-endian.
 IQ4NL_W0: tl.constexpr = tl.constexpr(-1079142271)  # -127, -104, -83, -65
 IQ4NL_W1: tl.constexpr = tl.constexpr(-152379953)  # -49, -35, -22, -10
@@ -106,39 +123,39 @@ def decode(b, j, mask, QTYPE: tl.constexpr):
 
     ``b``, ``j`` and ``mask`` broadcast together; masked elements read nothing.
     """
-    if QTYPE == 0:  # F32
+    if QTYPE == F32:
         u = _u8(b, mask) | (_u8(b + 1, mask) << 8) | (_u8(b + 2, mask) << 16)
         u = u | (_u8(b + 3, mask) << 24)
         v = u.to(tl.float32, bitcast=True)
-    elif QTYPE == 1:  # F16
+    elif QTYPE == F16:
         v = _f16(b, mask)
-    elif QTYPE == 30:  # BF16: the high half of a float32
+    elif QTYPE == BF16:  # the high half of a float32
         u = (_u8(b, mask) << 16) | (_u8(b + 1, mask) << 24)
         v = u.to(tl.float32, bitcast=True)
-    elif QTYPE == 2:  # Q4_0: d, qs[16]
+    elif QTYPE == Q4_0:  # d, qs[16]
         d = _f16(b, mask)
         q = (_u8(b + 2 + j % 16, mask) >> ((j // 16) * 4)) & 15
         v = d * (q - 8).to(tl.float32)
-    elif QTYPE == 3:  # Q4_1: d, m, qs[16]
+    elif QTYPE == Q4_1:  # d, m, qs[16]
         d = _f16(b, mask)
         m = _f16(b + 2, mask)
         q = (_u8(b + 4 + j % 16, mask) >> ((j // 16) * 4)) & 15
         v = d * q.to(tl.float32) + m
-    elif QTYPE == 6:  # Q5_0: d, qh[4], qs[16]
+    elif QTYPE == Q5_0:  # d, qh[4], qs[16]
         d = _f16(b, mask)
         h = (_u8(b + 2 + j // 8, mask) >> (j % 8)) & 1
         q = ((_u8(b + 6 + j % 16, mask) >> ((j // 16) * 4)) & 15) | (h << 4)
         v = d * (q - 16).to(tl.float32)
-    elif QTYPE == 7:  # Q5_1: d, m, qh[4], qs[16]
+    elif QTYPE == Q5_1:  # d, m, qh[4], qs[16]
         d = _f16(b, mask)
         m = _f16(b + 2, mask)
         h = (_u8(b + 4 + j // 8, mask) >> (j % 8)) & 1
         q = ((_u8(b + 8 + j % 16, mask) >> ((j // 16) * 4)) & 15) | (h << 4)
         v = d * q.to(tl.float32) + m
-    elif QTYPE == 8:  # Q8_0: d, qs[32] int8
+    elif QTYPE == Q8_0:  # d, qs[32] int8
         d = _f16(b, mask)
         v = _i8(b + 2 + j, mask).to(tl.float32) * d
-    elif QTYPE == 10:  # Q2_K: scales[16], qs[64], d, dmin
+    elif QTYPE == Q2_K:  # scales[16], qs[64], d, dmin
         d = _f16(b + 80, mask)
         dmin = _f16(b + 82, mask)
         sc = _u8(b + j // 16, mask)
@@ -147,7 +164,7 @@ def decode(b, j, mask, QTYPE: tl.constexpr):
         r = j % 128
         q = (_u8(b + 16 + (j // 128) * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
         v = dl * q.to(tl.float32) - ml
-    elif QTYPE == 11:  # Q3_K: hmask[32], qs[64], scales[12], d
+    elif QTYPE == Q3_K:  # hmask[32], qs[64], scales[12], d
         d = _f16(b + 108, mask)
         s = j // 16
         lo4 = (_u8(b + 96 + s % 8, mask) >> ((s // 8) * 4)) & 15
@@ -157,18 +174,18 @@ def decode(b, j, mask, QTYPE: tl.constexpr):
         low = (_u8(b + 32 + (j // 128) * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
         high = (_u8(b + j % 32, mask) >> (j // 32)) & 1
         v = dl * (low - ((1 - high) << 2)).to(tl.float32)
-    elif QTYPE == 12:  # Q4_K: d, dmin, scales[12], qs[128]
+    elif QTYPE == Q4_K:  # d, dmin, scales[12], qs[128]
         dl, ml = _scale_min_k4(b, j // 32, mask)
         r = j % 64
         q = (_u8(b + 16 + (j // 64) * 32 + r % 32, mask) >> ((r // 32) * 4)) & 15
         v = dl * q.to(tl.float32) - ml
-    elif QTYPE == 13:  # Q5_K: d, dmin, scales[12], qh[32], qs[128]
+    elif QTYPE == Q5_K:  # d, dmin, scales[12], qh[32], qs[128]
         dl, ml = _scale_min_k4(b, j // 32, mask)
         r = j % 64
         lo = (_u8(b + 48 + (j // 64) * 32 + r % 32, mask) >> ((r // 32) * 4)) & 15
         hi = (_u8(b + 16 + j % 32, mask) >> (j // 32)) & 1
         v = dl * (lo | (hi << 4)).to(tl.float32) - ml
-    elif QTYPE == 14:  # Q6_K: ql[128], qh[64], scales[16] int8, d
+    elif QTYPE == Q6_K:  # ql[128], qh[64], scales[16] int8, d
         d = _f16(b + 208, mask)
         dl = d * _i8(b + 192 + j // 16, mask).to(tl.float32)
         h = j // 128
@@ -176,20 +193,17 @@ def decode(b, j, mask, QTYPE: tl.constexpr):
         lo = (_u8(b + h * 64 + r % 64, mask) >> ((r // 64) * 4)) & 15
         hi = (_u8(b + 128 + h * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
         v = dl * ((lo | (hi << 4)) - 32).to(tl.float32)
-    elif QTYPE == 20:  # IQ4_NL: d, qs[16]; non-linear 4-bit values
+    elif QTYPE == IQ4_NL:  # d, qs[16]; non-linear 4-bit values
         d = _f16(b, mask)
         q = (_u8(b + 2 + j % 16, mask) >> ((j // 16) * 4)) & 15
         v = d * _iq4nl(q).to(tl.float32)
-    elif QTYPE == 23:  # IQ4_XS: d, scales_h (u16), scales_l[4], qs[128]
-        d = _f16(b, mask)
+    elif QTYPE == IQ4_XS:  # d, scales_h (u16), scales_l[4], qs[128]
         ib = j // 32
-        hi = ((_u8(b + 2 + ib // 4, mask) >> ((ib % 4) * 2)) & 3) << 4
-        ls = ((_u8(b + 4 + ib // 2, mask) >> ((ib % 2) * 4)) & 15) | hi
-        dl = d * (ls - 32).to(tl.float32)
+        dl = _iq4xs_scale(b, ib, mask)
         r = j % 32
         q = (_u8(b + 8 + ib * 16 + r % 16, mask) >> ((r // 16) * 4)) & 15
         v = dl * _iq4nl(q).to(tl.float32)
-    elif QTYPE == 39:  # MXFP4: e (E8M0), qs[16]; FP4 E2M1 values
+    elif QTYPE == MXFP4:  # e (E8M0), qs[16]; FP4 E2M1 values
         d = _e8m0_half(_u8(b, mask))
         q = (_u8(b + 1 + j % 16, mask) >> ((j // 16) * 4)) & 15
         v = d * _e2m1x2(q).to(tl.float32)
@@ -224,30 +238,30 @@ def decode_grouped(b, s, e, mask, QTYPE: tl.constexpr):
     scales are loaded per group and only the packed bits per weight. ``mask`` should also be
     per group.
     """
-    if QTYPE == 2:  # Q4_0 (G = block): s == 0
+    if QTYPE == Q4_0:  # Q4_0 (G = block): s == 0
         d = _f16(b, mask)
         q = (_u8(b + 2 + e % 16, mask) >> ((e // 16) * 4)) & 15
         v = d * (q - 8).to(tl.float32)
-    elif QTYPE == 3:  # Q4_1
+    elif QTYPE == Q4_1:
         d = _f16(b, mask)
         m = _f16(b + 2, mask)
         q = (_u8(b + 4 + e % 16, mask) >> ((e // 16) * 4)) & 15
         v = d * q.to(tl.float32) + m
-    elif QTYPE == 6:  # Q5_0
+    elif QTYPE == Q5_0:
         d = _f16(b, mask)
         h = (_u8(b + 2 + e // 8, mask) >> (e % 8)) & 1
         q = ((_u8(b + 6 + e % 16, mask) >> ((e // 16) * 4)) & 15) | (h << 4)
         v = d * (q - 16).to(tl.float32)
-    elif QTYPE == 7:  # Q5_1
+    elif QTYPE == Q5_1:
         d = _f16(b, mask)
         m = _f16(b + 2, mask)
         h = (_u8(b + 4 + e // 8, mask) >> (e % 8)) & 1
         q = ((_u8(b + 8 + e % 16, mask) >> ((e // 16) * 4)) & 15) | (h << 4)
         v = d * q.to(tl.float32) + m
-    elif QTYPE == 8:  # Q8_0
+    elif QTYPE == Q8_0:
         d = _f16(b, mask)
         v = _i8(b + 2 + e, mask).to(tl.float32) * d
-    elif QTYPE == 10:  # Q2_K, G = 16: j // 128 = s // 8, j % 32 = 16 * (s % 2) + e
+    elif QTYPE == Q2_K:  # G = 16: j // 128 = s // 8, j % 32 = 16 * (s % 2) + e
         d = _f16(b + 80, mask)
         dmin = _f16(b + 82, mask)
         sc = _u8(b + s, mask)
@@ -256,7 +270,7 @@ def decode_grouped(b, s, e, mask, QTYPE: tl.constexpr):
         qb = b + 16 + (s // 8) * 32 + (s % 2) * 16
         q = (_u8(qb + e, mask) >> (((s % 8) // 2) * 2)) & 3
         v = dl * q.to(tl.float32) - ml
-    elif QTYPE == 11:  # Q3_K, G = 16
+    elif QTYPE == Q3_K:  # G = 16
         d = _f16(b + 108, mask)
         lo4 = (_u8(b + 96 + s % 8, mask) >> ((s // 8) * 4)) & 15
         hi2 = (_u8(b + 104 + s % 4, mask) >> ((s // 4) * 2)) & 3
@@ -265,16 +279,16 @@ def decode_grouped(b, s, e, mask, QTYPE: tl.constexpr):
         low = (_u8(qb + e, mask) >> (((s % 8) // 2) * 2)) & 3
         high = (_u8(b + (s % 2) * 16 + e, mask) >> (s // 2)) & 1
         v = dl * (low - ((1 - high) << 2)).to(tl.float32)
-    elif QTYPE == 12:  # Q4_K, G = 32: j // 64 = s // 2, (j % 64) // 32 = s % 2, j % 32 = e
+    elif QTYPE == Q4_K:  # G = 32: j // 64 = s // 2, (j % 64) // 32 = s % 2, j % 32 = e
         dl, ml = _scale_min_k4(b, s, mask)
         q = (_u8(b + 16 + (s // 2) * 32 + e, mask) >> ((s % 2) * 4)) & 15
         v = dl * q.to(tl.float32) - ml
-    elif QTYPE == 13:  # Q5_K, G = 32
+    elif QTYPE == Q5_K:  # G = 32
         dl, ml = _scale_min_k4(b, s, mask)
         lo = (_u8(b + 48 + (s // 2) * 32 + e, mask) >> ((s % 2) * 4)) & 15
         hi = (_u8(b + 16 + e, mask) >> s) & 1
         v = dl * (lo | (hi << 4)).to(tl.float32) - ml
-    elif QTYPE == 14:  # Q6_K, G = 16: h = s // 8, ql at 64h + 16 (s % 4), qh at 32h + 16 (s % 2)
+    elif QTYPE == Q6_K:  # G = 16: h = s // 8, ql at 64h + 16 (s % 4), qh at 32h + 16 (s % 2)
         d = _f16(b + 208, mask)
         dl = d * _i8(b + 192 + s, mask).to(tl.float32)
         h = s // 8
@@ -404,18 +418,18 @@ def _decode_words(wp, blk, gb, t, QTYPE: tl.constexpr):
     Returns:
         int32 (R, G, 4) packed weight bytes, float32 (R, G, 1) scale and min.
     """
-    if QTYPE == 12:  # Q4_K: 36 words; d|dmin, scales[12], qs[128] at word 4
+    if QTYPE == Q4_K:  # 36 words; d|dmin, scales[12], qs[128] at word 4
         s = gb // 2
         q = tl.load(wp + blk + 4 + (s // 2) * 8 + (gb % 2) * 4 + t)
         wq = (q >> ((s % 2) * 4)) & 0x0F0F0F0F
         scale, vmin = _kquant_scale_min_words(wp, blk, s)
-    elif QTYPE == 13:  # Q5_K: 44 words; d|dmin, scales[12], qh[32] at word 4, qs at word 12
+    elif QTYPE == Q5_K:  # 44 words; d|dmin, scales[12], qh[32] at word 4, qs at word 12
         s = gb // 2
         q = tl.load(wp + blk + 12 + (s // 2) * 8 + (gb % 2) * 4 + t)
         qh = tl.load(wp + blk + 4 + (gb % 2) * 4 + t)
         wq = ((q >> ((s % 2) * 4)) & 0x0F0F0F0F) | (((qh >> s) & 0x01010101) << 4)
         scale, vmin = _kquant_scale_min_words(wp, blk, s)
-    elif QTYPE == 23:  # IQ4_XS: 34 words; d|scales_h, scales_l[4], qs[128] at word 2 (raw
+    elif QTYPE == IQ4_XS:  # 34 words; d|scales_h, scales_l[4], qs[128] at word 2 (raw
         # nibbles: the caller maps them through kvalues_iq4nl)
         ib = gb // 2
         q = tl.load(wp + blk + 2 + ib * 4 + t)
@@ -425,13 +439,13 @@ def _decode_words(wp, blk, gb, t, QTYPE: tl.constexpr):
         ls = ls | (((h0 >> (16 + ib * 2)) & 3) << 4)
         scale = _h2f(h0) * (ls - 32).to(tl.float32)
         vmin = tl.zeros_like(scale)
-    elif QTYPE == 3:  # Q4_1: 5 words; d|m, qs[16]
+    elif QTYPE == Q4_1:  # 5 words; d|m, qs[16]
         q = tl.load(wp + blk + 1 + t)
         wq = (q >> (gb * 4)) & 0x0F0F0F0F
         h0 = tl.load(wp + blk)
         scale = _h2f(h0)
         vmin = -_h2f(h0 >> 16)
-    elif QTYPE == 7:  # Q5_1: 6 words; d|m, qh, qs[16]
+    elif QTYPE == Q5_1:  # 6 words; d|m, qh, qs[16]
         q = tl.load(wp + blk + 2 + t)
         qh = tl.load(wp + blk + 1)
         hb = _spread4(qh >> (gb * 16 + t * 4))
@@ -450,7 +464,7 @@ def _decode_words(wp, blk, gb, t, QTYPE: tl.constexpr):
 @device_fn
 def scale_min16(hp, blk, gb, QTYPE: tl.constexpr):
     """Scale and min (float32, shaped like ``blk``) of group ``gb`` of the half-word types."""
-    if QTYPE == 14:  # Q6_K: scales[16] int8 at half 96, d at half 104
+    if QTYPE == Q6_K:  # scales[16] int8 at half 96, d at half 104
         sc = tl.load(hp + blk + 96 + gb // 2).to(tl.int32) >> ((gb % 2) * 8)
         sc = ((sc & 255) ^ 128) - 128  # the signed byte
         scale = _h2f(tl.load(hp + blk + 104).to(tl.int32)) * sc.to(tl.float32)
@@ -467,15 +481,15 @@ def decode_word16(hp, blk, gb, j: tl.constexpr, QTYPE: tl.constexpr):
     One word at a time rather than a (..., 4) tile: the compiler spreads a tile of 16-bit
     loads across threads, which then needs shuffles to sum it.
     """
-    if QTYPE == 8:  # Q8_0: 17 halves; d, qs[32] int8
+    if QTYPE == Q8_0:  # 17 halves; d, qs[32] int8
         wq = _w16(hp + blk + 1 + gb * 8 + 2 * j)
-    elif QTYPE == 2 or QTYPE == 20:  # Q4_0 (q - 8), IQ4_NL (raw nibbles): 9 halves; d, qs[16]
+    elif QTYPE == Q4_0 or QTYPE == IQ4_NL:  # Q4_0 (q - 8), IQ4_NL (raw nibbles): 9 halves; d, qs[16]
         wq = (_w16(hp + blk + 1 + 2 * j) >> (gb * 4)) & 0x0F0F0F0F
-    elif QTYPE == 6:  # Q5_0: 11 halves; d, qh (32 bits), qs[16]; q - 16
+    elif QTYPE == Q5_0:  # 11 halves; d, qh (32 bits), qs[16]; q - 16
         q = _w16(hp + blk + 3 + 2 * j)
         hb = _spread4(_w16(hp + blk + 1) >> (gb * 16 + j * 4))
         wq = ((q >> (gb * 4)) & 0x0F0F0F0F) | (hb << 4)
-    elif QTYPE == 14:  # Q6_K: 105 halves; ql[128], qh[64], scales[16] int8, d; q - 32
+    elif QTYPE == Q6_K:  # 105 halves; ql[128], qh[64], scales[16] int8, d; q - 32
         h = gb // 8
         r = gb % 8
         ql = _w16(hp + blk + h * 32 + (r % 4) * 8 + 2 * j)
@@ -498,20 +512,29 @@ def plane(nblk, I: tl.constexpr, QTYPE: tl.constexpr):
     n = nblk.to(tl.int64)
     if I == 0:
         off = n * 0
-    elif QTYPE == 6 and I == 2:  # Q5_0: d after qs[16] and qh[4]
+    elif QTYPE == Q5_0 and I == 2:  # d after qs[16] and qh[4]
         off = (n * 20 + 15) // 16 * 16
-    elif QTYPE == 14:  # Q6_K: ql[128] | qh[64] | scales[16] | d
+    elif QTYPE == Q6_K:  # ql[128] | qh[64] | scales[16] | d
         if I == 1:
             off = n * 128
         elif I == 2:
             off = n * 192
         else:
             off = n * 208
-    elif QTYPE == 8:  # Q8_0: qs[0:16] | qs[16:32] | d
+    elif QTYPE == Q8_0:  # qs[0:16] | qs[16:32] | d
         off = n * (16 * I)
-    elif QTYPE == 23:  # IQ4_XS: qs[128] | d, scales_h, scales_l
+    elif QTYPE == IQ4_XS:  # qs[128] | d, scales_h, scales_l
         off = n * 128
-    else:  # Q4_0, IQ4_NL: qs[16] | d; Q5_0: qs[16] | qh[4] | d
+    elif QTYPE == 10:  # Q2_K: qs[64] | scales[16] | d, dmin
+        off = n * (64 + 16 * (I - 1))
+    elif QTYPE == 11:  # Q3_K: qs[64] | hmask[32] | scales[12] | d
+        if I == 1:
+            off = n * 64
+        elif I == 2:
+            off = n * 96
+        else:
+            off = (n * 108 + 15) // 16 * 16
+    else:  # Q4_0, IQ4_NL, MXFP4: qs[16] | d (or e); Q5_0: qs[16] | qh[4] | d
         off = n * 16
     return off
 
@@ -521,23 +544,23 @@ def decode_planes(w, nblk, blk, j, mask, QTYPE: tl.constexpr):
     """Weight ``j`` of block ``blk`` (int64 index) of a ``QTYPE`` matrix of ``nblk`` blocks
     stored as planes at byte pointer ``w``, as float32: the same values (and float operations)
     as :func:`decode`. ``blk``, ``j`` and ``mask`` broadcast together."""
-    if QTYPE == 2 or QTYPE == 20:  # Q4_0, IQ4_NL: qs[16] | d
+    if QTYPE == Q4_0 or QTYPE == IQ4_NL:  # Q4_0, IQ4_NL: qs[16] | d
         d = _f16(w + plane(nblk, 1, QTYPE) + blk * 2, mask)
         q = (_u8(w + blk * 16 + j % 16, mask) >> ((j // 16) * 4)) & 15
-        if QTYPE == 2:
+        if QTYPE == Q4_0:
             v = d * (q - 8).to(tl.float32)
         else:
             v = d * _iq4nl(q).to(tl.float32)
-    elif QTYPE == 6:  # Q5_0: qs[16] | qh[4] | d
+    elif QTYPE == Q5_0:  # qs[16] | qh[4] | d
         d = _f16(w + plane(nblk, 2, QTYPE) + blk * 2, mask)
         h = (_u8(w + plane(nblk, 1, QTYPE) + blk * 4 + j // 8, mask) >> (j % 8)) & 1
         q = ((_u8(w + blk * 16 + j % 16, mask) >> ((j // 16) * 4)) & 15) | (h << 4)
         v = d * (q - 16).to(tl.float32)
-    elif QTYPE == 8:  # Q8_0: qs[0:16] | qs[16:32] | d
+    elif QTYPE == Q8_0:  # qs[0:16] | qs[16:32] | d
         d = _f16(w + plane(nblk, 2, QTYPE) + blk * 2, mask)
         v = _i8(w + (j // 16) * (nblk.to(tl.int64) * 16) + blk * 16 + j % 16, mask)
         v = v.to(tl.float32) * d
-    elif QTYPE == 14:  # Q6_K: ql[128] | qh[64] | scales[16] | d
+    elif QTYPE == Q6_K:  # ql[128] | qh[64] | scales[16] | d
         d = _f16(w + plane(nblk, 3, QTYPE) + blk * 2, mask)
         dl = d * _i8(w + plane(nblk, 2, QTYPE) + blk * 16 + j // 16, mask).to(tl.float32)
         h = j // 128
@@ -546,16 +569,36 @@ def decode_planes(w, nblk, blk, j, mask, QTYPE: tl.constexpr):
         qh = w + plane(nblk, 1, QTYPE) + blk * 64 + h * 32 + r % 32
         hi = (_u8(qh, mask) >> ((r // 32) * 2)) & 3
         v = dl * ((lo | (hi << 4)) - 32).to(tl.float32)
-    elif QTYPE == 23:  # IQ4_XS: qs[128] | d, scales_h (u16), scales_l[4]
-        hd = w + plane(nblk, 1, QTYPE) + blk * 8
-        d = _f16(hd, mask)
+    elif QTYPE == IQ4_XS:  # qs[128] | d, scales_h (u16), scales_l[4]
         ib = j // 32
-        hi = ((_u8(hd + 2 + ib // 4, mask) >> ((ib % 4) * 2)) & 3) << 4
-        ls = ((_u8(hd + 4 + ib // 2, mask) >> ((ib % 2) * 4)) & 15) | hi
-        dl = d * (ls - 32).to(tl.float32)
+        dl = _iq4xs_scale(w + plane(nblk, 1, QTYPE) + blk * 8, ib, mask)
         r = j % 32
         q = (_u8(w + blk * 128 + ib * 16 + r % 16, mask) >> ((r // 16) * 4)) & 15
         v = dl * _iq4nl(q).to(tl.float32)
+    elif QTYPE == 10:  # Q2_K: qs[64] | scales[16] | d, dmin
+        dd = w + plane(nblk, 2, QTYPE) + blk * 4
+        sc = _u8(w + plane(nblk, 1, QTYPE) + blk * 16 + j // 16, mask)
+        dl = _f16(dd, mask) * (sc & 15).to(tl.float32)
+        ml = _f16(dd + 2, mask) * (sc >> 4).to(tl.float32)
+        r = j % 128
+        q = (_u8(w + blk * 64 + (j // 128) * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
+        v = dl * q.to(tl.float32) - ml
+    elif QTYPE == 11:  # Q3_K: qs[64] | hmask[32] | scales[12] | d
+        d = _f16(w + plane(nblk, 3, QTYPE) + blk * 2, mask)
+        s = j // 16
+        sp = w + plane(nblk, 2, QTYPE) + blk * 12
+        lo4 = (_u8(sp + s % 8, mask) >> ((s // 8) * 4)) & 15
+        hi2 = (_u8(sp + 8 + s % 4, mask) >> ((s // 4) * 2)) & 3
+        dl = d * ((lo4 | (hi2 << 4)) - 32).to(tl.float32)
+        r = j % 128
+        low = (_u8(w + blk * 64 + (j // 128) * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
+        hm = w + plane(nblk, 1, QTYPE) + blk * 32 + j % 32
+        high = (_u8(hm, mask) >> (j // 32)) & 1
+        v = dl * (low - ((1 - high) << 2)).to(tl.float32)
+    elif QTYPE == 39:  # MXFP4: qs[16] | e
+        d = _e8m0_half(_u8(w + plane(nblk, 1, QTYPE) + blk, mask))
+        q = (_u8(w + blk * 16 + j % 16, mask) >> ((j // 16) * 4)) & 15
+        v = d * _e2m1x2(q).to(tl.float32)
     else:
         tl.static_assert(False, "decode_planes: no planes layout for this ggml type")
         v = tl.zeros_like(j).to(tl.float32)
@@ -582,26 +625,40 @@ def prmt(a, b, c, ASM: tl.constexpr):
 
 
 @device_fn
-def iq4nl_pair(q, ASM: tl.constexpr):
-    """``kvalues_iq4nl`` of the eight nibbles of int32 ``q`` (four bytes of an IQ4 block's
-    ``qs``), as two words of four int8: the low nibbles (weights i..i+3 of a 32-weight
-    sub-block) and the high nibbles (weights 16+i..19+i). llama.cpp's
-    ``get_int_from_table_16`` (``ggml-cuda/vecdotq.cuh``): eight byte permutes for 8 weights."""
+def table_pair(q, W0, W1, W2, W3, ASM: tl.constexpr):
+    """The 16-entry int8 table ``W0..W3`` (four int8 per int32, little-endian) looked up with
+    the eight nibbles of int32 ``q`` (four bytes of a block's ``qs``), as two words of four
+    int8: the low nibbles (weights i..i+3 of a 32-weight sub-block) and the high nibbles
+    (weights 16+i..19+i). llama.cpp's ``get_int_from_table_16`` (``ggml-cuda/vecdotq.cuh``):
+    eight byte permutes for 8 weights."""
     zero = tl.zeros_like(q)
     qa = q & 0x77777777  # table index within a half (bit 3 of a prmt nibble: sign mode)
     sel = ((q >> 1) & 0x44444444) | 0x32103210  # per nibble: take the upper half's byte
-    v3 = prmt(prmt(zero + IQ4NL_W0, zero + IQ4NL_W1, qa, ASM),
-              prmt(zero + IQ4NL_W2, zero + IQ4NL_W3, qa, ASM), sel, ASM)  # fmt: skip
+    v3 = prmt(prmt(zero + W0, zero + W1, qa, ASM), prmt(zero + W2, zero + W3, qa, ASM), sel,
+              ASM)  # fmt: skip
     qb = qa >> 16
     sb = (sel >> 16) & 0xFFFF
-    v4 = prmt(prmt(zero + IQ4NL_W0, zero + IQ4NL_W1, qb, ASM),
-              prmt(zero + IQ4NL_W2, zero + IQ4NL_W3, qb, ASM), sb, ASM)  # fmt: skip
+    v4 = prmt(prmt(zero + W0, zero + W1, qb, ASM), prmt(zero + W2, zero + W3, qb, ASM), sb,
+              ASM)  # fmt: skip
     return prmt(v3, v4, zero + 0x6420, ASM), prmt(v3, v4, zero + 0x7531, ASM)
+
+
+@device_fn
+def iq4nl_pair(q, ASM: tl.constexpr):
+    """:func:`table_pair` of ``kvalues_iq4nl``."""
+    return table_pair(q, IQ4NL_W0, IQ4NL_W1, IQ4NL_W2, IQ4NL_W3, ASM)
+
+
+# kvalues_mxfp4 (ggml-common.h: the E2M1 values doubled), four int8 per int32, little-endian.
+MXFP4_W0: tl.constexpr = tl.constexpr(50462976)  # 0, 1, 2, 3
+MXFP4_W1: tl.constexpr = tl.constexpr(201852420)  # 4, 6, 8, 12
+MXFP4_W2: tl.constexpr = tl.constexpr(-33620224)  # 0, -1, -2, -3
+MXFP4_W3: tl.constexpr = tl.constexpr(-185009412)  # -4, -6, -8, -12
 
 
 # Types the sub-block GEMV (``gemv._mmvq32_kernel``) reads from planes, 32 weights (one
 # scale) per group: code -> OFF (the weights' integer offset, see above).
-MMVQ32_TYPES = {T.Q4_0: 8, T.Q5_0: 16, T.Q8_0: 0, T.IQ4_NL: 0, T.IQ4_XS: 0}
+MMVQ32_TYPES = {T.Q4_0: 8, T.Q5_0: 16, T.Q8_0: 0, T.IQ4_NL: 0, T.IQ4_XS: 0, T.MXFP4: 0}
 
 
 @device_fn
@@ -620,17 +677,17 @@ def decode_unit32(wp, nblk, u, t, QTYPE: tl.constexpr, ASM: tl.constexpr):
     Returns int32 (R, G, 4): word ``t`` of weights 4t..4t+3 and of weights 16+4t..19+4t as
     int8 (before the OFF offset), float32 (R, G, 1) scale.
     """
-    if QTYPE == 8:  # Q8_0: int8 weights 0-15 and 16-31 of a sub-block (= block) in two planes
+    if QTYPE == Q8_0:  # int8 weights 0-15 and 16-31 of a sub-block (= block) in two planes
         lo = tl.load(wp + u * 4 + t)
         hi = tl.load(wp + plane(nblk, 1, QTYPE) // 4 + u * 4 + t)
         scale = _half_at(wp, plane(nblk, 2, QTYPE) // 2 + u)
     else:  # nibble types: 16 bytes of qs a sub-block
         q = tl.load(wp + u * 4 + t)
-        if QTYPE == 2:  # Q4_0
+        if QTYPE == Q4_0:
             lo = q & 0x0F0F0F0F
             hi = (q >> 4) & 0x0F0F0F0F
             scale = _half_at(wp, plane(nblk, 1, QTYPE) // 2 + u)
-        elif QTYPE == 6:  # Q5_0: fifth bits of weight j at bit j of qh
+        elif QTYPE == Q5_0:  # fifth bits of weight j at bit j of qh
             # qh as a tile of its 4 bytes (the words' layout), assembled by an in-thread sum
             # (a (R, G, 1) word load makes Triton 3.6 exchange the dot products every step)
             bp = wp.to(tl.pointer_type(tl.uint8))
@@ -639,10 +696,10 @@ def decode_unit32(wp, nblk, u, t, QTYPE: tl.constexpr, ASM: tl.constexpr):
             lo = (q & 0x0F0F0F0F) | (_spread4(qh >> (t * 4)) << 4)
             hi = ((q >> 4) & 0x0F0F0F0F) | (_spread4(qh >> (16 + t * 4)) << 4)
             scale = _half_at(wp, plane(nblk, 2, QTYPE) // 2 + u)
-        elif QTYPE == 20:  # IQ4_NL
+        elif QTYPE == IQ4_NL:
             lo, hi = iq4nl_pair(q, ASM)
             scale = _half_at(wp, plane(nblk, 1, QTYPE) // 2 + u)
-        elif QTYPE == 23:  # IQ4_XS: 8 sub-blocks a block; d|scales_h, scales_l words
+        elif QTYPE == IQ4_XS:  # 8 sub-blocks a block; d|scales_h, scales_l words
             lo, hi = iq4nl_pair(q, ASM)
             ib = (u % 8).to(tl.int32)
             hd = plane(nblk, 1, QTYPE) // 4 + (u // 8) * 2
@@ -650,6 +707,12 @@ def decode_unit32(wp, nblk, u, t, QTYPE: tl.constexpr, ASM: tl.constexpr):
             ls = (tl.load(wp + hd + 1) >> (ib * 4)) & 15
             ls = ls | (((h0 >> (16 + ib * 2)) & 3) << 4)
             scale = _h2f(h0) * (ls - 32).to(tl.float32)
+        elif QTYPE == 39:  # MXFP4: one E8M0 byte a block (= sub-block) in its plane, read
+            # from its 32-bit word (a byte-load tile makes Triton 3.6 exchange the loop's dot
+            # products through shared memory, as a 16-bit one: see _half_at)
+            lo, hi = table_pair(q, MXFP4_W0, MXFP4_W1, MXFP4_W2, MXFP4_W3, ASM)
+            e = tl.load(wp + plane(nblk, 1, QTYPE) // 4 + u // 4) >> ((u % 4) * 8).to(tl.int32)
+            scale = _e8m0_half(e & 255)
         else:
             tl.static_assert(False, "decode_unit32: unsupported ggml type")
             lo = q
@@ -662,7 +725,7 @@ def decode_unit32(wp, nblk, u, t, QTYPE: tl.constexpr, ASM: tl.constexpr):
 def decode_words_planes(wp, nblk, blk, gb, t, QTYPE: tl.constexpr):
     """Q6_K from planes: (words, scale, min) of 16-weight group ``gb`` of blocks ``blk``
     (int64 (R, G, 1) block indices), as :func:`decode_words` for the 16-byte types."""
-    if QTYPE == 14:  # ql (32 words a block) | qh (16) | scales (4) | d (halves)
+    if QTYPE == Q6_K:  # ql (32 words a block) | qh (16) | scales (4) | d (halves)
         h = gb // 8
         r = gb % 8
         ql = tl.load(wp + blk * 32 + h * 16 + (r % 4) * 4 + t)

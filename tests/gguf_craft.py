@@ -341,7 +341,20 @@ EXTRA_KEYS = ["rope.scaling.type", "rope.scaling.factor", "attention.sliding_win
               "expert_count", "expert_used_count", "expert_feed_forward_length",
               "rope.dimension_count", "attention.scale", "embedding_scale", "logit_scale",
               "attn_logit_softcapping", "final_logit_softcapping", "expert_weights_norm",
-              "rope.scaling.attn_factor", "rope.scaling.original_context_length"]
+              "rope.scaling.attn_factor", "rope.scaling.original_context_length",
+              # hybrid and state-space models (issue #27)
+              "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank",
+              "ssm.group_count", "shortconv.l_cache", "rope.scaling.finetuned",
+              "expert_shared_feed_forward_length", "attention.layer_norm_epsilon",
+              "residual_scale",
+              # issue 28: the RoPE scalings and the 2025 dense families
+              "rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_beta_fast",
+              "rope.scaling.yarn_beta_slow", "rope.scaling.low_freq_factor",
+              "rope.scaling.high_freq_factor", "rope.scaling.alpha", "rope.scale_linear",
+              "rope.freq_base_swa", "attention.sliding_window_pattern",
+              "attention.temperature_scale"]
+# Keys outside the architecture's namespace (llama.cpp's names), added as they are.
+GLOBAL_KEYS = ["xielu.alpha_n", "xielu.alpha_p", "xielu.beta", "xielu.eps"]
 
 
 def mutate_metadata(md: dict, rng) -> dict:
@@ -352,13 +365,14 @@ def mutate_metadata(md: dict, rng) -> dict:
 
     out = dict(md)
     arch = md["general.architecture"]
-    keys = [k for k in md if k.startswith(arch + ".")]
+    keys = [k for k in md if k.startswith((arch + ".", "xielu."))]
     for _ in range(rng.randrange(1, 4)):
         r = rng.random()
         if r < 0.05:
             out["general.architecture"] = rng.choice(sorted(ARCHITECTURES) + ["mamba9", 7])
             continue
-        key = (f"{arch}.{rng.choice(EXTRA_KEYS)}" if r < 0.25 or not keys
+        key = (rng.choice(GLOBAL_KEYS) if r < 0.08 else
+               f"{arch}.{rng.choice(EXTRA_KEYS)}" if r < 0.25 or not keys
                else rng.choice(keys))
         cur = out.get(key)
         if isinstance(cur, (int, float)) and not isinstance(cur, bool) and rng.random() < 0.4:
@@ -374,7 +388,9 @@ def mutate_metadata(md: dict, rng) -> dict:
 
 
 def metadata_fuzz_seeds(directory) -> list:
-    """Small valid models of several families (opened ``GGUFFile``s) for the metadata fuzzer."""
+    """Small valid models of several families (opened ``GGUFFile``s) for the metadata fuzzer;
+    the hybrid and state-space ones are their llama.cpp fixtures (tests/families.py), whose
+    per-layer arrays the mutations cut, zero and retype."""
     from pathlib import Path
 
     from tiny_model import write_tiny_gguf
@@ -383,9 +399,19 @@ def metadata_fuzz_seeds(directory) -> list:
 
     moe = {"expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32}
     cases = [("llama", {}), ("qwen2", {}), ("gemma3", {"n_layers": 6}), ("gemma2", {}),
-             ("qwen3moe", {"extra": moe}), ("phi3", {}), ("olmo2", {}), ("granite", {})]
+             ("qwen3moe", {"extra": moe}), ("phi3", {}), ("olmo2", {}), ("granite", {}),
+             ("mistral3", {"extra": {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                                     "rope.scaling.yarn_log_multiplier": 1.0,
+                                     "attention.temperature_scale": 0.1}}),
+             ("smollm3", {"n_layers": 4}), ("apertus", {}), ("seed_oss", {}),
+             ("exaone4", {"n_layers": 64, "d_model": 32, "n_heads": 2, "n_kv_heads": 1,
+                          "ffn_dim": 32}),
+             ("hunyuan-dense", {"extra": {"rope.scaling.alpha": 1000.0}}), ("ernie4_5", {})]
+    from families import write_family
+
+    hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2"]
     return [open_gguf(write_tiny_gguf(Path(directory) / f"seed-{arch}.gguf", arch, **kw))
-            for arch, kw in cases]
+            for arch, kw in cases] + [open_gguf(write_family(f, directory)) for f in hybrids]
 
 
 def load_with_metadata(f, md: dict, rng) -> str:

@@ -266,6 +266,46 @@ def test_fallback_notice_without_a_compiler(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+PORTABLE = """
+import sys, torch
+import localllm.cpu as cpu
+assert cpu.available() and not cpu.q8_activations(), "the x86-64 build: float GEMV only"
+out = {}
+for name, (raw, qtype, shape, x) in torch.load(sys.argv[1]).items():
+    w = cpu.PackedWeight.from_bytes(raw, qtype, shape)
+    out[name] = (w.dequantize(), cpu.qmatmul(x, w),
+                 torch.ops.localllm_cpu.rms_norm(x, torch.ones(shape[1]), 1e-6),
+                 torch.ops.localllm_cpu.gated(x, x, 0))
+torch.save(out, sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="-march=x86-64 builds on x86-64")
+def test_portable_build(tmp_path):
+    """The build without AVX2 (LOCALLLM_CPU_ARCH=x86-64: simd.h's 16 scalar lanes) compiles
+    and computes what the reference does: dequantization bit-exact, the float32 GEMV within
+    summation error, rms_norm and SiLU as torch's."""
+    cases = {}
+    for qtype in [T.Q4_0, T.Q5_1, T.Q3_K, T.Q5_K, T.F16]:
+        cols = cols_for(qtype) if qtype != T.F16 else 224
+        raw = weight_bytes(qtype, 5, cols, seed=2)
+        cases[qtype.name] = (torch.from_numpy(raw), int(qtype), (5, cols), torch.randn(3, cols))
+    torch.save(cases, tmp_path / "cases.pt")
+    env = dict(os.environ, LOCALLLM_CPU_ARCH="x86-64")
+    r = subprocess.run([sys.executable, "-c", PORTABLE, str(tmp_path / "cases.pt"),
+                        str(tmp_path / "out.pt")], env=env, capture_output=True, check=False,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    for name, (raw, qtype, shape, x) in cases.items():
+        w, y, n, g = out[name]
+        ref = reference(raw.numpy(), qtype, shape)
+        assert torch.equal(w, ref), name
+        assert_close_product(y, x, ref)
+        torch.testing.assert_close(n, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        torch.testing.assert_close(g, torch.nn.functional.silu(x) * x)
+
+
 @pytest.mark.parametrize("arch,qtype", [("gemma3", T.Q8_0), ("llama", T.Q4_0), ("qwen2", T.F16)])
 def test_model_native_equals_dequantized(tiny_model_path, arch, qtype):
     """A tiny model on the native path (float32: exact products) gives the logits of the
@@ -297,7 +337,7 @@ def test_model_native_bf16_prefill_is_close(tiny_model_path, monkeypatch):
     path = tiny_model_path("gemma3", qtype=T.Q8_0)
     fast = load_model(path, device="cpu", progress=False, backend="native")
     exact = load_model(path, device="cpu", progress=False, backend="torch", dtype=torch.float32)
-    assert fast.model.layers[0].ffn_down.weight.prefill_dtype == torch.bfloat16
+    assert fast.model.layers[0].ffn_down.weight.w.prefill_dtype == torch.bfloat16
     ids = list(range(4, 40))
     got = Session(fast, ctx_size=64).eval(ids, all_logits=True)
     want = Session(exact, ctx_size=64).eval(ids, all_logits=True)

@@ -22,7 +22,7 @@ from localllm import cpu
 from localllm.backends.dense import TorchOps
 from localllm.backends.native import NativeOps
 from localllm.memory import KVCache, RingKVCache
-from localllm.models.common import rope_inv_freq
+from localllm.models.rope import rope_inv_freq
 from localllm.runtime.session import Session, load_model
 
 if not cpu.available():

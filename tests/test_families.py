@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from families import FAMILIES, sha256, write_family
+from families import FAMILIES, RECURRENT, sha256, write_family
 
+from localllm.eval.perplexity import perplexity_chunks, summarize
 from localllm.runtime.session import Session, load_model
 
 DATA = Path(__file__).parent / "data" / "families"
@@ -35,7 +36,22 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_matches_llama_cpp(family, device, family_dir):
+    """Prefill (all positions of a prompt in one forward), the device's default backend."""
     check_family(family, device, family_dir)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_matches_llama_cpp_torch_backend(family, family_dir):
+    """Prefill on the torch backend (the reference ops; matrices dequantized at load)."""
+    check_family(family, "cpu", family_dir, backend="torch")
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_decode_steps_match_llama_cpp(family, backend, family_dir):
+    """The recorded positions as one-token decode steps after a prefill of the rest (the
+    native backend's fused decode attention; the torch reference)."""
+    check_family(family, "cpu", family_dir, backend=backend, steps=True)
 
 
 def test_moe_prefill_kernel_matches_llama_cpp(family_dir, monkeypatch):
@@ -60,22 +76,33 @@ def test_moe_prefill_kernel_matches_llama_cpp(family_dir, monkeypatch):
     assert calls and min(calls) > 1
 
 
-def check_family(family: str, device: str, family_dir: Path, *, steps: bool = False) -> None:
-    """The family's file against llama.cpp's recorded logits (module docstring); ``steps``:
-    the recorded positions evaluated one token at a time (decode steps) after a prefill of
-    the rest."""
+def family_model(family: str, device: str, family_dir: Path, backend: str = "auto"):
+    """The family's file (written once per module, checked against the recorded SHA-256),
+    loaded on ``device`` with ``backend``."""
     ref = np.load(DATA / f"{family}.npz")
     path = family_dir / f"{family}.gguf"
     if not path.exists():
         write_family(family, family_dir)
     assert sha256(path) == str(ref["sha256"]), "the file differs from the one llama.cpp ran"
-    loaded = load_model(path, device=device, progress=False)
+    return load_model(path, device=device, progress=False, backend=backend)
+
+
+def check_family(family: str, device: str, family_dir: Path, *, backend: str = "auto",
+                 steps: bool = False, loaded=None) -> None:
+    """The family's file against llama.cpp's recorded logits (module docstring); ``steps``:
+    the recorded positions evaluated one token at a time (decode steps) after a prefill of
+    the rest. ``loaded``: the model already loaded (default: :func:`family_model` with
+    ``backend``)."""
+    ref = np.load(DATA / f"{family}.npz")
+    if loaded is None:
+        loaded = family_model(family, device, family_dir, backend)
     theirs = ref["logits"]  # (prompts, positions, n_vocab) float16
     n_last = theirs.shape[1]
+    n_ctx = max(64, max(len(ref[f"prompt{i}"]) for i in range(theirs.shape[0])) + 1)
     kls = []
     for i in range(theirs.shape[0]):
         ids = ref[f"prompt{i}"].tolist()
-        session = Session(loaded, ctx_size=64)
+        session = Session(loaded, ctx_size=n_ctx)
         start = len(ids) - n_last
         if steps:
             ours = [session.eval(ids[:start + 1])]
@@ -88,8 +115,46 @@ def check_family(family: str, device: str, family_dir: Path, *, steps: bool = Fa
         kls.append((np.exp(lt) * (lt - lo)).sum(-1))
         assert int(ours[-1].argmax()) == int(theirs[i][-1].argmax()), f"prompt {i}: top-1"
     mean_kl = float(np.mean(kls))
-    print(f"{family} {device}: mean KL {mean_kl:.5f}, max {float(np.max(kls)):.5f}")
+    print(f"{family} {device} {loaded.backend} {'decode' if steps else 'prefill'}: "
+          f"mean KL {mean_kl:.5f}, max {float(np.max(kls)):.5f}")
     assert mean_kl <= MAX_MEAN_KL
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("family", RECURRENT)
+def test_recurrent_family_matches_llama_cpp(family, backend, family_dir):
+    """The recurrent families on both CPU paths, their prompts up to 300 tokens (a prefill
+    in chunks, cut at context checkpoints), then the same positions as one-token decode
+    steps after a prefill of the rest (the recurrence of each mixer); and the perplexity of
+    the fixture's text (tokens the model sampled, record.py) within 1% of llama.cpp's."""
+    if backend == "native":
+        from localllm import cpu
+
+        if not cpu.available():
+            pytest.skip("the native CPU kernels are unavailable")
+    loaded = family_model(family, "cpu", family_dir, backend)
+    assert loaded.backend == backend
+    check_family(family, "cpu", family_dir, loaded=loaded)
+    check_family(family, "cpu", family_dir, steps=True, loaded=loaded)
+    ref = np.load(DATA / f"{family}.npz")
+    if "ppl" not in ref:  # MoE (record.py): the dense file of the family checks perplexity
+        return
+    tokens, n_ctx = ref["ppl_tokens"].tolist(), int(ref["ppl_ctx"])
+    nll = torch.cat([n for _, n in perplexity_chunks(_Runner(loaded), tokens, n_ctx)])
+    ours = summarize(nll, len(tokens) // n_ctx).ppl
+    print(f"{family} {backend}: perplexity {ours:.3f}, llama.cpp {float(ref['ppl']):.3f}")
+    assert ours == pytest.approx(float(ref["ppl"]), rel=0.01)
+
+
+class _Runner:
+    """What :mod:`localllm.eval.perplexity` uses of an ``LLM`` (sessions and the tokenizer),
+    over a model loaded with a chosen backend (``LLM`` picks it itself)."""
+
+    def __init__(self, loaded) -> None:
+        self.loaded, self.tokenizer = loaded, loaded.tokenizer
+
+    def session(self, ctx_size: int) -> Session:
+        return Session(self.loaded, ctx_size=ctx_size)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -112,10 +177,3 @@ def test_info_run_perplexity_on_each_family(family, family_dir, monkeypatch, cap
                              "-c", "16", "-b", "16")
     assert code == 0, err
     assert "PPL" in out + err or "perplexity" in (out + err).lower()
-
-
-def test_moe_decode_steps_match_llama_cpp(family_dir):
-    """The qwen3moe fixture's positions as one-token decode steps: the MoE decode path (one
-    token's k experts; on the native int8 backend one :func:`localllm.cpu.gemv_experts` call
-    per matrix) against llama.cpp's logits."""
-    check_family("qwen3moe", "cpu", family_dir, steps=True)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kernel_checks import HOST_READS, NoLaunch, OpRecorder
 
 from localllm.backends.dense import gelu_tanh, rms_norm, rope_angles, rotate
-from localllm.models.common import rope_inv_freq
+from localllm.models.rope import rope_inv_freq
 
 kernels = pytest.importorskip("localllm.kernels")
 if not kernels.triton_available():

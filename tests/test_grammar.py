@@ -641,6 +641,11 @@ def test_generate_json_with_model(llm):
                           {"type": "array", "items": {"enum": ["red", "green", "blue"]},
                            "minItems": 2, "maxItems": 2}, n_predict=32, seed=3)
     assert isinstance(value, list) and len(value) == 2
+    # The smallest value (27 tokens) does not fit in 8: generation stops short.
     with pytest.raises(LocalLLMError, match="before the JSON value was complete"):
+        generate_json(llm, "A long JSON string:", {"type": "string", "minLength": 200},
+                      n_predict=8, seed=3)
+    # Nor in 4 tokens of any tokenization (48 bytes at most each): refused before generating.
+    with pytest.raises(GrammarError, match=r"\(minLength 200 at /\) cannot fit in 4 tokens"):
         generate_json(llm, "A long JSON string:", {"type": "string", "minLength": 200},
                       n_predict=4, seed=3)

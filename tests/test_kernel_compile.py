@@ -27,7 +27,9 @@ from localllm.kernels import PLANES, _aot
 from localllm.kernels._aot import Case
 from localllm.kernels.attention import _decode_attention_kernel, attention_case
 from localllm.kernels.decode import GROUP_SIZES, KERNEL_TYPES, MMVQ32_TYPES, MMVQ_TYPES
+from localllm.kernels.decode_k23 import MMVQ64_TYPES
 from localllm.kernels.dequant import _dequant_kernel
+from localllm.kernels.flash_attention import _prefill_attention_kernel, prefill_case
 from localllm.kernels.fused import (
     _ACTS,
     _gated_act_kernel,
@@ -40,11 +42,13 @@ from localllm.kernels.gemv import (
     _gemv1_kernel,
     _gemv_kernel,
     _mmvq32_kernel,
+    _mmvq64_kernel,
     _mmvq_kernel,
     _quantize_q8_kernel,
     mmvq_case,
 )
 from localllm.kernels.norm_rope import _rms_norm_kernel
+from localllm.kernels.ssm import _short_conv_kernel, _ssm_scan_kernel, conv_case, scan_case
 
 from localllm.gguf.quants import BLOCK_FORMATS
 
@@ -110,23 +114,24 @@ def _gemv(qtype: T, batch: int, planes: bool = False) -> Case:
 
 
 def _gemm(qtype: T, *, bf16: bool = False, grouped: bool = True, arch: int = 90,
-          block_m: int = 128, planes: bool = False) -> Case:
-    """gemm() with its default tiles (block_m x 64 x 64; 128 rows: 8 warps): X float16
-    (float32 with ``bf16``), Y float32; Q4_K / Q5_K grouped take the word path; ``planes``:
-    the weights in the planes layout."""
-    from localllm.kernels.gemm import NUM_STAGES, WORD_TYPES
+          block_m: int = 128, planes: bool = False, n: int = 4096, split_k: bool = False) -> Case:
+    """gemm() as launched for 512 rows of an (n, 4096) matrix (default tiles: see
+    ``gemm_config``): X float16 (float32 with ``bf16``), Y float32; ``grouped``: the chunk
+    decoders where the type has one in its layout; ``planes``: the weights as planes."""
+    from localllm.kernels.gemm import gemm_config
 
     fmt = BLOCK_FORMATS[qtype]
+    cfg = gemm_config(512, 4096, qtype, "planes" if planes else "blocks", n=n,
+                      block_m=block_m, grouped=grouped, split_k=split_k)  # fmt: skip
     return Case(
         _gemm_kernel,
         {"x": "*fp32" if bf16 else "*fp16", "w": "*u8", "y": "*fp32", "M": "i32", "N": "i32",
          "K": "i32", "stride_xm": "i32", "stride_ym": "i32"},
-        {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype),
-         "G": GROUP_SIZES.get(qtype, 0) if grouped else 0, "BF16": bf16,
-         "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64,
-         "WORDS": WORD_TYPES.get(int(qtype), 0) if grouped and not planes else 0,
-         "EMULATE": False, "PLANES": planes},
-        num_warps=8 if block_m >= 128 else 4, num_stages=NUM_STAGES, arch=arch,
+        {"BS": fmt.block_size, "TS": fmt.type_size, "QTYPE": int(qtype), "BF16": bf16,
+         "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
+         "CHUNKS": cfg["CHUNKS"], "EMULATE": False, "ASM": True, "PLANES": planes,
+         "SPLIT_K": cfg["SPLIT_K"]},
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], arch=arch,
         aligned=("x", "w", "y", "N", "K", "stride_xm", "stride_ym"),  # M: any prompt length
     )  # fmt: skip
 
@@ -224,6 +229,9 @@ CASES = {
     **{f"mmvq-{q.name}-planes": _mmvq(q, planes=True) for q in PLANES},
     "mmvq-Q8_0-planes-gemma-qkv": _mmvq(T.Q8_0, 1536, 640, planes=True),
     "mmvq-IQ4_XS-planes-sm86": _mmvq(T.IQ4_XS, arch=86, planes=True),
+    "mmvq-Q3_K-planes-sm86": _mmvq(T.Q3_K, arch=86, planes=True),
+    # one split: Llama-3-8B's gate/up (Q2_K: the plain store of _mmvq64_kernel)
+    "mmvq-Q2_K-planes-llama-gate_up": _mmvq(T.Q2_K, 28672, 4096, planes=True),
     # one split (Llama-3-8B's gate/up): the plain store, no split-K epilogue
     "mmvq-Q4_K-llama-gate_up": _mmvq(T.Q4_K, 28672, 4096),
     "mmvq-Q4_0-planes-llama-gate_up": _mmvq(T.Q4_0, 28672, 4096, planes=True),
@@ -244,12 +252,27 @@ CASES = {
     "gemv-Q4_K-b3": _gemv(T.Q4_K, 3),
     "gemm-Q4_K": _gemm(T.Q4_K),
     "gemm-Q4_K-m64": _gemm(T.Q4_K, block_m=64),
+    "gemm-Q4_K-n64": _gemm(T.Q4_K, n=6144),  # 64-row weight tiles: Llama-3-8B's QKV
+    "gemm-Q4_K-splitK": _gemm(T.Q4_K, n=6144, split_k=True),  # the same, float32 out
     "gemm-Q5_K-bf16": _gemm(T.Q5_K, bf16=True),
-    "gemm-Q6_K": _gemm(T.Q6_K),
+    "gemm-Q6_K": _gemm(T.Q6_K),  # blocks: weight by weight
     "gemm-Q8_0-bf16": _gemm(T.Q8_0, bf16=True),
+    "gemm-Q8_0-planes-bf16": _gemm(T.Q8_0, bf16=True, planes=True),
     "gemm-Q5_K-ungrouped": _gemm(T.Q5_K, grouped=False),
+    "gemm-Q4_1": _gemm(T.Q4_1),
+    "gemm-Q5_1": _gemm(T.Q5_1),
     "gemm-F16": _gemm(T.F16),
     "gemm-Q4_K-sm86": _gemm(T.Q4_K, arch=86),  # Ampere/Ada: mma, not Hopper's wgmma
+    "gemm-Q6_K-planes-sm86": _gemm(T.Q6_K, arch=86, planes=True),
+    # prefill attention: Llama-3-8B, Gemma 3's sliding layers (ring), Gemma 2's soft-capping,
+    # Phi-3's head_dim 96, float32 caches (the interpreter's products), Ampere
+    "prefill-attention-llama-g4-d128": prefill_case(4, 128),
+    "prefill-attention-gemma3-ring-d256": prefill_case(4, 256, window=True, kpos=True),
+    "prefill-attention-gemma2-softcap": prefill_case(2, 256, window=True, kpos=True,
+                                                     softcap=True),
+    "prefill-attention-g1-d96": prefill_case(1, 96),
+    "prefill-attention-g7-d64-fp32": prefill_case(7, 64, kv="*fp32"),
+    "prefill-attention-g4-d128-sm86": prefill_case(4, 128, window=True, arch=86),
     "rms_norm-fp32-640": _rms_norm("*fp32", 640),
     "rms_norm-fp16-8192": _rms_norm("*fp16", 8192),
     "rope-neox-prefill": _rope(True, decode=False),
@@ -271,6 +294,10 @@ CASES = {
     "gated_act-gelu_tanh-2048-q8": _gated_act("gelu_tanh", 2048, q8=True),
     "gated_act-gelu_tanh-2048": _gated_act("gelu_tanh", 2048),
     "gated_act-silu-14336": _gated_act("silu", 14336),
+    "short_conv-granite4-k4": conv_case(3328, 4)[0],
+    "short_conv-lfm2-k3-nobias": conv_case(2048, 3, bias=False, silu=False)[0],
+    "ssm_scan-granite4-p64-n128": scan_case(48, 64, 128)[0],
+    "ssm_scan-n16-nod": scan_case(8, 64, 16, with_d=False)[0],
 }
 
 
@@ -292,6 +319,7 @@ def test_every_kernel_type_is_covered():
         (_gemv1_kernel, [q for q in KERNEL_TYPES if q in GROUP_SIZES]),
         (_mmvq_kernel, list(MMVQ_TYPES)),
         (_mmvq32_kernel, list(MMVQ32_TYPES)),
+        (_mmvq64_kernel, list(MMVQ64_TYPES)),
     ]:
         covered = {c.constexprs["QTYPE"] for c in cases
                    if c.kernel is kernel and not c.constexprs.get("PLANES")}  # fmt: skip
@@ -302,8 +330,9 @@ def test_every_kernel_type_is_covered():
         assert covered == {int(q) for q in PLANES}, kernel.fn.__name__
     launched = {_dequant_kernel, _gemv_kernel, _gemv1_kernel, _gemm_kernel, _rms_norm_kernel,
                 _rms_norm_rope_kernel, _residual_rms_norm_kernel, _gated_act_kernel,
-                _norm_rope_kv_kernel, _mmvq_kernel, _mmvq32_kernel, _quantize_q8_kernel,
-                _decode_attention_kernel}  # fmt: skip
+                _norm_rope_kv_kernel, _mmvq_kernel, _mmvq32_kernel, _mmvq64_kernel,
+                _quantize_q8_kernel, _prefill_attention_kernel,
+                _decode_attention_kernel, _short_conv_kernel, _ssm_scan_kernel}  # fmt: skip
     assert {c.kernel for c in cases} == launched
 
 
@@ -311,7 +340,7 @@ def test_both_epilogues_are_compiled():
     """The GEMVs with and without the split-K epilogue, attention with and without its
     output's 8-bit copy."""
     for kernel, flag in ((_mmvq_kernel, "SPLITK"), (_mmvq32_kernel, "SPLITK"),
-                         (_decode_attention_kernel, "Q8")):  # fmt: skip
+                         (_mmvq64_kernel, "SPLITK"), (_decode_attention_kernel, "Q8")):  # fmt: skip
         seen = {c.constexprs[flag] for c in CASES.values() if c.kernel is kernel}
         assert seen == {False, True}, (kernel.fn.__name__, flag)
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from localllm.backends import dense as common
 from localllm.memory import attention_mask
-from localllm.models import common
 
 
 @pytest.mark.parametrize("n_kv,group,t,s", [(8, 4, 512, 512), (1, 4, 512, 512), (2, 2, 37, 4096),

@@ -23,12 +23,28 @@ if not kernels.triton_available():
     pytest.skip("Triton is not installed", allow_module_level=True)
 
 from localllm.kernels import PLANES, QuantWeight, _aot, block_format, quant_linear
-from localllm.kernels.decode import MMVQ_TYPES
+from localllm.kernels.decode import MMVQ32_TYPES, MMVQ_TYPES
+from localllm.kernels.decode_k23 import MMVQ64_TYPES
 from localllm.kernels.dequant import dequantize as triton_dequantize
-from localllm.kernels.gemv import MIN_ROWS, TARGET_SMS, gemv, mmvq_config, quantize_q8
+from localllm.kernels.gemv import (
+    MIN_ROWS,
+    TARGET_SMS,
+    gemv,
+    mmvq_config,
+    mmvq_unit,
+    quantize_q8,
+)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import kernel_profile
+
+# Every type with an integer-dot GEMV in the layout a loaded model keeps it (planes for the
+# types of PLANES): issue 19's types, then issue 30's Q2_K, Q3_K and MXFP4.
+MMVQ_CLASS = sorted({*MMVQ_TYPES, *MMVQ32_TYPES, *MMVQ64_TYPES}, key=int)
+
+
+def loaded_layout(qtype: T) -> str:
+    return "planes" if qtype in PLANES else "blocks"
 
 
 def test_quantize_q8_bounds_and_sums(device):
@@ -162,10 +178,21 @@ def test_mmvq_float16_output(device):
 def test_launch_shapes_fill_the_gpu(model):
     """>= 2 programs per SM for every matrix of the three models, whole blocks per split,
     programs of at least MIN_ROWS rows."""
-    for qtype in MMVQ_TYPES:
+    for qtype in MMVQ_CLASS:
         bs = block_format(qtype).block_size
         for n, k in kernel_profile.MODELS[model].values():
             if k % bs:
+                continue
+            if qtype not in MMVQ_TYPES:  # only from planes
+                cfg = mmvq_config(qtype, n, k, layout="planes")
+                # or, for a matrix too small for that (Gemma's 640 x 1024 in Q2_K / Q3_K:
+                # 10240 64-weight slots), as many programs as 2-warp programs of one slot
+                # a thread make
+                most = n * (k // cfg["UNIT"]) // 64
+                assert cfg["grid"][0] * cfg["grid"][1] >= min(2 * TARGET_SMS, most), (qtype, n, k)
+                assert cfg["grid"][0] * cfg["ROWS"] >= n
+                assert (k // cfg["UNIT"] // cfg["SPLIT"]) % cfg["GP"] == 0
+                assert cfg["ROWS"] >= MIN_ROWS, (qtype.name, n, k)
                 continue
             cfg = mmvq_config(qtype, n, k)
             assert cfg["grid"][0] * cfg["grid"][1] >= 2 * TARGET_SMS, (qtype.name, n, k)
@@ -191,14 +218,16 @@ def _compiled(qtype: T, n: int = 4096, k: int = 4096):
 
 
 @pytest.mark.parametrize("matrix", ["llama3-8b/attn_output", "gemma3-270m/attn_output"])
-@pytest.mark.parametrize("qtype", list(MMVQ_TYPES), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", MMVQ_CLASS, ids=lambda q: q.name)
 def test_static_targets(qtype, matrix):
-    """Issue 19's targets on sm_90, for the layout a loaded model keeps (aligned planes for
-    the types of ``PLANES``): <= 0.25 warp-instructions per weight byte, no spills, dp4a in
-    the loop and no shuffles there; the weight bits in 128-bit loads: per loop step at least
-    one LDG.128 per (row, group) slot a thread holds plus the activations', no byte loads,
-    16-bit loads only for the fp16 scales (one a slot). On Llama-3-8B's 4096 x 4096 and on
+    """Issue 19's targets on sm_90 (issue 30: Q2_K, Q3_K and MXFP4 too), for the layout a
+    loaded model keeps (aligned planes for the types of ``PLANES``): <= 0.25
+    warp-instructions per weight byte, no spills, dp4a in the loop and no shuffles there;
+    the weight bits in 128-bit loads: per loop step at least one LDG.128 per (row, group)
+    slot a thread holds plus the activations', no byte loads, 16-bit loads only for the fp16
+    scales (one a slot). On Llama-3-8B's 4096 x 4096 and on
     Gemma-3-270M's 640 x 1024 (a 2-warp, split-K launch: the smallest programs)."""
+    assert mmvq_unit(qtype, loaded_layout(qtype))
     model, name = matrix.split("/")
     n, k = kernel_profile.MODELS[model][name]
     compiled, fig = _compiled(qtype, n, k)
@@ -214,7 +243,8 @@ def test_static_targets(qtype, matrix):
         steps = fig["loop_steps_per_body"]
         bits = [_aot.load_bits(i) for i in _aot.global_loads(body)]
         assert bits.count(128) >= steps * (rpt + 1), fig
-        assert bits.count(16) <= steps * rpt and bits.count(8) == 0, fig
+        assert bits.count(16) <= steps * rpt, fig
+        assert bits.count(8) == 0, fig
 
 
 def test_profile_writes_cubins_and_json(tmp_path, capsys):

@@ -67,7 +67,9 @@ BAD_VALUES = [
     ("llama.attention.sliding_window", -1, "llama.attention.sliding_window"),
     ("llama.expert_count", 4, "llama.expert_used_count"),  # MoE without its other keys
     ("llama.attention.value_length", 32, "llama.attention.value_length"),
-    ("llama.rope.dimension_count", 8, "llama.rope.dimension_count"),
+    ("llama.rope.dimension_count", 18, "llama.rope.dimension_count"),  # above the head size
+    ("llama.rope.dimension_count", 7, "llama.rope.dimension_count"),  # odd
+    ("llama.rope.scaling.factor", 0.0, "llama.rope.scaling.factor"),
     ("general.architecture", "gemma3", "gemma3.embedding_length"),  # keys of another arch
     ("general.architecture", "mamba9", "mamba9"),
     ("general.architecture", 7, "architecture"),
@@ -85,7 +87,7 @@ def test_bad_hyperparameter_is_one_error_naming_it(tiny_model_path, no_weights, 
     assert "\n" not in msg and named in msg
 
 
-@pytest.mark.parametrize("kind", ["longrope", "llama4", 5])
+@pytest.mark.parametrize("kind", ["dynamic", "llama4", 5])
 def test_unsupported_rope_scaling_names_the_key(tiny_model_path, no_weights, kind):
     with pytest.raises(LocalLLMError, match=r"llama\.rope\.scaling\.type"):
         _load(tiny_model_path("llama"), **{"llama.rope.scaling.type": kind,
@@ -146,16 +148,68 @@ def test_memory_estimate_is_bounded_by_validated_values(tiny_model_path, no_weig
 def test_cli_names_the_key_in_one_line(monkeypatch, capsys, workdir):
     from tiny_model import write_tiny_gguf
 
-    f = write_tiny_gguf(workdir / "longrope.gguf", "llama",
-                        extra={"rope.scaling.type": "longrope", "rope.scaling.factor": 4.0})
+    f = write_tiny_gguf(workdir / "dynamic.gguf", "llama",
+                        extra={"rope.scaling.type": "dynamic", "rope.scaling.factor": 4.0})
     for cmd in ("run", "info"):
         args = [cmd, str(f)] + (["hello"] if cmd == "run" else [])
         code, _, err = run_cli(monkeypatch, capsys, *args)
         assert code == 1
-        assert_one_line_error(code, err, "llama.rope.scaling.type", "longrope")
+        assert_one_line_error(code, err, "llama.rope.scaling.type", "dynamic")
 
 
 def test_valid_values_still_load(tiny_model_path):
     m = _load(tiny_model_path("llama"), **{"llama.context_length": 128,
                                            "llama.rope.freq_base": 500000.0})
-    assert m.args.context_length == 128 and np.isclose(m.args.rope_base, 500000.0)
+    assert m.args.context_length == 128 and np.isclose(m.args.rope.base, 500000.0)
+
+
+# ---- issue 28: the keys of the 2025 dense families ---------------------------------------------
+EXAONE4_ISWA = {"n_layers": 64, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 32}
+NEW_KEYS = [
+    ("apertus", {}, "xielu.alpha_n", [0.8], "xielu.alpha_n"),  # one value for two layers
+    ("apertus", {}, "xielu.beta", None, "xielu.beta"),  # required
+    ("apertus", {}, "xielu.eps", "x", "xielu.eps"),
+    ("apertus", {}, "xielu.alpha_p", [0.8, float("nan")], "xielu.alpha_p"),
+    ("exaone4", EXAONE4_ISWA, "exaone4.attention.sliding_window_pattern", [True] * 63,
+     "exaone4.attention.sliding_window_pattern"),  # a pattern of the wrong length
+    ("exaone4", EXAONE4_ISWA, "exaone4.attention.sliding_window_pattern", [3] * 64,
+     "exaone4.attention.sliding_window_pattern"),
+    ("exaone4", EXAONE4_ISWA, "exaone4.attention.sliding_window", -8,
+     "exaone4.attention.sliding_window"),
+    ("gemma3", {"n_layers": 6}, "gemma3.attention.sliding_window_pattern", [True] * 7,
+     "gemma3.attention.sliding_window_pattern"),
+    ("gemma2", {}, "gemma2.attention.sliding_window_pattern", -1,
+     "gemma2.attention.sliding_window_pattern"),
+    ("mistral3", {}, "mistral3.attention.temperature_scale", "0.1",
+     "mistral3.attention.temperature_scale"),
+    ("hunyuan-dense", {}, "hunyuan-dense.rope.scaling.alpha", 0.0,
+     "hunyuan-dense.rope.scaling.alpha"),
+    ("smollm3", {"n_layers": 4}, "smollm3.rope.dimension_count", 3,
+     "smollm3.rope.dimension_count"),
+]
+
+
+@pytest.mark.parametrize("arch, kw, key, value, named", NEW_KEYS,
+                         ids=[f"{k}={v!r}"[:60] for _, _, k, v, _ in NEW_KEYS])
+def test_bad_key_of_a_new_family_is_one_error_naming_it(tiny_model_path, no_weights, arch, kw,
+                                                       key, value, named):
+    with pytest.raises(GGUFError) as e:
+        _load(tiny_model_path(arch, **kw), **{key: value})
+    msg = str(e.value)
+    assert "\n" not in msg and named in msg
+
+
+def test_exaone4_slides_only_with_the_32b_layer_count(tiny_model_path):
+    """llama.cpp's rule: three sliding (RoPE) layers to one global (NoPE) at 64 layers, or
+    the file's pattern; every layer global with RoPE otherwise."""
+    from localllm.models.rope import GLOBAL, NOPE
+
+    a = _load(tiny_model_path("exaone4", **EXAONE4_ISWA)).args
+    assert a.swa[:4] == (True, True, True, False) and a.sliding_window == 4096
+    assert [a.rope_kind(i) for i in range(4)] == [GLOBAL, GLOBAL, GLOBAL, NOPE]
+    pattern = [i % 2 == 0 for i in range(64)]
+    a = _load(tiny_model_path("exaone4", **EXAONE4_ISWA),
+              **{"exaone4.attention.sliding_window_pattern": pattern}).args
+    assert list(a.swa) == pattern
+    a = _load(tiny_model_path("exaone4")).args
+    assert not any(a.swa) and a.rope_kind(1) == GLOBAL

@@ -12,7 +12,7 @@ from kernel_checks import HOST_READS, NoLaunch, OpRecorder
 
 from localllm.backends.dense import rms_norm, rope_angles, rotate
 from localllm.memory import KVCache, RingKVCache
-from localllm.models.common import rope_inv_freq
+from localllm.models.rope import rope_inv_freq
 
 kernels = pytest.importorskip("localllm.kernels")
 if not kernels.triton_available():

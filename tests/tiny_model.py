@@ -108,18 +108,21 @@ def write_tiny_gguf(
     optional: tuple[str, ...] | None = None,
     specials: tuple = (),
     chat_template: str | None = None,
+    split_max_tensors: int = 0,
 ) -> Path:
     """Write a random-weights model; matrices stored as ``qtype`` (F32, F16, legacy quants;
     other types get random bytes). The tensors are those of the architecture's declaration
     (``tensor_specs``) for these hyperparameters: the required ones plus ``optional`` (default:
     ``output.weight`` for llama/mistral). ``extra``: more ``{arch}.*`` keys (expert counts ...).
+    ``split_max_tensors``: write a split model as llama.cpp's gguf-split does (gguf-py's
+    writer: ``STEM-00001-of-0000N.gguf`` ..., metadata in the first part); returns the first.
     """
     from localllm.models import model_args, tensor_specs
 
     path = Path(path)
     extra = dict(extra or {})  # a tuple of pairs too (hashable, for the conftest cache)
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_name(f"tiny-{arch}")
     n_vocab = (_byte_bpe_vocab(w, specials) if arch in ("qwen2", "qwen3", "qwen3moe")
                else _spm_vocab(w))
@@ -134,7 +137,10 @@ def write_tiny_gguf(
           a + "rope.freq_base": 10000.0}
     if arch in ("gemma2", "gemma3"):
         md[a + "attention.sliding_window"] = sliding_window
-    md.update({(k if "." in k and k.split(".")[0] in (arch, "general") else a + k): v
+    if arch == "apertus":  # xIELU's parameters (keys outside the arch's namespace)
+        md.update({"xielu.alpha_n": 0.8, "xielu.alpha_p": 0.8, "xielu.beta": 0.5,
+                   "xielu.eps": -1e-6})
+    md.update({(k if "." in k and k.split(".")[0] in (arch, "general", "xielu") else a + k): v
                for k, v in (extra or {}).items()})
     from localllm.models.synthetic import _add_kv
 
@@ -181,4 +187,4 @@ def write_tiny_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    return w.format_shard_names(path)[0]

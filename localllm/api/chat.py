@@ -107,6 +107,16 @@ def render_chat(llm: LLM, messages: list[dict], *, template: Any = None,
     return ChatPrompt(ids, text, fmt, inside, chosen.name)
 
 
+def with_default_system(entry, messages: list[dict]) -> list[dict]:
+    """``messages`` with the model's default system prompt (models.toml ``system``, Ollama's
+    ``SYSTEM``; ``entry``: a :class:`~localllm.registry.ModelEntry` or None) first when none
+    of them is a system or developer message, as Ollama does."""
+    system = entry.system if entry is not None else None
+    if not system or any(m.get("role") in ("system", "developer") for m in messages):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
 def single_token(tokenizer, text: str) -> int | None:
     """The id of ``text`` when the vocabulary has it as one token, else None."""
     ids = tokenizer.encode(text, add_bos=False, special=True)
@@ -206,7 +216,8 @@ def prepare_chat(llm: LLM, body: ChatParams, *, n_predict: int = -1,
     use_tools = bool(tools) and choice != "none"
     parallel = body.parallel_tool_calls is not False
     variables, budget, reasoning_format = chat_variables(llm, body)
-    prompt = render_chat(llm, body.template_messages(), template=body.chat_template,
+    prompt = render_chat(llm, with_default_system(llm.entry, body.template_messages()),
+                         template=body.chat_template,
                          tools=tools if use_tools else None, variables=variables)
     fmt = prompt.fmt
     max_tokens = body.max_completion_tokens or body.max_tokens

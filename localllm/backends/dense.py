@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from ..memory import attention_mask
+from . import ssm
 from .base import Backend as _Backend
 
 # Above this many rows a CPU product takes the float32 GEMM path (see the module docstring).
@@ -74,13 +75,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_angles(
-    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0,
+    magnitude: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) of the RoPE angles, each (T, head_dim/2) float32; computed once per forward
     and shared by the layers that use the same frequencies. ``scale`` multiplies positions
-    (linear RoPE scaling: 1 / factor)."""
+    (linear RoPE scaling: 1 / factor); ``magnitude`` (head_dim/2,) float32 multiplies cos and
+    sin per pair (ggml's ``mscale``: YaRN's and ``rope.scaling.attn_factor``, where it cannot
+    be folded into the attention scale, see :class:`~localllm.models.rope.Rope`)."""
     angles = (positions.float() * scale)[:, None] * inv_freq[None, :]
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    if magnitude is not None:
+        cos, sin = cos * magnitude, sin * magnitude
+    return cos, sin
 
 
 def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], *, neox: bool):
@@ -210,6 +217,18 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def xielu(x: torch.Tensor, alpha_n: float, alpha_p: float, beta: float, eps: float) -> torch.Tensor:
+    """xIELU (Huang & Schlag 2025, "Deriving Activation Functions Using Integration"), as
+    ggml's ``op_xielu`` computes it (``ggml/src/ggml-cpu/unary-ops.cpp``), element-wise on
+    float32 x: ``alpha_p x^2 + beta x`` where x > 0, else
+    ``alpha_n (expm1(min(x, eps)) - x) + beta x``. The parameters are the effective ones
+    (``ggml_xielu``: alpha_p = softplus(a_p), alpha_n = beta + softplus(a_n) of the file's
+    ``xielu.*`` values)."""
+    pos = x * (x * alpha_p + beta)
+    neg = (torch.expm1(torch.clamp(x, max=eps)) - x) * alpha_n + x * beta
+    return torch.where(x > 0, pos, neg)
+
+
 # Gate activations of gated FFNs (GEGLU, SwiGLU: Shazeer 2020) by name.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_tanh": gelu_tanh,
@@ -233,6 +252,7 @@ class TorchOps:
     rms_norm = staticmethod(rms_norm)
     rope_angles = staticmethod(rope_angles)
     rotate = staticmethod(rotate)
+    xielu = staticmethod(xielu)  # Apertus' FFN activation (not gated)
 
     def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, angles, *,
                   neox: bool) -> torch.Tensor:
@@ -273,10 +293,13 @@ class TorchOps:
         neox: bool,
         scale: float,
         softcap: float | None = None,
+        norm_after_rope: bool = False,
     ) -> torch.Tensor:
         """The attention of a layer from its projections: per-head RMSNorm of q and k by
         ``q_norm`` / ``k_norm`` when given (QK-norm), RoPE by ``angles`` (from
         :meth:`rope_angles`; ``neox``: halves, else adjacent pairs), then :meth:`attention`.
+        ``norm_after_rope``: the QK-norm follows the rotation instead (Hunyuan,
+        llama.cpp's ``hunyuan-vl.cpp``).
 
         q: (T, n_heads * head_dim), k/v: (T, n_kv_heads * head_dim) float32 (views with unit
         column stride) -> (T, n_heads * head_dim) float32.
@@ -285,8 +308,12 @@ class TorchOps:
         q = q.reshape(t, -1, head_dim).transpose(0, 1)  # (nh, T, hd)
         k = k.reshape(t, -1, head_dim).transpose(0, 1)  # (nkv, T, hd)
         v = v.reshape(t, -1, head_dim).transpose(0, 1)
-        q = self.norm_rope(q, q_norm, eps, angles, neox=neox)
-        k = self.norm_rope(k, k_norm, eps, angles, neox=neox)
+        if norm_after_rope:
+            q = self.rms_norm(self.norm_rope(q, None, eps, angles, neox=neox), q_norm, eps)
+            k = self.rms_norm(self.norm_rope(k, None, eps, angles, neox=neox), k_norm, eps)
+        else:
+            q = self.norm_rope(q, q_norm, eps, angles, neox=neox)
+            k = self.norm_rope(k, k_norm, eps, angles, neox=neox)
         return self.attention(q, k, v, cache, pos, positions, scale=scale, softcap=softcap)
 
     def attention(
@@ -310,6 +337,24 @@ class TorchOps:
         keys, values, k_pos = store_kv(cache, pos, k, v)
         return attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale,
                       softcap=softcap)
+
+    @staticmethod
+    def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   state: torch.Tensor, *, silu: bool) -> torch.Tensor:
+        """Causal depthwise convolution continuing from ``state`` (updated in place):
+        x (T, C), weight (C, d_conv), bias (C,) or None, state (d_conv - 1, C) float32 ->
+        (T, C) float32 (:func:`localllm.backends.ssm.short_conv`)."""
+        return ssm.short_conv(x, weight, bias, state, silu=silu)
+
+    @staticmethod
+    def ssm_scan(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, a: torch.Tensor,
+                 b: torch.Tensor, c: torch.Tensor, d: torch.Tensor | None,
+                 state: torch.Tensor) -> torch.Tensor:
+        """Mamba2's selective scan continuing from ``state`` (H, P, N), updated in place:
+        x (T, H, P), dt (T, H), dt_bias / a / d (H,), b / c (T, G, N) float32 ->
+        y (T, H, P) float32 (:func:`localllm.backends.ssm.ssm_scan`: the recurrence for one
+        token, the chunked form for more)."""
+        return ssm.ssm_scan(x, dt, dt_bias, a, b, c, d, state)
 
     def experts(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate,
                 up, down, act: str) -> torch.Tensor:

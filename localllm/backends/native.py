@@ -106,8 +106,9 @@ class NativeOps(TorchOps):
     RoPE, and the gated activation (SiLU, GELU-tanh) in one native call each, for any number
     of rows; the whole attention of a step of up to :attr:`FEW` tokens (QK-norm and RoPE of
     q and k, the KV-cache write, grouped-query attention over the live cells with the
-    causal, window and soft-capping masks) in one call. Longer steps (prefill) attend with
-    :func:`attend` (torch's batched products).
+    causal, window and soft-capping masks) in one call; the short convolution and Mamba2's
+    scan of any number of tokens in one call each (``csrc/ssm.cpp``). Longer steps (prefill)
+    attend with :func:`attend` (torch's batched products).
 
     Each agrees with the torch composition it replaces to float32 rounding (summation order;
     exp and tanh from the kernels' own polynomials): ``tests/test_cpu_ops.py``.
@@ -126,9 +127,12 @@ class NativeOps(TorchOps):
         self._rms_norm, self._residual_norm = ops.rms_norm.default, ops.residual_norm.default
         self._gated, self._norm_rope = ops.gated.default, ops.norm_rope.default
         self._attn_decode = ops.attn_decode.default
+        self._short_conv, self._ssm_scan = ops.short_conv.default, ops.ssm_scan.default
         self._no_positions = torch.empty(0, dtype=torch.long)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if weight.dim() != 1:  # a weight per group of rows (Mamba2's grouped norm): torch
+            return super().rms_norm(x, weight, eps)
         if x.dim() == 2:
             return self._rms_norm(x.contiguous() if x.stride(-1) != 1 else x, weight, eps)
         return self._rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
@@ -145,21 +149,35 @@ class NativeOps(TorchOps):
         return self._gated(gate, up, self.ACT[act], gate if overwrite else None)
 
     def self_attention(self, q, k, v, q_norm, k_norm, eps, angles, cache, pos, positions, *,
-                       head_dim, neox, scale, softcap=None):
+                       head_dim, neox, scale, softcap=None, norm_after_rope=False):
         t = q.shape[0]
         where = None
-        if t <= self.FEW and isinstance(pos, int) and cache.k.dtype in (torch.float32,
-                                                                        torch.float16):
+        if (t <= self.FEW and isinstance(pos, int) and not norm_after_rope
+                and cache.k.dtype in (torch.float32, torch.float16)):
             where = cache.decode_slot(pos, t)
-        if where is None:  # prefill, static decode, or a wrapped ring: the torch attention
+        if where is None:  # prefill, static decode, a wrapped ring, a norm after the rotation
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
                                           positions, head_dim=head_dim, neox=neox,
-                                          scale=scale, softcap=softcap)
+                                          scale=scale, softcap=softcap,
+                                          norm_after_rope=norm_after_rope)
         slot, live, k_pos = where
         cos, sin = angles
         return self._attn_decode(q, k, v, q_norm, k_norm, eps, cos, sin, neox, cache.k, cache.v,
                                  self._no_positions if k_pos is None else k_pos, slot, live,
                                  pos, cache.window or 0, scale, softcap or 0.0)
+
+    def short_conv(self, x, weight, bias, state, *, silu):
+        """One native call (``localllm/cpu/csrc/ssm.cpp``): every token and channel, and the
+        state's shift."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return self._short_conv(x, weight, bias, state, silu)
+
+    def ssm_scan(self, x, dt, dt_bias, a, b, c, d, state):
+        """The recurrence token by token in one native call (``ssm.cpp``), heads over threads:
+        for a prompt as for one token (per token it reads the state once, as the chunked
+        torch form's products do several times)."""
+        return self._ssm_scan(x, dt, dt_bias, a, b, c, d, state)
 
     def experts(self, x, chosen, weights, gate, up, down, act):
         """Native int8 experts (all three :class:`PackedExperts` with ``q8`` weights): one

@@ -95,24 +95,31 @@ class KernelOps(TorchOps):
     (:func:`localllm.kernels.decode_attention`), which reads only the visible part of a
     cache; a decode token's QK-norm, RoPE and cache write are one more launch
     (:func:`localllm.kernels.norm_rope_kv`). Prefill attention is torch's fused SDPA in the
-    cache's dtype (:func:`prefill_attention`), :func:`attend` only with soft-capping."""
+    cache's dtype (:func:`prefill_attention`), :func:`attend` only with soft-capping. The
+    short convolution and Mamba2's scan are one launch each, for a token or a prompt
+    (:mod:`localllm.kernels.ssm`)."""
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if weight.dim() != 1:  # a weight per group of rows (Mamba2's grouped norm): torch
+            return TorchOps.rms_norm(x, weight, eps)
         return kernels.rms_norm(x, weight, eps)
 
     @staticmethod
-    def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0):
-        return positions, inv_freq, scale  # the kernel computes the angles itself
+    def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0,
+                    magnitude: torch.Tensor | None = None):
+        return positions, inv_freq, scale, magnitude  # the kernel computes the angles itself
 
     @staticmethod
     def rotate(x: torch.Tensor, angles, *, neox: bool) -> torch.Tensor:
-        positions, inv_freq, scale = angles
-        return kernels.rope(x, positions, inv_freq, neox=neox, scale=scale)
+        positions, inv_freq, scale, magnitude = angles
+        return _magnified(kernels.rope(x, positions, inv_freq, neox=neox, scale=scale),
+                          magnitude, neox)
 
     def norm_rope(self, x, weight, eps, angles, *, neox):
-        positions, inv_freq, scale = angles
-        return kernels.rms_norm_rope(x, weight, eps, positions, inv_freq, neox=neox, scale=scale)
+        positions, inv_freq, scale, magnitude = angles
+        return _magnified(kernels.rms_norm_rope(x, weight, eps, positions, inv_freq, neox=neox,
+                                                scale=scale), magnitude, neox)
 
     def residual_norm(self, x, f, post_weight, weight, eps):
         return kernels.residual_rms_norm(x, f, post_weight, weight, eps)
@@ -122,23 +129,31 @@ class KernelOps(TorchOps):
         return kernels.gated_act(gate, up, act=act)
 
     def self_attention(self, q, k, v, q_norm, k_norm, eps, angles, cache, pos, positions, *,
-                       head_dim, neox, scale, softcap=None):
+                       head_dim, neox, scale, softcap=None, norm_after_rope=False):
         """One token: two launches, :func:`localllm.kernels.norm_rope_kv` (QK-norm, RoPE and
         the cache write) then :func:`localllm.kernels.decode_attention`."""
-        if q.shape[0] != 1:
+        rope_pos, inv_freq, rope_scale, magnitude = angles
+        if q.shape[0] != 1 or magnitude is not None or norm_after_rope:
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
                                           positions, head_dim=head_dim, neox=neox, scale=scale,
-                                          softcap=softcap)
+                                          softcap=softcap, norm_after_rope=norm_after_rope)
         q = q.reshape(1, -1, head_dim).transpose(0, 1)  # (nh, 1, hd)
         k = k.reshape(1, -1, head_dim).transpose(0, 1)  # (nkv, 1, hd)
         v = v.reshape(1, -1, head_dim).transpose(0, 1)
-        rope_pos, inv_freq, rope_scale = angles
         q1 = kernels.norm_rope_kv(q, k, v, q_norm, k_norm, eps, rope_pos, inv_freq, cache.k,
                                   cache.v, cache.positions, neox=neox, scale=rope_scale)
         keys, values, k_pos = (cache.written_static() if isinstance(pos, torch.Tensor)
                                else cache.written(pos))
         return kernels.decode_attention(q1, keys, values, positions, k_positions=k_pos,
                                 window=cache.window, scale=scale, softcap=softcap)
+
+    @staticmethod
+    def short_conv(x, weight, bias, state, *, silu):
+        return kernels.short_conv(x, weight, bias, state, silu=silu)
+
+    @staticmethod
+    def ssm_scan(x, dt, dt_bias, a, b, c, d, state):
+        return kernels.ssm_scan(x, dt, dt_bias, a, b, c, d, state)
 
     def attention(self, q, k, v, cache, pos, positions, *, scale: float,
                   softcap: float | None = None) -> torch.Tensor:
@@ -153,3 +168,10 @@ class KernelOps(TorchOps):
                                 window=cache.window, scale=scale, softcap=softcap)
 
 
+def _magnified(x: torch.Tensor, magnitude: torch.Tensor | None, neox: bool) -> torch.Tensor:
+    """x (..., head_dim) rotated, times the per-pair ``magnitude`` (head_dim/2,) of its angles
+    (see ``TorchOps.rope_angles``): the kernels rotate by unit cos and sin."""
+    if magnitude is None:
+        return x
+    m = torch.cat([magnitude, magnitude]) if neox else magnitude.repeat_interleave(2)
+    return x * m

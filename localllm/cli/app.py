@@ -17,7 +17,7 @@ import typer
 import typer.main
 
 from ..errors import LocalLLMError, ParameterError
-from . import chat, perplexity, pull, quantize, serve
+from . import chat, manage, perplexity, pull, quantize, serve
 from .options import (
     ThreadsBatchOpt,
     ThreadsOpt,
@@ -36,7 +36,8 @@ app = typer.Typer(
 )
 
 ModelArg = Annotated[
-    str | None, typer.Argument(help="models.toml name or .gguf path (default: gemma3-270m)")
+    str | None, typer.Argument(help="models.toml name, .gguf path or store name "
+                               "(hf.co/ORG/REPO:TAG, ollama:NAME ...; default: gemma3-270m)")
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu or cuda")]
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", help="context size in tokens")]
@@ -203,7 +204,9 @@ def _run(
     if chat:
         from ..chat.template import apply_chat
 
-        ids = apply_chat(llm, text, system=system, template=chat_template)
+        default = llm.entry.system if llm.entry is not None else None
+        ids = apply_chat(llm, text, system=system if system is not None else default,
+                         template=chat_template)
     else:
         ids = llm.encode_prompt(text, special=special)
     constraint = None
@@ -366,7 +369,8 @@ def tokenize(
 
 @app.command()
 def models() -> None:
-    """List the models of models.toml: present or pulled, size and where."""
+    """List the models of models.toml (present or pulled, size, where) and those Hugging
+    Face's cache, Ollama, llama.cpp and LM Studio keep on this machine."""
     from .pull import print_models
 
     print_models()
@@ -422,6 +426,10 @@ app.command("perplexity")(perplexity.perplexity_command)
 app.command("pull")(pull.pull_command)
 app.command("rm")(pull.rm_command)
 app.command("serve")(speculative_options(serve.serve_command))
+app.command("show")(manage.show_command)
+app.command("create")(manage.create_command)
+app.command("cp")(manage.cp_command)
+app.command("ps")(manage.ps_command)
 
 
 def _click_exceptions() -> list:

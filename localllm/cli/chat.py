@@ -66,6 +66,8 @@ def chat_command(
     if n_predict < -1:
         raise ParameterError(f"--n-predict must be -1 (no limit) or >= 0, got {n_predict}")
     template = template_for(llm, chat_template, files=True)
+    if system is None and llm.entry is not None:
+        system = llm.entry.system  # the model's default (models.toml `system`, Ollama's)
     console = Console(highlight=False)
     repl = ChatREPL(llm, console=console, template=template, params=params, system=system,
                     keep=keep, context_shift=not no_context_shift, stop=stop or (),

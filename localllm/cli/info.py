@@ -34,6 +34,30 @@ def file_type_name(value) -> str:
     return name
 
 
+# The context size info states a sequence's memory at (the model's own when smaller).
+INFO_CTX = 4096
+
+
+def memory_line(layout: list, context_length: int) -> str:
+    """A sequence's memory by kind: the KV (and latent) caches at ``INFO_CTX`` tokens in
+    float16 (llama.cpp's default cache type), the recurrent states (fixed: float32 whatever
+    the context)."""
+    from ..memory import RecurrentSpec
+
+    ctx = min(INFO_CTX, context_length)
+    rec = [s for s in layout if isinstance(s, RecurrentSpec)]
+    kv = [s for s in layout if not isinstance(s, RecurrentSpec)]
+    parts = []
+    if kv:
+        mib = sum(s.nbytes(ctx, 2) for s in kv) / 2**20
+        parts.append(f"KV cache {mib:.1f} MiB at {ctx} tokens ({len(kv)} layers, float16)")
+    if rec:
+        mib = sum(s.nbytes(ctx, 4) for s in rec) / 2**20
+        parts.append(f"recurrent state {mib:.1f} MiB ({len(rec)} layers, fixed, float32; "
+                     "context checkpoints: a copy each)")
+    return "memory per sequence: " + ", ".join(parts)
+
+
 def print_info(model: str | None, console: Console | None = None) -> None:
     """Architecture, hyperparameters, tokenizer, and tensor bytes per quant type."""
     console = console or Console()
@@ -59,6 +83,7 @@ def print_info(model: str | None, console: Console | None = None) -> None:
         f"end of generation {sorted(tok.eog_ids)}, add_bos {tok.add_bos}, "
         f"chat template: {'yes' if 'tokenizer.chat_template' in md else 'none'}"
     )
+    console.print(memory_line(arch.memory_layout(args), args.context_length), highlight=False)
     per_type: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     for t in gguf.tensors.values():
         row = per_type[t.qtype.name]

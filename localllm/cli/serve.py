@@ -51,17 +51,25 @@ def serve_command(
     cors_origins: Annotated[str | None, typer.Option(
         "--cors-origins", help="comma-separated browser origins allowed to call the server "
         "('*': any)")] = None,
-    alias: Annotated[list[str] | None, typer.Option(
-        "--alias", "-a", help="another model name requests may give (repeatable)")] = None,
     pooling: Annotated[str | None, typer.Option(
         "--pooling", help="embeddings pooling: mean, cls or last (default: the model's, "
         "else mean)")] = None,
+    max_models: Annotated[int, typer.Option(
+        "--max-models", help="models loaded at once (the least recently used is unloaded "
+        "to load another)")] = 3,
+    keep_alive: Annotated[str, typer.Option(
+        "--keep-alive", help="unload a model after this long without a request (30s, 5m, "
+        "1h; -1: never), as Ollama's keep_alive; not the model started with")] = "5m",
+    alias: Annotated[list[str] | None, typer.Option(
+        "--alias", "-a", help="another name requests may use for MODEL (repeatable)")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="uvicorn's own log")] = False,
     speculative=None,
 ) -> None:
     """Serve MODEL over HTTP: OpenAI's /v1/chat/completions, /v1/completions,
     /v1/responses, /v1/embeddings, /v1/models; Anthropic's /v1/messages; llama-server's
-    /tokenize, /detokenize, /props, /health, /metrics. One line per request goes to stderr."""
+    /tokenize, /detokenize, /props, /health, /metrics; Ollama's /api/ps. A request's model
+    may name another model of models.toml or the stores (`localllm models`): it is loaded on
+    first use. One line per request goes to stderr."""
     if not 0 <= port <= 65535:
         raise ParameterError(f"--port must be 0..65535, got {port}")
     if max_queue < 0:
@@ -81,6 +89,15 @@ def serve_command(
     if pooling is not None and pooling not in ("mean", "cls", "last"):
         raise ParameterError(f"--pooling must be mean, cls or last, got {pooling!r}")
     origins = tuple(o.strip() for o in (cors_origins or "").split(",") if o.strip())
+    if max_models < 1:
+        raise ParameterError(f"--max-models must be >= 1, got {max_models}")
+    from ..server.models import for_server, parse_duration
+
+    try:
+        keep = parse_duration(keep_alive)
+    except ValueError:
+        raise ParameterError(f"--keep-alive: {keep_alive!r} is not a duration (30s, 5m, 1h, "
+                             "-1)") from None
     if sys.stderr is None:  # started with stderr closed: the log goes nowhere, not to a crash
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives until exit
 
@@ -91,11 +108,14 @@ def serve_command(
     from ..api import LLM
     from ..server import serve
 
+    def setup(loaded) -> None:  # every model the server loads reads its reasoning this way
+        loaded.chat_template_kwargs = kwargs
+        loaded.reasoning_format = reasoning_format
+        loaded.reasoning_budget = reasoning_budget
+
     llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None,
               **(speculative or {}))
-    llm.chat_template_kwargs = kwargs
-    llm.reasoning_format = reasoning_format
-    llm.reasoning_budget = reasoning_budget
+    setup(llm)
     if chat_template is not None:
         from ..chat.template import template_for
 
@@ -103,11 +123,18 @@ def serve_command(
         # server then holds the template itself, never a path.
         llm.chat_template = template_for(llm, chat_template, files=True)
 
+    name = llm.model_name
+
     def ready(bound: int) -> None:
-        print(f"localllm: serving {llm.model_name} on http://{host}:{bound}/v1 "
+        print(f"localllm: serving {name} on http://{host}:{bound}/v1 "
               f"({n_threads} CPU thread{'s' if n_threads > 1 else ''}; Ctrl-C stops)",
               file=sys.stderr, flush=True)
 
-    serve(llm, host=host, port=port, api_key=api_key, max_queue=max_queue, max_body=max_body,
+    models = for_server(llm, model, device=device, ctx_size=ctx_size, batch_size=batch_size,
+                        max_models=max_models, keep_alive=keep,
+                        chat_template=llm.chat_template, options=speculative,
+                        aliases=tuple(alias or ()), setup=setup)
+    del llm  # the manager holds the only reference: an eviction frees its memory
+    serve(None, host=host, port=port, api_key=api_key, max_queue=max_queue, max_body=max_body,
           n_predict=n_predict, timeout=timeout, log_level="info" if verbose else "warning",
-          on_ready=ready, cors_origins=origins, aliases=tuple(alias or ()), pooling=pooling)
+          on_ready=ready, cors_origins=origins, pooling=pooling, models=models)

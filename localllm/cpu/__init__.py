@@ -21,7 +21,7 @@ tensor bytes and loading reads nothing up front.
 * :class:`PackedWeight` is the weight type; :class:`NativeLinear`, :class:`NativeFusedLinear`
   and :class:`NativeEmbedding` are the layers the models use.
 
-The kernels (``csrc/qmatmul.cpp``) are compiled on first use and cached
+The kernels (``csrc/*.cpp``) are compiled on first use and cached
 (:mod:`localllm.cpu.build`); :func:`available` is False without a compiler (one notice on
 stderr) or with ``LOCALLLM_NATIVE_CPU=0``, and the models then dequantize at load as before.
 Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (layouts:

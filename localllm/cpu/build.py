@@ -1,8 +1,9 @@
 """Building and loading the native CPU kernels (``csrc/*.cpp``) on first use.
 
-The sources are compiled with torch's extension tooling (:func:`torch.utils.cpp_extension.load`,
-``-O3 -march=native``) into the user's cache directory (platformdirs), under a key made of
-the sources' hash, the torch version, the compiler and the CPU's instruction-set flags, so a
+The sources (with the headers they include, ``csrc/*.h``) are compiled with torch's
+extension tooling (:func:`torch.utils.cpp_extension.load`, ``-O3 -march=native``) into the
+user's cache directory (platformdirs), under a key made of the sources' and headers' hash,
+the torch version, the compiler and the CPU's instruction-set flags, so a
 later process loads the shared library directly (no compiler, no ninja). The library
 registers its operators as ``torch.ops.localllm_cpu.*``.
 
@@ -22,7 +23,10 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qmatmul.cpp", "ops.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
+# What the library is built from: the sources and the headers they include.
+BUILD_INPUTS = sorted(SOURCES + list(CSRC.glob("*.h")))
 # LOCALLLM_CPU_ARCH picks another -march (haswell: the AVX2 path, x86-64: the portable one).
 # -fopenmp: at::parallel_for is an OpenMP loop compiled into this library (without the flag it
 # runs on one thread); the library then links libgomp.so.1, which resolves to the copy torch
@@ -48,7 +52,8 @@ def _cpu_flags() -> str:
 def build_key() -> str:
     """Hash of what the compiled library depends on (sources, flags, torch, compiler, CPU)."""
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in BUILD_INPUTS:
+        h.update(src.name.encode())
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS + LDFLAGS).encode())
     h.update(torch.__version__.encode())

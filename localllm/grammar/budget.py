@@ -1,508 +1,326 @@
-"""Finishing a JSON value within a token budget.
+"""Finishing a JSON value within a token budget, and the key and number rules of JSON output.
 
-A schema-constrained generation that reaches its token limit (``max_tokens``, ``-n``) in the
-middle of a value would end with text that does not parse. :class:`BudgetedConstraint`
-wraps a JSON :class:`~localllm.grammar.constraint.GrammarConstraint` and, once the tokens
-left are no more than the shortest valid completion of the text so far needs, forces that
-completion token by token: the open string is closed, a partial number or literal is
-finished, required properties still missing get their smallest value (``0``, ``""``,
-``false``, ``[]``, the first ``enum`` entry, the ``minimum`` ...), and every open array and
-object is closed. Until then the model chooses freely under the grammar; the forced tokens
-are checked against the grammar first (llguidance), so steering never breaks it, and a
-completion the grammar would refuse (a ``pattern``, a keyword this module does not model)
-leaves generation unsteered, as before.
+A schema-constrained generation that reaches its token limit (``max_tokens``, ``-n``, the
+context) in the middle of a value would end with text that does not parse.
+:class:`BudgetedConstraint` wraps a JSON :class:`~localllm.grammar.constraint.GrammarConstraint`
+and keeps, at every step, the shortest valid completion of the text so far, counted in tokens
+of the model's tokenizer: from the parse state of :class:`~localllm.grammar.cursor.JsonCursor`
+(open string or number, missing required properties with their smallest values, ``minItems``
+still due, separators, closing brackets), checked by llguidance. When the tokens left come
+within a margin of that count (the most one token can add to it, from the schema's largest
+smallest value), only tokens whose own completion still fits the tokens left remain allowed —
+extra properties and longer strings stop fitting first — so the value is always complete when
+the budget runs out, provided the budget holds the smallest valid value at all.
 
-:func:`shortest_completion` computes the completion from the text and the schema (the
-subset of JSON Schema that drives the shape: ``type``, ``properties``, ``required``,
-``additionalProperties``, ``items``, ``prefixItems``, ``minItems``, ``enum``, ``const``,
-``anyOf``/``oneOf``/``allOf``, ``minimum``, ``minLength``, local ``$ref``). The text is the
-one-line form the constraint emits (``", "`` and ``": "`` separators, no other whitespace).
+It also refuses what llguidance's JSON grammar lets through: a key written twice in one
+object (libraries disagree on which value wins), the empty key unless the schema names it, a
+declared name spelled with escapes, and a number whose fraction or exponent overflows to
+``Infinity`` once parsed.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import weakref
 from typing import Any
 
-_LITERALS = {"t": "true", "f": "false", "n": "null"}
+import numpy as np
+import torch
+
+from ..errors import GrammarError
+from .constraint import GrammarConstraint
+from .cursor import OK, REFUSED, JsonCursor
+from .schema import MAX_MINIMAL_BYTES, Schemas, TooLarge, strict_schema
+
+__all__ = ["BudgetedConstraint", "shortest_completion", "strict_schema"]
+
+_TOP_K = 16
+# Keywords whose value maps names to subschemas (not a schema itself).
+_MAPPINGS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # candidates checked against the budget per step, once steering has begun
+_NUMBER_START = frozenset(b"0123456789.eE+-")
+_VOCAB_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def strict_schema(schema: Any) -> Any:
-    """A copy of ``schema`` where every object schema without ``additionalProperties`` gets
-    ``additionalProperties: false`` (OpenAI's ``strict: true`` structured outputs)."""
-    if isinstance(schema, list):
-        return [strict_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: strict_schema(v) if k not in ("const", "enum", "default", "examples") else v
-           for k, v in schema.items()}
-    if (schema.get("type") == "object" or "properties" in schema) \
-            and "additionalProperties" not in schema:
-        out["additionalProperties"] = False
-    return out
+class _Vocab:
+    """Per-tokenizer tables: the longest token (bytes); the tokens holding one, two, three
+    or more quotes (those that may close a key, depending on where the text is); the
+    tokens starting a run of number bytes, and those whose run holds a point or an exponent
+    (the only ones that can overflow a number without one)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        quotes: list[list[int]] = [[], [], []]
+        numbers, floats, longest = [], [], 1
+        for i in range(tokenizer.n_vocab):
+            data = tokenizer.token_bytes(i)
+            longest = max(longest, len(data))
+            n = data.count(0x22)
+            if n:
+                quotes[min(n, 3) - 1].append(i)
+            if data and data[0] in _NUMBER_START:
+                numbers.append(i)
+                run = data[: next((j for j, b in enumerate(data) if b not in _NUMBER_START),
+                                  len(data))]
+                if any(c in run for c in b".eE"):
+                    floats.append(i)
+        self.longest = longest
+
+        def ids(values: list[int]) -> np.ndarray:
+            return np.array(sorted(values), dtype=np.int64)
+
+        # quotes[k]: tokens with at least k + 1 quotes.
+        self.quotes = [ids(quotes[0] + quotes[1] + quotes[2]), ids(quotes[1] + quotes[2]),
+                       ids(quotes[2])]
+        self.numbers = ids(numbers)
+        self.floats = ids(floats)
 
 
-class _Schemas:
-    """Navigation in a schema: resolves local ``$ref`` and picks a branch of a union."""
-
-    def __init__(self, root: Any) -> None:
-        self.root = root if isinstance(root, dict) else {}
-
-    def resolve(self, s: Any, kind: str | None = None, depth: int = 0) -> dict:
-        if not isinstance(s, dict) or depth > 32:
-            return {}
-        ref = s.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
-            target: Any = self.root
-            for part in ref[1:].split("/"):
-                if part:
-                    target = target.get(part.replace("~1", "/").replace("~0", "~"), {}) \
-                        if isinstance(target, dict) else {}
-            merged = {k: v for k, v in s.items() if k != "$ref"}
-            return self.resolve({**target, **merged}, kind, depth + 1)
-        if "allOf" in s and isinstance(s["allOf"], list):
-            merged = {k: v for k, v in s.items() if k != "allOf"}
-            for part in s["allOf"]:
-                part = self.resolve(part, kind, depth + 1)
-                for k, v in part.items():
-                    if k == "properties":
-                        merged["properties"] = {**merged.get("properties", {}), **v}
-                    elif k == "required":
-                        merged["required"] = list(merged.get("required", [])) + list(v)
-                    else:
-                        merged.setdefault(k, v)
-            return merged
-        for key in ("anyOf", "oneOf"):
-            options = s.get(key)
-            if isinstance(options, list) and options:
-                rest = {k: v for k, v in s.items() if k != key}
-                chosen = [self.resolve(o, kind, depth + 1) for o in options]
-                if kind is not None:
-                    fitting = [o for o in chosen if _fits(o, kind)]
-                    chosen = fitting or chosen
-                return {**rest, **chosen[0]}
-        return s
-
-    def minimal(self, s: Any, depth: int = 0) -> str:
-        """The shortest JSON text we know to satisfy ``s`` (one line, canonical separators)."""
-        if depth > 32:
-            raise ValueError("schema too deep")
-        if s is True or s is None:
-            return "0"
-        s = self.resolve(s)
-        if "const" in s:
-            return _dump(s["const"])
-        if isinstance(s.get("enum"), list) and s["enum"]:
-            return min((_dump(v) for v in s["enum"]), key=len)
-        types = s.get("type")
-        types = [types] if isinstance(types, str) else list(types or [])
-        if not types:
-            if "properties" in s or "required" in s:
-                types = ["object"]
-            elif "items" in s or "prefixItems" in s:
-                types = ["array"]
-            else:
-                return "0"
-        if "null" in types:
-            return "null"
-        kind = types[0]
-        if kind == "object":
-            props = s.get("properties") or {}
-            parts = [f"{_dump(k)}: {self.minimal(props.get(k, _extra(s)), depth + 1)}"
-                     for k in _ordered(s) if k in _required(s)]
-            return "{" + ", ".join(parts) + "}"
-        if kind == "array":
-            n = int(s.get("minItems") or 0)
-            prefix = s.get("prefixItems") or []
-            items = [self.minimal(prefix[i] if i < len(prefix) else s.get("items", {}), depth + 1)
-                     for i in range(n)]
-            return "[" + ", ".join(items) + "]"
-        if kind == "string":
-            return _dump("a" * int(s.get("minLength") or 0))
-        if kind in ("integer", "number"):
-            return _number(s)
-        if kind == "boolean":
-            return "false"
-        return "0"
-
-
-def _fits(s: dict, kind: str) -> bool:
-    t = s.get("type")
-    types = [t] if isinstance(t, str) else list(t or [])
-    if kind == "object":
-        return "object" in types or (not types and "properties" in s)
-    if kind == "array":
-        return "array" in types or (not types and "items" in s)
-    return True
-
-
-def _dump(v: Any) -> str:
-    return json.dumps(v, ensure_ascii=False, separators=(", ", ": "))
-
-
-def _required(s: dict) -> list[str]:
-    req = s.get("required")
-    return [k for k in req if isinstance(k, str)] if isinstance(req, list) else []
-
-
-def _extra(s: dict) -> Any:
-    extra = s.get("additionalProperties", True)
-    return extra if isinstance(extra, dict) else {}
-
-
-def _number(s: dict) -> str:
-    lo, hi = s.get("minimum"), s.get("maximum")
-    xlo, xhi = s.get("exclusiveMinimum"), s.get("exclusiveMaximum")
-    value = 0
-    if isinstance(lo, (int, float)) and value < lo:
-        value = math.ceil(lo)
-    if isinstance(xlo, (int, float)) and not isinstance(xlo, bool) and value <= xlo:
-        value = math.floor(xlo) + 1
-    if isinstance(hi, (int, float)) and value > hi:
-        value = math.floor(hi)
-    if isinstance(xhi, (int, float)) and not isinstance(xhi, bool) and value >= xhi:
-        value = math.ceil(xhi) - 1
-    return str(int(value))
-
-
-class _Frame:
-    """An open object, array, or the top level."""
-
-    def __init__(self, kind: str, schema: dict, state: str) -> None:
-        self.kind = kind  # "obj", "arr", "top"
-        self.schema = schema
-        self.state = state  # obj: open, key, colon, value, after; arr: open, value, after
-        self.keys: list[str] = []
-        self.key: str | None = None
-        self.n_items = 0
+def _vocab(tokenizer: Any) -> _Vocab:
+    vocab = _VOCAB_CACHE.get(tokenizer)
+    if vocab is None:
+        vocab = _VOCAB_CACHE[tokenizer] = _Vocab(tokenizer)
+    return vocab
 
 
 def shortest_completion(schema: Any, text: str | bytes) -> str | None:
-    """The shortest text that turns ``text`` (a prefix of a JSON value as the constraint
-    writes it) into a complete value satisfying ``schema``; "" when it is complete; None
-    when ``text`` is not a JSON prefix we can follow, or nothing valid is known.
+    """The shortest text we know that turns ``text`` (a prefix of a JSON value as the
+    constraint writes it) into a complete value satisfying ``schema``; "" when it is
+    complete; None when ``text`` breaks a rule or leaves what we can follow.
 
     Example: schema ``{"type": "object", "properties": {"a": {"type": "string"}, "b":
     {"type": "integer"}}, "required": ["a", "b"]}`` and text ``{"a": "xy`` give
     ``", "b": 0}``.
     """
-    if isinstance(text, bytes):
-        text = text.decode("utf-8", errors="ignore")
-    nav = _Schemas(schema)
+    cursor = JsonCursor(Schemas(schema))
+    if cursor.feed(text.encode("utf-8") if isinstance(text, str) else text) != OK:
+        return None
     try:
-        return _complete(nav, schema, text)
-    except (ValueError, TypeError, KeyError, IndexError, RecursionError):
+        options = cursor.completions()
+    except TooLarge:
         return None
-
-
-def _value_schema(nav: _Schemas, frame: _Frame) -> Any:
-    s = frame.schema
-    if frame.kind == "top":
-        return s
-    if frame.kind == "obj":
-        props = s.get("properties") or {}
-        return props.get(frame.key, _extra(s))
-    prefix = s.get("prefixItems") or []
-    if frame.n_items < len(prefix):
-        return prefix[frame.n_items]
-    items = s.get("items", {})
-    return items if isinstance(items, (dict, bool)) else {}
-
-
-def _complete(nav: _Schemas, schema: Any, text: str) -> str | None:
-    stack = [_Frame("top", schema if isinstance(schema, dict) else {}, "value")]
-    scalar: dict | None = None  # the string, number or literal being written
-
-    def value_done() -> None:
-        f = stack[-1]
-        if f.kind == "obj":
-            if f.key is not None:
-                f.keys.append(f.key)
-        else:
-            f.n_items += 1
-        f.state = "after"
-
-    i = 0
-    n = len(text)
-    while i < n:
-        c = text[i]
-        if scalar is not None:
-            kind = scalar["kind"]
-            if kind == "string":
-                if scalar["hex"]:
-                    scalar["hex"] -= 1
-                    scalar["raw"] += c
-                elif scalar["esc"]:
-                    scalar["esc"] = False
-                    scalar["raw"] += c
-                    if c == "u":
-                        scalar["hex"] = 4
-                elif c == "\\":
-                    scalar["esc"] = True
-                    scalar["raw"] += c
-                elif c == '"':
-                    value = json.loads('"' + scalar["raw"] + '"')
-                    scalar = None
-                    f = stack[-1]
-                    if f.kind == "obj" and f.state in ("open", "key"):
-                        f.key = value
-                        f.state = "colon"
-                    else:
-                        value_done()
-                else:
-                    scalar["raw"] += c
-                i += 1
-                continue
-            if kind == "number":
-                if c in "0123456789+-.eE":
-                    scalar["raw"] += c
-                    i += 1
-                    continue
-                scalar = None
-                value_done()
-                continue  # this character is structural: handle it below
-            if kind == "literal":
-                scalar["raw"] += c
-                i += 1
-                if scalar["raw"] == scalar["word"]:
-                    scalar = None
-                    value_done()
-                elif not scalar["word"].startswith(scalar["raw"]):
-                    return None
-                continue
-        f = stack[-1]
-        if c == " ":
-            pass
-        elif c == "{":
-            sub = nav.resolve(_value_schema(nav, f), "object")
-            stack.append(_Frame("obj", sub, "open"))
-        elif c == "[":
-            sub = nav.resolve(_value_schema(nav, f), "array")
-            stack.append(_Frame("arr", sub, "open"))
-        elif c == '"':
-            scalar = {"kind": "string", "raw": "", "esc": False, "hex": 0}
-        elif c in "-0123456789":
-            scalar = {"kind": "number", "raw": c}
-        elif c in _LITERALS:
-            scalar = {"kind": "literal", "raw": c, "word": _LITERALS[c]}
-        elif c == ",":
-            f.state = "key" if f.kind == "obj" else "value"
-            f.key = None
-        elif c == ":":
-            f.state = "value"
-        elif c in "}]":
-            if len(stack) < 2:
-                return None
-            stack.pop()
-            value_done()
-        else:
-            return None
-        i += 1
-
-    out: list[str] = []
-    if text.endswith((",", ":")) and scalar is None:
-        out.append(" ")
-    if scalar is not None:
-        f = stack[-1]
-        if scalar["kind"] == "string":
-            if scalar["hex"]:
-                out.append("0" * scalar["hex"])
-            elif scalar["esc"]:
-                out.append("n")
-            partial = json.loads('"' + scalar["raw"] + "0" * scalar["hex"]
-                                 + ("n" if scalar["esc"] and not scalar["hex"] else "") + '"')
-            if f.kind == "obj" and f.state in ("open", "key"):
-                name = _pick_key(f, partial)
-                if name is None:
-                    return None
-                out.append(_dump(name)[1 + len(_dump(partial)) - 2:])
-                f.key = name
-                f.state = "colon"
-            else:
-                s = nav.resolve(_value_schema(nav, f))
-                out.append(_finish_string(s, partial))
-                value_done()
-        elif scalar["kind"] == "number":
-            if scalar["raw"][-1] in "-+.eE":
-                out.append("0")
-            value_done()
-        else:
-            out.append(scalar["word"][len(scalar["raw"]):])
-            value_done()
-
-    while stack:
-        f = stack.pop()
-        if f.kind == "top":
-            if f.state == "value":
-                out.append(nav.minimal(f.schema))
-            break
-        if f.kind == "obj":
-            if f.state == "colon":
-                out.append(": ")
-                f.state = "value"
-            if f.state == "value":
-                out.append(nav.minimal(_value_schema(nav, f)))
-                f.keys.append(f.key)
-                f.state = "after"
-            missing = [k for k in _ordered(f.schema) if k in _required(f.schema)
-                       and k not in f.keys]
-            if f.state == "key" and not missing:
-                extra = _pick_key(f, "")
-                if extra is None:
-                    return None
-                missing = [extra]
-            props = f.schema.get("properties") or {}
-            parts = [f"{_dump(k)}: {nav.minimal(props.get(k, _extra(f.schema)))}" for k in missing]
-            if parts and f.state == "after":
-                out.append(", ")
-            out.append(", ".join(parts) + "}")
-        else:
-            n_min = int(f.schema.get("minItems") or 0)
-            count = f.n_items
-            parts = []
-            if f.state == "value":
-                parts.append(nav.minimal(_value_schema(nav, f)))
-                count += 1
-            while count < n_min:
-                f.n_items = count
-                parts.append(nav.minimal(_value_schema(nav, f)))
-                count += 1
-            if parts and f.state == "after":
-                out.append(", ")
-            out.append(", ".join(parts) + "]")
-        parent = stack[-1]
-        if parent.kind == "obj":
-            parent.keys.append(parent.key)
-        else:
-            parent.n_items += 1
-        parent.state = "after"
-    return "".join(out)
-
-
-def _ordered(s: dict) -> list[str]:
-    """Property names in the order the grammar writes them: declared order, then required
-    names that are not declared."""
-    props = list((s.get("properties") or {}).keys())
-    return props + [k for k in _required(s) if k not in props]
-
-
-def _pick_key(f: _Frame, partial: str) -> str | None:
-    """A property name starting with ``partial`` not used yet: the first missing required
-    one in declared order (llguidance keeps that order), else the first declared one, else
-    (when extra properties are allowed) ``partial``."""
-    order = _ordered(f.schema)
-    required = _required(f.schema)
-    for group in ([k for k in order if k in required], order):
-        fits = [k for k in group if k.startswith(partial) and k not in f.keys]
-        if fits:
-            return fits[0]
-    if f.schema.get("additionalProperties", True) is False:
-        return None
-    return partial
-
-
-def _finish_string(s: dict, partial: str) -> str:
-    """The rest of a string value (closing quote included)."""
-    options = s.get("enum") if isinstance(s.get("enum"), list) else (
-        [s["const"]] if "const" in s else None)
-    if options is not None:
-        fits = [v for v in options if isinstance(v, str) and v.startswith(partial)]
-        if not fits:
-            raise ValueError("no enum value continues the text")
-        rest = min(fits, key=len)[len(partial):]
-        return _dump(rest)[1:]
-    pad = max(0, int(s.get("minLength") or 0) - len(partial))
-    return "a" * pad + '"'
+    return options[0].decode("utf-8", errors="replace") if options else None
 
 
 class BudgetedConstraint:
-    """A JSON constraint that steers to the shortest valid completion near the budget.
+    """A JSON constraint that always leaves room to finish its value within the budget.
 
     Args:
-        inner: the :class:`~localllm.grammar.constraint.GrammarConstraint` (JSON schema or
-            any JSON) whose protocol this object forwards (``apply``, ``is_allowed``,
-            ``accept``, ``reset``, ``is_accepting``, ``is_finished``).
+        inner: the :class:`~localllm.grammar.constraint.GrammarConstraint` built from
+            ``schema`` (or any JSON); this object forwards its protocol (``apply``,
+            ``is_allowed``, ``accept``, ``reset``, ``is_accepting``, ``is_finished``).
         schema: the JSON schema ``inner`` was built from (``{}`` for any JSON value).
-        budget: tokens the generation may still sample (``max_tokens``).
+        budget: tokens the generation may sample (``max_tokens``, or what the context holds).
+    Raises:
+        GrammarError: the schema's smallest value cannot fit in ``budget`` tokens whatever
+            the tokenization (longer than ``budget`` times the longest token, or than
+            256 KiB): the message names the keyword responsible.
     Attributes:
-        steered: True once the completion was forced.
+        smallest: tokens of the smallest valid value (None when unknown).
+        margin: tokens one token can add to the shortest completion, at most; steering
+            begins when the tokens left are within it of that completion.
+        steered: True once the budget limited a choice.
     """
 
     def __init__(self, inner: Any, schema: Any, budget: int) -> None:
         self.inner = inner
         self.schema = schema
         self.budget = budget
+        self._lltok = inner._lltok
+        self._vocab = _vocab(inner.tokenizer)
+        cap = min(MAX_MINIMAL_BYTES, max(budget, 1) * self._vocab.longest)
+        self._ranges: dict[str, Any] = {}
+        self._nav = Schemas(schema, max_bytes=cap, accepts=self._number_fits)
+        try:
+            smallest = self._nav.minimal(schema)
+            self.margin = self._margin()
+        except TooLarge as e:
+            raise GrammarError(
+                f"{inner.source}: the smallest value the schema allows ({e.where}) cannot fit "
+                f"in {budget} tokens") from None
+        self.smallest = None if smallest is None else len(self._tokens(smallest))
         self.reset_budget()
 
+    def _number_fits(self, s: dict, text: str) -> bool:
+        """Whether llguidance takes ``text`` for a number under ``s``'s type and bounds (its
+        range expressions refuse a few values inside them): one small grammar per range."""
+        keys = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                "multipleOf")
+        part = {k: s[k] for k in keys if k in s}
+        if len(part) == ("type" in part):
+            return True  # no bounds: any number the search writes is plain JSON
+        key = json.dumps(part, sort_keys=True)
+        grammar = self._ranges.get(key)
+        if grammar is None:
+            try:
+                grammar = GrammarConstraint.from_json_schema(part, self.inner.tokenizer)
+            except GrammarError:
+                grammar = False
+            self._ranges[key] = grammar
+        return bool(grammar) and grammar.matches(text)
+
+    def _tokens(self, data: bytes) -> list[int]:
+        return self._lltok.tokenize_bytes(data) if data else []
+
+    def _margin(self) -> int:
+        """The most tokens one generated token can add to the shortest completion: the
+        largest smallest value of any subschema it could open, plus a key, separators and
+        closing brackets."""
+        longest = b""
+        todo = [self._nav.root]
+        seen: set[int] = set()
+        while todo:
+            node = todo.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if isinstance(node, dict):
+                try:
+                    value = self._nav.minimal(node)
+                except TooLarge:  # an optional part that never fits: always steer
+                    return max(self.budget, 0)
+                if value is not None and len(value) > len(longest):
+                    longest = value
+                for k, v in node.items():
+                    if k in _MAPPINGS and isinstance(v, dict):  # name -> subschema
+                        todo.extend(x for x in v.values() if isinstance(x, (dict, list)))
+                    elif isinstance(v, (dict, list)) and k not in ("const", "enum", "default",
+                                                                   "examples"):
+                        todo.append(v)
+            elif isinstance(node, list):
+                todo.extend(v for v in node if isinstance(v, (dict, list)))
+        return len(self._tokens(longest)) + 6
+
     def reset_budget(self) -> None:
+        """Start a new generation: nothing written, the whole budget left."""
         self.n = 0
-        self.data = bytearray()
-        self.forced: list[int] | None = None
+        self.cursor = JsonCursor(self._nav)
         self.steered = False
-        self._unsteerable = False
-        self._next_check = 0
+        self._plan: list[int] | None = None  # a checked completion of the text so far
+        self._plan_at = -1
+        self._after: dict[int, tuple[JsonCursor, str, list[int] | None]] = {}
 
     def __getattr__(self, name: str) -> Any:  # source, tokenizer, matches ... of the inner one
         return getattr(self.inner, name)
 
-    def _plan(self) -> int | None:
-        """The token to force now, or None to let the model choose."""
-        if self.forced:
-            return self.forced[0]
-        if self._unsteerable or self.inner.is_accepting():
+    # ---- the budget --------------------------------------------------------------------------
+    def _best(self, cursor: JsonCursor, matcher: Any) -> list[int] | None:
+        """The fewest tokens that complete the value from ``cursor``'s state which
+        llguidance accepts from ``matcher``'s (not modified), or None."""
+        try:
+            options = cursor.completions()
+        except TooLarge:
             return None
-        if self.n < self._next_check:
-            return None
-        remaining = self.budget - self.n
-        completion = shortest_completion(self.schema, bytes(self.data))
-        if not completion:
-            return None
-        lltok = self.inner._lltok
-        tokens = lltok.tokenize_bytes(completion.encode("utf-8"))
-        slack = remaining - len(tokens) - 1
-        if slack > 0:
-            # Far from the budget: look again after a few tokens (the completion rarely
-            # grows by more than a token or two per generated token).
-            self._next_check = self.n + max(1, min(16, slack // 4))
-            return None
-        matcher = self.inner._matcher.deep_copy()
-        if matcher.validate_tokens(tokens) != len(tokens):
-            self._unsteerable = True
-            return None
-        matcher.consume_tokens(tokens)
-        if matcher.is_error() or not matcher.is_accepting():
-            self._unsteerable = True
-            return None
-        self.forced = list(tokens)
-        self.steered = True
-        return self.forced[0]
+        for tokens in sorted((self._tokens(c) for c in options), key=len):
+            m = matcher.deep_copy()
+            if m.validate_tokens(tokens) == len(tokens):
+                m.consume_tokens(tokens)
+                if m.is_accepting() and not m.is_error():
+                    return tokens
+        return None
+
+    def _now(self) -> list[int] | None:
+        """The shortest checked completion of the text so far, recomputed once per step."""
+        if self._plan_at != self.n:
+            best = self._best(self.cursor, self.inner._matcher) if not self.cursor.lost \
+                else None
+            if best is not None and (self._plan is None or len(best) <= len(self._plan)):
+                self._plan = best
+            self._plan_at = self.n
+            self._after = {}
+        return self._plan
+
+    def _tight(self) -> bool:
+        """Whether one free token could leave too few tokens to complete the value."""
+        plan = self._now()
+        return plan is not None and len(plan) + self.margin > self.budget - self.n - 1
+
+    def _judge(self, token: int, tight: bool) -> bool:
+        """Whether ``token`` keeps the key and number rules and, when ``tight``, leaves a
+        checked completion within the tokens left after it. llguidance has allowed it."""
+        self._now()
+        cached = self._after.get(token)
+        if cached is None and not tight:
+            quick = self.cursor.closes_refused_key(self.inner.tokenizer.token_bytes(token))
+            if quick is not None:
+                return not quick
+        if cached is None:
+            cursor = self.cursor.copy()
+            verdict = cursor.feed(self.inner.tokenizer.token_bytes(token))
+            cached = (cursor, verdict, None)
+        cursor, verdict, plan = cached
+        if verdict == REFUSED:
+            self._after[token] = cached
+            return False
+        if tight and plan is None and verdict == OK:
+            matcher = self.inner._matcher.deep_copy()
+            matcher.consume_token(token)
+            plan = self._best(cursor, matcher)
+        self._after[token] = (cursor, verdict, plan)
+        if not tight:
+            return True
+        return plan is not None and len(plan) <= self.budget - self.n - 1
 
     # ---- the sampler-chain protocol ----------------------------------------------------------
     def is_allowed(self, token: int) -> bool:
-        forced = self._plan()
-        if forced is not None:
-            return token == forced
-        return self.inner.is_allowed(token)
+        if not self.inner.is_allowed(token):
+            return False
+        if self.cursor.lost:
+            return True
+        return self._judge(token, self._tight())
 
-    def apply(self, logits) -> None:
-        forced = self._plan()
-        if forced is None:
-            self.inner.apply(logits)
+    def apply(self, logits: torch.Tensor) -> None:
+        self.inner.apply(logits)
+        if self.cursor.lost:
             return
-        keep = logits[..., forced].clone()
+        tight = self._tight()
+        n = min(logits.shape[-1], self.inner.n_vocab)
+        # Tokens that may break a key or number rule, by where the text is: closing a key
+        # takes one quote inside it, two from between members, three from inside a value
+        # string; overflowing a number without a point or exponent yet takes a token with one.
+        quotes, number = self.cursor.risks()
+        checks = []
+        if quotes:
+            checks.append(self._vocab.quotes[quotes - 1])
+        if number:
+            checks.append(self._vocab.numbers if number == "float" else self._vocab.floats)
+        for ids in checks:
+            ids = ids[: np.searchsorted(ids, n)]
+            if not len(ids):
+                continue
+            # numpy on the CPU: torch's indexing of a few thousand entries woke its thread
+            # pool, tens of milliseconds on a busy machine.
+            values = logits[..., ids].cpu().numpy() if logits.device.type != "cpu" \
+                or logits.dim() != 1 else logits.numpy()[ids]
+            for token in ids[np.isfinite(values)].tolist():
+                if not self._judge(token, False):
+                    logits[..., token] = float("-inf")
+        if not tight:
+            return
+        self.steered = True
+        k = min(_TOP_K, n)
+        top = torch.topk(logits[..., :n], k).indices.tolist()
+        keep = [t for t in top if logits[..., t].isfinite().item() and self._judge(t, True)]
+        plan = self._now()
+        if plan and plan[0] not in keep:
+            keep.append(plan[0])
+        values = logits[..., keep].clone()
         logits.fill_(float("-inf"))
-        logits[..., forced] = keep if bool(keep.isfinite().all()) else 0.0
+        logits[..., keep] = torch.where(values.isfinite(), values, torch.zeros_like(values))
 
     def accept(self, token: int) -> None:
         self.inner.accept(token)
+        plan = self._now()
+        cached = self._after.get(token)
+        if cached is not None and cached[1] != REFUSED:
+            self.cursor = cached[0]
+            nxt = cached[2]
+        else:
+            if self.cursor.feed(self.inner.tokenizer.token_bytes(token)) == REFUSED:
+                self.cursor.lost = True  # a token forced past the rules: stop steering
+            nxt = None
+        if nxt is None and plan and plan[0] == token:
+            nxt = plan[1:]
+        self._plan = nxt
         self.n += 1
-        self.data += self.inner.tokenizer.token_bytes(token)
-        if self.forced:
-            if token == self.forced[0]:
-                self.forced.pop(0)
-            else:
-                self.forced = None
 
     def reset(self) -> None:
         self.inner.reset()
@@ -512,4 +330,7 @@ class BudgetedConstraint:
         return self.inner.is_accepting()
 
     def is_finished(self) -> bool:
-        return self.inner.is_finished()
+        """Finished when the grammar is, or when the value is complete and the budget spent
+        (a number at the top level could go on, but no token is left for it)."""
+        return self.inner.is_finished() or (self.n >= self.budget and self.inner.is_accepting())
+

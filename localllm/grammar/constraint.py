@@ -26,6 +26,7 @@ from ..data import GRAMMARS_DIR  # the ready grammars (package data)
 from ..errors import GrammarError, LocalLLMError, ParameterError
 from ..tokenizer import USER_DEFINED
 from .gbnf import gbnf_to_lark
+from .schema import check_sizes
 
 # Resource limits handed to llguidance (its defaults, made explicit, a little tighter on
 # grammar size): compile time and memory stay bounded whatever grammar a user passes.
@@ -316,7 +317,9 @@ class GrammarConstraint:
 
         Raises:
             GrammarError: the text is not JSON (``source:line:col``), the schema is not an
-                object, or it uses a keyword llguidance does not implement.
+                object, it uses a keyword llguidance does not implement, or a size keyword
+                or ``pattern`` count is above :data:`~localllm.grammar.schema.MAX_SCHEMA_SIZE`
+                (:func:`~localllm.grammar.schema.check_sizes`).
         """
         if isinstance(schema, str):
             schema = _loads(schema, source)
@@ -326,6 +329,7 @@ class GrammarConstraint:
         if isinstance(schema, bool):
             schema = {} if schema else {"not": {}}
         check_schema(schema, source)
+        check_sizes(schema, source)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
         except (ValueError, TypeError, RecursionError) as e:
@@ -401,8 +405,14 @@ class GrammarConstraint:
         """
         # Checked first so that a refused token leaves the matcher usable (llguidance's own
         # errors are sticky).
-        if not (self.is_allowed(token) and self._matcher.consume_token(token)):
+        if not self.is_allowed(token):
             raise GrammarError(f"{self.source}: token {token} is not allowed by the grammar here")
+        if not self._matcher.consume_token(token):
+            # An allowed token that fails: llguidance hit one of its limits while matching
+            # (("a"{1000}){1000} builds too many lexer expressions on the first token).
+            why = self._matcher.get_error() if self._matcher.is_error() else "refused"
+            raise GrammarError(f"{self.source}: the grammar is too large to match: "
+                               f"{_first_line(why.replace('<non-verbose/>', ''))}")
 
     def reset(self) -> None:
         """Back to the start of the grammar."""

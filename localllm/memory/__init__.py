@@ -89,6 +89,11 @@ class LayerMemory(Protocol):
 
     def reset(self) -> None: ...
 
+    def rewritten(self) -> list[torch.Tensor]:
+        """The tensors a step rewrites in place beyond the cells of its own positions (a
+        recurrent state: all of it), which must be restored to repeat a step (a CUDA graph's
+        warm-up runs the step before it is captured)."""
+
     def describe(self) -> str:
         """The geometry, as stored in a prompt-cache file (``full``, ``ring1280`` ...)."""
 

@@ -324,6 +324,9 @@ class RingKVCache:
         self.linear = True
         self.checkpoints.clear()
 
+    def rewritten(self) -> list[torch.Tensor]:
+        return []  # a step writes only the cells of its own positions
+
     def describe(self) -> str:
         return f"ring{self.size}:{_heads(self)}"
 

@@ -43,6 +43,9 @@ class Appendable:
     def reset(self) -> None:
         self.n = 0
 
+    def rewritten(self) -> list[torch.Tensor]:
+        return []  # a step writes only the cells of its own positions
+
 
 class Checkpoints:
     """At most ``limit`` copies of a memory's tensors, by the position they were taken at."""
@@ -150,21 +153,50 @@ class RecurrentState:
         self.n = 0
         self.checkpoints.clear()
 
+    def rewritten(self) -> list[torch.Tensor]:
+        return list(self.tensors.values())  # every step folds into the whole state
+
     def describe(self) -> str:
         return "recurrent" + "".join(f"-{k}{'x'.join(map(str, t.shape))}"
                                      for k, t in self.tensors.items())
 
     def state(self) -> dict[str, torch.Tensor]:
-        return dict(self.tensors)
+        """The state tensors, and those of the latest checkpoint before the present position
+        as ``{name}@{position}``: a prompt cache saved after a prompt then holds its state
+        one token before the end (the session takes that checkpoint), from which the same
+        prompt is resumed with one token recomputed instead of all of them."""
+        out = dict(self.tensors)
+        at = self.checkpoints.best(self.n - 1)
+        if at is not None:
+            out.update({f"{k}@{at}": t for k, t in self.checkpoints.get(at).items()})
+        return out
 
     def load_state(self, state: dict[str, torch.Tensor], n: int) -> None:
+        """The inverse of :meth:`state` at ``n`` positions; a checkpoint in ``state`` is kept
+        where this memory keeps checkpoints.
+
+        Raises:
+            ValueError: a tensor missing, mis-shaped, not floats or non-finite; a checkpoint
+                name that is not ``{name}@{position}`` with 0 < position < n.
+        """
+        saved: dict[int, dict[str, torch.Tensor]] = {}
+        for key, s in state.items():
+            name, _, at = key.partition("@")
+            if not at:
+                continue
+            if not at.isdigit() or not 0 < int(at) < n or name not in self.tensors:
+                raise ValueError(f"{key[:40]!r} is not a checkpoint of this state before {n}")
+            saved.setdefault(int(at), {})[name] = s
         for k, t in self.tensors.items():
-            s = state.get(k)
-            if s is None or not s.is_floating_point() or s.shape != t.shape:
-                raise ValueError(f"{k!r} must be floats {tuple(t.shape)}")
-            if not bool(torch.isfinite(s).all()):
-                raise ValueError(f"{k!r} holds non-finite values")
+            for where in (state, *saved.values()):
+                s = where.get(k)
+                if s is None or not s.is_floating_point() or s.shape != t.shape:
+                    raise ValueError(f"{k!r} must be floats {tuple(t.shape)}")
+                if not bool(torch.isfinite(s).all()):
+                    raise ValueError(f"{k!r} holds non-finite values")
         for k, t in self.tensors.items():
             t.copy_(state[k])
         self.n = n
         self.checkpoints.clear()
+        for at, tensors in sorted(saved.items()):
+            self.checkpoints.save(at, tensors)

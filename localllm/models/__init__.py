@@ -10,8 +10,10 @@ How to add an architecture (see :mod:`localllm.models.base` for the pieces):
      ``GGUFError`` naming the key otherwise; ``base.common_hparams`` reads the usual ones);
    * ``tensor_specs(args)``: every tensor as ``base.TensorSpec(gguf_name, torch_shape,
      optional)``, with llama.cpp's names (``gguf.constants.MODEL_TENSORS``);
-   * ``memory_layout(args)``: per layer what it remembers (:mod:`localllm.memory`:
-     ``KVSpec`` full or sliding-window, ``LatentSpec``, ``RecurrentSpec``);
+   * ``memory_layout(args)``: what its layers remember, in layer order (:mod:`localllm.memory`:
+     ``KVSpec`` full or sliding-window, ``LatentSpec``, ``RecurrentSpec``; usually one per
+     layer, but a hybrid layer may hold two and an FFN-only layer none: the forward takes
+     them in the same order, see :mod:`.hybrid`);
    * ``Layer`` (and, for top-level tensors beyond ``base.Weights``, a ``Weights``
      subclass): dataclasses whose fields are the GGUF stems (``attn_norm`` ...; fused
      projections by their fused name, ``attn_qkv``, ``ffn_gate_up``), optional ones
@@ -34,7 +36,19 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import UnsupportedError
-from . import gemma, llama, olmo2, phi3
+from . import (
+    apertus,
+    exaone4,
+    falcon_h1,
+    gemma,
+    granite_hybrid,
+    lfm2,
+    llama,
+    mamba2,
+    nemotron_h,
+    olmo2,
+    phi3,
+)
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "llama": llama,
@@ -43,11 +57,23 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "qwen2": llama,
     "qwen3": llama,
     "qwen3moe": llama,
+    "mistral3": llama,
+    "smollm3": llama,
+    "ernie4_5": llama,
+    "seed_oss": llama,
+    "hunyuan-dense": llama,
+    "apertus": apertus,
+    "exaone4": exaone4,
     "gemma": gemma,
     "gemma2": gemma,
     "gemma3": gemma,
     "phi3": phi3,
     "olmo2": olmo2,
+    "mamba2": mamba2,
+    "granitehybrid": granite_hybrid,
+    "falcon-h1": falcon_h1,
+    "nemotron_h": nemotron_h,
+    "lfm2": lfm2,
 }
 
 

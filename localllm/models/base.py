@@ -20,8 +20,10 @@ From these alone follow: the check of a file's tensors before any weight is read
 (``memory.make_memory``), the synthetic-model writer (``synthetic.py``) and the tiny test
 models. The ``Model`` is built from ``args`` alone and :func:`bind` attaches the weights the
 backend loads: matrices become one :class:`~localllm.models.common.Linear`, 3-D expert
-tensors an :class:`~localllm.backends.ExpertMatrix`, vectors float32 tensors, ``.bias``
-tensors the bias of the ``Linear`` of the same stem; projections of one input
+tensors an :class:`~localllm.backends.ExpertMatrix`, vectors and the parameters of
+:data:`DENSE_TENSORS` float32 tensors, ``.bias`` tensors the bias of the ``Linear`` of the
+same stem (a field ``{stem}_bias`` where the stem has no matrix: ``ssm_dt_bias``); dots in a
+stem become underscores in its field (``shortconv.in_proj``); projections of one input
 (``model.FUSE``: Q/K/V, gate/up) are fused into one product where the backend can stack
 them. A tensor without a field, or a required field without a tensor, fails at bind time
 naming the GGUF tensor.
@@ -32,12 +34,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..errors import GGUFError, UnsupportedError
+from ..errors import GGUFError
 from .common import Embedding, Linear, fuse
+
+if TYPE_CHECKING:
+    from .rope import RopeSpec
 
 # Bounds on hyperparameters (llama.cpp: LLAMA_MAX_LAYERS = 512, LLAMA_MAX_EXPERTS = 512).
 MAX_LAYERS = 512
@@ -48,6 +53,10 @@ MAX_CONTEXT = 1 << 24  # tokens
 # Matrices kept in float32 whatever the load's dtype: MoE routers (small; llama.cpp keeps them
 # F32, and rounding them moves tokens between experts at near-ties).
 FLOAT32_MATRICES = ("ffn_gate_inp",)
+# Tensors of rank 2 that are parameters, not matrices to multiply: bound as float32 tensors of
+# their declared shape (state-space models' convolution kernels, decay and skip vectors, and
+# grouped norm weights; llama.cpp keeps them F32 too).
+DENSE_TENSORS = ("ssm_conv1d", "ssm_a", "ssm_d", "ssm_norm", "shortconv.conv")
 
 
 @dataclass(frozen=True)
@@ -77,9 +86,8 @@ class DecoderArgs:
     n_kv_heads: int  # attention.head_count_kv
     head_dim: int  # attention.key_length
     context_length: int
+    rope: RopeSpec  # rope.* (models/rope.py)
     norm_eps: float = 1e-5  # attention.layer_norm_rms_epsilon
-    rope_base: float = 10_000.0  # rope.freq_base
-    rope_scale: float = 1.0  # linear RoPE scaling: 1 / rope.scaling.factor
 
 
 @dataclass
@@ -108,7 +116,9 @@ class HParams:
         self.arch = arch
 
     def key(self, name: str) -> str:
-        return name if name.startswith(("general.", "tokenizer.")) else f"{self.arch}.{name}"
+        """The full key of ``name``: ``{arch}.{name}``, except for the namespaces llama.cpp
+        keeps outside the architecture's (``general.``, ``tokenizer.``, ``xielu.``)."""
+        return name if name.startswith(UNPREFIXED) else f"{self.arch}.{name}"
 
     def _fail(self, key: str, what: str) -> GGUFError:
         return GGUFError(f"{self.pre}metadata {key}: {what}")
@@ -138,6 +148,20 @@ class HParams:
             return vals.pop()
         return self._int(key, v, lo, hi)
 
+    def int_layers(self, name: str, n_layers: int, default: Any = None, *, lo: int = 0,
+                   hi: int = MAX_DIM) -> tuple[int, ...]:
+        """One integer in ``lo .. hi`` per layer (llama.cpp's ``get_key_or_arr``): an array
+        of exactly ``n_layers`` values, or one value for every layer; ``default`` (an int,
+        or :data:`REQUIRED`) when absent. Hybrid models say which layers attend this way
+        (``attention.head_count_kv`` 0: a recurrent layer)."""
+        key, v = self._get(name, default)
+        if isinstance(v, list):
+            if len(v) != n_layers:
+                raise self._fail(key, f"has {len(v)} values for {n_layers} layers "
+                                      f"({self.key('block_count')})")
+            return tuple(self._int(key, x, lo, hi) for x in v)
+        return (self._int(key, v, lo, hi),) * n_layers
+
     def _int(self, key: str, v: Any, lo: int, hi: int) -> int:
         if isinstance(v, bool) or not isinstance(v, int):
             raise self._fail(key, f"must be an integer, got {_show(v)}")
@@ -161,6 +185,25 @@ class HParams:
             raise self._fail(key, f"must be {bound} and <= {hi:g}, got {v:g}")
         return v
 
+    def floats(self, name: str, n: int, default: Any = None, *, lo: float = -math.inf,
+               hi: float = math.inf) -> Any:
+        """``n`` finite numbers in [lo, hi] (one per layer): llama.cpp's ``get_key_or_arr``,
+        a number for every layer or an array of exactly ``n``; ``default`` when absent."""
+        key, v = self._get(name, default)
+        if v is default and key not in self.md:
+            return v
+        vals = v if isinstance(v, list) else [v] * n
+        if len(vals) != n:
+            raise self._fail(key, f"has {len(vals)} values for {n} layers")
+        out = []
+        for x in vals:
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                raise self._fail(key, f"must be numbers, got {_show(x)}")
+            if not math.isfinite(x) or not lo <= x <= hi:
+                raise self._fail(key, f"must be finite and in [{lo:g}, {hi:g}], got {x:g}")
+            out.append(float(x))
+        return out
+
     def str(self, name: str, default: Any = None) -> Any:
         key, v = self._get(name, default)
         if v is default and key not in self.md:
@@ -182,24 +225,13 @@ class HParams:
         if not cond:
             raise self._fail(self.key(name), what)
 
-    def rope_scaling(self, supported: tuple[str, ...]) -> tuple[str, float]:
-        """(type, factor) of ``{arch}.rope.scaling.*``: type ``none`` when absent; a type
-        outside ``supported`` raises :class:`UnsupportedError` naming the key."""
-        factor = self.float("rope.scaling.factor", None)
-        kind = self.str("rope.scaling.type", "linear" if factor and factor != 1.0 else "none")
-        if kind not in ("none", *supported):
-            raise UnsupportedError(
-                f"{self.pre}metadata {self.key('rope.scaling.type')} = {kind!r} is not supported "
-                f"for {self.arch} (supported: none, {', '.join(supported)})")
-        return kind, (factor or 1.0)
-
-
 class _Required:
     def __repr__(self) -> str:
         return "REQUIRED"
 
 
 _REQUIRED: Any = _Required()
+UNPREFIXED = ("general.", "tokenizer.", "xielu.")  # key namespaces outside ``{arch}.``
 REQUIRED: Any = _REQUIRED  # the ``default`` of a required key
 
 
@@ -258,33 +290,69 @@ def check_tensors(specs: list[TensorSpec], tensors: dict, source: str = "") -> N
 def layer_of(name: str) -> tuple[int | None, str, str]:
     """(layer index or None, stem, suffix) of a GGUF tensor name:
     ``blk.3.attn_q.weight`` -> (3, "attn_q", "weight"); ``output.weight`` -> (None, "output",
-    "weight")."""
+    "weight"); a name without a ``weight`` / ``bias`` suffix (Mamba's ``blk.3.ssm_a``,
+    Falcon-H1's ``blk.3.ffn_norm``) -> (3, "ssm_a", "")."""
     parts = name.split(".")
+    i = None
     if parts[0] == "blk":
-        return int(parts[1]), ".".join(parts[2:-1]), parts[-1]
-    return None, ".".join(parts[:-1]), parts[-1]
+        i, parts = int(parts[1]), parts[2:]
+    if parts[-1] in ("weight", "bias") and len(parts) > 1:
+        return i, ".".join(parts[:-1]), parts[-1]
+    return i, ".".join(parts), ""
+
+
+def field_name(stem: str) -> str:
+    """The ``Layer`` / ``Weights`` field of a GGUF stem: dots become underscores
+    (``shortconv.in_proj`` -> ``shortconv_in_proj``)."""
+    return stem.replace(".", "_")
+
+
+def check_vocab(hp: HParams, n_vocab: int) -> int:
+    """``n_vocab`` (the tokenizer's size), or one GGUFError when it is absurd."""
+    if isinstance(n_vocab, bool) or not isinstance(n_vocab, int) or not 1 <= n_vocab <= 1 << 24:
+        raise GGUFError(f"{hp.pre}the vocabulary has {n_vocab} tokens")
+    return n_vocab
 
 
 def common_hparams(hp: HParams, n_vocab: int, *, eps_key: str = "attention.layer_norm_rms_epsilon",
                    eps: float = 1e-5, context_length: int = 4096) -> dict:
     """The hyperparameters every decoder here has, validated: n_vocab, n_layers, d_model,
-    heads, head_dim, context_length, norm_eps, rope_base (see :class:`HParams`)."""
-    if isinstance(n_vocab, bool) or not isinstance(n_vocab, int) or not 1 <= n_vocab <= 1 << 24:
-        raise GGUFError(f"{hp.pre}the vocabulary has {n_vocab} tokens")
+    heads, head_dim, context_length, norm_eps (see :class:`HParams`; the RoPE is
+    :func:`~localllm.models.rope.read_rope`'s)."""
+    check_vocab(hp, n_vocab)
     d_model = hp.int("embedding_length", REQUIRED)
     n_heads, n_kv, hd, _ = attention_heads(hp, d_model)
-    rope_dims = hp.int("rope.dimension_count", hd)
-    if rope_dims != hd:
-        raise UnsupportedError(f"{hp.pre}metadata {hp.key('rope.dimension_count')} = {rope_dims}: "
-                               f"partial RoPE (head size {hd}) is not supported")
     return {
         "arch": hp.arch, "n_vocab": n_vocab,
         "n_layers": hp.int("block_count", REQUIRED, hi=MAX_LAYERS),
         "d_model": d_model, "n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": hd,
         "context_length": hp.int("context_length", context_length, hi=MAX_CONTEXT),
         "norm_eps": hp.float(eps_key, eps, hi=1.0),
-        "rope_base": hp.float("rope.freq_base", 10_000.0),
     }
+
+
+def swa_layers(hp: HParams, n_layers: int, pattern: int, *, dense_first: bool = False) -> list[bool]:
+    """Which layers use sliding-window attention (llama.cpp's ``load_swa_pattern``):
+    ``attention.sliding_window_pattern`` as one boolean per layer, or as a period ``n``
+    (default ``pattern``) where layer il slides when il % n < n - 1 (``dense_first``: when
+    il % n != 0); a period of 0 makes every layer slide.
+
+    Raises:
+        GGUFError: an array whose length is not ``n_layers``, or of other values than
+            booleans (0/1).
+    """
+    key = hp.key("attention.sliding_window_pattern")
+    v = hp.md.get(key, pattern)
+    if isinstance(v, list):
+        if len(v) != n_layers:
+            raise hp._fail(key, f"has {len(v)} values for {n_layers} layers")
+        if not all(x in (0, 1) and not isinstance(x, float) for x in v):
+            raise hp._fail(key, "must be booleans, one per layer")
+        return [bool(x) for x in v]
+    n = hp.int("attention.sliding_window_pattern", pattern, lo=0, hi=MAX_LAYERS)
+    if dense_first:
+        return [n == 0 or il % n != 0 for il in range(n_layers)]
+    return [n == 0 or il % n < n - 1 for il in range(n_layers)]
 
 
 class BaseModel:
@@ -324,6 +392,9 @@ class BaseModel:
         """Called by :func:`bind` once weights are on ``self.device`` (RoPE tables ...)."""
 
 
+_DENSE_FIELDS = frozenset(field_name(s) for s in DENSE_TENSORS)
+
+
 def bind(model: BaseModel, gguf, backend, specs: list[TensorSpec], *,
          progress=None) -> list[str]:
     """Attach the weights of ``gguf`` to ``model``, loaded by ``backend``.
@@ -354,14 +425,19 @@ def bind(model: BaseModel, gguf, backend, specs: list[TensorSpec], *,
         i, stem, suffix = layer_of(s.name)
         owner = top if i is None else blocks[i]
         info = gguf.tensor(s.name)
-        if suffix == "bias":
+        stem = field_name(stem)
+        if suffix == "bias" and isinstance(owner.get(stem), Linear):
             owner[stem].bias = backend.dense(info)
             continue
+        if suffix == "bias":  # the bias of no matrix (Mamba's ssm_dt.bias): its own field
+            stem += "_bias"
         names[(i, stem)] = s.name
         if stem == "token_embd":
             owner[stem] = Embedding(backend.matrix(info))
         elif stem in FLOAT32_MATRICES:
             owner[stem] = Linear(backend.dense_matrix(info, torch.float32))
+        elif stem in _DENSE_FIELDS:
+            owner[stem] = backend.dense(info, torch.float32)
         elif len(s.shape) == 3:
             owner[stem] = backend.experts(info)
         elif len(s.shape) == 2:

@@ -1,5 +1,5 @@
 """Building blocks shared by the architectures: linear layers and embeddings over a
-backend's :class:`~localllm.backends.Matrix`, RoPE frequency tables, positions.
+backend's :class:`~localllm.backends.Matrix`, positions (RoPE: :mod:`localllm.models.rope`).
 
 The operations themselves (norms, RoPE rotation, attention, activations) belong to the
 backend (``model.ops``); a model's forward composes these blocks and those ops and never asks
@@ -80,47 +80,6 @@ class Embedding:
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: (T,) int64 -> (T, d) float32."""
         return self.weight.rows(tokens)
-
-
-def rope_inv_freq(
-    head_dim: int, base: float, freq_factors: torch.Tensor | None = None, device=None
-) -> torch.Tensor:
-    """RoPE inverse frequencies (head_dim/2,) float32: base^(-2i/d) / factor_i.
-
-    ``freq_factors`` is llama.cpp's ``rope_freqs.weight`` (Llama 3.1 long-context scaling).
-    """
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    return inv if freq_factors is None else inv / freq_factors.to(inv.device)
-
-
-def yarn_rope(head_dim: int, base: float, factor: float, orig_context: int, *,
-              beta_fast: float = 32.0, beta_slow: float = 1.0,
-              ext_factor: float = 1.0) -> tuple[torch.Tensor, float]:
-    """YaRN RoPE scaling (Peng et al. 2023, "YaRN: Efficient Context Window Extension"), as
-    ggml's ``rope_yarn`` computes it (``ggml/src/ggml-cpu/ops.cpp``,
-    ``ggml_rope_yarn_corr_dims``): the rotation angle of pair i at position p is
-    ``p * inv_freq_i * m_i`` with ``m_i = (1 - r_i) / factor + r_i``, where the ramp ``r_i``
-    (times ``ext_factor``) is 1 for the high-frequency pairs below the correction dimension of
-    ``beta_fast`` rotations over ``orig_context`` tokens, 0 above that of ``beta_slow``, and
-    linear between; cos and sin are multiplied by ``mscale = 1 + 0.1 ln(factor)`` (when
-    ``ext_factor`` is not 0).
-
-    Returns:
-        (divisors (head_dim/2,) float32 to divide ``inv_freq`` by, as ``rope_freqs`` factors
-        are, i.e. 1 / m_i; mscale). Multiplying cos and sin by mscale equals scaling the
-        attention scores by mscale**2, which is how the architectures apply it.
-    """
-    def corr_dim(n_rot: float) -> float:
-        return head_dim * math.log(orig_context / (n_rot * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(0.0, math.floor(corr_dim(beta_fast)))
-    high = min(head_dim - 1.0, math.ceil(corr_dim(beta_slow)))
-    i = torch.arange(head_dim // 2, dtype=torch.float32)
-    ramp = 1.0 - ((i - low) / max(0.001, high - low)).clamp(0.0, 1.0)
-    mix = ramp * ext_factor
-    m = (1.0 - mix) / factor + mix
-    mscale = 1.0 + 0.1 * math.log(factor) if ext_factor != 0.0 else 1.0
-    return 1.0 / m, mscale
 
 
 def positions_of(pos: int | torch.Tensor, t: int, device) -> torch.Tensor:

@@ -13,10 +13,15 @@ rotates halves (NEOX). Queries are scaled by 1/sqrt(head_dim), or by
 
 * ``gemma2``: attention scores soft-capped (``attn_logit_softcapping``: cap * tanh(s / cap))
   and so are the final logits (``final_logit_softcapping``); even layers use sliding-window
-  attention (``attention.sliding_window``), odd layers are global.
-* ``gemma3``: QK-norm; five of every six layers slide (window 512 for the small models)
-  with their own RoPE base (10,000, llama.cpp's ``rope_freq_base_train_swa``), the sixth is
-  global (base and linear scaling from the metadata).
+  attention (``attention.sliding_window``, default 4096), odd layers are global; the
+  sliding layers' RoPE base is ``rope.freq_base_swa`` (default: the global one).
+* ``gemma3``: QK-norm; where the file gives ``attention.sliding_window``, five of every six
+  layers slide with their own RoPE base (``rope.freq_base_swa``, default 10,000) and no
+  frequency scaling, the sixth is global (base and scaling from the metadata); without it
+  every layer is global.
+
+The pattern of sliding layers may be given by ``attention.sliding_window_pattern`` (a period
+or one boolean per layer, llama.cpp's ``load_swa_pattern``).
 
 The GGUF norm weights already include Gemma's "+1" (llama.cpp's converter adds it).
 """
@@ -37,10 +42,12 @@ from .base import (
     HParams,
     TensorSpec,
     common_hparams,
+    swa_layers,
 )
-from .common import Linear, Split, positions_of, rope_inv_freq
+from .common import Linear, Split, positions_of
+from .rope import GLOBAL, SWA, Rope, read_rope
 
-SWA_PATTERN = {"gemma": 0, "gemma2": 2, "gemma3": 6}  # every n-th layer global; 0: no SWA
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # every n-th layer global (gemma: no SWA)
 LAYERS_27B = {"gemma2": 46, "gemma3": 62}
 
 
@@ -50,9 +57,8 @@ class ModelArgs(DecoderArgs):
 
     ffn_dim: int  # feed_forward_length
     norm_eps: float = 1e-6
-    rope_base_swa: float = 10_000.0  # sliding-window layers (gemma3)
     sliding_window: int | None = None
-    swa_pattern: int = 0
+    swa: tuple[bool, ...] = ()  # per layer: sliding-window attention
     attn_softcap: float | None = None  # gemma2
     final_softcap: float | None = None  # gemma2
     attention_scale: float = 0.0
@@ -63,18 +69,23 @@ class ModelArgs(DecoderArgs):
 
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
-            UnsupportedError: a RoPE scaling type other than linear.
         """
         hp = HParams(md, source)
         arch = hp.arch
         c = common_hparams(hp, n_vocab, eps=1e-6, context_length=8192)
         ffn = hp.int("feed_forward_length", REQUIRED, per_layer=True)
-        _, factor = hp.rope_scaling(("linear",))
-        pattern = SWA_PATTERN[arch]
+        # llama.cpp: gemma2 slides by default (window 4096), gemma3 where the file says so
         window = None
-        if pattern:
-            window = hp.int("attention.sliding_window", 512 if arch == "gemma3" else 4096,
-                            hi=MAX_CONTEXT)
+        if arch == "gemma2":
+            window = hp.int("attention.sliding_window", 4096, hi=MAX_CONTEXT)
+        elif arch == "gemma3":
+            window = hp.int("attention.sliding_window", 0, lo=0, hi=MAX_CONTEXT) or None
+        swa = (tuple(swa_layers(hp, c["n_layers"], SWA_PATTERN[arch])) if window
+               else (False,) * c["n_layers"])
+        rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
+                         neox=True, base=1_000_000.0 if arch == "gemma3" else 10_000.0,
+                         swa_base=10_000.0 if arch == "gemma3" else None,
+                         swa_scale=1.0 if arch == "gemma3" else None)
         big = c["n_layers"] == LAYERS_27B.get(arch)
         hd = c["head_dim"]
         scale = 1.0 / math.sqrt(c["d_model"] / c["n_heads"] if big else hd)
@@ -84,15 +95,11 @@ class ModelArgs(DecoderArgs):
             kw["final_softcap"] = hp.float("final_logit_softcapping", 30.0)
         elif arch == "gemma3":
             kw["final_softcap"] = hp.float("final_logit_softcapping", None)
-        if arch == "gemma3":
-            c["rope_base"] = hp.float("rope.freq_base", 1_000_000.0)
-        return cls(**c, ffn_dim=ffn, rope_scale=1.0 / factor, sliding_window=window,
-                   swa_pattern=pattern, attention_scale=scale, **kw)
+        return cls(**c, rope=rope, ffn_dim=ffn, sliding_window=window, swa=swa,
+                   attention_scale=scale, **kw)
 
     def is_sliding(self, layer: int) -> bool:
-        """llama.cpp's ``set_swa_pattern(n)``: layer il slides when il % n < n - 1."""
-        p = self.swa_pattern
-        return bool(p) and layer % p < p - 1
+        return self.swa[layer]
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
@@ -154,9 +161,12 @@ class Model(BaseModel):
 
     def prepare(self) -> None:
         a = self.args
-        self.inv_freq_global = rope_inv_freq(a.head_dim, a.rope_base, device=self.device)
-        base_swa = a.rope_base_swa if a.arch == "gemma3" else a.rope_base
-        self.inv_freq_local = rope_inv_freq(a.head_dim, base_swa, device=self.device)
+        self.rope = Rope(a.rope, self.device)
+        self.kinds = [SWA if a.is_sliding(i) else GLOBAL for i in range(a.n_layers)]
+        self.scales = {k: a.attention_scale * self.rope.score_scale(k) for k in set(self.kinds)}
+        for b in self.layers:
+            b.attn_q_norm = self.rope.arrange_weight(b.attn_q_norm)
+            b.attn_k_norm = self.rope.arrange_weight(b.attn_k_norm)
 
     def forward(
         self,
@@ -176,36 +186,34 @@ class Model(BaseModel):
         t = tokens.shape[0]
         positions = positions_of(pos, t, self.device)
         x = self.token_embd(tokens) * math.sqrt(a.d_model)  # (T, d)
-        global_scale = a.rope_scale
-        rope = {  # the angles per kind of layer, shared by all layers of that kind
-            True: ops.rope_angles(positions, self.inv_freq_local,
-                                  1.0 if a.arch == "gemma3" else global_scale),
-            False: ops.rope_angles(positions, self.inv_freq_global, global_scale),
-        }
+        # the angles per kind of layer, shared by all layers of that kind
+        angles = self.rope.angles(ops, positions, memory.ctx_size, tuple(self.scales))
         # Each block ends with the next block's pre-norm (the output norm after the last),
         # fused with its residual add.
         nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
         n = ops.rms_norm(x, self.layers[0].attn_norm, a.norm_eps)
-        for i, (b, cache, next_norm) in enumerate(zip(self.layers, memory, nexts)):
-            x, n = self._block(b, cache, x, n, next_norm, pos, positions,
-                               rope[a.is_sliding(i)])
+        for b, cache, next_norm, kind in zip(self.layers, memory, nexts, self.kinds):
+            x, n = self._block(b, cache, x, n, next_norm, pos, positions, angles[kind],
+                               self.scales[kind])
         logits = self.output(n[logits_start:] if all_logits else n[-1:])
         if a.final_softcap is not None:
             logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
         return logits
 
     def _block(self, b, cache, x: torch.Tensor, n: torch.Tensor, next_norm: torch.Tensor,
-               pos, positions: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+               pos, positions: torch.Tensor, angles, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (T, d) residual stream, n = attn_norm(x) -> (x', next_norm(x'))."""
         a, ops = self.args, self.ops
         eps = a.norm_eps
         q, k, v = b.attn_qkv(n)
         del n  # each intermediate dropped once used: prefill's peak holds fewer of them
+        q, k = self.rope.arrange(q), self.rope.arrange(k)
         # QK-norm: gemma3. A sliding layer whose window covers the whole context has a full
         # cache (no window).
-        attn = ops.self_attention(q, k, v, b.attn_q_norm, b.attn_k_norm, eps, rope, cache, pos,
-                                  positions, head_dim=a.head_dim, neox=True,
-                                  scale=a.attention_scale, softcap=a.attn_softcap)
+        attn = ops.self_attention(q, k, v, b.attn_q_norm, b.attn_k_norm, eps, angles, cache,
+                                  pos, positions, head_dim=a.head_dim, neox=True,
+                                  scale=scale, softcap=a.attn_softcap)
         del q, k, v
         o = b.attn_output(attn)
         del attn

@@ -1,27 +1,37 @@
-"""The Llama family: ``llama`` (Llama 2/3.x, SmolLM2, TinyLlama, Mixtral-style MoE),
-``mistral``, ``granite``, ``qwen2``, ``qwen3``, ``qwen3moe`` (llama.cpp's
-``src/models/llama.cpp``, ``granite.cpp``, ``qwen2.cpp``, ``qwen3.cpp``, ``qwen3moe.cpp``).
+"""The Llama family: pre-norm decoders with a SwiGLU FFN (or softmax-routed experts), one
+module for the GGUF architectures that differ only in declared details (:data:`VARIANTS`):
+``llama`` (Llama 2/3.x, SmolLM2, TinyLlama, Mixtral-style MoE), ``mistral``, ``mistral3``
+(Ministral 3, Mistral Small 3.x), ``granite``, ``qwen2``, ``qwen3``, ``qwen3moe``,
+``smollm3``, ``ernie4_5`` (dense), ``seed_oss``, ``hunyuan-dense`` (llama.cpp's
+``src/models/llama.cpp``, ``mistral3.cpp``, ``granite.cpp``, ``qwen2.cpp``, ``qwen3.cpp``,
+``qwen3moe.cpp``, ``smollm3.cpp``, ``ernie4-5.cpp``, ``seed-oss.cpp``, ``hunyuan-vl.cpp``).
 
 Per layer::
 
-    h   = x + s_r * wo(attn(attn_norm(x)))     # GQA; qwen2: QKV biases; qwen3*: QK-norm
+    h   = x + s_r * wo(attn(attn_norm(x)))     # GQA; Q/K/V biases; QK-norm where declared
     out = h + s_r * ffn(ffn_norm(h))            # ffn: down(silu(gate(n)) * up(n)), or MoE
 
-MoE (``expert_count`` > 0; ``qwen3moe``): router ``ffn_gate_inp`` -> softmax over experts ->
-top ``expert_used_count`` -> weights renormalised to sum 1 (``expert_weights_norm``, llama.cpp's
-``norm_w``, true for these families) -> sum of the selected experts' SwiGLU outputs, each
-expert a slice of the 3-D ``ffn_{gate,up,down}_exps`` tensors.
+Variant details:
 
-Granite multiplies the embedding by ``embedding_scale``, each sublayer output by
-``residual_scale``, uses ``attention.scale`` as the attention scale and divides the logits by
-``logit_scale``; the others have 1 and 1/sqrt(head_dim).
+* RoPE order: adjacent pairs for ``llama``, ``mistral``, ``mistral3``, ``granite``,
+  ``smollm3``, ``ernie4_5`` (the converter permutes Q/K for that), halves (NEOX) for the
+  others. Scaling: any of :mod:`localllm.models.rope` (linear, YaRN, LongRoPE, Llama 3's
+  factors from ``rope_freqs`` or the keys).
+* QK-norm (per head): ``qwen3``/``qwen3moe`` before RoPE; ``hunyuan-dense`` after it
+  (its base is NTK-scaled by ``rope.scaling.alpha``).
+* ``smollm3``: every 4th layer has no RoPE (NoPE; llama.cpp's ``n_no_rope_layer_step``).
+* ``mistral3``: YaRN with ``yarn_log_multiplier`` and its betas, and Llama 4's attention
+  temperature: queries at position p times ``1 + temperature_scale * ln(1 + floor(p / n))``,
+  n the original context (``attention.temperature_scale``).
+* ``seed_oss``: the FFN's pre-norm is the file's ``post_attention_norm``.
+* ``ernie4_5``: an ``attn_output.bias`` is loaded and, as llama.cpp does, not applied.
+* ``granite``: the embedding times ``embedding_scale``, each sublayer output times
+  ``residual_scale``, ``attention.scale`` as the attention scale, logits / ``logit_scale``.
 
-RoPE: adjacent pairs for ``llama``/``mistral``/``granite`` (the converter permutes Q/K for
-that), halves (NEOX) for the Qwen families; linear scaling (``rope.scaling.type = linear``,
-positions x 1/factor) and Llama 3.x's per-frequency factors from the ``rope_freqs.weight``
-tensor (the ``llama3`` scaling, precomputed by the converter); YaRN (``yarn``: per-frequency
-factors and attention scale of :func:`~localllm.models.common.yarn_rope`, as Qwen 2.5/3
-long-context files use it). LongRoPE is refused.
+MoE (``expert_count`` > 0; ``qwen3moe``, ``llama``, ``mistral3``): router ``ffn_gate_inp`` ->
+softmax over experts -> top ``expert_used_count`` -> weights renormalised to sum 1
+(``expert_weights_norm``, llama.cpp's ``norm_w``) -> sum of the selected experts' SwiGLU
+outputs, each expert a slice of the 3-D ``ffn_{gate,up,down}_exps`` tensors.
 """
 
 from __future__ import annotations
@@ -32,7 +42,6 @@ from dataclasses import dataclass
 import torch
 
 from ..backends import ExpertMatrix
-from ..errors import UnsupportedError
 from ..memory import KVSpec
 from .base import (
     MAX_CONTEXT,
@@ -42,14 +51,51 @@ from .base import (
     DecoderArgs,
     HParams,
     TensorSpec,
-    Weights,
     common_hparams,
 )
-from .common import Linear, Split, positions_of, rope_inv_freq, yarn_rope
+from .common import Linear, Split, positions_of
+from .rope import GLOBAL, NOPE, Rope, RopeWeights, factor_specs, read_rope
 
-NEOX_ARCHITECTURES = frozenset({"qwen2", "qwen3", "qwen3moe"})
-QKV_BIAS = frozenset({"qwen2"})  # required Q/K/V biases (llama: optional biases)
-QK_NORM = frozenset({"qwen3", "qwen3moe"})
+
+@dataclass(frozen=True)
+class Variant:
+    """What distinguishes one GGUF architecture of the family (see the module docstring)."""
+
+    neox: bool = False  # RoPE halves order
+    qkv_bias: str = "optional"  # Q/K/V biases: "required", "optional" or "none"
+    output_bias: str = "optional"  # attn_output.bias: "optional", "ignored" (loaded, unused), "none"
+    ffn_bias: bool = False  # optional ffn_gate/up/down biases (llama.cpp's llama, mistral3)
+    qk_norm: str = ""  # per-head QK-norm: "" none, "before" RoPE, "after" RoPE
+    ffn_norm: str = "ffn_norm"  # the FFN pre-norm's GGUF stem
+    nope_step: int = 0  # every n-th layer has no RoPE (n = nope_step)
+    yarn_keys: tuple[str, ...] = ()  # optional YaRN keys llama.cpp reads (rope.YARN_KEYS)
+    rope_factors: bool = True  # rope_freqs / LongRoPE factor tensors declared
+    temperature: bool = False  # Llama 4 attention temperature (attention.temperature_scale)
+    ntk_alpha: bool = False  # rope.scaling.alpha scales the base (Hunyuan)
+    moe: str = "optional"  # expert_count: "optional", "required", "none"
+    granite: bool = False  # embedding / residual / attention / logit multipliers
+    rope_base: float = 10_000.0
+
+
+_LLAMA = Variant(ffn_bias=True)
+VARIANTS: dict[str, Variant] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "granite": Variant(ffn_bias=True, granite=True),
+    "mistral3": Variant(ffn_bias=True, temperature=True,
+                        yarn_keys=("yarn_beta_fast", "yarn_beta_slow", "yarn_log_multiplier")),
+    "qwen2": Variant(neox=True, qkv_bias="required", output_bias="none", rope_factors=False),
+    "qwen3": Variant(neox=True, qkv_bias="none", output_bias="none", qk_norm="before",
+                     rope_factors=False, moe="none"),
+    "qwen3moe": Variant(neox=True, qkv_bias="none", output_bias="none", qk_norm="before",
+                        rope_factors=False, moe="required"),
+    "smollm3": Variant(output_bias="none", nope_step=4, rope_factors=False, moe="none"),
+    "ernie4_5": Variant(output_bias="ignored", rope_factors=False, moe="none"),
+    "seed_oss": Variant(neox=True, output_bias="none", ffn_norm="post_attention_norm",
+                        rope_factors=False, moe="none"),
+    "hunyuan-dense": Variant(neox=True, output_bias="none", qk_norm="after", ntk_alpha=True,
+                             rope_factors=False, moe="none"),
+}
 
 
 @dataclass(kw_only=True)
@@ -57,7 +103,6 @@ class ModelArgs(DecoderArgs):
     """Hyperparameters from ``{arch}.*`` metadata keys."""
 
     ffn_dim: int  # feed_forward_length (0 for MoE files without it)
-    rope_yarn: dict | None = None  # YaRN: common.yarn_rope's arguments
     sliding_window: int | None = None  # mistral-style SWA on every layer, when given
     n_expert: int = 0  # expert_count
     n_expert_used: int = 0  # expert_used_count
@@ -67,6 +112,8 @@ class ModelArgs(DecoderArgs):
     residual_scale: float = 1.0  # granite
     logit_scale: float = 1.0  # granite: logits are divided by it
     attention_scale: float = 0.0  # 1/sqrt(head_dim) unless attention.scale says otherwise
+    temperature_scale: float = 0.0  # mistral3: attention.temperature_scale (0: none)
+    temperature_length: int = 0  # its floor scale: the original context
 
     @classmethod
     def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
@@ -74,14 +121,13 @@ class ModelArgs(DecoderArgs):
 
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
-            UnsupportedError: LongRoPE scaling (``rope.scaling.type``), YaRN's
-                ``rope.scaling.yarn_log_multiplier``.
         """
         hp = HParams(md, source)
+        var = VARIANTS[hp.arch]
         c = common_hparams(hp, n_vocab)
-        n_expert = hp.int("expert_count", 0, lo=0, hi=MAX_EXPERTS)
-        hp.require(n_expert > 0 or hp.arch != "qwen3moe", "expert_count",
-                   "must be > 0 for qwen3moe")
+        n_expert = 0 if var.moe == "none" else hp.int("expert_count", 0, lo=0, hi=MAX_EXPERTS)
+        hp.require(n_expert > 0 or var.moe != "required", "expert_count",
+                   f"must be > 0 for {hp.arch}")
         ffn = hp.int("feed_forward_length", 0 if n_expert else REQUIRED, lo=0 if n_expert else 1,
                      per_layer=True)
         kw = {}
@@ -90,78 +136,60 @@ class ModelArgs(DecoderArgs):
             kw["n_expert_used"] = hp.int("expert_used_count", REQUIRED, hi=n_expert)
             kw["expert_ffn_dim"] = hp.int("expert_feed_forward_length", ffn or REQUIRED)
             kw["expert_weights_norm"] = hp.bool("expert_weights_norm", True)
-        kind, factor = hp.rope_scaling(("linear", "yarn"))
-        if kind == "yarn":
-            kw["rope_yarn"] = yarn_hparams(hp, factor, c["context_length"])
-            factor = 1.0  # folded into the frequencies (Model.prepare)
-        if hp.arch == "granite":
+        rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
+                         neox=var.neox, yarn_keys=var.yarn_keys, base=var.rope_base,
+                         ntk_alpha=var.ntk_alpha)
+        if var.granite:
             kw["embedding_scale"] = hp.float("embedding_scale", 1.0)
             kw["residual_scale"] = hp.float("residual_scale", 1.0)
             kw["logit_scale"] = hp.float("logit_scale", 1.0)
-        scale = hp.float("attention.scale", 1.0 / math.sqrt(c["head_dim"]))
-        # llama.cpp multiplies cos and sin (so Q and K) by rope.scaling.attn_factor, and by
-        # YaRN's mscale: the scores by the square of both.
-        mscale = hp.float("rope.scaling.attn_factor", 1.0)
-        if kind == "yarn":
-            mscale *= yarn_rope(c["head_dim"], c["rope_base"], **kw["rope_yarn"])[1]
-        scale *= mscale ** 2
-        return cls(**c, ffn_dim=ffn, rope_scale=1.0 / factor, attention_scale=scale,
+        scale = 1.0 / math.sqrt(c["head_dim"])
+        if var.granite:
+            scale = hp.float("attention.scale", scale)
+        if var.temperature:
+            kw["temperature_scale"] = hp.float("attention.temperature_scale", 0.0, lo=0.0,
+                                               lo_open=False)
+            kw["temperature_length"] = rope.orig_context
+        return cls(**c, rope=rope, ffn_dim=ffn, attention_scale=scale,
                    sliding_window=hp.int("attention.sliding_window", None, hi=MAX_CONTEXT),
                    **kw)
 
     @property
-    def neox(self) -> bool:
-        return self.arch in NEOX_ARCHITECTURES
+    def variant(self) -> Variant:
+        return VARIANTS[self.arch]
 
-
-def yarn_hparams(hp: HParams, factor: float, context_length: int) -> dict:
-    """The keyword arguments of :func:`~localllm.models.common.yarn_rope` from the
-    ``rope.scaling.*`` keys, with llama.cpp's defaults (``llama_context``: beta_fast 32,
-    beta_slow 1, ext_factor 1, original context = the training context).
-
-    Raises:
-        GGUFError: ``rope.freq_base`` <= 1 (no correction dimensions), a key out of range.
-        UnsupportedError: ``rope.scaling.yarn_log_multiplier`` (DeepSeek's mscale variant).
-    """
-    hp.require(hp.float("rope.freq_base", 10_000.0) > 1.0, "rope.freq_base",
-               "must be > 1 for YaRN scaling (its correction dimensions divide by log(base))")
-    log_mul = hp.float("rope.scaling.yarn_log_multiplier", 0.0, lo=0.0, lo_open=False)
-    if log_mul != 0.0:
-        raise UnsupportedError(
-            f"{hp.pre}metadata {hp.key('rope.scaling.yarn_log_multiplier')} = {log_mul:g}: "
-            "YaRN with a log multiplier is not supported")
-    return {"factor": factor,
-            "orig_context": hp.int("rope.scaling.original_context_length", context_length,
-                                   hi=MAX_CONTEXT),
-            "beta_fast": hp.float("rope.scaling.yarn_beta_fast", 32.0),
-            "beta_slow": hp.float("rope.scaling.yarn_beta_slow", 1.0),
-            "ext_factor": hp.float("rope.scaling.yarn_ext_factor", 1.0, lo=0.0, lo_open=False)}
+    def rope_kind(self, layer: int) -> str:
+        """:data:`~localllm.models.rope.NOPE` for smollm3's every 4th layer, else global."""
+        step = self.variant.nope_step
+        return NOPE if step and (layer + 1) % step == 0 else GLOBAL
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
-    """llama.cpp's tensors of the family (``llama_model::load_tensors``), torch shapes."""
+    """llama.cpp's tensors of the architecture (``load_arch_tensors``), torch shapes."""
+    var = a.variant
     d, hd, v = a.d_model, a.head_dim, a.n_vocab
     nq, nkv = a.n_heads * hd, a.n_kv_heads * hd
-    specs = [TensorSpec("token_embd.weight", (v, d)),
-             TensorSpec("rope_freqs.weight", (hd // 2,), optional=True)]
-    bias_optional = a.arch not in QKV_BIAS
+    specs = [TensorSpec("token_embd.weight", (v, d))]
+    if var.rope_factors:
+        specs += factor_specs(a.rope)
     for i in range(a.n_layers):
         p = f"blk.{i}."
         specs += [TensorSpec(p + "attn_norm.weight", (d,)),
                   TensorSpec(p + "attn_q.weight", (nq, d)),
                   TensorSpec(p + "attn_k.weight", (nkv, d)),
                   TensorSpec(p + "attn_v.weight", (nkv, d))]
-        if a.arch in QKV_BIAS or a.arch in ("llama", "mistral", "granite"):
-            specs += [TensorSpec(p + "attn_q.bias", (nq,), bias_optional),
-                      TensorSpec(p + "attn_k.bias", (nkv,), bias_optional),
-                      TensorSpec(p + "attn_v.bias", (nkv,), bias_optional)]
-        if a.arch in QK_NORM:
+        if var.qkv_bias != "none":
+            optional = var.qkv_bias == "optional"
+            specs += [TensorSpec(p + "attn_q.bias", (nq,), optional),
+                      TensorSpec(p + "attn_k.bias", (nkv,), optional),
+                      TensorSpec(p + "attn_v.bias", (nkv,), optional)]
+        if var.qk_norm:
             specs += [TensorSpec(p + "attn_q_norm.weight", (hd,)),
                       TensorSpec(p + "attn_k_norm.weight", (hd,))]
         specs.append(TensorSpec(p + "attn_output.weight", (d, nq)))
-        if a.arch in ("llama", "mistral", "granite"):
+        if var.output_bias != "none":
             specs.append(TensorSpec(p + "attn_output.bias", (d,), optional=True))
-        specs.append(TensorSpec(p + "ffn_norm.weight", (d,)))
+        specs.append(TensorSpec(p + f"{var.ffn_norm}.weight", (d,)))
         if a.n_expert:
             e, f = a.n_expert, a.expert_ffn_dim
             specs += [TensorSpec(p + "ffn_gate_inp.weight", (e, d)),
@@ -172,6 +200,10 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
             specs += [TensorSpec(p + "ffn_gate.weight", (a.ffn_dim, d)),
                       TensorSpec(p + "ffn_up.weight", (a.ffn_dim, d)),
                       TensorSpec(p + "ffn_down.weight", (d, a.ffn_dim))]
+            if var.ffn_bias:
+                specs += [TensorSpec(p + "ffn_gate.bias", (a.ffn_dim,), optional=True),
+                          TensorSpec(p + "ffn_up.bias", (a.ffn_dim,), optional=True),
+                          TensorSpec(p + "ffn_down.bias", (d,), optional=True)]
     specs += [TensorSpec("output_norm.weight", (d,)),
               TensorSpec("output.weight", (v, d), optional=True)]
     return specs
@@ -188,8 +220,9 @@ class Layer:
     attn_norm: torch.Tensor
     attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v (with their biases)
     attn_output: Linear
-    ffn_norm: torch.Tensor
-    attn_q_norm: torch.Tensor | None = None  # qwen3*: per-head QK-norm
+    ffn_norm: torch.Tensor | None = None  # None where the file calls it post_attention_norm
+    post_attention_norm: torch.Tensor | None = None  # seed_oss: the FFN's pre-norm
+    attn_q_norm: torch.Tensor | None = None  # per-head QK-norm
     attn_k_norm: torch.Tensor | None = None
     ffn_gate_up: Linear | Split | None = None  # dense FFN: fused ffn_gate, ffn_up
     ffn_down: Linear | None = None
@@ -197,11 +230,6 @@ class Layer:
     ffn_gate_exps: ExpertMatrix | None = None
     ffn_up_exps: ExpertMatrix | None = None
     ffn_down_exps: ExpertMatrix | None = None
-
-
-@dataclass
-class LlamaWeights(Weights):
-    rope_freqs: torch.Tensor | None = None  # Llama 3.x RoPE factors (head_dim/2,)
 
 
 def moe_ffn(layer: Layer, x: torch.Tensor, n_used: int, norm: bool, ops) -> torch.Tensor:
@@ -217,19 +245,32 @@ def moe_ffn(layer: Layer, x: torch.Tensor, n_used: int, norm: bool, ops) -> torc
                        layer.ffn_down_exps, "silu")
 
 
+def attention_temperature(positions: torch.Tensor, scale: float, length: int) -> torch.Tensor:
+    """Llama 4's attention temperature per position (llama.cpp's ``llm_graph_input_attn_temp``):
+    (T,) int64 -> (T, 1) float32, ``1 + scale * ln(1 + floor(p / length))``."""
+    return (torch.log(torch.floor(positions.float() / length) + 1.0) * scale + 1.0)[:, None]
+
+
 class Model(BaseModel):
     """A Llama-family decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    WEIGHTS = LlamaWeights
-    rope_freqs: torch.Tensor | None
+    WEIGHTS = RopeWeights
+    weights: RopeWeights
 
     def prepare(self) -> None:
-        a = self.args
-        self.inv_freq = rope_inv_freq(a.head_dim, a.rope_base, self.rope_freqs, device=self.device)
-        if a.rope_yarn is not None:
-            divisors, _ = yarn_rope(a.head_dim, a.rope_base, **a.rope_yarn)
-            self.inv_freq = self.inv_freq / divisors.to(self.inv_freq.device)
+        a, var = self.args, self.args.variant
+        self.rope = Rope.of(a.rope, self.weights, self.device, norm_after=var.qk_norm == "after")
+        self.kinds = [a.rope_kind(i) for i in range(a.n_layers)]
+        self.scales = {k: a.attention_scale * self.rope.score_scale(k) for k in set(self.kinds)}
+        for b in self.layers:
+            if var.ffn_norm != "ffn_norm":  # the file's name for the FFN's pre-norm
+                b.ffn_norm, b.post_attention_norm = b.post_attention_norm, None
+            if var.output_bias == "ignored":
+                b.attn_output.bias = None
+            if var.qk_norm:
+                b.attn_q_norm = self.rope.arrange_weight(b.attn_q_norm)
+                b.attn_k_norm = self.rope.arrange_weight(b.attn_k_norm)
 
     def forward(
         self,
@@ -246,13 +287,16 @@ class Model(BaseModel):
 
         ``pos`` may be a (1,) int64 tensor on the model's device for a one-token step with
         static shapes and no host reads (CUDA graphs, :mod:`localllm.runtime.graphs`)."""
-        a, ops = self.args, self.ops
+        a, ops, rope = self.args, self.ops, self.rope
+        after = a.variant.qk_norm == "after"
         t = tokens.shape[0]
         positions = positions_of(pos, t, self.device)
         x = self.token_embd(tokens)  # (T, d)
         if a.embedding_scale != 1.0:
             x = x * a.embedding_scale
-        rope = ops.rope_angles(positions, self.inv_freq, a.rope_scale)  # shared by every layer
+        angles = rope.angles(ops, positions, memory.ctx_size, tuple(self.scales))
+        temp = (attention_temperature(positions, a.temperature_scale, a.temperature_length)
+                if a.temperature_scale else None)
         # Each block ends with the next block's pre-norm (the output norm after the last),
         # fused with its residual add.
         nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
@@ -260,11 +304,15 @@ class Model(BaseModel):
         n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         # Each intermediate is dropped as soon as it is used (del), before the next large
         # one is allocated: a prefill's peak memory holds one layer's products, not two.
-        for b, cache, next_norm in zip(self.layers, memory, nexts):
+        for b, cache, next_norm, kind in zip(self.layers, memory, nexts, self.kinds):
             q, k, v = b.attn_qkv(n)
-            attn = ops.self_attention(q, k, v, b.attn_q_norm, b.attn_k_norm, eps, rope, cache,
-                                      pos, positions, head_dim=a.head_dim, neox=a.neox,
-                                      scale=a.attention_scale)  # QK-norm: qwen3
+            q, k = rope.arrange(q), rope.arrange(k)
+            if temp is not None:
+                q = q * temp  # RoPE is linear: scaling before it is scaling after
+            attn = ops.self_attention(q, k, v, b.attn_q_norm, b.attn_k_norm, eps, angles[kind],
+                                      cache, pos, positions, head_dim=a.head_dim,
+                                      neox=a.rope.neox, scale=self.scales[kind],
+                                      norm_after_rope=after)
             del q, k, v
             o = b.attn_output(attn)
             del attn

@@ -17,7 +17,8 @@ import torch
 
 from ..memory import KVSpec
 from .base import REQUIRED, BaseModel, DecoderArgs, HParams, TensorSpec, common_hparams
-from .common import Linear, Split, positions_of, rope_inv_freq
+from .common import Linear, Split, positions_of
+from .rope import Rope, read_rope
 
 
 @dataclass(kw_only=True)
@@ -33,13 +34,13 @@ class ModelArgs(DecoderArgs):
 
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
-            UnsupportedError: a RoPE scaling type other than linear.
         """
         hp = HParams(md, source)
         c = common_hparams(hp, n_vocab, eps=1e-6)
         ffn = hp.int("feed_forward_length", REQUIRED, per_layer=True)
-        _, factor = hp.rope_scaling(("linear",))
-        return cls(**c, ffn_dim=ffn, rope_scale=1.0 / factor)
+        rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
+                         neox=True)
+        return cls(**c, rope=rope, ffn_dim=ffn)
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
@@ -90,7 +91,11 @@ class Model(BaseModel):
 
     def prepare(self) -> None:
         a = self.args
-        self.inv_freq = rope_inv_freq(a.head_dim, a.rope_base, device=self.device)
+        self.rope = Rope(a.rope, self.device)
+        self.scale = a.head_dim ** -0.5 * self.rope.score_scale()
+        for b in self.layers:  # QK-norm over all heads, in the rotation's order
+            b.attn_q_norm = self.rope.arrange_weight(b.attn_q_norm)
+            b.attn_k_norm = self.rope.arrange_weight(b.attn_k_norm)
 
     def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
                 all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
@@ -100,15 +105,15 @@ class Model(BaseModel):
         t = tokens.shape[0]
         positions = positions_of(pos, t, self.device)
         x = self.token_embd(tokens)
-        rope = ops.rope_angles(positions, self.inv_freq, a.rope_scale)
+        angles = self.rope.angles(ops, positions, memory.ctx_size)["global"]
         eps = a.norm_eps
         for b, cache in zip(self.layers, memory):
             q, k, v = b.attn_qkv(x)
             # The QK-norm spans all heads: applied here, before the per-head RoPE.
-            q = ops.rms_norm(q, b.attn_q_norm, eps)
-            k = ops.rms_norm(k, b.attn_k_norm, eps)
-            attn = ops.self_attention(q, k, v, None, None, eps, rope, cache, pos, positions,
-                                      head_dim=a.head_dim, neox=True, scale=a.head_dim ** -0.5)
+            q = ops.rms_norm(self.rope.arrange(q), b.attn_q_norm, eps)
+            k = ops.rms_norm(self.rope.arrange(k), b.attn_k_norm, eps)
+            attn = ops.self_attention(q, k, v, None, None, eps, angles, cache, pos, positions,
+                                      head_dim=a.head_dim, neox=True, scale=self.scale)
             h = x + ops.rms_norm(b.attn_output(attn), b.post_attention_norm, eps)
             gate, up = b.ffn_gate_up(h)
             x = h + ops.rms_norm(b.ffn_down(ops.gated(gate, up, "silu")), b.post_ffw_norm, eps)

@@ -5,11 +5,13 @@ Per layer::
     h   = x + wo(attn(attn_norm(x)))          # Q/K/V from one fused ``attn_qkv`` tensor
     out = h + down(silu(g) * u),  (g, u) = halves of ffn_up(ffn_norm(h))
 
-RoPE rotates halves (NEOX). LongRoPE ("su") scaling: per-frequency factors from the
+RoPE rotates halves (NEOX), over all or the first ``rope.dimension_count`` dimensions of a
+head (Phi-4-mini: 96 of 128). LongRoPE ("su") scaling: per-frequency factors from the
 ``rope_factors_short`` / ``rope_factors_long`` tensors, the long ones when the context
 exceeds ``rope.scaling.original_context_length`` (llama.cpp's ``get_rope_factors``), and the
-rotated Q and K scaled by ``rope.scaling.attn_factor`` (so the scores by its square).
-``attention.sliding_window`` is read but not used: llama.cpp disables Phi-3's SWA too.
+rotated dimensions of Q and K scaled by ``rope.scaling.attn_factor``
+(:mod:`localllm.models.rope`). ``attention.sliding_window`` is read but not used: llama.cpp
+disables Phi-3's SWA too.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from .base import (
     DecoderArgs,
     HParams,
     TensorSpec,
-    Weights,
     common_hparams,
 )
-from .common import Linear, positions_of, rope_inv_freq
+from .common import Linear, positions_of
+from .rope import Rope, RopeWeights, read_rope
 
 
 @dataclass(kw_only=True)
@@ -38,8 +40,6 @@ class ModelArgs(DecoderArgs):
     """Hyperparameters from ``phi3.*`` metadata keys."""
 
     ffn_dim: int
-    rope_orig_context: int = 0  # rope.scaling.original_context_length
-    rope_attn_factor: float = 1.0  # rope.scaling.attn_factor
     attention_scale: float = 0.0
 
     @classmethod
@@ -48,28 +48,24 @@ class ModelArgs(DecoderArgs):
 
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
-            UnsupportedError: a RoPE scaling type other than linear or longrope.
         """
         hp = HParams(md, source)
         c = common_hparams(hp, n_vocab)
         ffn = hp.int("feed_forward_length", REQUIRED, per_layer=True)
-        _, factor = hp.rope_scaling(("linear", "longrope", "su"))
+        rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
+                         neox=True)
         hp.int("attention.sliding_window", None, lo=0, hi=MAX_CONTEXT)  # validated, unused
-        attn_factor = hp.float("rope.scaling.attn_factor", 1.0)
-        orig = hp.int("rope.scaling.original_context_length", c["context_length"],
-                      hi=MAX_CONTEXT)
-        return cls(**c, ffn_dim=ffn, rope_scale=1.0 / factor, rope_orig_context=orig,
-                   rope_attn_factor=attn_factor,
-                   attention_scale=attn_factor ** 2 / c["head_dim"] ** 0.5)
+        return cls(**c, rope=rope, ffn_dim=ffn, attention_scale=1.0 / c["head_dim"] ** 0.5)
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
     """llama.cpp's ``phi3`` tensors (fused ``attn_qkv``, ``ffn_up`` holding gate and up)."""
     d, hd, v = a.d_model, a.head_dim, a.n_vocab
     nq, nkv = a.n_heads * hd, a.n_kv_heads * hd
+    r = a.rope.n_rot // 2  # llama.cpp's phi3 loads both factor sets whatever the scaling
     specs = [TensorSpec("token_embd.weight", (v, d)),
-             TensorSpec("rope_factors_long.weight", (hd // 2,), optional=True),
-             TensorSpec("rope_factors_short.weight", (hd // 2,), optional=True)]
+             TensorSpec("rope_factors_long.weight", (r,), optional=True),
+             TensorSpec("rope_factors_short.weight", (r,), optional=True)]
     for i in range(a.n_layers):
         p = f"blk.{i}."
         specs += [TensorSpec(p + "attn_norm.weight", (d,)),
@@ -100,33 +96,17 @@ class Layer:
     ffn_down: Linear
 
 
-@dataclass
-class Phi3Weights(Weights):
-    rope_factors_long: torch.Tensor | None = None  # LongRoPE factors (head_dim/2,)
-    rope_factors_short: torch.Tensor | None = None
-
-
 class Model(BaseModel):
     """A Phi-3 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    WEIGHTS = Phi3Weights
+    WEIGHTS = RopeWeights
     FUSE: ClassVar[dict] = {}  # the file's tensors are fused already
-    rope_factors_long: torch.Tensor | None
-    rope_factors_short: torch.Tensor | None
+    weights: RopeWeights
 
     def prepare(self) -> None:
-        a = self.args
-        self.inv_freq_long = rope_inv_freq(a.head_dim, a.rope_base, self.rope_factors_long,
-                                           device=self.device)
-        self.inv_freq_short = rope_inv_freq(a.head_dim, a.rope_base, self.rope_factors_short,
-                                            device=self.device)
-
-    def inv_freq(self, ctx_size: int) -> torch.Tensor:
-        """llama.cpp's ``get_rope_factors``: the long factors when the sequence's context
-        exceeds the original one (a per-session choice: read from its memory)."""
-        return self.inv_freq_long if ctx_size > self.args.rope_orig_context \
-            else self.inv_freq_short  # fmt: skip
+        self.rope = Rope.of(self.args.rope, self.weights, self.device)
+        self.scale = self.args.attention_scale * self.rope.score_scale()
 
     def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
                 all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
@@ -136,14 +116,16 @@ class Model(BaseModel):
         t = tokens.shape[0]
         positions = positions_of(pos, t, self.device)
         x = self.token_embd(tokens)
-        rope = ops.rope_angles(positions, self.inv_freq(memory.ctx_size), a.rope_scale)
+        # the long or short factors by the sequence's context (a per-session choice)
+        angles = self.rope.angles(ops, positions, memory.ctx_size)["global"]
         nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
         eps = a.norm_eps
         n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         for b, cache, next_norm in zip(self.layers, memory, nexts):
             q, k, v = b.attn_qkv(n)
-            attn = ops.self_attention(q, k, v, None, None, eps, rope, cache, pos, positions,
-                                      head_dim=a.head_dim, neox=True, scale=a.attention_scale)
+            q, k = self.rope.arrange(q), self.rope.arrange(k)
+            attn = ops.self_attention(q, k, v, None, None, eps, angles, cache, pos, positions,
+                                      head_dim=a.head_dim, neox=True, scale=self.scale)
             h, n = ops.residual_norm(x, b.attn_output(attn), None, b.ffn_norm, eps)
             gate, up = b.ffn_up(n)
             x, n = ops.residual_norm(h, b.ffn_down(ops.gated(gate, up, "silu")), None,

@@ -67,6 +67,27 @@ _LLAMA3_SPECIALS = tuple(
     for i in range(256)
 )
 
+_MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]")
+_HUNYUAN_SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|extra_0|>")
+# Ministral 3's RoPE and attention temperature (the keys llama.cpp's converter writes)
+_MINISTRAL3_ROPE = {
+    "mistral3.rope.scaling.type": "yarn", "mistral3.rope.scaling.factor": 16.0,
+    "mistral3.rope.scaling.original_context_length": 16384,
+    "mistral3.rope.scaling.yarn_beta_fast": 32.0, "mistral3.rope.scaling.yarn_beta_slow": 1.0,
+    "mistral3.rope.scaling.yarn_log_multiplier": 1.0,
+    "mistral3.attention.temperature_scale": 0.1}
+
+
+def _xielu(n_layers: int) -> dict:
+    """Apertus' xIELU parameters, one per layer, as the checkpoint stores them (before
+    softplus): near its initial values alpha_p = alpha_n = 0.8, beta = 0.5, eps = -1e-6,
+    varied per layer."""
+    ramp = [i / max(1, n_layers - 1) for i in range(n_layers)]
+    return {"xielu.alpha_n": [0.4 + 0.5 * r for r in ramp],
+            "xielu.alpha_p": [0.6 - 0.4 * r for r in ramp],
+            "xielu.beta": [0.5] * n_layers, "xielu.eps": [-1e-6] * n_layers}
+
+
 GEOMETRIES: dict[str, Geometry] = {
     # Meta-Llama-3-8B (config.json of the HF release)
     "llama3-8b": Geometry(
@@ -145,6 +166,48 @@ GEOMETRIES: dict[str, Geometry] = {
         "gpt2", "llama-bpe", specials=("<|endoftext|>", "<fim_prefix>"), tied_output=True,
         extra={"granite.embedding_scale": 12.0, "granite.residual_scale": 0.22,
                "granite.attention.scale": 0.0078125, "granite.logit_scale": 16.0}),
+    # Ministral-3-8B / 3B (architecture mistral3): YaRN x16 over 16384 tokens with its log
+    # multiplier, Llama 4's attention temperature (Ministral3Config's defaults)
+    "ministral3-8b": Geometry(
+        "ministral3-8b", "mistral3", 131072, 34, 4096, 32, 8, 128, 14336, 262144, 1000000.0,
+        1e-5, "gpt2", "tekken", specials=_MISTRAL_SPECIALS, extra=_MINISTRAL3_ROPE),
+    "ministral3-3b": Geometry(
+        "ministral3-3b", "mistral3", 131072, 26, 3072, 32, 8, 128, 9216, 262144, 1000000.0,
+        1e-5, "gpt2", "tekken", specials=_MISTRAL_SPECIALS, tied_output=True,
+        extra=_MINISTRAL3_ROPE),
+    # SmolLM3-3B: every 4th layer without RoPE, tied output
+    "smollm3-3b": Geometry(
+        "smollm3-3b", "smollm3", 128256, 36, 2048, 16, 4, 128, 11008, 65536, 5000000.0, 1e-6,
+        "gpt2", "llama-bpe", specials=_LLAMA3_SPECIALS, tied_output=True),
+    # Apertus-8B: xIELU FFN (per-layer parameters), QK-norm, Llama 3 RoPE factors
+    "apertus-8b": Geometry(
+        "apertus-8b", "apertus", 131072, 32, 4096, 32, 8, 128, 21504, 65536, 12000000.0, 1e-5,
+        "gpt2", "tekken", specials=_MISTRAL_SPECIALS, optional=("rope_freqs.weight",),
+        extra=_xielu(32)),
+    # Seed-OSS-36B: QKV biases, head size 128 with 80 query heads
+    "seed-oss-36b": Geometry(
+        "seed-oss-36b", "seed_oss", 155136, 64, 5120, 80, 8, 128, 27648, 524288, 10000000.0,
+        1e-6, "gpt2", "seed-coder", specials=("<seed:bos>", "<seed:eos>", "<seed:pad>"),
+        qkv_bias=True),
+    # EXAONE-4.0-32B: post-norms, three sliding (4096, RoPE) layers to one global (NoPE)
+    "exaone4-32b": Geometry(
+        "exaone4-32b", "exaone4", 102400, 64, 5120, 40, 8, 128, 27392, 131072, 1000000.0, 1e-5,
+        "gpt2", "exaone4", specials=("[PAD]", "[BOS]", "[EOS]", "[UNK]"), sliding_window=4096,
+        optional=("rope_freqs.weight",)),
+    # EXAONE-4.0-1.2B: every layer global with RoPE, tied output
+    "exaone4-1.2b": Geometry(
+        "exaone4-1.2b", "exaone4", 102400, 30, 2048, 32, 8, 64, 4096, 65536, 1000000.0, 1e-5,
+        "gpt2", "exaone4", specials=("[PAD]", "[BOS]", "[EOS]", "[UNK]"), tied_output=True,
+        optional=("rope_freqs.weight",)),
+    # Hunyuan-7B (dense): QK-norm after RoPE, NTK-scaled base (rope.scaling.alpha)
+    "hunyuan-7b": Geometry(
+        "hunyuan-7b", "hunyuan-dense", 128167, 32, 4096, 32, 8, 128, 14336, 262144, 10000.0,
+        1e-5, "gpt2", "hunyuan-dense", specials=_HUNYUAN_SPECIALS,
+        extra={"hunyuan-dense.rope.scaling.alpha": 1000.0}),
+    # ERNIE-4.5-0.3B (dense): SentencePiece vocabulary, tied output
+    "ernie4.5-0.3b": Geometry(
+        "ernie4.5-0.3b", "ernie4_5", 103424, 18, 1024, 16, 2, 64, 3072, 131072, 500000.0,
+        1e-5, "llama", "default", specials=("<unk>", "<s>", "</s>", "<pad>"), tied_output=True),
     # ---- 0.5-1B geometries of every family (bench/bench_families.py) ----------------------
     # Gemma-3-1B: 5 of 6 layers sliding (512), MQA, head size 256
     "gemma3-1b": Geometry(
@@ -180,12 +243,91 @@ GEOMETRIES: dict[str, Geometry] = {
         "gpt2", "llama-bpe", specials=("<|endoftext|>", "<fim_prefix>"), tied_output=True,
         extra={"granite.embedding_scale": 12.0, "granite.residual_scale": 0.22,
                "granite.attention.scale": 0.015625, "granite.logit_scale": 8.0}),
+    # Ministral-3-3B's layers and vocabulary, 8 of its 26 layers
+    "ministral3-1b": Geometry(
+        "ministral3-1b", "mistral3", 131072, 8, 3072, 32, 8, 128, 9216, 262144, 1000000.0,
+        1e-5, "gpt2", "tekken", specials=_MISTRAL_SPECIALS, tied_output=True,
+        extra=_MINISTRAL3_ROPE),
+    # SmolLM3-3B's layers and vocabulary, 12 of its 36 layers
+    "smollm3-1b": Geometry(
+        "smollm3-1b", "smollm3", 128256, 12, 2048, 16, 4, 128, 11008, 65536, 5000000.0, 1e-6,
+        "gpt2", "llama-bpe", specials=_LLAMA3_SPECIALS, tied_output=True),
+    # Apertus-8B's proportions at 1B (head size, GQA ratio, xIELU FFN of 5.25x)
+    "apertus-1b": Geometry(
+        "apertus-1b", "apertus", 131072, 12, 2048, 16, 4, 128, 10752, 65536, 12000000.0, 1e-5,
+        "gpt2", "tekken", specials=_MISTRAL_SPECIALS, optional=("rope_freqs.weight",),
+        extra=_xielu(12)),
+    # Seed-OSS-36B's vocabulary, head size and GQA ratio at 1B
+    "seed-oss-1b": Geometry(
+        "seed-oss-1b", "seed_oss", 155136, 12, 2048, 32, 4, 64, 5632, 524288, 10000000.0,
+        1e-6, "gpt2", "seed-coder", specials=("<seed:bos>", "<seed:eos>", "<seed:pad>"),
+        qkv_bias=True),
+    # Hunyuan-1.8B's layers and vocabulary, 16 of its 32 layers
+    "hunyuan-1b": Geometry(
+        "hunyuan-1b", "hunyuan-dense", 120818, 16, 2048, 16, 4, 128, 6144, 262144, 10000.0,
+        1e-5, "gpt2", "hunyuan-dense", specials=_HUNYUAN_SPECIALS, tied_output=True,
+        extra={"hunyuan-dense.rope.scaling.alpha": 1000.0}),
+    # ERNIE-4.5-0.3B's vocabulary, head size and GQA ratio at 1B
+    "ernie4.5-1b": Geometry(
+        "ernie4.5-1b", "ernie4_5", 103424, 16, 2048, 32, 4, 64, 6144, 131072, 500000.0,
+        1e-5, "llama", "default", specials=("<unk>", "<s>", "</s>", "<pad>"), tied_output=True),
     # Qwen3-30B-A3B's proportions at 1B: 64 experts, 8 used (0.3B active), expert FFN 256
     "qwen3moe-1b": Geometry(
         "qwen3moe-1b", "qwen3moe", 151936, 16, 1024, 16, 4, 128, 3072, 40960, 1000000.0,
         1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
         n_pad_tokens=290, extra={"qwen3moe.expert_count": 64, "qwen3moe.expert_used_count": 8,
                                  "qwen3moe.expert_feed_forward_length": 256}),
+    # ---- hybrid and state-space models (issue #27) ------------------------------------------
+    # Mamba2-370m (state-spaces): 48 Mamba2 layers, GPT-NeoX vocabulary padded to 16
+    "mamba2-370m": Geometry(
+        "mamba2-370m", "mamba2", 50288, 48, 1024, 0, 0, 0, 0, 1 << 20, 10000.0, 1e-5,
+        "gpt2", "gpt-2", specials=("<|endoftext|>",), tied_output=True,
+        extra={"mamba2.ssm.conv_kernel": 4, "mamba2.ssm.inner_size": 2048,
+               "mamba2.ssm.state_size": 128, "mamba2.ssm.time_step_rank": 32,
+               "mamba2.ssm.group_count": 1}),
+    # Granite-4.0-H-1B's proportions: 40 layers, 4 of them attention (9:1), no positions,
+    # Mamba2 of 48 heads x 64, SwiGLU 4096, tied output
+    "granite4-1b": Geometry(
+        "granite4-1b", "granitehybrid", 100352, 40, 1536, 12, 4, 128, 4096, 131072, 10000.0,
+        1e-5, "gpt2", "dbrx", specials=("<|end_of_text|>", "<|start_of_role|>",
+                                        "<|end_of_role|>"),
+        tied_output=True, optional=("ssm_conv1d.bias",),
+        extra={"granitehybrid.attention.head_count_kv": [4 if i % 10 == 9 else 0
+                                                          for i in range(40)],
+               "granitehybrid.ssm.conv_kernel": 4, "granitehybrid.ssm.inner_size": 3072,
+               "granitehybrid.ssm.state_size": 128, "granitehybrid.ssm.time_step_rank": 48,
+               "granitehybrid.ssm.group_count": 1, "granitehybrid.rope.scaling.finetuned": False,
+               "granitehybrid.embedding_scale": 12.0, "granitehybrid.residual_scale": 0.246,
+               "granitehybrid.attention.scale": 0.0078125, "granitehybrid.logit_scale": 6.0}),
+    # LFM2-1.2B: 16 layers, attention at 2, 5, 8, 10, 12, 14, short convolutions of 3 taps
+    "lfm2-1.2b": Geometry(
+        "lfm2-1.2b", "lfm2", 65536, 16, 2048, 32, 8, 64, 8192, 128000, 1000000.0, 1e-5,
+        "gpt2", "lfm2", specials=("<|startoftext|>", "<|im_end|>", "<|pad|>"),
+        tied_output=True,
+        extra={"lfm2.attention.head_count_kv": [8 if i in (2, 5, 8, 10, 12, 14) else 0
+                                                 for i in range(16)],
+               "lfm2.shortconv.l_cache": 3}),
+    # Falcon-H1-0.5B's proportions: 36 layers, each attention (8 heads, 2 KV) beside a
+    # Mamba2 (24 heads x 64)
+    "falcon-h1-0.5b": Geometry(
+        "falcon-h1-0.5b", "falcon-h1", 32784, 36, 1024, 8, 2, 64, 2048, 16384, 100000000000.0,
+        1e-5, "gpt2", "falcon-h1", specials=("<|end_of_text|>", "<|begin_of_text|>"),
+        optional=("ssm_conv1d.bias",),
+        extra={"falcon-h1.ssm.conv_kernel": 4, "falcon-h1.ssm.inner_size": 1536,
+               "falcon-h1.ssm.state_size": 128, "falcon-h1.ssm.time_step_rank": 24,
+               "falcon-h1.ssm.group_count": 1}),
+    # Nemotron-H-4B's proportions: 52 layers alternating Mamba2 (112 heads x 64, 8 groups)
+    # or attention with a squared-ReLU FFN; 4 attention layers
+    "nemotron-h-4b": Geometry(
+        "nemotron-h-4b", "nemotron_h", 131072, 52, 3072, 32, 8, 128, 12288, 8192, 10000.0,
+        1e-5, "gpt2", "llama-bpe", specials=("<s>", "</s>"), optional=("ssm_conv1d.bias",),
+        extra={"nemotron_h.attention.head_count_kv": [8 if i in (14, 22, 34, 44) else 0
+                                                       for i in range(52)],
+               "nemotron_h.feed_forward_length": [12288 if i % 2 else 0 for i in range(52)],
+               "nemotron_h.attention.layer_norm_epsilon": 1e-5,
+               "nemotron_h.ssm.conv_kernel": 4, "nemotron_h.ssm.inner_size": 7168,
+               "nemotron_h.ssm.state_size": 128, "nemotron_h.ssm.time_step_rank": 112,
+               "nemotron_h.ssm.group_count": 8}),
 }
 
 
@@ -198,8 +340,22 @@ def tensor_shapes(g: Geometry) -> list[tuple[str, tuple[int, ...]]]:
     args = model_args(_hparams(g), g.n_vocab)
     return [(s.name, s.shape) for s in tensor_specs(args)
             if not s.optional or (s.name == "output.weight" and not g.tied_output)
-            or s.name in g.optional or (g.qkv_bias and ".bias" in s.name
-                                       and "attn_output" not in s.name)]
+            or s.name in g.optional or _unlayered(s.name) in g.optional
+            or (g.qkv_bias and ".bias" in s.name and "attn_output" not in s.name)]
+
+
+def _unlayered(name: str) -> str:
+    """``blk.3.ssm_conv1d.bias`` -> ``ssm_conv1d.bias`` (a per-layer optional tensor in
+    ``Geometry.optional`` names every layer's)."""
+    return name.split(".", 2)[2] if name.startswith("blk.") else name
+
+
+def _stored_f32(name: str, shape: tuple[int, ...]) -> bool:
+    """Vectors and the state-space parameters (``models.base.DENSE_TENSORS``: llama.cpp's
+    SSM kernels read them as F32) are written F32; other matrices F16 before the recipe."""
+    from .base import DENSE_TENSORS, layer_of
+
+    return len(shape) == 1 or layer_of(name)[1] in DENSE_TENSORS
 
 
 def tensor_types(g: Geometry, quant: str) -> dict[str, GGMLQuantizationType]:
@@ -207,7 +363,7 @@ def tensor_types(g: Geometry, quant: str) -> dict[str, GGMLQuantizationType]:
     from ..quantize.recipe import parse_file_type, plan
 
     ftype = parse_file_type(quant)
-    tensors = [(n, s, Q.F16 if len(s) > 1 else Q.F32) for n, s in tensor_shapes(g)]
+    tensors = [(n, s, Q.F32 if _stored_f32(n, s) else Q.F16) for n, s in tensor_shapes(g)]
     return plan(tensors, _hparams(g), ftype)
 
 
@@ -329,6 +485,24 @@ _SCALE_LAYOUT: dict[GGMLQuantizationType, tuple[int, int | None, float]] = {
 _UNIT_STD: dict[GGMLQuantizationType, float] = {}
 
 
+def _ssm_values(name: str, x: np.ndarray, rng: np.random.Generator) -> np.ndarray | None:
+    """Values of a state-space tensor in the ranges of Mamba2's initialization (Dao & Gu
+    2024), from standard normals ``x``; None for other tensors. ``ssm_a``: A = -exp(U(0,
+    ln 16)) (the converter stores -exp(A_log)); ``ssm_d``: D = 1 + N(0, 0.1);
+    ``ssm_dt.bias``: softplus^-1 of dt log-uniform in [0.001, 0.1]; convolution kernels
+    (``ssm_conv1d``, LFM2's ``shortconv.conv``): N(0, 0.5)."""
+    if name.endswith(".ssm_a"):
+        return -np.exp(rng.uniform(0.0, np.log(16.0), x.size)).astype(np.float32)
+    if name.endswith(".ssm_d"):
+        return (1.0 + 0.1 * x).astype(np.float32)
+    if name.endswith("ssm_dt.bias"):
+        dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), x.size))
+        return (dt + np.log(-np.expm1(-dt))).astype(np.float32)
+    if name.endswith(("ssm_conv1d.weight", "shortconv.conv.weight")):
+        return (0.5 * x).astype(np.float32)
+    return None
+
+
 def _random_blocks(qtype: GGMLQuantizationType, n_blocks: int, d: float,
                    rng: np.random.Generator) -> np.ndarray:
     """``n_blocks`` random blocks of ``qtype`` with scales ``d`` x U(0.75, 1.25): uint8
@@ -364,13 +538,17 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
     """Random data of one tensor as the bytes GGUF stores: uint8 (n_bytes,).
 
     Norm weights are 1 + N(0, 0.02) (Gemma's GGUF norms already include its +1); RoPE
-    frequency factors (``rope_freqs``, ``rope_factors_*``) 1 + |N(0, 2)|; biases and
-    float matrices are N(0, ``std``); quantized matrices dequantize to std ~``std``.
+    frequency factors (``rope_freqs``, ``rope_factors_*``) 1 + |N(0, 2)|; state-space
+    parameters as :func:`_ssm_values` makes them; biases and float matrices are
+    N(0, ``std``); quantized matrices dequantize to std ~``std``.
     """
     n = int(np.prod(shape))
     if qtype in (Q.F32, Q.F16, Q.BF16):
         x = rng.standard_normal(n, dtype=np.float32)
-        if "norm" in name:
+        ssm = _ssm_values(name, x, rng)
+        if ssm is not None:
+            x = ssm
+        elif "norm" in name:
             x *= WEIGHT_STD
             x += 1.0
         elif name.startswith("rope_f"):
@@ -444,11 +622,13 @@ def cache_path(name: str, quant: str) -> Path:
 
 
 def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: int = 0,
-                    weight_std: float = WEIGHT_STD,
+                    weight_std: float = WEIGHT_STD, stem_std: dict[str, float] | None = None,
                     progress: Callable[[int, int], None] | None = None) -> Path:
     """Write a random-weights GGUF of ``geometry`` with the tensor types of recipe ``quant``.
 
-    ``weight_std``: standard deviation of the matrices (larger: a more peaked next-token
+    ``stem_std``: another standard deviation for the tensors of some stems (``{"ssm_in":
+    0.05}``: a state-space input projection whose time steps stay small, as trained ones
+    do). ``weight_std``: standard deviation of the matrices (larger: a more peaked next-token
     distribution, as the llama.cpp comparison fixtures use). The file is a deterministic
     function of the arguments.
 
@@ -463,6 +643,7 @@ def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: i
         LocalLLMError: not enough disk space, or the file cannot be written.
     """
     from ..quantize.recipe import FILE_TYPES
+    from .base import layer_of
 
     path = Path(path)
     quant = quant.upper()
@@ -498,7 +679,8 @@ def write_synthetic(path: str | Path, geometry: Geometry, quant: str, *, seed: i
         w.write_ti_data_to_file()
         done = 0
         for name, shape in shapes:
-            data = random_tensor(name, shape, types[name], rng, weight_std)
+            std = (stem_std or {}).get(layer_of(name)[1], weight_std)
+            data = random_tensor(name, shape, types[name], rng, std)
             w.write_tensor_data(data)  # straight to the file: one tensor in memory at a time
             done += data.nbytes
             del data
@@ -520,8 +702,8 @@ def _add_kv(w: GGUFWriter, key: str, value) -> None:
     elif isinstance(value, str):
         w.add_string(key, value)
     elif isinstance(value, list):
-        sub = (V.STRING if isinstance(value[0], str) else
-               V.FLOAT32 if isinstance(value[0], float) else V.INT32)
+        sub = (V.STRING if isinstance(value[0], str) else V.BOOL if isinstance(value[0], bool)
+               else V.FLOAT32 if isinstance(value[0], float) else V.INT32)
         w.add_key_value(key, value, V.ARRAY, sub)
     else:
         raise TypeError(f"{key}: cannot store {type(value).__name__}")

@@ -77,14 +77,19 @@ class DecodeGraph:
     def _capture(self) -> None:
         """Warm up on a side stream (compiles the Triton kernels, fills the allocator's pool),
         then capture one step. Warm-up writes the same keys and values at the same position
-        as the step itself, so it changes nothing."""
+        as the step itself, so it changes nothing in a KV cache; a recurrent state, which
+        every step folds into, is put back as it was before (``rewritten``)."""
         try:
+            saved = [(t, t.clone()) for m in self.memory for t in m.rewritten()]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
                     self._forward()
             torch.cuda.current_stream().wait_stream(stream)
+            for t, copy in saved:
+                t.copy_(copy)
+            del saved
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self.logits = self._forward()

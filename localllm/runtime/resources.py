@@ -39,10 +39,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import LocalLLMError
+from ..errors import InsufficientMemoryError
 from ..memory import layout_bytes
 from ..models import memory_layout
-from ..models.base import FLOAT32_MATRICES
+from ..models.base import DENSE_TENSORS, FLOAT32_MATRICES, layer_of
 
 SKIP_ENV = "LOCALLLM_SKIP_MEMORY_CHECK"
 CUDA_WORKSPACE = 256 * 2**20  # activations, logits and allocator slack on the GPU (bytes)
@@ -97,9 +97,9 @@ def _kept_in_blocks(device: torch.device):
 
 def stored_bytes(info, quantized: bool, dtype: torch.dtype = torch.float16) -> int:
     """Bytes the runtime holds for one GGUF tensor (a ``TensorInfo``): its file bytes when
-    ``quantized`` and a matrix, else ``dtype`` elements for matrices, float32 for vectors and
-    MoE routers (``models.base.FLOAT32_MATRICES``)."""
-    if len(info.shape) < 2 or info.name.split(".")[-2] in FLOAT32_MATRICES:
+    ``quantized`` and a matrix, else ``dtype`` elements for matrices, float32 for vectors, MoE
+    routers and state-space parameters (``models.base.FLOAT32_MATRICES``, ``DENSE_TENSORS``)."""
+    if len(info.shape) < 2 or layer_of(info.name)[1] in (*FLOAT32_MATRICES, *DENSE_TENSORS):
         return info.n_elements * 4
     if quantized:
         return info.n_bytes
@@ -254,8 +254,8 @@ def check_memory(gguf, args, ctx_size: int | None, device: torch.device,
     Returns the estimate (also when the check is skipped by ``LOCALLLM_SKIP_MEMORY_CHECK=1``
     or the free memory is unknown).
     Raises:
-        LocalLLMError: one line naming the memory needed (weights + KV cache at --ctx-size)
-            and the memory free.
+        InsufficientMemoryError: one line naming the memory needed (weights + KV cache at
+            --ctx-size) and the memory free.
     """
     est = estimate_memory(gguf, args, ctx_size, device, dtype, quantized=quantized)
     if os.environ.get(SKIP_ENV, "") not in ("", "0"):
@@ -269,7 +269,7 @@ def check_memory(gguf, args, ctx_size: int | None, device: torch.device,
     if ctx_size:
         parts += (f" + KV cache {format_bytes(est.kv_cache)} at --ctx-size "
                   f"{min(ctx_size, args.context_length)}")
-    raise LocalLLMError(
+    raise InsufficientMemoryError(
         f"{gguf.path.name}: model needs {format_bytes(est.total)} ({parts}) but only "
         f"{format_bytes(free)} is free on {device.type} (lower --ctx-size, or set "
         f"{SKIP_ENV}=1 to try anyway)"

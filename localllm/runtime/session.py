@@ -67,14 +67,16 @@ class LoadedModel:
     _sha256: str | None = None
 
     def sha256(self) -> str:
-        """Hex SHA-256 of the model file (computed once, about 1 s per GB)."""
+        """Hex SHA-256 of the model file, of all its parts in order for a split model
+        (computed once, about 1 s per GB)."""
         if self._sha256 is None:
             import hashlib
 
             h = hashlib.sha256()
-            with open(self.gguf.path, "rb") as f:
-                while chunk := f.read(1 << 22):
-                    h.update(chunk)
+            for path in self.gguf.files:
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 22):
+                        h.update(chunk)
             self._sha256 = h.hexdigest()
         return self._sha256
 
@@ -263,19 +265,21 @@ class Session:
         logits = torch.cat(outs) if all_logits else outs[-1][-1]
         return logits.float()
 
-    def truncate(self, n: int) -> None:
+    def truncate(self, n: int) -> int:
         """Keep the first ``n`` tokens: the memory goes back to the longest prefix it can
         restore (any, for KV caches; a checkpoint, for recurrent states and wrapped rings)
-        and the rest up to ``n`` is recomputed."""
+        and the rest up to ``n`` is recomputed. Returns how many tokens were kept without
+        recomputation."""
         n = max(0, min(n, self.n_past))
         if n == self.n_past:
-            return
+            return n
         keep = self.tokens[:n]
         m = self.memory.restorable(n)
         self.memory.truncate(m)
         del self.tokens[m:]
         if m < n:
             self.eval(keep[m:])
+        return m
 
     def reset(self) -> None:
         """Forget every token."""
@@ -291,7 +295,8 @@ class Session:
 
         Tensors: ``tokens`` int64 (n,); per layer ``{i}.{name}``, its memory's ``state()``
         (``{i}.k`` / ``{i}.v`` (n_kv_heads, n, head_dim) for full caches, the whole ring and
-        ``{i}.positions`` for sliding-window layers, the state tensors of recurrent layers).
+        ``{i}.positions`` for sliding-window layers, the state tensors of recurrent layers and
+        those of their latest checkpoint, ``{i}.{name}@{position}``).
         Metadata: the model file's SHA-256, its name, the geometry and ``ctx_size``.
         Raises:
             LocalLLMError: the file cannot be written, or ``path`` is a device, FIFO, socket or
@@ -376,9 +381,10 @@ def prefill(session: Session, prompt_ids: Sequence[int]) -> tuple[torch.Tensor, 
     """Bring the session's cache to exactly ``prompt_ids`` and return the next-token logits.
 
     Tokens already in the cache are reused (at least the last prompt token is recomputed,
-    for its logits). Returns (logits (n_vocab,) float32, number of reused tokens).
+    for its logits; a recurrent state goes back to its nearest checkpoint and recomputes
+    from there). Returns (logits (n_vocab,) float32, number of reused tokens: those not
+    recomputed).
     """
     keep = min(common_prefix(session.tokens, prompt_ids), len(prompt_ids) - 1)
-    session.truncate(keep)
-    reused = session.n_past
-    return session.eval(prompt_ids[reused:]), reused
+    reused = session.truncate(keep)
+    return session.eval(prompt_ids[session.n_past:]), reused

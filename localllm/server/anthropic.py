@@ -32,7 +32,7 @@ from typing import Any, Literal
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..api.chat import TurnRun, prepare_chat, render_chat
+from ..api.chat import TurnRun, prepare_chat, render_chat, with_default_system
 from ..api.completions import timings_dict
 from ..api.schema import ChatParams, InvalidRequest, check_json, parse
 from ..chat.events import Event
@@ -378,7 +378,8 @@ def count_tokens(llm, parsed: _Parsed) -> dict:
     """``/v1/messages/count_tokens``: the prompt's tokens."""
     params = parsed.params
     tools = params.tool_dicts() if params.tool_choice != "none" else []
-    prompt = render_chat(llm, params.template_messages(), tools=tools or None)
+    prompt = render_chat(llm, with_default_system(llm.entry, params.template_messages()),
+                         tools=tools or None)
     return {"input_tokens": len(prompt.ids)}
 
 
@@ -392,17 +393,8 @@ def register(app, api) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count(request: Request):
-        try:
-            parsed = await api.parse(request, lambda b: parse_messages(b, CountRequest))
-            result = count_tokens(api.llm, parsed)
-        except InvalidRequest as e:
-            api.metrics.count("/v1/messages/count_tokens", 400)
-            return ANTHROPIC.reply(Failure(400, str(e), param=e.param))
-        except Exception as e:  # noqa: BLE001 - a template that fails: the client's request
-            api.metrics.count("/v1/messages/count_tokens", 400)
-            return ANTHROPIC.reply(Failure(400, f"{type(e).__name__}: {e}"))
-        api.metrics.count("/v1/messages/count_tokens", 200)
-        return result
+        return await api.quick(request, "/v1/messages/count_tokens",
+                               lambda b: parse_messages(b, CountRequest), count_tokens, ANTHROPIC)
 
 
 __all__ = ["ANTHROPIC", "AnthropicStyle", "create_message", "parse_messages", "register",

@@ -10,8 +10,13 @@
   chat turns (:mod:`localllm.api.chat`);
 * ``POST /v1/embeddings``, ``POST /tokenize``, ``POST /detokenize``, ``GET /props``
   (:mod:`localllm.server.extras`);
-* ``GET /v1/models`` (with the context length), ``GET /health``, ``GET /metrics`` (Prometheus
-  text, ``prometheus-client``: :mod:`localllm.server.metrics`).
+* ``GET /v1/models`` (with the context length of the loaded ones), ``GET /health``,
+  ``GET /metrics`` (Prometheus text, ``prometheus-client``: :mod:`localllm.server.metrics`),
+  ``GET /api/ps`` (Ollama's: the models loaded, their memory and expiry).
+
+The request's ``model`` picks the model among those a :class:`~localllm.server.models.
+ModelManager` serves (loaded on first use, evicted least-recently-used, unloaded when idle);
+an unknown model is a 404 with code ``model_not_found``, as OpenAI answers.
 
 The runtime holds one sequence, so requests run one at a time, in the order they arrived, on
 one worker thread; at most ``max_queue`` wait (then 503 with ``Retry-After``). A client that
@@ -22,9 +27,7 @@ never returns) is given up by a watchdog a grace period later: its client gets t
 ``/health`` answers 503 and new requests are refused with 503 until the worker is free again.
 ``api_key`` requires ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``) on
 ``/v1/*`` and the llama-server endpoints (401 otherwise; compared in constant time). Bodies
-over ``max_body`` bytes get 413. A request's ``model`` must name the served model (its
-name, file name or an ``alias``; absent is fine): else 404 ``model_not_found``, as OpenAI
-answers. Every error is an OpenAI error object ``{"error": {"message", "type", "param",
+over ``max_body`` bytes get 413. Every error is an OpenAI error object ``{"error": {"message", "type", "param",
 "code"}}`` (Anthropic's ``{"type": "error", "error": {"type", "message"}}`` on
 ``/v1/messages``): 400 for invalid requests (the parameter named), never a traceback. Streams
 are server-sent events (``sse-starlette``, with keep-alive comments). ``cors_origins`` lets
@@ -59,9 +62,15 @@ from ..api.chat import create_chat_completion
 from ..api.completions import create_completion
 from ..api.core import GenerationTimeout
 from ..api.schema import ChatParams, CompletionParams, InvalidRequest, parse
-from ..errors import ContextOverflowError, LocalLLMError
+from ..errors import (
+    ContextOverflowError,
+    InsufficientMemoryError,
+    LocalLLMError,
+    ModelNotFoundError,
+)
 from .metrics import CONTENT_TYPE, Metrics
-from .protocol import OPENAI, Failure, JSONReply, ModelNotServed, Style, dumps, read_json
+from .models import ModelManager
+from .protocol import OPENAI, Failure, JSONReply, Style, dumps, read_json
 
 _END = object()
 _INLINE_BODY = 64 << 10  # bodies up to this size are checked on the event loop
@@ -160,7 +169,7 @@ def _stderr_line(text: str) -> None:
 
 # Paths that need the API key when one is set (llama-server protects its own endpoints too);
 # /health and /metrics stay open to monitors.
-PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/props", "/embedding")
+PROTECTED = ("/v1/", "/api/", "/tokenize", "/detokenize", "/props", "/embedding")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
 
 
@@ -342,16 +351,14 @@ class Api:
     :mod:`~localllm.server.extras`) register their routes with it.
 
     Attributes:
-        llm: the served model.
-        names: the model names a request's ``model`` may give.
+        models: the served models (:meth:`use` picks a request's).
         n_predict / timeout: the server's caps (``--n-predict``, ``--timeout``).
         metrics: the ``/metrics`` counters.
     """
 
-    def __init__(self, llm, *, max_queue: int, n_predict: int, timeout: float,
-                 aliases: tuple[str, ...] = ()) -> None:
-        self.llm = llm
-        self.names = {llm.model_name, llm.path.name, llm.path.stem, *aliases}
+    def __init__(self, models: ModelManager, *, max_queue: int, n_predict: int,
+                 timeout: float) -> None:
+        self.models = models
         self.n_predict = n_predict
         self.timeout = timeout
         self.scheduler = Scheduler(max_queue)
@@ -376,16 +383,49 @@ class Api:
                        "not stop", "unavailable_error", code="worker_stuck",
                        headers={"Retry-After": "5"})
 
-    def check_model(self, name: str | None) -> None:
-        """Raises :class:`ModelNotServed` unless ``name`` is None or a served name."""
-        if name is not None and name not in self.names:
-            raise ModelNotServed(name, sorted(self.names))
+    def use(self, name: str | None):
+        """The model a request names, loaded if needed and held while the block runs (see
+        :meth:`ModelManager.use`; call it on a worker thread: it may load a model)."""
+        return self.models.use(name)
+
+    @staticmethod
+    def failure(e: LocalLLMError) -> Failure:
+        """The answer to an error a request's job raised."""
+        if isinstance(e, ModelNotFoundError):
+            return Failure(404, str(e), param="model", code="model_not_found")
+        if isinstance(e, InsufficientMemoryError):
+            return Failure(503, str(e), "unavailable_error", code="insufficient_memory")
+        if isinstance(e, GenerationTimeout):
+            return Failure(504, str(e), "server_error", code="generation_timeout")
+        code = "context_length_exceeded" if isinstance(e, ContextOverflowError) else None
+        param = e.param if isinstance(e, InvalidRequest) else None
+        return Failure(400, str(e), code=code, param=param)
 
     async def parse(self, request: Request, parse: Callable[[bytes], Any]) -> Any:
         """The request's parameters: ``parse(body)``, off the event loop for a large body
         (which keeps answering /health among others; a small one is not worth the hop)."""
         body = await request.body()
         return parse(body) if len(body) < _INLINE_BODY else await asyncio.to_thread(parse, body)
+
+    async def quick(self, request: Request, endpoint: str, parse: Callable[[bytes], Any] | None,
+                    work: Callable[[Any, Any], Any], style: Style = OPENAI) -> Any:
+        """Answer a request that generates nothing (``/tokenize``, ``count_tokens`` ...):
+        ``work(llm, params)`` on a thread, out of the generation queue, with the model the
+        request names (``parse`` None: no body, the default model)."""
+        try:
+            params = None if parse is None else await self.parse(request, parse)
+
+            def run() -> Any:
+                with self.use(getattr(params, "model", None)) as llm:
+                    return work(llm, params)
+
+            result = await asyncio.to_thread(run)
+        except LocalLLMError as e:
+            failure = self.failure(e)
+            self.metrics.count(endpoint, failure.status)
+            return style.reply(failure)
+        self.metrics.count(endpoint, 200)
+        return result
 
     async def answer(self, request: Request, endpoint: str, parse: Callable[[bytes], Any],
                      call: Callable[..., Any], style: Style = OPENAI) -> Response:
@@ -396,13 +436,9 @@ class Api:
         record = request.scope.get("localllm.log") or {}
         try:
             params = await self.parse(request, parse)
-            self.check_model(getattr(params, "model", None))
         except InvalidRequest as e:
             metrics.count(endpoint, 400)
             return style.reply(Failure(400, str(e), param=e.param))
-        except ModelNotServed as e:
-            metrics.count(endpoint, 404)
-            return style.reply(e.failure())
         if self.stuck():
             metrics.count(endpoint, 503)
             return style.reply(self.stuck_failure())
@@ -425,32 +461,30 @@ class Api:
 
         def job() -> None:
             ticket.started = time.monotonic()
-            result = None
             try:
                 if ticket.cancel.is_set():
                     return
-                result = call(self.llm, params, n_predict=self.n_predict,
-                              time_limit=self.timeout, cancel=ticket.cancel)
-                if stream:
-                    for item in result:
-                        account(item)
-                        put(item)
-                        if ticket.cancel.is_set():
-                            break
-                else:
-                    account(result)
-                    put(result)
-            except GenerationTimeout as e:
-                put(Failure(504, str(e), "server_error", code="generation_timeout"))
+                with self.use(getattr(params, "model", None)) as llm:  # loaded on first use
+                    result = call(llm, params, n_predict=self.n_predict,
+                                  time_limit=self.timeout, cancel=ticket.cancel)
+                    try:
+                        if stream:
+                            for item in result:
+                                account(item)
+                                put(item)
+                                if ticket.cancel.is_set():
+                                    break
+                        else:
+                            account(result)
+                            put(result)
+                    finally:
+                        if stream:
+                            result.close()  # releases the LLM's lock if the client went away
             except LocalLLMError as e:
-                code = "context_length_exceeded" if isinstance(e, ContextOverflowError) else None
-                param = e.param if isinstance(e, InvalidRequest) else None
-                put(Failure(400, str(e), code=code, param=param))
+                put(self.failure(e))
             except Exception as e:  # noqa: BLE001 (a bug: answer without a traceback, keep serving
                 put(Failure(500, f"internal error ({type(e).__name__})", "server_error"))
             finally:
-                if stream and result is not None:
-                    result.close()  # releases the LLM's lock if the client went away
                 self.active.discard(ticket.cancel)
                 put(_END)
 
@@ -527,11 +561,14 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
                max_body: int = 8 << 20, n_predict: int = -1, timeout: float = 600.0,
                log: Callable[[str], None] | None = _stderr_line,
                cors_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] | None = None,
-               aliases: tuple[str, ...] = (), pooling: str | None = None) -> Guard:
-    """The ASGI app serving ``llm``.
+               aliases: tuple[str, ...] = (), pooling: str | None = None,
+               models: ModelManager | None = None) -> Guard:
+    """The ASGI app serving ``llm`` (and, with ``models``, the models it serves).
 
     Args:
-        llm: a loaded :class:`localllm.LLM`.
+        llm: a loaded :class:`localllm.LLM`, the default model (or None with ``models``).
+        models: which models requests may name (default: ``llm`` alone, also named by
+            ``aliases``).
         api_key: when set, the :data:`PROTECTED` paths need it (``Authorization: Bearer
             <api_key>`` or ``x-api-key: <api_key>``).
         max_queue: requests that may wait while one generates (more get 503).
@@ -542,22 +579,30 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
         cors_origins: browser origins allowed to call the server (``*``: any).
         allowed_hosts: ``Host`` header values accepted (None: any; ``serve`` gives the
             loopback names when it listens on a loopback address).
-        aliases: more names a request's ``model`` may give.
+        aliases: more names a request's ``model`` may give for ``llm`` (without ``models``).
         pooling: the embeddings' pooling (None: the GGUF's ``pooling_type``, else mean).
     """
-    api = Api(llm, max_queue=max_queue, n_predict=n_predict, timeout=timeout, aliases=aliases)
+    if models is None:
+        models = ModelManager(llm, aliases=(*aliases, llm.path.name, llm.path.stem),
+                              max_models=1, keep_alive=None)
+    api = Api(models, max_queue=max_queue, n_predict=n_predict, timeout=timeout)
     metrics = api.metrics
+    started = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        models.start()
         yield
         api.stop()
         api.scheduler.shutdown()
+        models.stop()
 
     app = FastAPI(title="localllm", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
     app.state.api = api
-    llm.reserve()  # allocate the KV cache now, not inside the first request
+    app.state.models = models
+    if llm is not None:
+        llm.reserve()  # allocate the KV cache now, not inside the first request
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -579,11 +624,19 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.text(), media_type=CONTENT_TYPE)
+        return Response(metrics.text() + models.metrics_text().encode("utf-8"),
+                        media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card(llm)]}
+    async def list_models():
+        names = await asyncio.to_thread(models.available)
+        loaded = models.loaded_models()
+        return {"object": "list", "data": [model_card(name, started, loaded.get(name))
+                                           for name in names]}
+
+    @app.get("/api/ps")
+    async def ps():
+        return {"models": models.status()}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -605,13 +658,16 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 64,
                  cors_origins=cors_origins, allowed_hosts=allowed_hosts)
 
 
-def model_card(llm) -> dict:
-    """The served model as ``/v1/models`` lists it (OpenAI's fields, the context length as
-    LM Studio and llama-server give it)."""
-    return {"id": llm.model_name, "object": "model", "created": int(llm.path.stat().st_mtime),
-            "owned_by": "localllm", "context_length": llm.ctx_size,
-            "meta": {"n_ctx": llm.ctx_size, "n_ctx_train": llm.args.context_length,
-                     "n_vocab": llm.tokenizer.n_vocab}}
+def model_card(name: str, created: int, llm=None) -> dict:
+    """A model as ``/v1/models`` lists it: OpenAI's fields; for a loaded ``llm``, its context
+    length as LM Studio (``context_length``) and llama-server (``meta``) give it."""
+    card: dict[str, Any] = {"id": name, "object": "model", "created": created,
+                            "owned_by": "localllm"}
+    if llm is not None:
+        card["context_length"] = llm.ctx_size
+        card["meta"] = {"n_ctx": llm.ctx_size, "n_ctx_train": llm.args.context_length,
+                        "n_vocab": llm.tokenizer.n_vocab}
+    return card
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -641,13 +697,13 @@ def serve(llm, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None
           max_queue: int = 64, max_body: int = 8 << 20, n_predict: int = -1,
           timeout: float = 600.0, log_level: str = "warning", on_ready=None,
           cors_origins: tuple[str, ...] = (), aliases: tuple[str, ...] = (),
-          pooling: str | None = None) -> None:
+          pooling: str | None = None, models: ModelManager | None = None) -> None:
     """Serve ``llm`` with uvicorn until interrupted (Ctrl-C, SIGTERM; the signal is raised
     again once the server has shut down, so the process exits as the signal says). On a
     loopback ``host`` only loopback ``Host`` headers are answered (see :class:`Guard`).
 
     Args:
-        n_predict, timeout, cors_origins, aliases, pooling: see :func:`create_app`.
+        n_predict, timeout, cors_origins, aliases, pooling, models: see :func:`create_app`.
         on_ready: called with the bound port once the server accepts connections.
     Raises:
         LocalLLMError: the address cannot be bound.
@@ -658,7 +714,7 @@ def serve(llm, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None
     allowed = (*LOOPBACK_NAMES, host) if is_loopback(host) else None
     app = create_app(llm, api_key=api_key, max_queue=max_queue, max_body=max_body,
                      n_predict=n_predict, timeout=timeout, cors_origins=cors_origins,
-                     allowed_hosts=allowed, aliases=aliases, pooling=pooling)
+                     allowed_hosts=allowed, aliases=aliases, pooling=pooling, models=models)
     config = uvicorn.Config(app, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)

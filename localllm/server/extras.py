@@ -15,16 +15,15 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import Request
 from fastapi.routing import APIRoute
 
 from ..api.embeddings import embed, encode_vector
-from ..api.schema import DetokenizeParams, EmbeddingParams, InvalidRequest, TokenizeParams, parse
+from ..api.schema import DetokenizeParams, EmbeddingParams, TokenizeParams, parse
 from ..errors import LocalLLMError
-from .protocol import OPENAI, Failure, ModelNotServed, read_json
+from .protocol import read_json
 
 
 def create_embeddings(pooling: str | None):
@@ -53,7 +52,6 @@ def _pieces(tokenizer, ids: list[int]) -> list[dict]:
 
 def register(app, api, *, pooling: str | None = None) -> None:
     """Add the embeddings, token and props endpoints to ``app``."""
-    llm = api.llm
     call = create_embeddings(pooling)
 
     def embeddings_at(path: str):
@@ -65,41 +63,25 @@ def register(app, api, *, pooling: str | None = None) -> None:
     for path in ("/v1/embeddings", "/embeddings"):
         app.post(path)(embeddings_at(path))
 
-    async def simple(request: Request, endpoint: str, model: type, work) -> Any:
-        try:
-            params = await api.parse(request, lambda body: parse(model, read_json(body)))
-            api.check_model(params.model)
-            result = await asyncio.to_thread(work, params)
-        except InvalidRequest as e:
-            api.metrics.count(endpoint, 400)
-            return OPENAI.reply(Failure(400, str(e), param=e.param))
-        except ModelNotServed as e:
-            api.metrics.count(endpoint, 404)
-            return OPENAI.reply(e.failure())
-        except LocalLLMError as e:
-            api.metrics.count(endpoint, 400)
-            return OPENAI.reply(Failure(400, str(e)))
-        api.metrics.count(endpoint, 200)
-        return result
-
-    def tokenize(p: TokenizeParams) -> dict:
+    def tokenize(llm, p: TokenizeParams) -> dict:
         ids = llm.tokenizer.encode(p.content, add_bos=p.add_special and llm.tokenizer.add_bos,
                                    special=p.parse_special)
         return {"tokens": _pieces(llm.tokenizer, ids) if p.with_pieces else ids}
 
-    def detokenize(p: DetokenizeParams) -> dict:
+    def detokenize(llm, p: DetokenizeParams) -> dict:
         return {"content": llm.detokenize(p.tokens)}
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
-        return await simple(request, "/tokenize", TokenizeParams, tokenize)
+        return await api.quick(request, "/tokenize",
+                               lambda body: parse(TokenizeParams, read_json(body)), tokenize)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request):
-        return await simple(request, "/detokenize", DetokenizeParams, detokenize)
+        return await api.quick(request, "/detokenize",
+                               lambda body: parse(DetokenizeParams, read_json(body)), detokenize)
 
-    @app.get("/props")
-    async def props():
+    def props(llm, _) -> dict:
         from ..chat.replies import chat_format
         from ..chat.template import template_for
 
@@ -126,6 +108,10 @@ def register(app, api, *, pooling: str | None = None) -> None:
             "modalities": {"vision": False, "audio": False},
             "endpoints": sorted(r.path for r in app.routes if isinstance(r, APIRoute)),
         }
+
+    @app.get("/props")
+    async def props_route(request: Request):
+        return await api.quick(request, "/props", None, props)
 
 
 __all__ = ["create_embeddings", "register"]

@@ -103,18 +103,5 @@ def read_json(body: bytes) -> Any:
         raise InvalidRequest("the request body is nested too deeply to parse") from None
 
 
-class ModelNotServed(Exception):
-    """A request named a model this server does not serve."""
-
-    def __init__(self, name: str, served: list[str]) -> None:
-        self.name, self.served = name, served
-
-    def failure(self) -> Failure:
-        shown = self.name if len(self.name) <= 80 else self.name[:77] + "..."
-        return Failure(404, f"The model '{shown}' does not exist or is not served here "
-                       f"(served: {', '.join(self.served)})", "invalid_request_error",
-                       code="model_not_found", param="model")
-
-
-__all__ = ["OPENAI", "Failure", "JSONReply", "ModelNotServed", "Style", "dumps", "error_body",
+__all__ = ["OPENAI", "Failure", "JSONReply", "Style", "dumps", "error_body",
            "read_json"]

@@ -25,8 +25,8 @@
 // Gemma 2 (llama.cpp's attn_soft_cap). Gemma's (1 + w) norm weights arrive with the 1 added
 // (llama.cpp's converter does it), so every norm here is x / rms(x) * w.
 //
-// Vectorized for AVX-512 (16 lanes) or AVX2+FMA (8 lanes), chosen at compile time
-// (-march=native), with a portable fallback. Rows (and attention heads) are split over
+// Vectorized 16 lanes at a time (simd.h's vf: AVX-512, AVX2 or portable, chosen at compile
+// time, -march=native). Rows (and attention heads) are split over
 // threads with at::parallel_for only when there is enough work (prefill); a one-token step
 // runs on the calling thread.
 
@@ -35,10 +35,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -50,107 +46,47 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 // Elements per parallel task: below this a loop stays on the calling thread.
 constexpr int64_t GRAIN = 1 << 15;
 
-// ---- vector helpers ----------------------------------------------------------------------
-
-#if defined(__AVX512F__)
-constexpr int VW = 16;
-using vf = __m512;
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline vf vset(float a) { return _mm512_set1_ps(a); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
-inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
-inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
-inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
-inline vf vexp2i(vf y, vf n) { return _mm512_scalef_ps(y, n); }  // y * 2^n
-inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-#define LOCALLLM_VEC 1
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int VW = 8;
-using vf = __m256;
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
-inline vf vset(float a) { return _mm256_set1_ps(a); }
-inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
-inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
-inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
-inline float vsum(vf v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-inline vf vexp2i(vf y, vf n) {  // n integral in [-126, 127]
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-#define LOCALLLM_VEC 1
-#endif
-
 // A KV-cache row's values as floats: the cache holds float32 or float16 (half the memory,
 // as llama.cpp's default f16 cache; converted on load, F16C's vcvtph2ps).
 inline float kv_value(float x) { return x; }
 inline float kv_value(at::Half x) { return static_cast<float>(x); }
-#ifdef LOCALLLM_VEC
 inline vf vload_kv(const float* p) { return vload(p); }
-inline vf vload_kv(const at::Half* p) {
-#if defined(__AVX512F__)
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__F16C__)
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  float tmp[VW];
-  for (int i = 0; i < VW; ++i) tmp[i] = static_cast<float>(p[i]);
-  return vload(tmp);
-#endif
-}
-#endif
+inline vf vload_kv(const at::Half* p) { return vload_f16(p); }
 
-#ifdef LOCALLLM_VEC
 // exp(x), Cephes expf's reduction and polynomial (relative error within 2 ulp), inputs
 // clamped to [-87, 88] (exp(-87) ~ 1.6e-38: the callers only add or divide by it).
-inline vf vexp(vf x) {
-  x = vmin(vmax(x, vset(-87.0f)), vset(88.0f));
-  const vf n = vround(vmul(x, vset(1.44269504088896341f)));
-  vf r = vfma(n, vset(-0.693359375f), x);
-  r = vfma(n, vset(2.12194440e-4f), r);
-  vf p = vset(1.9875691500e-4f);
-  p = vfma(p, r, vset(1.3981999507e-3f));
-  p = vfma(p, r, vset(8.3334519073e-3f));
-  p = vfma(p, r, vset(4.1665795894e-2f));
-  p = vfma(p, r, vset(1.6666665459e-1f));
-  p = vfma(p, r, vset(5.0000001201e-1f));
-  const vf y = vadd(vfma(vmul(p, r), r, r), vset(1.0f));
+LOCALLLM_INLINE vf vexp(vf x) {
+  x = vmin(vmax(x, vset1(-87.0f)), vset1(88.0f));
+  const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+  vf r = vfma(n, vset1(-0.693359375f), x);
+  r = vfma(n, vset1(2.12194440e-4f), r);
+  vf p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  const vf y = vadd(vfma(vmul(p, r), r, r), vset1(1.0f));
   return vexp2i(y, n);
 }
-#endif
 
 // Sum of squares of x[0 .. n-1].
 inline float sum_squares(const float* x, int64_t n) {
   int64_t i = 0;
   float s = 0.0f;
-#ifdef LOCALLLM_VEC
-  vf acc = vset(0.0f);
-  for (; i + VW <= n; i += VW) {
+  vf acc = vset1(0.0f);
+  for (; i + VL <= n; i += VL) {
     const vf v = vload(x + i);
     acc = vfma(v, v, acc);
   }
   s = vsum(acc);
-#endif
   for (; i < n; ++i) s += x[i] * x[i];
   return s;
 }
@@ -158,15 +94,13 @@ inline float sum_squares(const float* x, int64_t n) {
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float s = 0.0f;
-#ifdef LOCALLLM_VEC
-  vf acc0 = vset(0.0f), acc1 = vset(0.0f);
-  for (; i + 2 * VW <= n; i += 2 * VW) {
+  vf acc0 = vset1(0.0f), acc1 = vset1(0.0f);
+  for (; i + 2 * VL <= n; i += 2 * VL) {
     acc0 = vfma(vload(a + i), vload(b + i), acc0);
-    acc1 = vfma(vload(a + i + VW), vload(b + i + VW), acc1);
+    acc1 = vfma(vload(a + i + VL), vload(b + i + VL), acc1);
   }
-  for (; i + VW <= n; i += VW) acc0 = vfma(vload(a + i), vload(b + i), acc0);
+  for (; i + VL <= n; i += VL) acc0 = vfma(vload(a + i), vload(b + i), acc0);
   s = vsum(vadd(acc0, acc1));
-#endif
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
@@ -179,22 +113,18 @@ inline float inv_rms(const float* x, int64_t n, float eps) {
 // y = (x * r) * w (w may be null: y = x * r), two roundings per element as torch's.
 inline void scale_rows(const float* x, float r, const float* w, float* y, int64_t n) {
   int64_t i = 0;
-#ifdef LOCALLLM_VEC
-  const vf vr = vset(r);
+  const vf vr = vset1(r);
   if (w)
-    for (; i + VW <= n; i += VW) vstore(y + i, vmul(vmul(vload(x + i), vr), vload(w + i)));
+    for (; i + VL <= n; i += VL) vstore(y + i, vmul(vmul(vload(x + i), vr), vload(w + i)));
   else
-    for (; i + VW <= n; i += VW) vstore(y + i, vmul(vload(x + i), vr));
-#endif
+    for (; i + VL <= n; i += VL) vstore(y + i, vmul(vload(x + i), vr));
   for (; i < n; ++i) y[i] = w ? (x[i] * r) * w[i] : x[i] * r;
 }
 
 // y = x + f
 inline void add_rows(const float* x, const float* f, float* y, int64_t n) {
   int64_t i = 0;
-#ifdef LOCALLLM_VEC
-  for (; i + VW <= n; i += VW) vstore(y + i, vadd(vload(x + i), vload(f + i)));
-#endif
+  for (; i + VL <= n; i += VL) vstore(y + i, vadd(vload(x + i), vload(f + i)));
   for (; i < n; ++i) y[i] = x[i] + f[i];
 }
 
@@ -205,15 +135,13 @@ inline void rope_head(const float* x, const float* cs, const float* sn, bool neo
   const int64_t half = d / 2;
   if (neox) {
     int64_t i = 0;
-#ifdef LOCALLLM_VEC
-    for (; i + VW <= half; i += VW) {
+    for (; i + VL <= half; i += VL) {
       const vf a = vload(x + i), b = vload(x + half + i), c = vload(cs + i), s = vload(sn + i);
       const vf ya = vsub(vmul(a, c), vmul(b, s));
       const vf yb = vadd(vmul(b, c), vmul(a, s));
       vstore(y + i, ya);
       vstore(y + half + i, yb);
     }
-#endif
     for (; i < half; ++i) {
       const float a = x[i], b = x[half + i];
       y[i] = a * cs[i] - b * sn[i];
@@ -249,53 +177,47 @@ template <int NB, typename KT>
 inline void head_dots(const float* const* q, const KT* k, int64_t d, float* out) {
   int64_t c = 0;
   for (int i = 0; i < NB; ++i) out[i] = 0.0f;
-#ifdef LOCALLLM_VEC
   vf acc[NB];
-  for (int i = 0; i < NB; ++i) acc[i] = vset(0.0f);
-  for (; c + VW <= d; c += VW) {
+  for (int i = 0; i < NB; ++i) acc[i] = vset1(0.0f);
+  for (; c + VL <= d; c += VL) {
     const vf kv = vload_kv(k + c);
     for (int i = 0; i < NB; ++i) acc[i] = vfma(vload(q[i] + c), kv, acc[i]);
   }
   for (int i = 0; i < NB; ++i) out[i] = vsum(acc[i]);
-#endif
   for (; c < d; ++c)
     for (int i = 0; i < NB; ++i) out[i] += q[i][c] * kv_value(k[c]);
 }
 
-#ifdef LOCALLLM_VEC
-// o[i][c0 .. c0 + B*VW) = sum_j w[i * live + j] * v[j * d + c0 ..] for NB heads, the
+// o[i][c0 .. c0 + B*VL) = sum_j w[i * live + j] * v[j * d + c0 ..] for NB heads, the
 // NB * B sums held in registers over all cells j (each value vector loaded once).
 template <int NB, int B, typename KT>
 inline void weighted_block(const float* w, int64_t live, const KT* v, int64_t d, int64_t c0,
                            float* const* o) {
   vf acc[NB][B];
   for (int i = 0; i < NB; ++i)
-    for (int b = 0; b < B; ++b) acc[i][b] = vset(0.0f);
+    for (int b = 0; b < B; ++b) acc[i][b] = vset1(0.0f);
   for (int64_t j = 0; j < live; ++j) {
     const KT* vj = v + j * d + c0;
     for (int i = 0; i < NB; ++i) {
       const float wij = w[i * live + j];
       if (wij <= TINY) continue;
-      const vf p = vset(wij);
-      for (int b = 0; b < B; ++b) acc[i][b] = vfma(p, vload_kv(vj + b * VW), acc[i][b]);
+      const vf p = vset1(wij);
+      for (int b = 0; b < B; ++b) acc[i][b] = vfma(p, vload_kv(vj + b * VL), acc[i][b]);
     }
   }
   for (int i = 0; i < NB; ++i)
-    for (int b = 0; b < B; ++b) vstore(o[i] + c0 + b * VW, acc[i][b]);
+    for (int b = 0; b < B; ++b) vstore(o[i] + c0 + b * VL, acc[i][b]);
 }
-#endif
 
 // o[i][0 .. d) = sum_j w[i * live + j] * v[j * d ..] for NB heads.
 template <int NB, typename KT>
 inline void weighted_values(const float* w, int64_t live, const KT* v, int64_t d,
                             float* const* o) {
   int64_t c0 = 0;
-#ifdef LOCALLLM_VEC
-  constexpr int ACC = VW == 16 ? 16 : 8;  // accumulator registers (of 32 zmm / 16 ymm)
+  constexpr int ACC = VF_REGS / 2;  // accumulators: half the register file
   constexpr int B = ACC / NB;
-  for (; c0 + B * VW <= d; c0 += B * VW) weighted_block<NB, B, KT>(w, live, v, d, c0, o);
-  for (; c0 + VW <= d; c0 += VW) weighted_block<NB, 1, KT>(w, live, v, d, c0, o);
-#endif
+  for (; c0 + B * VL <= d; c0 += B * VL) weighted_block<NB, B, KT>(w, live, v, d, c0, o);
+  for (; c0 + VL <= d; c0 += VL) weighted_block<NB, 1, KT>(w, live, v, d, c0, o);
   for (int i = 0; i < NB; ++i)
     for (int64_t c = c0; c < d; ++c) o[i][c] = 0.0f;
   if (c0 < d)
@@ -380,24 +302,22 @@ enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
 inline void gated_row(const float* g, const float* u, float* y, int64_t n, int64_t act) {
   constexpr float K0 = 0.7978845608028654f, K1 = 0.044715f;
   int64_t i = 0;
-#ifdef LOCALLLM_VEC
-  const vf one = vset(1.0f);
+  const vf one = vset1(1.0f);
   if (act == SILU) {
-    for (; i + VW <= n; i += VW) {
+    for (; i + VL <= n; i += VL) {
       const vf x = vload(g + i);
-      const vf e = vexp(vsub(vset(0.0f), x));
+      const vf e = vexp(vsub(vset1(0.0f), x));
       vstore(y + i, vmul(vdiv(x, vadd(one, e)), vload(u + i)));
     }
   } else {
-    const vf k0 = vset(-2.0f * K0), k1 = vset(K1);
-    for (; i + VW <= n; i += VW) {
+    const vf k0 = vset1(-2.0f * K0), k1 = vset1(K1);
+    for (; i + VL <= n; i += VL) {
       const vf x = vload(g + i);
       const vf inner = vadd(x, vmul(k1, vmul(x, vmul(x, x))));
       const vf e = vexp(vmul(k0, inner));
       vstore(y + i, vmul(vdiv(x, vadd(one, e)), vload(u + i)));
     }
   }
-#endif
   for (; i < n; ++i) {
     const float x = g[i];
     const float e = act == SILU ? std::exp(-x) : std::exp(-2.0f * K0 * (x + K1 * (x * x * x)));
@@ -582,16 +502,14 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
         float* si = sa + i * live;
         int64_t j = 0;
         float tot = 0.0f;
-#ifdef LOCALLLM_VEC
-        const vf vm = vset(mx[i]);
-        vf acc = vset(0.0f);
-        for (; j + VW <= live; j += VW) {
+        const vf vm = vset1(mx[i]);
+        vf acc = vset1(0.0f);
+        for (; j + VL <= live; j += VL) {
           const vf ej = vexp(vsub(vload(si + j), vm));  // masked: -inf -> exp(-87)
           vstore(si + j, ej);
           acc = vadd(acc, ej);
         }
         tot = vsum(acc);
-#endif
         for (; j < live; ++j) {
           si[j] = std::exp(si[j] - mx[i]);
           tot += si[j];

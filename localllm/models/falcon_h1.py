@@ -1,0 +1,138 @@
+"""Falcon-H1 (``falcon-h1``; llama.cpp's ``src/models/falcon-h1.cpp``): every layer runs an
+attention and a Mamba2 mixer side by side on the same normed input, then an FFN::
+
+    n   = attn_norm(x)
+    h   = x + attention(n) + mixer(n)     # RoPE over halves (NEOX), 1/sqrt(head_dim)
+    out = h + ffn(ffn_norm(h))            # SwiGLU
+
+Falcon-H1's many multipliers are folded into the weights by llama.cpp's converter. Each
+layer holds a KV cache and a recurrent state (llama.cpp's hybrid memory with both filters
+true); the norm before the FFN is the bias-less ``blk.{i}.ffn_norm`` (no ``.weight``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..memory import KVSpec
+from .base import MAX_CONTEXT, MAX_LAYERS, REQUIRED, BaseModel, HParams, TensorSpec, check_vocab
+from .common import Linear, Split, positions_of
+from .hybrid import AttentionWeights, HeadArgs, attention, attention_specs, head_args, layer_heads
+from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
+from .rope import rope_inv_freq
+
+
+@dataclass
+class ModelArgs:
+    """Hyperparameters from ``falcon-h1.*`` metadata keys."""
+
+    arch: str
+    n_vocab: int
+    n_layers: int
+    d_model: int
+    heads: HeadArgs
+    ffn_dim: int
+    context_length: int
+    ssm: SSMArgs
+    norm_eps: float = 1e-5
+    rope_base: float = 10_000.0
+    rope_scale: float = 1.0
+
+    @classmethod
+    def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
+        """Validated hyperparameters.
+
+        Raises:
+            GGUFError: a key missing, mistyped, out of range or inconsistent (named).
+            UnsupportedError: RoPE scaling other than linear, partial RoPE.
+        """
+        from ..errors import UnsupportedError
+
+        hp = HParams(md, source)
+        n_layers = hp.int("block_count", REQUIRED, hi=MAX_LAYERS)
+        d = hp.int("embedding_length", REQUIRED)
+        heads, kv = layer_heads(hp, n_layers)
+        ha = head_args(hp, heads, kv, [True] * n_layers, d)
+        if (rd := hp.int("rope.dimension_count", ha.head_dim)) != ha.head_dim:
+            raise UnsupportedError(f"{hp.pre}metadata {hp.key('rope.dimension_count')} = {rd}: "
+                                   f"partial RoPE (head size {ha.head_dim}) is not supported")
+        _, factor = hp.rope_scaling(("linear",))
+        return cls(arch=hp.arch, n_vocab=check_vocab(hp, n_vocab), n_layers=n_layers,
+                   d_model=d, heads=ha,
+                   ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
+                   context_length=hp.int("context_length", 4096, hi=MAX_CONTEXT),
+                   ssm=ssm_hparams(hp),
+                   norm_eps=hp.float("attention.layer_norm_rms_epsilon", REQUIRED, hi=1.0),
+                   rope_base=hp.float("rope.freq_base", 10_000.0), rope_scale=1.0 / factor)
+
+
+def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
+    """llama.cpp's tensors of ``falcon-h1`` (``load_arch_tensors``), torch shapes."""
+    d, v, f, hd = a.d_model, a.n_vocab, a.ffn_dim, a.heads.head_dim
+    specs = [TensorSpec("token_embd.weight", (v, d))]
+    for i in range(a.n_layers):
+        p = f"blk.{i}."
+        specs += ssm_specs(p, a.ssm, d, conv_bias=False, norm=False)
+        specs += attention_specs(p, d, a.heads.n_heads[i], a.heads.n_kv_heads[i], hd)
+        specs += [TensorSpec(p + "attn_norm.weight", (d,)), TensorSpec(p + "ffn_norm", (d,)),
+                  TensorSpec(p + "ffn_gate.weight", (f, d)),
+                  TensorSpec(p + "ffn_up.weight", (f, d)),
+                  TensorSpec(p + "ffn_down.weight", (d, f)),
+                  TensorSpec(p + "ffn_gate.bias", (f,), optional=True),
+                  TensorSpec(p + "ffn_up.bias", (f,), optional=True),
+                  TensorSpec(p + "ffn_down.bias", (d,), optional=True)]
+    return specs + [TensorSpec("output_norm.weight", (d,)),
+                    TensorSpec("output.weight", (v, d), optional=True)]
+
+
+def memory_layout(a: ModelArgs) -> list:
+    """Per layer: its KV cache, then its Mamba2 state."""
+    kv = [KVSpec(n, a.heads.head_dim) for n in a.heads.n_kv_heads]
+    return [m for spec in kv for m in (spec, ssm_memory(a.ssm))]
+
+
+@dataclass
+class Layer(MixerWeights, AttentionWeights):
+    """The tensors of one block: both mixers, the norms and the FFN."""
+
+    attn_norm: torch.Tensor | None = None
+    ffn_norm: torch.Tensor | None = None
+    ffn_gate_up: Linear | Split | None = None
+    ffn_down: Linear | None = None
+
+
+class Model(BaseModel):
+    """A Falcon-H1 decoder; weights attached by :func:`localllm.models.base.bind`."""
+
+    LAYER = Layer
+
+    def prepare(self) -> None:
+        a = self.args
+        self.inv_freq = rope_inv_freq(a.heads.head_dim, a.rope_base, device=self.device)
+
+    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
+                all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
+        """tokens (T,) int64 at positions pos .. pos+T-1 -> logits float32, (1, n_vocab) for
+        the last position or (T - logits_start, n_vocab) with ``all_logits``; ``memory``:
+        per layer a KV cache and a recurrent state (:func:`memory_layout`)."""
+        a, ops = self.args, self.ops
+        t, eps = tokens.shape[0], a.norm_eps
+        positions = positions_of(pos, t, self.device)
+        rope = ops.rope_angles(positions, self.inv_freq, a.rope_scale)
+        x = self.token_embd(tokens)
+        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
+        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
+        mems = iter(memory)
+        for b, next_norm in zip(self.layers, nexts):
+            f = attention(b, n, next(mems), ops, rope, pos, positions,
+                          head_dim=a.heads.head_dim, neox=True,
+                          scale=a.heads.head_dim ** -0.5, eps=eps)
+            f += mamba2_mixer(b, n, next(mems), a.ssm, eps, ops)
+            h, n = ops.residual_norm(x, f, None, b.ffn_norm, eps)
+            gate, up = b.ffn_gate_up(n)
+            f = b.ffn_down(ops.gated(gate, up, "silu", overwrite=True))
+            x, n = ops.residual_norm(h, f, None, next_norm, eps)
+            del h, f, gate, up
+        return self.output(n[logits_start:] if all_logits else n[-1:])

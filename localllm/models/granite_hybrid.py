@@ -1,0 +1,222 @@
+"""Granite 4.0 hybrid (``granitehybrid``: Granite-4.0-H-Micro/Tiny/Small, Bamba; llama.cpp's
+``src/models/granite-hybrid.cpp``): Mamba2 layers with a few attention layers between them
+(``attention.head_count_kv`` 0 marks a Mamba2 layer), each followed by an FFN::
+
+    h   = x + s_r * mixer_or_attention(attn_norm(x))
+    out = h + s_r * ffn(ffn_norm(h))      # SwiGLU, or MoE (softmax top-k, renormalised)
+                                          # plus a shared SwiGLU expert
+
+with Granite's multipliers: the embedding times ``embedding_scale``, each sublayer output
+times ``residual_scale``, the attention scores times ``attention.scale`` (else
+1/sqrt(head_dim)) and the logits divided by ``logit_scale`` (0 or absent: 1). RoPE (adjacent
+pairs) only where ``rope.scaling.finetuned`` is true (Bamba); Granite 4.0's hybrids have no
+positions at all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..backends import ExpertMatrix
+from ..errors import UnsupportedError
+from ..memory import KVSpec
+from . import llama
+from .base import (
+    MAX_CONTEXT,
+    MAX_EXPERTS,
+    MAX_LAYERS,
+    REQUIRED,
+    BaseModel,
+    HParams,
+    TensorSpec,
+    check_vocab,
+)
+from .common import Linear, Split, positions_of
+from .hybrid import AttentionWeights, HeadArgs, attention, attention_specs, head_args, layer_heads
+from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
+from .rope import rope_inv_freq
+
+
+@dataclass
+class ModelArgs:
+    """Hyperparameters from ``granitehybrid.*`` metadata keys."""
+
+    arch: str
+    n_vocab: int
+    n_layers: int  # block_count
+    d_model: int  # embedding_length
+    heads: HeadArgs  # per layer; 0 KV heads: a Mamba2 layer
+    ffn_dim: int  # feed_forward_length (the expert size with experts)
+    context_length: int
+    ssm: SSMArgs
+    norm_eps: float = 1e-5
+    rope: bool = False  # rope.scaling.finetuned
+    rope_base: float = 10_000.0
+    rope_scale: float = 1.0  # linear scaling: 1 / rope.scaling.factor
+    n_expert: int = 0
+    n_expert_used: int = 0
+    shared_ffn_dim: int = 0  # expert_shared_feed_forward_length
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
+    attention_scale: float = 0.0
+
+    @property
+    def recurrent(self) -> tuple[bool, ...]:
+        return tuple(k == 0 for k in self.heads.n_kv_heads)
+
+    @classmethod
+    def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
+        """Validated hyperparameters.
+
+        Raises:
+            GGUFError: a key missing, mistyped, out of range or inconsistent (named).
+            UnsupportedError: partial RoPE, RoPE scaling other than linear.
+        """
+        hp = HParams(md, source)
+        n_layers = hp.int("block_count", REQUIRED, hi=MAX_LAYERS)
+        d = hp.int("embedding_length", REQUIRED)
+        heads, kv = layer_heads(hp, n_layers)
+        ha = head_args(hp, heads, kv, [k > 0 for k in kv], d)
+        rope = hp.bool("rope.scaling.finetuned", True)
+        if rope and (rd := hp.int("rope.dimension_count", ha.head_dim)) != ha.head_dim:
+            raise UnsupportedError(f"{hp.pre}metadata {hp.key('rope.dimension_count')} = {rd}: "
+                                   f"partial RoPE (head size {ha.head_dim}) is not supported")
+        _, factor = hp.rope_scaling(("linear",))
+        n_expert = hp.int("expert_count", 0, lo=0, hi=MAX_EXPERTS)
+        kw = {}
+        if n_expert:
+            kw = {"n_expert": n_expert,
+                  "n_expert_used": hp.int("expert_used_count", REQUIRED, hi=n_expert),
+                  "shared_ffn_dim": hp.int("expert_shared_feed_forward_length", 0, lo=0)}
+        return cls(
+            arch=hp.arch, n_vocab=check_vocab(hp, n_vocab), n_layers=n_layers, d_model=d,
+            heads=ha, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
+            context_length=hp.int("context_length", 1 << 20, hi=MAX_CONTEXT),
+            ssm=ssm_hparams(hp), norm_eps=hp.float("attention.layer_norm_rms_epsilon",
+                                                   REQUIRED, hi=1.0),
+            rope=rope, rope_base=hp.float("rope.freq_base", 10_000.0), rope_scale=1.0 / factor,
+            embedding_scale=unset_is_one(hp, "embedding_scale"),
+            residual_scale=unset_is_one(hp, "residual_scale"),
+            logit_scale=unset_is_one(hp, "logit_scale"),
+            attention_scale=hp.float("attention.scale", 0.0, lo=0.0, lo_open=False)
+            or 1.0 / math.sqrt(ha.head_dim), **kw)
+
+
+def unset_is_one(hp: HParams, name: str) -> float:
+    """A multiplier that llama.cpp applies when non-zero (absent or 0: 1)."""
+    return hp.float(name, 0.0, lo=0.0, lo_open=False) or 1.0
+
+
+def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
+    """llama.cpp's tensors of ``granitehybrid`` (``load_arch_tensors``), torch shapes."""
+    d, v, hd = a.d_model, a.n_vocab, a.heads.head_dim
+    specs = [TensorSpec("token_embd.weight", (v, d))]
+    for i in range(a.n_layers):
+        p = f"blk.{i}."
+        specs += [TensorSpec(p + "attn_norm.weight", (d,)), TensorSpec(p + "ffn_norm.weight", (d,))]
+        if a.recurrent[i]:
+            specs += ssm_specs(p, a.ssm, d, conv_bias=False)
+        else:
+            specs += attention_specs(p, d, a.heads.n_heads[i], a.heads.n_kv_heads[i], hd,
+                                     out_bias=True)
+        f = a.ffn_dim
+        if a.n_expert:
+            e = a.n_expert
+            specs += [TensorSpec(p + "ffn_gate_inp.weight", (e, d)),
+                      TensorSpec(p + "ffn_gate_exps.weight", (e, f, d)),
+                      TensorSpec(p + "ffn_up_exps.weight", (e, f, d)),
+                      TensorSpec(p + "ffn_down_exps.weight", (e, d, f))]
+            if a.shared_ffn_dim:
+                s = a.shared_ffn_dim
+                specs += [TensorSpec(p + "ffn_gate_shexp.weight", (s, d)),
+                          TensorSpec(p + "ffn_up_shexp.weight", (s, d)),
+                          TensorSpec(p + "ffn_down_shexp.weight", (d, s))]
+        else:
+            specs += [TensorSpec(p + "ffn_gate.weight", (f, d)),
+                      TensorSpec(p + "ffn_up.weight", (f, d)),
+                      TensorSpec(p + "ffn_down.weight", (d, f)),
+                      TensorSpec(p + "ffn_gate.bias", (f,), optional=True),
+                      TensorSpec(p + "ffn_up.bias", (f,), optional=True),
+                      TensorSpec(p + "ffn_down.bias", (d,), optional=True)]
+    return specs + [TensorSpec("output_norm.weight", (d,)),
+                    TensorSpec("output.weight", (v, d), optional=True)]
+
+
+def memory_layout(a: ModelArgs) -> list:
+    """Per layer in order: a Mamba2 state, or a KV cache of its attention."""
+    return [ssm_memory(a.ssm) if r else KVSpec(kv, a.heads.head_dim)
+            for r, kv in zip(a.recurrent, a.heads.n_kv_heads)]
+
+
+@dataclass
+class Layer(MixerWeights, AttentionWeights):
+    """The tensors of one block: norms, a mixer or an attention, and the FFN."""
+
+    attn_norm: torch.Tensor | None = None
+    ffn_norm: torch.Tensor | None = None
+    ffn_gate_up: Linear | Split | None = None  # dense: fused ffn_gate, ffn_up
+    ffn_down: Linear | None = None
+    ffn_gate_inp: Linear | None = None  # MoE: router, experts, shared expert
+    ffn_gate_exps: ExpertMatrix | None = None
+    ffn_up_exps: ExpertMatrix | None = None
+    ffn_down_exps: ExpertMatrix | None = None
+    ffn_gate_up_shexp: Linear | Split | None = None
+    ffn_down_shexp: Linear | None = None
+
+
+class Model(BaseModel):
+    """A Granite hybrid decoder; weights attached by :func:`localllm.models.base.bind`."""
+
+    LAYER = Layer
+    FUSE: ClassVar[dict[str, tuple[str, ...]]] = {
+        **BaseModel.FUSE, "ffn_gate_up_shexp": ("ffn_gate_shexp", "ffn_up_shexp")}
+
+    def prepare(self) -> None:
+        a = self.args
+        # Without RoPE, zero frequencies: cos 1, sin 0 rotate nothing (exactly), and the
+        # backends' fused attention paths stay usable.
+        self.inv_freq = rope_inv_freq(a.heads.head_dim, a.rope_base, device=self.device) \
+            if a.rope else torch.zeros(a.heads.head_dim // 2, device=self.device)  # fmt: skip
+
+    def ffn(self, b: Layer, n: torch.Tensor) -> torch.Tensor:
+        a, ops = self.args, self.ops
+        if not a.n_expert:
+            gate, up = b.ffn_gate_up(n)
+            return b.ffn_down(ops.gated(gate, up, "silu", overwrite=True))
+        f = llama.moe_ffn(b, n, a.n_expert_used, True, ops)
+        if b.ffn_gate_up_shexp is not None:
+            gate, up = b.ffn_gate_up_shexp(n)
+            f = f + b.ffn_down_shexp(ops.gated(gate, up, "silu", overwrite=True))
+        return f
+
+    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
+                all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
+        """tokens (T,) int64 at positions pos .. pos+T-1 -> logits float32, (1, n_vocab) for
+        the last position or (T - logits_start, n_vocab) with ``all_logits``; ``memory``:
+        per layer a recurrent state or a KV cache (:func:`memory_layout`)."""
+        a, ops = self.args, self.ops
+        t, eps, rs = tokens.shape[0], a.norm_eps, a.residual_scale
+        positions = positions_of(pos, t, self.device)
+        rope = ops.rope_angles(positions, self.inv_freq, a.rope_scale)
+        x = self.token_embd(tokens)
+        if a.embedding_scale != 1.0:
+            x = x * a.embedding_scale
+        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
+        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
+        for b, mem, recurrent, next_norm in zip(self.layers, memory, a.recurrent, nexts):
+            if recurrent:
+                f = mamba2_mixer(b, n, mem, a.ssm, eps, ops)
+            else:
+                f = attention(b, n, mem, ops, rope, pos, positions, head_dim=a.heads.head_dim,
+                              neox=False, scale=a.attention_scale, eps=eps)
+            h, n = ops.residual_norm(x, f * rs if rs != 1.0 else f, None, b.ffn_norm, eps)
+            f = self.ffn(b, n)
+            x, n = ops.residual_norm(h, f * rs if rs != 1.0 else f, None, next_norm, eps)
+            del h, f
+        logits = self.output(n[logits_start:] if all_logits else n[-1:])
+        return logits / a.logit_scale if a.logit_scale != 1.0 else logits

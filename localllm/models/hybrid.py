@@ -1,0 +1,116 @@
+"""Pieces shared by the hybrid families (``granitehybrid``, ``falcon-h1``, ``nemotron_h``,
+``lfm2``): which layers attend, their attention hyperparameters and tensors, and the
+attention sublayer itself.
+
+A hybrid file says per layer whether it attends: ``{arch}.attention.head_count_kv`` is an
+array with 0 for the recurrent layers (llama.cpp's ``hparams.is_recr``), and ``nemotron_h``
+adds ``feed_forward_length`` > 0 for its FFN-only layers. A model's memories are listed in
+layer order (:func:`localllm.memory.make_memory`): a layer that attends takes the next KV
+cache, a recurrent one the next recurrent state, a layer with both (Falcon-H1) one of each,
+a layer with neither (Nemotron-H's FFN layers) none; the forward consumes them with
+``next(memories)`` in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .base import MAX_HEADS, REQUIRED, HParams, TensorSpec
+from .common import Linear, Split
+
+
+@dataclass(frozen=True)
+class HeadArgs:
+    """Attention heads of every layer (0 where a layer does not attend) and the head size."""
+
+    n_heads: tuple[int, ...]  # attention.head_count
+    n_kv_heads: tuple[int, ...]  # attention.head_count_kv
+    head_dim: int  # attention.key_length
+
+
+def layer_heads(hp: HParams, n_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(``attention.head_count``, ``attention.head_count_kv``) per layer, each an array of
+    ``n_layers`` values or one value for all (KV heads default to the heads).
+
+    Raises:
+        GGUFError: an array of the wrong length, a value out of range (named).
+    """
+    heads = hp.int_layers("attention.head_count", n_layers, REQUIRED, hi=MAX_HEADS)
+    kv = hp.int_layers("attention.head_count_kv", n_layers, list(heads), hi=MAX_HEADS)
+    return heads, kv
+
+
+def head_args(hp: HParams, heads: Sequence[int], kv: Sequence[int], attends: Sequence[bool],
+              d_model: int) -> HeadArgs:
+    """The attention geometry of the layers where ``attends``: heads > 0, a multiple of the KV
+    heads, an even head size (``attention.key_length``, default ``d_model / heads``) equal to
+    ``attention.value_length``.
+
+    Raises:
+        GGUFError: naming the key that contradicts the others.
+    """
+    first = next((i for i, a in enumerate(attends) if a), None)
+    for i, a in enumerate(attends):
+        if a:
+            hp.require(heads[i] > 0, "attention.head_count",
+                       f"layer {i} attends but has 0 heads")
+            hp.require(kv[i] > 0 and heads[i] % kv[i] == 0, "attention.head_count_kv",
+                       f"layer {i}: {heads[i]} heads are not a multiple of {kv[i]} KV heads")
+    default = d_model // heads[first] if first is not None and heads[first] else None
+    hd = hp.int("attention.key_length",
+                default if default and d_model % heads[first] == 0 else
+                (REQUIRED if first is not None else 1))
+    hd_v = hp.int("attention.value_length", hd)
+    hp.require(hd % 2 == 0 or first is None, "attention.key_length",
+               f"head size {hd} is odd (RoPE needs pairs)")
+    hp.require(hd_v == hd, "attention.value_length",
+               f"{hd_v} differs from attention.key_length {hd}, which localllm does not support")
+    return HeadArgs(tuple(heads), tuple(kv), hd)
+
+
+def attention_specs(prefix: str, d_model: int, n_heads: int, n_kv: int, head_dim: int, *,
+                    qk_norm: bool = False, out_bias: bool = False) -> list[TensorSpec]:
+    """Separate Q/K/V projections with optional biases (llama.cpp's ``create_tensor_qkv``),
+    the output projection (its bias optional when ``out_bias``), and per-head QK-norm
+    weights when ``qk_norm``."""
+    p = prefix
+    nq, nkv = n_heads * head_dim, n_kv * head_dim
+    specs = [TensorSpec(p + "attn_q.weight", (nq, d_model)),
+             TensorSpec(p + "attn_k.weight", (nkv, d_model)),
+             TensorSpec(p + "attn_v.weight", (nkv, d_model)),
+             TensorSpec(p + "attn_q.bias", (nq,), optional=True),
+             TensorSpec(p + "attn_k.bias", (nkv,), optional=True),
+             TensorSpec(p + "attn_v.bias", (nkv,), optional=True),
+             TensorSpec(p + "attn_output.weight", (d_model, nq))]
+    if out_bias:
+        specs.append(TensorSpec(p + "attn_output.bias", (d_model,), optional=True))
+    if qk_norm:
+        specs += [TensorSpec(p + "attn_q_norm.weight", (head_dim,)),
+                  TensorSpec(p + "attn_k_norm.weight", (head_dim,))]
+    return specs
+
+
+@dataclass
+class AttentionWeights:
+    """A layer's attention tensors; None in the layers that do not attend."""
+
+    attn_qkv: Linear | Split | None = None  # fused attn_q, attn_k, attn_v
+    attn_output: Linear | None = None
+    attn_q_norm: torch.Tensor | None = None
+    attn_k_norm: torch.Tensor | None = None
+
+
+def attention(w: AttentionWeights, x: torch.Tensor, cache, ops, rope, pos, positions, *,
+              head_dim: int, neox: bool, scale: float, eps: float) -> torch.Tensor:
+    """The attention sublayer on a normed x (T, d) -> (T, d): Q/K/V, QK-norm where the
+    layer has it, RoPE by ``rope`` (``ops.rope_angles``; zero frequencies for the models
+    without positions: an exact identity), the KV-cache write and attention, the output
+    projection."""
+    q, k, v = w.attn_qkv(x)
+    out = ops.self_attention(q, k, v, w.attn_q_norm, w.attn_k_norm, eps, rope, cache, pos,
+                             positions, head_dim=head_dim, neox=neox, scale=scale)
+    del q, k, v
+    return w.attn_output(out)

@@ -1,0 +1,191 @@
+"""LFM2 (``lfm2``: LiquidAI LFM2 / LFM2.5 350M-2.6B; llama.cpp's ``src/models/lfm2.cpp``):
+gated short-convolution layers with a few attention layers between them
+(``attention.head_count_kv`` 0 marks a convolution layer), each followed by a SwiGLU FFN::
+
+    h   = x + operator(attn_norm(x))
+    out = h + ffn(ffn_norm(h))
+
+    conv operator:  B, C, X = split(in_proj(n), 3)
+                    y = out_proj(C * conv(B * X))      # causal, shortconv.l_cache taps
+    attention:      QK-norm, RoPE over halves (NEOX), 1/sqrt(head_dim); sliding-window
+                    when ``attention.sliding_window`` is set
+
+The final norm is the file's ``token_embd_norm.weight`` (llama.cpp's "fix for wrong tensor
+name"). A convolution layer remembers its last ``l_cache - 1`` inputs (``conv``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..memory import KVSpec, RecurrentSpec
+from .base import (
+    MAX_CONTEXT,
+    MAX_LAYERS,
+    REQUIRED,
+    BaseModel,
+    HParams,
+    TensorSpec,
+    check_vocab,
+)
+from .common import Embedding, Linear, Split, positions_of
+from .hybrid import AttentionWeights, HeadArgs, attention, attention_specs, head_args, layer_heads
+from .mamba import MAX_CONV
+from .rope import rope_inv_freq
+
+
+@dataclass
+class ModelArgs:
+    """Hyperparameters from ``lfm2.*`` metadata keys."""
+
+    arch: str
+    n_vocab: int
+    n_layers: int
+    d_model: int
+    heads: HeadArgs  # 0 KV heads: a convolution layer
+    ffn_dim: int
+    context_length: int
+    l_cache: int  # shortconv.l_cache: taps of the convolution
+    norm_eps: float = 1e-5
+    rope_base: float = 10_000.0
+    rope_scale: float = 1.0
+    sliding_window: int | None = None
+
+    @property
+    def recurrent(self) -> tuple[bool, ...]:
+        return tuple(k == 0 for k in self.heads.n_kv_heads)
+
+    @classmethod
+    def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
+        """Validated hyperparameters.
+
+        Raises:
+            GGUFError: a key missing, mistyped, out of range or inconsistent (named).
+            UnsupportedError: RoPE scaling other than linear, partial RoPE.
+        """
+        from ..errors import UnsupportedError
+
+        hp = HParams(md, source)
+        n_layers = hp.int("block_count", REQUIRED, hi=MAX_LAYERS)
+        d = hp.int("embedding_length", REQUIRED)
+        heads, kv = layer_heads(hp, n_layers)
+        ha = head_args(hp, heads, kv, [k > 0 for k in kv], d)
+        for i, k in enumerate(kv):
+            hp.require(k == 0 or heads[i] * ha.head_dim == d, "attention.head_count",
+                       f"layer {i}: {heads[i]} heads of {ha.head_dim} differ from "
+                       f"embedding_length {d} (LFM2's attention keeps the width)")
+        if (rd := hp.int("rope.dimension_count", ha.head_dim)) != ha.head_dim:
+            raise UnsupportedError(f"{hp.pre}metadata {hp.key('rope.dimension_count')} = {rd}: "
+                                   f"partial RoPE (head size {ha.head_dim}) is not supported")
+        _, factor = hp.rope_scaling(("linear",))
+        window = hp.int("attention.sliding_window", 0, lo=0, hi=MAX_CONTEXT)
+        return cls(arch=hp.arch, n_vocab=check_vocab(hp, n_vocab), n_layers=n_layers,
+                   d_model=d, heads=ha,
+                   ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
+                   context_length=hp.int("context_length", REQUIRED, hi=MAX_CONTEXT),
+                   l_cache=hp.int("shortconv.l_cache", REQUIRED, lo=2, hi=MAX_CONV),
+                   norm_eps=hp.float("attention.layer_norm_rms_epsilon", REQUIRED, hi=1.0),
+                   rope_base=hp.float("rope.freq_base", 10_000.0), rope_scale=1.0 / factor,
+                   sliding_window=window or None)
+
+
+def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
+    """llama.cpp's tensors of ``lfm2`` (``llama_model_lfm2::load_arch_tensors``)."""
+    d, v, f, hd = a.d_model, a.n_vocab, a.ffn_dim, a.heads.head_dim
+    specs = [TensorSpec("token_embd.weight", (v, d)),
+             TensorSpec("token_embd_norm.weight", (d,)),
+             TensorSpec("output.weight", (v, d), optional=True)]
+    for i in range(a.n_layers):
+        p = f"blk.{i}."
+        specs += [TensorSpec(p + "attn_norm.weight", (d,)),
+                  TensorSpec(p + "ffn_norm.weight", (d,)),
+                  TensorSpec(p + "ffn_gate.weight", (f, d)),
+                  TensorSpec(p + "ffn_up.weight", (f, d)),
+                  TensorSpec(p + "ffn_down.weight", (d, f))]
+        if a.recurrent[i]:
+            specs += [TensorSpec(p + "shortconv.conv.weight", (d, a.l_cache)),
+                      TensorSpec(p + "shortconv.in_proj.weight", (3 * d, d)),
+                      TensorSpec(p + "shortconv.out_proj.weight", (d, d))]
+        else:
+            specs += attention_specs(p, d, a.heads.n_heads[i], a.heads.n_kv_heads[i], hd,
+                                     qk_norm=True)
+    return specs
+
+
+def memory_layout(a: ModelArgs) -> list:
+    """Per layer: the convolution's last inputs, or a KV cache (a ring with a window)."""
+    conv = RecurrentSpec((("conv", (a.l_cache - 1, a.d_model)),))
+    return [conv if r else KVSpec(kv, a.heads.head_dim, a.sliding_window)
+            for r, kv in zip(a.recurrent, a.heads.n_kv_heads)]
+
+
+@dataclass
+class Layer(AttentionWeights):
+    """The tensors of one block."""
+
+    attn_norm: torch.Tensor | None = None
+    ffn_norm: torch.Tensor | None = None
+    ffn_gate_up: Linear | Split | None = None
+    ffn_down: Linear | None = None
+    shortconv_conv: torch.Tensor | None = None  # (d, l_cache)
+    shortconv_in_proj: Linear | None = None  # (3 d, d): B, C, X
+    shortconv_out_proj: Linear | None = None
+
+
+@dataclass
+class Lfm2Weights:
+    """The top-level tensors: the output norm is ``token_embd_norm``."""
+
+    token_embd: Embedding
+    token_embd_norm: torch.Tensor
+    output: Linear | None = None
+
+
+def short_conv_block(b: Layer, x: torch.Tensor, state, ops) -> torch.Tensor:
+    """LFM2's gated convolution operator on a normed x (T, d) -> (T, d); ``state`` the
+    layer's :class:`~localllm.memory.RecurrentState` (``conv``: the last B*X rows)."""
+    bb, c, xx = b.shortconv_in_proj(x).chunk(3, dim=-1)
+    y = ops.short_conv(bb * xx, b.shortconv_conv, None, state["conv"], silu=False)
+    del bb, xx
+    state.advance(x.shape[0])
+    return b.shortconv_out_proj(c * y)
+
+
+class Model(BaseModel):
+    """An LFM2 decoder; weights attached by :func:`localllm.models.base.bind`."""
+
+    LAYER = Layer
+    WEIGHTS = Lfm2Weights
+    token_embd_norm: torch.Tensor
+
+    def prepare(self) -> None:
+        a = self.args
+        self.output_norm = self.token_embd_norm
+        self.inv_freq = rope_inv_freq(a.heads.head_dim, a.rope_base, device=self.device)
+
+    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
+                all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
+        """tokens (T,) int64 at positions pos .. pos+T-1 -> logits float32, (1, n_vocab) for
+        the last position or (T - logits_start, n_vocab) with ``all_logits``; ``memory``:
+        per layer a convolution state or a KV cache (:func:`memory_layout`)."""
+        a, ops = self.args, self.ops
+        t, eps = tokens.shape[0], a.norm_eps
+        positions = positions_of(pos, t, self.device)
+        rope = ops.rope_angles(positions, self.inv_freq, a.rope_scale)
+        x = self.token_embd(tokens)
+        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
+        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
+        for b, mem, recurrent, next_norm in zip(self.layers, memory, a.recurrent, nexts):
+            if recurrent:
+                f = short_conv_block(b, n, mem, ops)
+            else:
+                f = attention(b, n, mem, ops, rope, pos, positions, head_dim=a.heads.head_dim,
+                              neox=True, scale=a.heads.head_dim ** -0.5, eps=eps)
+            h, n = ops.residual_norm(x, f, None, b.ffn_norm, eps)
+            gate, up = b.ffn_gate_up(n)
+            f = b.ffn_down(ops.gated(gate, up, "silu", overwrite=True))
+            x, n = ops.residual_norm(h, f, None, next_norm, eps)
+            del h, f, gate, up
+        return self.output(n[logits_start:] if all_logits else n[-1:])

@@ -28,6 +28,7 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    field_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -284,6 +285,23 @@ class FunctionDef(_Open):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _compiles(cls, value: dict | None) -> dict | None:
+        # Checked on arrival: a malformed schema is an error naming the tool even where
+        # the call grammar is lazy and would compile it only if the model opened a call.
+        if value is not None:
+            from ..errors import GrammarError
+            from ..grammar.constraint import validate_json_schema
+
+            try:
+                validate_json_schema(value, "parameters")
+            except GrammarError as e:
+                raise PydanticCustomError("json_schema", "not a usable JSON schema ({reason})",
+                                          {"reason": str(e).removeprefix("parameters: ")}
+                                          ) from None
+        return value
 
 
 class Tool(_Open):

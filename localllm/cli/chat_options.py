@@ -4,9 +4,22 @@
 from __future__ import annotations
 
 import json
+from typing import Annotated
+
+import typer
 
 from ..chat.reasoning import REASONING_FORMATS
 from ..errors import ParameterError
+
+ReasoningFormatOpt = Annotated[str, typer.Option(
+    "--reasoning-format", help="none: a thinking model's reasoning stays in the reply; "
+    "deepseek, auto: it is split off (reasoning_content; dimmed in the REPL)")]
+ReasoningBudgetOpt = Annotated[int, typer.Option(
+    "--reasoning-budget", help="reasoning tokens per reply (-1: no limit, 0: no thinking; a "
+    "spent budget closes the block and the answer follows)")]
+TemplateKwargsOpt = Annotated[str | None, typer.Option(
+    "--chat-template-kwargs", help="JSON object of template variables, e.g. "
+    "'{\"enable_thinking\": false}'")]
 
 
 def parse_reasoning_options(reasoning_format: str, reasoning_budget: int,
@@ -38,4 +51,5 @@ def parse_reasoning_options(reasoning_format: str, reasoning_budget: int,
     return kwargs, reasoning_format
 
 
-__all__ = ["parse_reasoning_options"]
+__all__ = ["ReasoningBudgetOpt", "ReasoningFormatOpt", "TemplateKwargsOpt",
+           "parse_reasoning_options"]

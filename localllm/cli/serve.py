@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from ..errors import ParameterError
+from .chat_options import ReasoningBudgetOpt, ReasoningFormatOpt, TemplateKwargsOpt
 from .options import ThreadsBatchOpt, ThreadsOpt, apply_threads
 
 
@@ -39,15 +40,9 @@ def serve_command(
         "--max-body", help="largest request body in bytes (more get 413)")] = 8 << 20,
     threads: ThreadsOpt = None,
     threads_batch: ThreadsBatchOpt = None,
-    reasoning_format: Annotated[str, typer.Option(
-        "--reasoning-format", help="none: thinking left in content; deepseek, auto: in "
-        "reasoning_content")] = "auto",
-    reasoning_budget: Annotated[int, typer.Option(
-        "--reasoning-budget", help="thinking tokens per reply (-1: no limit, 0: no "
-        "thinking)")] = -1,
-    chat_template_kwargs: Annotated[str | None, typer.Option(
-        "--chat-template-kwargs", help="JSON object of template variables, e.g. "
-        "'{\"enable_thinking\": false}'")] = None,
+    reasoning_format: ReasoningFormatOpt = "auto",
+    reasoning_budget: ReasoningBudgetOpt = -1,
+    chat_template_kwargs: TemplateKwargsOpt = None,
     cors_origins: Annotated[str | None, typer.Option(
         "--cors-origins", help="comma-separated browser origins allowed to call the server "
         "('*': any)")] = None,

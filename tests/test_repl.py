@@ -640,16 +640,20 @@ def test_smollm2_sea_haiku_loop_is_stopped():
 
 
 @pytest.fixture(scope="module")
-def thinker_llm(tmp_path_factory):
+def thinker_path(tmp_path_factory):
     """A tiny random model with Qwen3's tokens and Qwen3.5's real template, whose generation
     prompt opens a <think> block."""
     from tiny_model import QWEN3_SPECIALS, write_tiny_gguf
 
     source = (Path(__file__).resolve().parent / "data" / "templates" / "Qwen3.5-4B.jinja")
-    path = write_tiny_gguf(tmp_path_factory.mktemp("think") / "thinker.gguf", "qwen3",
+    return write_tiny_gguf(tmp_path_factory.mktemp("think") / "thinker.gguf", "qwen3",
                            context_length=512, specials=QWEN3_SPECIALS,
                            chat_template=source.read_text("utf-8"))
-    return LLM(path, device="cpu", ctx_size=512)
+
+
+@pytest.fixture(scope="module")
+def thinker_llm(thinker_path):
+    return LLM(thinker_path, device="cpu", ctx_size=512)
 
 
 def test_thinking_is_dimmed_hidden_and_switched_off(thinker_llm):
@@ -681,3 +685,28 @@ def test_thinking_is_dimmed_hidden_and_switched_off(thinker_llm):
     assert "<think>\n\n</think>" in repl.template.render(repl.window(), True, **repl.variables)
     repl.command("/think maybe")
     assert "usage: /think" in out.getvalue()
+
+
+def test_run_chat_reasoning_to_stderr_and_the_schema_after_it(monkeypatch, capsys,
+                                                                thinker_path):
+    import jsonschema
+    from cli_helpers import assert_one_line_error, run_cli
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    code, out, err = run_cli(monkeypatch, capsys, "run", str(thinker_path), "hi", "--chat",
+                             "-c", "512", "-n", "40", "--reasoning-budget", "4",
+                             "--json-schema", json.dumps(schema), "--temp", "0")
+    assert code == 0, err
+    jsonschema.validate(json.loads(out), schema)  # the answer alone, after the reasoning
+    assert err.strip() and "<think>" not in out and "</think>" not in out
+    code, out, _ = run_cli(monkeypatch, capsys, "run", str(thinker_path), "hi", "--chat",
+                           "-c", "512", "-n", "12", "--reasoning-budget", "3",
+                           "--reasoning-format", "none", "--temp", "0")
+    assert code == 0 and "</think>" in out  # left in the text
+    for args, flag in ((["--reasoning-budget", "-2", "--chat"], "--reasoning-budget"),
+                       (["--reasoning-format", "maybe", "--chat"], "--reasoning-format"),
+                       (["--chat-template-kwargs", "[1]", "--chat"], "--chat-template-kwargs"),
+                       (["--reasoning-budget", "3"], "--chat")):
+        code, _, err = run_cli(monkeypatch, capsys, "run", str(thinker_path), "hi", *args)
+        assert_one_line_error(code, err, flag)

@@ -399,3 +399,41 @@ def test_metrics_count_the_new_endpoints(thinker):
     assert status == 200
     assert 'localllm_requests_total{endpoint="/tokenize",status="200"}' in text
     assert "localllm_tokens_predicted_total" in text
+
+
+# ---- a real instruct model ---------------------------------------------------------------------
+def test_round_trips_on_smollm2():
+    """Claude Code- and Codex-shaped tool round trips on smollm2-135m-instruct (its own
+    template, which knows no tools: the calls go through the fenced fallback)."""
+    from localllm import hub
+    from localllm.registry import PROJECT_MODELS, load_registry
+
+    source = load_registry([PROJECT_MODELS]).models["smollm2-135m-instruct"].wheel_source
+    if hub.state(source) != "pulled":
+        pytest.skip("smollm2-135m-instruct is not pulled")
+    s = Server(hub.cached_path(source), "--api-key", KEY, "-c", "2048")
+    try:
+        name = "smollm2-135m-instruct"
+        tool = {"name": "get_weather", "description": "Current weather", "input_schema": WEATHER}
+        ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+        m = claude(s).messages.create(model=name, max_tokens=80, messages=ask, tools=[tool],
+                                      tool_choice={"type": "any"})
+        use = next(b for b in m.content if b.type == "tool_use")
+        jsonschema.validate(use.input, WEATHER)
+        with claude(s).messages.stream(model=name, max_tokens=16, tools=[tool], messages=[
+                *ask, {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                              "content": "21 C, sunny"}]}]) as stream:
+            text = stream.get_final_text()
+        assert text.strip()
+        fn = {"type": "function", "name": "get_weather", "parameters": WEATHER}
+        r = oai(s).responses.create(model=name, input="Weather in Paris?", tools=[fn],
+                                    tool_choice="required", max_output_tokens=80)
+        call = next(o for o in r.output if o.type == "function_call")
+        jsonschema.validate(json.loads(call.arguments), WEATHER)
+        done = oai(s).responses.create(model=name, tools=[fn], max_output_tokens=16, input=[
+            {"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "21 C"}])
+        assert done.output_text.strip()
+    finally:
+        s.stop()

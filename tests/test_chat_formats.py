@@ -187,3 +187,45 @@ def test_lazy_grammar_refuses_a_wrong_argument_after_the_trigger(tokenizer):
             break
         lazy.accept(token)
     assert refused and lazy.active
+
+
+# Two calls in one reply, in each family's own syntax (as the templates above write one call).
+TWO_CALLS = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}'
+              '\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+              '"Rome", "days": 2}}\n</tool_call>',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}},'
+               ' {"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]',
+    "qwen-xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                "<parameter=days>\n1\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+                "<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>"
+                "\n2\n</parameter>\n</function>\n</tool_call>",
+}
+
+
+@pytest.mark.parametrize("syntax", sorted(TWO_CALLS))
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_parallel_calls_stream_with_stable_ids(syntax, step):
+    from localllm.chat.toolparse import ToolScanner
+
+    text = TWO_CALLS[syntax]
+    scanner = ToolScanner(TOOLS)
+    events = []
+    for i in range(0, len(text), step):
+        events += scanner.push(text[i:i + step])
+    events += scanner.finish()
+    opened = [e for e in events if e.kind == "call"]
+    assert [e.index for e in opened] == [0, 1] and len({e.id for e in opened}) == 2
+    args = {i: "".join(e.text for e in events if e.kind == "arguments" and e.index == i)
+            for i in (0, 1)}
+    assert [json.loads(args[i]) for i in (0, 1)] == [{"city": "Paris", "days": 1},
+                                                      {"city": "Rome", "days": 2}]
+    # parallel_tool_calls=false: the second call is not a call (its text is content); a
+    # Mistral array is one unit, left whole as content (its lazy grammar then allows one
+    # element, so a model cannot write the second)
+    single = ToolScanner(TOOLS, parallel=False)
+    message = ReplyMessage()
+    for event in [*single.push(text), *single.finish()]:
+        message.add(event)
+    assert len(message.calls) == (0 if syntax == "mistral" else 1)
+    assert "Rome" in message.content

@@ -117,6 +117,9 @@ class ToolScanner:
 
     def _end_container(self, broken: bool) -> None:
         if broken:
+            # A bare call has no opener: one broken at its first character consumed nothing,
+            # and would be tried again there forever. That character is content.
+            self._pos = max(self._pos, self._call_start + 1)
             raw = self._buf[self._call_start:self._pos]
             dropped = [i for i in self._open]
             for index in dropped:

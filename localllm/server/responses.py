@@ -20,7 +20,6 @@ tools other than functions.
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ from ..api.chat import TurnRun, prepare_chat
 from ..api.completions import timings_dict
 from ..api.schema import ChatParams, InvalidRequest, check_json, parse
 from ..chat.events import Event
-from .protocol import OPENAI, Style, read_json
+from .protocol import OPENAI, Style, dumps, read_json
 
 
 class ResponsesStyle(Style):
@@ -42,7 +41,7 @@ class ResponsesStyle(Style):
     done = None
 
     def event(self, item: Any) -> dict:
-        return {"event": item["type"], "data": json.dumps(item, ensure_ascii=False)}
+        return {"event": item["type"], "data": dumps(item)}
 
     def tally(self, item: Any) -> tuple[dict, int, int] | None:
         response = item.get("response") if isinstance(item, dict) and \

@@ -25,17 +25,17 @@ slot. ``max_tokens`` is capped at ``n_predict`` (llama-server's ``--n-predict``)
 stops with an error once it has run ``timeout`` seconds; one that does not stop (a step that
 never returns) is given up by a watchdog a grace period later: its client gets the error,
 ``/health`` answers 503 and new requests are refused with 503 until the worker is free again.
-The front door (:mod:`localllm.server.guard`): ``api_key`` requires ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``) on
-``/v1/*`` and the llama-server endpoints (401 otherwise; compared in constant time). Bodies
-over ``max_body`` bytes get 413. Every error is an OpenAI error object ``{"error": {"message", "type", "param",
-"code"}}`` (Anthropic's ``{"type": "error", "error": {"type", "message"}}`` on
-``/v1/messages``): 400 for invalid requests (the parameter named), never a traceback. Streams
-are server-sent events (``sse-starlette``, with keep-alive comments). ``cors_origins`` lets
-browser front ends of those origins call the server (Starlette's CORS middleware); bound to
-a loopback address, requests whose ``Host`` is not a loopback name are refused (400), which
-stops DNS-rebinding pages from reaching it. One line per request goes to stderr (client,
-method, path, status, tokens, seconds; never the body), as llama-server and ``ollama serve``
-log.
+The front door (:mod:`localllm.server.guard`): ``api_key`` requires ``Authorization: Bearer
+KEY`` (or Anthropic's ``x-api-key: KEY``) on ``/v1/*`` and the llama-server endpoints (401
+otherwise; compared in constant time). Bodies over ``max_body`` bytes get 413. Every error
+is an OpenAI error object ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's
+``{"type": "error", "error": {"type", "message"}}`` on ``/v1/messages``): 400 for invalid
+requests (the parameter named), never a traceback. Streams are server-sent events
+(``sse-starlette``, with keep-alive comments). ``cors_origins`` lets browser front ends of
+those origins call the server (Starlette's CORS middleware); bound to a loopback address,
+requests whose ``Host`` is not a loopback name are refused (400), which stops DNS-rebinding
+pages from reaching it. One line per request goes to stderr (client, method, path, status,
+tokens, seconds; never the body), as llama-server and ``ollama serve`` log.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..chat.events import Event, ReplyMessage
-from ..chat.reasoning import generation_prompt, opens_thinking
+from ..chat.reasoning import generation_prompt, opens_thinking, single_token, thinking_control
 from ..chat.replies import ChatFormat, ReplyParser, chat_format
 from ..errors import LocalLLMError, ParameterError
 from ..grammar.lazy import Thinking
@@ -117,36 +117,11 @@ def with_default_system(entry, messages: list[dict]) -> list[dict]:
     return [{"role": "system", "content": system}, *messages]
 
 
-def single_token(tokenizer, text: str) -> int | None:
-    """The id of ``text`` when the vocabulary has it as one token, else None."""
-    ids = tokenizer.encode(text, add_bos=False, special=True)
-    return ids[0] if len(ids) == 1 else None
-
-
-_HARMONY_FINAL = "<|channel|>final<|message|>"
-_HARMONY_CALL = "<|channel|>commentary "
-
-
 def thinking_spec(llm: LLM, prompt: ChatPrompt, budget: int = -1, *,
                   call: bool = False) -> Thinking | None:
-    """How the reply's reasoning is run (see :class:`~localllm.grammar.lazy.Thinking`), or
-    None when the template has no reasoning markers. ``call``: the answer is a forced tool
-    call (harmony: on the ``commentary`` channel, not ``final``)."""
-    fmt = prompt.fmt
-    tags = fmt.thinking
-    if tags is None:
-        return None
-    tok = llm.tokenizer
-    if fmt.harmony:
-        header = _HARMONY_CALL if call else _HARMONY_FINAL
-        bridge = tuple(tok.encode("<|start|>assistant" + header, add_bos=False, special=True))
-        end = tuple(tok.encode(tags.end, add_bos=False, special=True))
-        return Thinking(end=tags.end, forced=end + bridge, inside=True, budget=budget,
-                        bridge=bridge, skip=header)
-    forced = tuple(tok.encode(tags.end + "\n\n", add_bos=False, special=True))
-    start = None if prompt.inside else single_token(tok, tags.start)
-    return Thinking(end=tags.end, forced=forced, start_token=start, inside=prompt.inside,
-                    budget=budget)
+    """How the reply's reasoning is run (:func:`localllm.chat.reasoning.thinking_control` on
+    the rendered prompt), or None when the template has no reasoning markers."""
+    return thinking_control(llm.tokenizer, prompt.fmt, prompt.inside, budget, call=call)
 
 
 @dataclass

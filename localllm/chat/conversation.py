@@ -279,7 +279,7 @@ class Conversation:
             state["shift"] = (dropped, n_before, len(ids) + len(generated))
             return ids + generated
 
-        parser, thinking = self._reasoning(prompt)
+        parser, thinking = self._reasoning()
         parts: dict[str, list[str]] = {"content": [], "reasoning": []}
 
         def show(piece: str) -> None:
@@ -350,14 +350,13 @@ class Conversation:
         self.messages.append(message)
         return text
 
-    def _reasoning(self, prompt: list[int]):
+    def _reasoning(self):
         """(the reply parser that splits the reasoning off, or None; the budget's
         :class:`~localllm.grammar.lazy.Thinking`, or None) for a thinking template."""
         fmt = self.fmt
         if fmt.thinking is None:
             return None, None
-        from ..api.chat import ChatPrompt, thinking_spec
-        from .reasoning import generation_prompt, opens_thinking
+        from .reasoning import generation_prompt, opens_thinking, thinking_control
         from .replies import ReplyParser
 
         window = self.window()
@@ -371,9 +370,7 @@ class Conversation:
             parser = ReplyParser(fmt, reasoning=True, inside=inside)
         thinking = None
         if self.reasoning_budget >= 0:
-            thinking = thinking_spec(self.llm, ChatPrompt(prompt, text, fmt, inside,
-                                                          self.template.name),
-                                     self.reasoning_budget)
+            thinking = thinking_control(self.tokenizer, fmt, inside, self.reasoning_budget)
         return parser, thinking
 
 

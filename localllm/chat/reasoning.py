@@ -186,5 +186,40 @@ def _partial(buf: str, marker: str) -> int:
     return 0
 
 
+def single_token(tokenizer, text: str) -> int | None:
+    """The id of ``text`` when the vocabulary has it as one token, else None."""
+    ids = tokenizer.encode(text, add_bos=False, special=True)
+    return ids[0] if len(ids) == 1 else None
+
+
+_HARMONY_FINAL = "<|channel|>final<|message|>"
+_HARMONY_CALL = "<|channel|>commentary "
+
+
+def thinking_control(tokenizer, fmt, inside: bool, budget: int = -1, *, call: bool = False):
+    """How a reply's reasoning is run: a :class:`~localllm.grammar.lazy.Thinking` for a
+    template of reply format ``fmt`` (:class:`~localllm.chat.replies.ChatFormat`) whose
+    generation prompt opened the block (``inside``) or not, or None when it has no reasoning
+    markers. ``budget``: reasoning tokens (-1: no limit). ``call``: the answer is a forced
+    tool call (harmony: on the ``commentary`` channel, not ``final``)."""
+    from ..grammar.lazy import Thinking
+
+    tags = fmt.thinking
+    if tags is None:
+        return None
+    if fmt.harmony:
+        header = _HARMONY_CALL if call else _HARMONY_FINAL
+        bridge = tuple(tokenizer.encode("<|start|>assistant" + header, add_bos=False,
+                                        special=True))
+        end = tuple(tokenizer.encode(tags.end, add_bos=False, special=True))
+        return Thinking(end=tags.end, forced=end + bridge, inside=True, budget=budget,
+                        bridge=bridge, skip=header)
+    forced = tuple(tokenizer.encode(tags.end + "\n\n", add_bos=False, special=True))
+    start = None if inside else single_token(tokenizer, tags.start)
+    return Thinking(end=tags.end, forced=forced, start_token=start, inside=inside,
+                    budget=budget)
+
+
 __all__ = ["REASONING_FORMATS", "ReasoningSplitter", "ThinkingTags", "check_reasoning_format",
-           "generation_prompt", "opens_thinking", "thinking_tags"]
+           "generation_prompt", "opens_thinking", "single_token", "thinking_control",
+           "thinking_tags"]

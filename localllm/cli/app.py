@@ -295,7 +295,8 @@ def _run(
 def _reasoning_setup(llm, rendered, reasoning_format: str, budget: int, constraint):
     """(the reply parser that splits the reasoning off, or None; the keywords that run the
     reasoning before the constraint and within ``budget``) of a thinking template."""
-    from ..api.chat import single_token, thinking_spec
+    from ..api.chat import thinking_spec
+    from ..chat.reasoning import single_token
     from ..chat.replies import ReplyParser
 
     parser = None

@@ -88,8 +88,9 @@ class FakeSession(Session):
     def n_past(self) -> int:
         return len(self.tokens)
 
-    def truncate(self, n: int) -> None:
+    def truncate(self, n: int) -> int:
         del self.tokens[n:]
+        return len(self.tokens)  # as Session.truncate: the tokens kept without recomputing
 
     def reset(self) -> None:
         self.tokens = []

@@ -31,8 +31,11 @@ KINDS = ("linear", "yarn", "longrope", "su", "llama3")
 # tiny models per architecture: gemma3's sixth layer is its first global one (linear scaling
 # applies to global layers only); MoE needs its expert keys
 LAYERS = {"gemma3": 6}
-EXTRA = {"qwen3moe": {"expert_count": 4, "expert_used_count": 2,
-                      "expert_feed_forward_length": 32},
+_MOE = {"expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32}
+EXTRA = {"qwen3moe": _MOE, "gpt-oss": _MOE, "glm4moe": _MOE, "olmoe": _MOE, "phimoe": _MOE,
+         "ernie4_5-moe": {**_MOE, "interleave_moe_layer_step": 1},
+         "llama4": {**_MOE, "expert_used_count": 1, "interleave_moe_layer_step": 2},
+
          # MLA: a latent of 16 + 16 RoPE dims, heads of 16 + 16, a dense layer and a MoE one
          "deepseek2": {"attention.head_count_kv": 1, "attention.kv_lora_rank": 16,
                        "attention.key_length": 32, "attention.value_length": 16,
@@ -41,9 +44,18 @@ EXTRA = {"qwen3moe": {"expert_count": 4, "expert_used_count": 2,
                        "expert_count": 4, "expert_used_count": 2,
                        "expert_feed_forward_length": 32, "expert_shared_count": 1}}
 # rope.dimension_count sizes deepseek2's latent and key tensors (its decoupled RoPE key):
-# no partial rotation of a head
-WHOLE_ROPE = ("deepseek2",)
-ARCHS = sorted(ARCHITECTURES)
+# no partial rotation of a head; llama.cpp's llama4 rotates whole heads (refused otherwise)
+WHOLE_ROPE = ("deepseek2", "llama4")
+# The hybrid and state-space families: the tiny writer has no state-space keys, and mamba2 and
+# nemotron_h have no RoPE. Their attention layers read the RoPE through the same read_rope
+# (models/hybrid.py's whole_head_rope); their llama.cpp fixtures check it.
+RECURRENT = ("falcon-h1", "granitehybrid", "lfm2", "mamba2", "nemotron_h", "qwen35",
+             "qwen35moe", "qwen3next")
+# Families whose tiny file needs more than the tiny writer's keys (gemma4's per-layer SWA
+# geometry, glm4moe's shared experts and dense layers): their fixtures in
+# tests/data/families cover their RoPE (gemma4: SWA base and dims; glm4moe: partial RoPE).
+FIXTURE_ONLY = ("gemma4", "glm4moe")
+ARCHS = sorted(a for a in ARCHITECTURES if a not in RECURRENT + FIXTURE_ONLY)
 FAMILY_DATA = Path(__file__).parent / "data" / "families"
 
 
@@ -93,7 +105,10 @@ def test_every_scaling_type_loads_and_is_applied_in_every_family(arch, kind, tmp
         "rope.scaling.original_context_length": 16}))
     ref = plain(arch)
     assert torch.isfinite(scaled).all()
-    assert torch.allclose(ref[0], scaled[0], atol=1e-4)
+    # YaRN's magnitude scales the scores: with attention sinks (gpt-oss) that shows at
+    # position 0 too (the sink's share of the softmax changes)
+    if not (arch == "gpt-oss" and kind == "yarn"):
+        assert torch.allclose(ref[0], scaled[0], atol=1e-4)
     assert (ref[1:] - scaled[1:]).abs().max() > 1e-3
 
 

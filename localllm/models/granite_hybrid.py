@@ -35,7 +35,8 @@ from .base import (
     TensorSpec,
     check_vocab,
 )
-from .common import Linear, Split, positions_of, rope_inv_freq
+from .common import Linear, Split, positions_of
+from .rope import rope_inv_freq
 from .hybrid import AttentionWeights, HeadArgs, attention, attention_specs, head_args, layer_heads
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
 

@@ -30,7 +30,8 @@ from .base import (
     TensorSpec,
     check_vocab,
 )
-from .common import Embedding, Linear, Split, positions_of, rope_inv_freq
+from .common import Embedding, Linear, Split, positions_of
+from .rope import rope_inv_freq
 from .hybrid import AttentionWeights, HeadArgs, attention, attention_specs, head_args, layer_heads
 from .mamba import MAX_CONV
 

@@ -133,7 +133,9 @@ class KernelOps(TorchOps):
         """One token: two launches, :func:`localllm.kernels.norm_rope_kv` (QK-norm, RoPE and
         the cache write) then :func:`localllm.kernels.decode_attention`."""
         rope_pos, inv_freq, rope_scale, magnitude = angles
-        if q.shape[0] != 1 or magnitude is not None or norm_after_rope:
+        # A quantized cache (-ctk/-ctv) has no Triton kernel yet: the torch attention, which
+        # dequantizes it a block of heads at a time.
+        if q.shape[0] != 1 or magnitude is not None or norm_after_rope or cache.quantized:
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
                                           positions, head_dim=head_dim, neox=neox, scale=scale,
                                           softcap=softcap, norm_after_rope=norm_after_rope)
@@ -157,7 +159,7 @@ class KernelOps(TorchOps):
 
     def attention(self, q, k, v, cache, pos, positions, *, scale: float,
                   softcap: float | None = None) -> torch.Tensor:
-        if q.shape[1] != 1 and softcap is not None:  # SDPA has no soft-capping
+        if cache.quantized or (q.shape[1] != 1 and softcap is not None):  # SDPA: no softcap
             return super().attention(q, k, v, cache, pos, positions, scale=scale,
                                      softcap=softcap)
         keys, values, k_pos = store_kv(cache, pos, k, v)

@@ -143,7 +143,14 @@ CACHE_OPTIONS: list[tuple[str, Any, Any]] = [
 def cache_options(func: Callable) -> Callable:
     """Decorator: ``-ctk/--cache-type-k`` and ``-ctv/--cache-type-v``, handed to ``func`` as
     ``kv_cache``: a dict of the ``LLM(...)`` keywords the user gave (``type_k``, ``type_v``)."""
-    return option_group("kv_cache", CACHE_OPTIONS, lambda values: {
-        key: values[name] for key, name in (("type_k", "cache_type_k"),
-                                            ("type_v", "cache_type_v"))
-        if values.get(name) is not None})(func)
+    def build(values: dict[str, Any]) -> dict[str, str]:
+        from ..memory import cache_type
+
+        given = {key: values[name] for key, name in (("type_k", "cache_type_k"),
+                                                     ("type_v", "cache_type_v"))
+                 if values.get(name) is not None}
+        for key, value in given.items():  # refused before any work, in one line
+            cache_type(value, "--cache-type-k" if key == "type_k" else "--cache-type-v")
+        return given
+
+    return option_group("kv_cache", CACHE_OPTIONS, build)(func)

@@ -48,6 +48,7 @@ def serve_command(
         "--alias", help="another name requests may use for MODEL")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="uvicorn's own log")] = False,
     speculative=None,
+    kv_cache=None,
 ) -> None:
     """Serve MODEL over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics, /api/ps. A request's model may name another model of
@@ -85,7 +86,7 @@ def serve_command(
     from ..server import serve
 
     llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None,
-              **(speculative or {}))
+              **(speculative or {}), **(kv_cache or {}))
     if chat_template is not None:
         from ..chat.template import template_for
 
@@ -103,6 +104,7 @@ def serve_command(
     models = for_server(llm, model, device=device, ctx_size=ctx_size, batch_size=batch_size,
                         max_models=max_models, keep_alive=keep,
                         chat_template=llm.chat_template, options=speculative,
+                        kv_cache=kv_cache,
                         aliases=(alias,) if alias else ())
     del llm  # the manager holds the only reference: an eviction frees its memory
     serve(None, host=host, port=port, api_key=api_key, max_queue=max_queue, max_body=max_body,

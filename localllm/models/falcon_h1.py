@@ -19,9 +19,9 @@ import torch
 from ..memory import KVSpec
 from .base import MAX_CONTEXT, MAX_LAYERS, REQUIRED, BaseModel, HParams, TensorSpec, check_vocab
 from .common import Linear, Split, positions_of
-from .rope import rope_inv_freq
 from .hybrid import AttentionWeights, HeadArgs, attention, attention_specs, head_args, layer_heads
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
+from .rope import rope_inv_freq
 
 
 @dataclass

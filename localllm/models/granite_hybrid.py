@@ -36,9 +36,9 @@ from .base import (
     check_vocab,
 )
 from .common import Linear, Split, positions_of
-from .rope import rope_inv_freq
 from .hybrid import AttentionWeights, HeadArgs, attention, attention_specs, head_args, layer_heads
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
+from .rope import rope_inv_freq
 
 
 @dataclass

@@ -31,9 +31,9 @@ from .base import (
     check_vocab,
 )
 from .common import Embedding, Linear, Split, positions_of
-from .rope import rope_inv_freq
 from .hybrid import AttentionWeights, HeadArgs, attention, attention_specs, head_args, layer_heads
 from .mamba import MAX_CONV
+from .rope import rope_inv_freq
 
 
 @dataclass

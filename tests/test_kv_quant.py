@@ -206,16 +206,14 @@ def test_rings_wrap_and_prefixes_are_reused_with_a_quantized_cache(tiny_path, na
 
 
 def test_quantized_cache_is_close_to_the_float_one(tiny_path):
+    """q8_0 moves the logits less than q4_0 does, and neither is the float cache."""
     from localllm import LLM
 
     ids = list(range(3, 60))
-    ref = torch.log_softmax(LLM(str(tiny_path), device="cpu", dtype=torch.float32)
-                            .logits(ids).double(), -1)
-    kls = {}
-    for name in ("q8_0", "q4_0"):
-        lp = torch.log_softmax(_llm(tiny_path, name).logits(ids).double(), -1)
-        kls[name] = float((ref.exp() * (ref - lp)).sum())
-    assert kls["q8_0"] < 1e-3 and kls["q8_0"] < kls["q4_0"] < 0.1, kls
+    ref = LLM(str(tiny_path), device="cpu", dtype=torch.float32).logits(ids)
+    diff = {name: float((_llm(tiny_path, name).logits(ids) - ref).abs().max())
+            for name in ("q8_0", "q4_0")}
+    assert 0 < diff["q8_0"] < diff["q4_0"] / 2, diff
 
 
 def test_prompt_cache_keeps_the_cache_type_and_refuses_another(tiny_path, tmp_path):

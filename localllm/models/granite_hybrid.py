@@ -22,7 +22,6 @@ from typing import ClassVar
 import torch
 
 from ..backends import ExpertMatrix
-from ..errors import UnsupportedError
 from ..memory import KVSpec
 from . import llama
 from .base import (
@@ -36,9 +35,17 @@ from .base import (
     check_vocab,
 )
 from .common import Linear, Split, positions_of
-from .hybrid import AttentionWeights, HeadArgs, attention, attention_specs, head_args, layer_heads
+from .hybrid import (
+    AttentionWeights,
+    HeadArgs,
+    attention,
+    attention_specs,
+    head_args,
+    layer_heads,
+    whole_head_rope,
+)
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
-from .rope import rope_inv_freq
+from .rope import GLOBAL, NOPE, Rope, RopeSpec, read_rope
 
 
 @dataclass
@@ -54,9 +61,8 @@ class ModelArgs:
     context_length: int
     ssm: SSMArgs
     norm_eps: float = 1e-5
-    rope: bool = False  # rope.scaling.finetuned
-    rope_base: float = 10_000.0
-    rope_scale: float = 1.0  # linear scaling: 1 / rope.scaling.factor
+    rope: RopeSpec | None = None
+    use_rope: bool = False  # rope.scaling.finetuned
     n_expert: int = 0
     n_expert_used: int = 0
     shared_ffn_dim: int = 0  # expert_shared_feed_forward_length
@@ -75,18 +81,17 @@ class ModelArgs:
 
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
-            UnsupportedError: partial RoPE, RoPE scaling other than linear.
+            UnsupportedError: partial RoPE.
         """
         hp = HParams(md, source)
         n_layers = hp.int("block_count", REQUIRED, hi=MAX_LAYERS)
         d = hp.int("embedding_length", REQUIRED)
         heads, kv = layer_heads(hp, n_layers)
         ha = head_args(hp, heads, kv, [k > 0 for k in kv], d)
-        rope = hp.bool("rope.scaling.finetuned", True)
-        if rope and (rd := hp.int("rope.dimension_count", ha.head_dim)) != ha.head_dim:
-            raise UnsupportedError(f"{hp.pre}metadata {hp.key('rope.dimension_count')} = {rd}: "
-                                   f"partial RoPE (head size {ha.head_dim}) is not supported")
-        _, factor = hp.rope_scaling(("linear",))
+        use_rope = hp.bool("rope.scaling.finetuned", True)
+        ctx = hp.int("context_length", 1 << 20, hi=MAX_CONTEXT)
+        rope = (whole_head_rope(hp, ha.head_dim, ctx, neox=False) if use_rope
+                else read_rope(hp, head_dim=ha.head_dim, context_length=ctx, neox=False))
         n_expert = hp.int("expert_count", 0, lo=0, hi=MAX_EXPERTS)
         kw = {}
         if n_expert:
@@ -96,10 +101,10 @@ class ModelArgs:
         return cls(
             arch=hp.arch, n_vocab=check_vocab(hp, n_vocab), n_layers=n_layers, d_model=d,
             heads=ha, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
-            context_length=hp.int("context_length", 1 << 20, hi=MAX_CONTEXT),
+            context_length=ctx,
             ssm=ssm_hparams(hp), norm_eps=hp.float("attention.layer_norm_rms_epsilon",
                                                    REQUIRED, hi=1.0),
-            rope=rope, rope_base=hp.float("rope.freq_base", 10_000.0), rope_scale=1.0 / factor,
+            rope=rope, use_rope=use_rope,
             embedding_scale=unset_is_one(hp, "embedding_scale"),
             residual_scale=unset_is_one(hp, "residual_scale"),
             logit_scale=unset_is_one(hp, "logit_scale"),
@@ -178,10 +183,10 @@ class Model(BaseModel):
 
     def prepare(self) -> None:
         a = self.args
-        # Without RoPE, zero frequencies: cos 1, sin 0 rotate nothing (exactly), and the
-        # backends' fused attention paths stay usable.
-        self.inv_freq = rope_inv_freq(a.heads.head_dim, a.rope_base, device=self.device) \
-            if a.rope else torch.zeros(a.heads.head_dim // 2, device=self.device)  # fmt: skip
+        # Without RoPE, the NOPE tables (zero frequencies: cos 1, sin 0 rotate nothing,
+        # exactly), and the backends' fused attention paths stay usable.
+        self.rope = Rope(a.rope, self.device)
+        self.rope_kind = GLOBAL if a.use_rope else NOPE
 
     def ffn(self, b: Layer, n: torch.Tensor) -> torch.Tensor:
         a, ops = self.args, self.ops
@@ -202,7 +207,7 @@ class Model(BaseModel):
         a, ops = self.args, self.ops
         t, eps, rs = tokens.shape[0], a.norm_eps, a.residual_scale
         positions = positions_of(pos, t, self.device)
-        rope = ops.rope_angles(positions, self.inv_freq, a.rope_scale)
+        rope = self.rope.angles(ops, positions, memory.ctx_size, (self.rope_kind,))[self.rope_kind]
         x = self.token_embd(tokens)
         if a.embedding_scale != 1.0:
             x = x * a.embedding_scale
@@ -213,7 +218,9 @@ class Model(BaseModel):
                 f = mamba2_mixer(b, n, mem, a.ssm, eps, ops)
             else:
                 f = attention(b, n, mem, ops, rope, pos, positions, head_dim=a.heads.head_dim,
-                              neox=False, scale=a.attention_scale, eps=eps)
+                              neox=False,
+                              scale=a.attention_scale * self.rope.score_scale(self.rope_kind),
+                              eps=eps)
             h, n = ops.residual_norm(x, f * rs if rs != 1.0 else f, None, b.ffn_norm, eps)
             f = self.ffn(b, n)
             x, n = ops.residual_norm(h, f * rs if rs != 1.0 else f, None, next_norm, eps)

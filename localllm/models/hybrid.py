@@ -20,6 +20,26 @@ import torch
 
 from .base import MAX_HEADS, REQUIRED, HParams, TensorSpec
 from .common import Linear, Split
+from .rope import RopeSpec, read_rope
+
+
+def whole_head_rope(hp: HParams, head_dim: int, context_length: int, *, neox: bool) -> RopeSpec:
+    """The file's RoPE (:func:`~localllm.models.rope.read_rope`: every scaling type), which
+    must rotate whole heads: the hybrids' attention sublayer rotates queries and keys as
+    they are, without :class:`~localllm.models.rope.Rope`'s partial-RoPE arrangement.
+
+    Raises:
+        GGUFError: a RoPE key out of range (named).
+        UnsupportedError: ``rope.dimension_count`` below the head size (partial RoPE).
+    """
+    from ..errors import UnsupportedError
+
+    spec = read_rope(hp, head_dim=head_dim, context_length=context_length, neox=neox)
+    if spec.n_rot != head_dim:
+        raise UnsupportedError(f"{hp.pre}metadata {hp.key('rope.dimension_count')} = "
+                               f"{spec.n_rot}: partial RoPE (head size {head_dim}) is not "
+                               "supported")
+    return spec
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,17 @@ from .base import (
     check_vocab,
 )
 from .common import Embedding, Linear, Split, positions_of
-from .hybrid import AttentionWeights, HeadArgs, attention, attention_specs, head_args, layer_heads
+from .hybrid import (
+    AttentionWeights,
+    HeadArgs,
+    attention,
+    attention_specs,
+    head_args,
+    layer_heads,
+    whole_head_rope,
+)
 from .mamba import MAX_CONV
-from .rope import rope_inv_freq
+from .rope import GLOBAL, Rope, RopeSpec
 
 
 @dataclass
@@ -49,8 +57,7 @@ class ModelArgs:
     context_length: int
     l_cache: int  # shortconv.l_cache: taps of the convolution
     norm_eps: float = 1e-5
-    rope_base: float = 10_000.0
-    rope_scale: float = 1.0
+    rope: RopeSpec | None = None
     sliding_window: int | None = None
 
     @property
@@ -63,9 +70,8 @@ class ModelArgs:
 
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
-            UnsupportedError: RoPE scaling other than linear, partial RoPE.
+            UnsupportedError: partial RoPE.
         """
-        from ..errors import UnsupportedError
 
         hp = HParams(md, source)
         n_layers = hp.int("block_count", REQUIRED, hi=MAX_LAYERS)
@@ -76,18 +82,15 @@ class ModelArgs:
             hp.require(k == 0 or heads[i] * ha.head_dim == d, "attention.head_count",
                        f"layer {i}: {heads[i]} heads of {ha.head_dim} differ from "
                        f"embedding_length {d} (LFM2's attention keeps the width)")
-        if (rd := hp.int("rope.dimension_count", ha.head_dim)) != ha.head_dim:
-            raise UnsupportedError(f"{hp.pre}metadata {hp.key('rope.dimension_count')} = {rd}: "
-                                   f"partial RoPE (head size {ha.head_dim}) is not supported")
-        _, factor = hp.rope_scaling(("linear",))
+        ctx = hp.int("context_length", REQUIRED, hi=MAX_CONTEXT)
         window = hp.int("attention.sliding_window", 0, lo=0, hi=MAX_CONTEXT)
         return cls(arch=hp.arch, n_vocab=check_vocab(hp, n_vocab), n_layers=n_layers,
                    d_model=d, heads=ha,
                    ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
-                   context_length=hp.int("context_length", REQUIRED, hi=MAX_CONTEXT),
+                   context_length=ctx,
                    l_cache=hp.int("shortconv.l_cache", REQUIRED, lo=2, hi=MAX_CONV),
                    norm_eps=hp.float("attention.layer_norm_rms_epsilon", REQUIRED, hi=1.0),
-                   rope_base=hp.float("rope.freq_base", 10_000.0), rope_scale=1.0 / factor,
+                   rope=whole_head_rope(hp, ha.head_dim, ctx, neox=True),
                    sliding_window=window or None)
 
 
@@ -163,7 +166,7 @@ class Model(BaseModel):
     def prepare(self) -> None:
         a = self.args
         self.output_norm = self.token_embd_norm
-        self.inv_freq = rope_inv_freq(a.heads.head_dim, a.rope_base, device=self.device)
+        self.rope = Rope(a.rope, self.device)
 
     def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
                 all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
@@ -173,7 +176,7 @@ class Model(BaseModel):
         a, ops = self.args, self.ops
         t, eps = tokens.shape[0], a.norm_eps
         positions = positions_of(pos, t, self.device)
-        rope = ops.rope_angles(positions, self.inv_freq, a.rope_scale)
+        rope = self.rope.angles(ops, positions, memory.ctx_size)[GLOBAL]
         x = self.token_embd(tokens)
         nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
         n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
@@ -182,7 +185,8 @@ class Model(BaseModel):
                 f = short_conv_block(b, n, mem, ops)
             else:
                 f = attention(b, n, mem, ops, rope, pos, positions, head_dim=a.heads.head_dim,
-                              neox=True, scale=a.heads.head_dim ** -0.5, eps=eps)
+                              neox=True, scale=a.heads.head_dim ** -0.5 * self.rope.score_scale(),
+                              eps=eps)
             h, n = ops.residual_norm(x, f, None, b.ffn_norm, eps)
             gate, up = b.ffn_gate_up(n)
             f = b.ffn_down(ops.gated(gate, up, "silu", overwrite=True))

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ..errors import CorruptModelError, LocalLLMError, ModelNotFoundError, ParameterError, PullError
 from . import LocalModel, dir_size
-from .integrity import read_record, record_for, verify_file, write_record
+from .integrity import read_record, record_for, transfer_bars, verify_file, write_record
 from .select import check_relative, check_text, models_in, name_for, select
 
 PREFIXES = ("hf.co/", "huggingface.co/", "https://huggingface.co/", "https://hf.co/")
@@ -367,7 +367,7 @@ def _pull(ref: HFRef, force: bool, progress: bool) -> LocalModel:
         check_relative(rel, "file name the Hub lists")
     write_record(_listing_record(ref.repo), {"commit": commit, "files": files})
     snapshot = repo_dir(ref.repo) / "snapshots" / commit
-    with _bars(progress) as bars:
+    with transfer_bars(show=progress) as bars:
         for rel in model.parts:
             _fetch(ref, commit, rel, files[rel], force=force, bars=bars)
     _write_ref(ref.repo, commit)
@@ -516,23 +516,6 @@ def _hub_error(e: Exception, ref: HFRef, rel: str | None = None) -> LocalLLMErro
 
 
 # ---- progress ----------------------------------------------------------------------------------
-def _bars(progress: bool):
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    console = Console(stderr=True)
-    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                    TransferSpeedColumn(), TimeRemainingColumn(), console=console,
-                    disable=not (progress and console.is_terminal))
-
-
 def _rich_tqdm(bars, label: str):
     """A tqdm class for ``hf_hub_download(tqdm_class=)`` that draws on ``bars`` (a rich
     Progress: size, speed, ETA) instead of printing."""

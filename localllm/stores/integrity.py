@@ -71,17 +71,10 @@ def hash_fd(fd: int, *, algorithm: str = "sha256", git_blob: bool = False,
     h = hashlib.new(algorithm)
     if git_blob:
         h.update(b"blob %d\0" % size)
-    bars = None
-    if label is not None and size >= _SHOW_PROGRESS_BYTES:
-        bars = _progress()
     offset = 0
-    if bars is None:
-        while chunk := os.pread(fd, CHUNK, offset):
-            h.update(chunk)
-            offset += len(chunk)
-        return h.hexdigest()
+    bars = transfer_bars(show=label is not None and size >= _SHOW_PROGRESS_BYTES, transient=True)
     with bars:
-        task = bars.add_task(label, total=size)
+        task = bars.add_task(label or "", total=size)
         while chunk := os.pread(fd, CHUNK, offset):
             h.update(chunk)
             offset += len(chunk)
@@ -89,7 +82,9 @@ def hash_fd(fd: int, *, algorithm: str = "sha256", git_blob: bool = False,
     return h.hexdigest()
 
 
-def _progress():
+def transfer_bars(*, show: bool = True, transient: bool = False):
+    """rich progress bars for byte transfers (description, bar, bytes, speed, time left) on
+    stderr, drawn only where stderr is a terminal and ``show`` is set."""
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -101,11 +96,9 @@ def _progress():
     )
 
     console = Console(stderr=True)
-    if not console.is_terminal:
-        return None
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                     TransferSpeedColumn(), TimeRemainingColumn(), console=console,
-                    transient=True)
+                    disable=not (show and console.is_terminal), transient=transient)
 
 
 def read_record(path: Path, limit: int = 1 << 16) -> dict | None:

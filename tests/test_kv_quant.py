@@ -311,3 +311,28 @@ def test_info_memory_line_counts_the_cache_type():
     q8 = memory_line(spec, 4096, (CACHE_TYPES["q8_0"], CACHE_TYPES["q8_0"]))
     assert "KV cache 4.0 MiB" in f16 and "f16" in f16
     assert "KV cache 2.1 MiB" in q8 and "q8_0" in q8
+
+
+def test_triton_backend_attends_over_a_quantized_cache(tiny_model_path):
+    """The Triton backend (its interpreter on the CPU) with q8_0 caches: the torch attention
+    over the blocks (no Triton kernel reads them yet), dynamic and static-shape decode, gives
+    the torch backend's logits with the same caches."""
+    pytest.importorskip("triton")
+    import gguf
+
+    from localllm.runtime.session import Session, load_model
+
+    path = tiny_model_path("gemma3", qtype=gguf.GGMLQuantizationType.Q8_0, head_dim=32,
+                           context_length=1024, sliding_window=8)
+    q8 = CACHE_TYPES["q8_0"]
+    ref = load_model(path, device="cpu", progress=False, dtype=torch.float32, backend="torch")
+    quant = load_model(path, device="cpu", progress=False, backend="triton")
+    ids = list(range(3, 17))
+    want = Session(ref, ctx_size=32, type_k=q8, type_v=q8).eval(ids, all_logits=True)
+    scale = want.abs().max()
+    for static in (False, True):
+        s = Session(quant, ctx_size=32, static_decode=static, type_k=q8, type_v=q8)
+        assert s.memory[0].k.dtype == torch.uint8
+        got = torch.cat([s.eval(ids[:10], all_logits=True),
+                         torch.stack([s.eval([t]) for t in ids[10:]])])
+        assert (got - want).abs().max() / scale < 3e-2

@@ -336,3 +336,20 @@ def test_triton_backend_attends_over_a_quantized_cache(tiny_model_path):
         got = torch.cat([s.eval(ids[:10], all_logits=True),
                          torch.stack([s.eval([t]) for t in ids[10:]])])
         assert (got - want).abs().max() / scale < 3e-2
+
+
+def test_bench_counts_the_quantized_cache(tiny_path):
+    from localllm.eval import bench
+
+    common = {"n_prompt": 16, "n_gen": 4, "repetitions": 1, "device": "cpu",
+              "llama_cpp": False, "print_result": False}
+    plain = bench.run_bench(str(tiny_path), **common)
+    q8 = bench.run_bench(str(tiny_path), kv_cache={"type_k": "q8_0", "type_v": "q8_0"},
+                         **common)
+    assert plain["cache_types"] is None and q8["cache_types"] == ["q8_0", "q8_0"]
+    assert q8["tg"] > 0
+    # the native backend's default is f16: q8_0 reads 34/64 of its bytes per step
+    assert q8["kv_bytes_per_token"] == plain["kv_bytes_per_token"] * 34 // 64
+    assert bench._llama_cache_args(
+        (CACHE_TYPES["q8_0"], CACHE_TYPES["q4_0"])) == {"type_k": 8, "type_v": 2,
+                                                        "flash_attn": True}

@@ -353,3 +353,13 @@ def test_bench_counts_the_quantized_cache(tiny_path):
     assert bench._llama_cache_args(
         (CACHE_TYPES["q8_0"], CACHE_TYPES["q4_0"])) == {"type_k": 8, "type_v": 2,
                                                         "flash_attn": True}
+
+
+def test_info_command_states_the_cache_of_the_types(tiny_path, monkeypatch, capsys):
+    code, out, err = run_cli(monkeypatch, capsys, "info", str(tiny_path), "-ctk", "q8_0",
+                             "-ctv", "q4_0")
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("memory per sequence"))
+    assert "K q8_0, V q4_0" in line
+    code, out, err = run_cli(monkeypatch, capsys, "info", str(tiny_path), "-ctk", "q9")
+    assert_one_line_error(code, err, "--cache-type-k", "'q9'")

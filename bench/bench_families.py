@@ -62,6 +62,12 @@ FAMILIES: dict[str, str] = {
     "exaone4": "exaone4-1.2b",
     "hunyuan-dense": "hunyuan-1b",
     "ernie4_5": "ernie4.5-1b",
+    "qwen35": "qwen35-0.8b",
+    "qwen35moe": "qwen35moe-1b",
+    "qwen3next": "qwen3next-1b",
+    "llama4": "llama4-1b",
+    "gemma4": "gemma4-1b",
+    "deepseek2": "deepseek-v3-1b",
 }
 MIN_RELATIVE = 0.8  # the floor, tok/s per weight byte relative to llama
 

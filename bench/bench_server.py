@@ -90,7 +90,8 @@ def main() -> None:
         deadline = time.monotonic() + 300
         while True:
             try:
-                client.models.list()
+                # the name the server gives the model (a file's is not its path)
+                served_id = client.models.list().data[0].id
                 break
             except openai.APIConnectionError:
                 if time.monotonic() > deadline or server.poll() is not None:
@@ -99,7 +100,7 @@ def main() -> None:
         del llm  # one copy of the model at a time from here on
 
         def remote(p: str, **extra):
-            return lambda: client.completions.create(model=args.model, prompt=p, max_tokens=1,
+            return lambda: client.completions.create(model=served_id, prompt=p, max_tokens=1,
                                                      stream=True, extra_body=extra or None)
 
         for _ in range(3):

@@ -213,6 +213,18 @@ def other_cases(arch: int) -> dict[str, tuple[Case, dict]]:
     out["short_conv/granite4-1b"] = conv_case(3328, 4, arch=arch)
     out["short_conv/lfm2-1.2b"] = conv_case(2048, 3, bias=False, silu=False, arch=arch)
     out["ssm_scan/granite4-1b"] = scan_case(48, 64, 128, arch=arch)
+    # The gated delta rule (Qwen3.5-0.8B: 16 value heads over 16 key heads; Qwen3-Next-80B:
+    # 32 over 16, each key head repeated in place), heads of 128: the state block stays in
+    # registers over the token loop.
+    from localllm.kernels.recurrent import delta_case
+
+    out["gated_delta_net/qwen35-0.8b"] = delta_case(16, 16, 128, interleave=False, arch=arch)
+    out["gated_delta_net/qwen3next-80b"] = delta_case(32, 16, 128, interleave=True, arch=arch)
+    # Multi-head latent attention at decode (DeepSeek-V3: 128 heads over latents of 512 + 64
+    # float16 values): bytes per step are BLOCK_S latents, read once for 16 heads
+    from localllm.kernels.mla import mla_case
+
+    out["mla_decode/deepseek-v3"] = mla_case(128, 512, 64, arch=arch)
     return out
 
 

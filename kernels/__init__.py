@@ -13,6 +13,7 @@ decode them on the fly:
   ``residual_rms_norm``, ``gated_act``): fewer launches per decode step;
 - :mod:`.attention`: decode attention over the KV cache (flash-decoding, split-K);
 - :mod:`.ssm`: the short convolution and Mamba2's selective scan of state-space models.
+- :mod:`.recurrent`: the gated delta rule of Qwen3.5 / Qwen3-Next's delta-net layers.
 - :mod:`.flash_attention`: prefill attention over the KV cache (flash attention).
 
 Every kernel also runs on CPU tensors through Triton's interpreter (slowly: for tests);
@@ -41,6 +42,7 @@ __all__ = [
     "decode_attention",
     "dequantize",
     "gated_act",
+    "gated_delta_net",
     "gemm",
     "gemv",
     "norm_rope_kv",
@@ -62,8 +64,10 @@ _LAZY = {
     "decode_attention": ".attention",
     "dequantize": ".dequant",
     "gated_act": ".fused",
+    "gated_delta_net": ".recurrent",
     "gemv": ".gemv",
     "gemm": ".gemm",
+    "mla_decode": ".mla",
     "norm_rope_kv": ".fused",
     "prefill_attention": ".flash_attention",
     "residual_rms_norm": ".fused",

@@ -346,13 +346,25 @@ EXTRA_KEYS = ["rope.scaling.type", "rope.scaling.factor", "attention.sliding_win
               "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank",
               "ssm.group_count", "shortconv.l_cache", "rope.scaling.finetuned",
               "expert_shared_feed_forward_length", "attention.layer_norm_epsilon",
-              "residual_scale",
+              "residual_scale", "full_attention_interval", "attention.recurrent_layers",
+              "rope.dimension_sections", "nextn_predict_layers",
               # issue 28: the RoPE scalings and the 2025 dense families
               "rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_beta_fast",
               "rope.scaling.yarn_beta_slow", "rope.scaling.low_freq_factor",
               "rope.scaling.high_freq_factor", "rope.scaling.alpha", "rope.scale_linear",
               "rope.freq_base_swa", "attention.sliding_window_pattern",
-              "attention.temperature_scale"]
+              "attention.temperature_scale",
+              # MoE routing variants (gpt-oss, glm4moe ...)
+              "expert_shared_count", "leading_dense_block_count", "expert_gating_func",
+              "expert_weights_scale", "nextn_predict_layers", "interleave_moe_layer_step",
+              # Llama 4 and Gemma 4
+              "attention.shared_kv_layers", "attention.key_length_swa",
+              "attention.value_length_swa", "rope.dimension_count_swa",
+              "embedding_length_per_layer_input",
+              # multi-head latent attention and its routing (deepseek2)
+              "attention.q_lora_rank", "attention.kv_lora_rank", "attention.key_length_mla",
+              "attention.value_length_mla", "expert_group_count", "expert_group_used_count",
+              "attention.temperature_length"]
 # Keys outside the architecture's namespace (llama.cpp's names), added as they are.
 GLOBAL_KEYS = ["xielu.alpha_n", "xielu.alpha_p", "xielu.beta", "xielu.eps"]
 
@@ -406,10 +418,25 @@ def metadata_fuzz_seeds(directory) -> list:
              ("smollm3", {"n_layers": 4}), ("apertus", {}), ("seed_oss", {}),
              ("exaone4", {"n_layers": 64, "d_model": 32, "n_heads": 2, "n_kv_heads": 1,
                           "ffn_dim": 32}),
-             ("hunyuan-dense", {"extra": {"rope.scaling.alpha": 1000.0}}), ("ernie4_5", {})]
+             ("hunyuan-dense", {"extra": {"rope.scaling.alpha": 1000.0}}), ("ernie4_5", {}),
+             ("gpt-oss", {"extra": {**moe, "rope.scaling.type": "yarn",
+                                    "rope.scaling.factor": 4.0,
+                                    "rope.scaling.original_context_length": 16,
+                                    "rope.freq_base_swa": 1000.0}}),
+             ("glm4moe", {"n_layers": 3,
+                          "extra": {**moe, "expert_shared_count": 1,
+                                    "leading_dense_block_count": 1, "expert_gating_func": 2,
+                                    "expert_weights_norm": True, "expert_weights_scale": 2.5,
+                                    "rope.dimension_count": 8}}),
+             ("olmoe", {"extra": {"expert_count": 4, "expert_used_count": 2}}),
+             ("ernie4_5-moe", {"extra": {**moe, "expert_shared_feed_forward_length": 32,
+                                         "leading_dense_block_count": 1,
+                                         "interleave_moe_layer_step": 1}}),
+             ("phimoe", {"extra": {"expert_count": 4, "expert_used_count": 2}})]
     from families import write_family
 
-    hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2"]
+    hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2", "qwen35", "qwen35moe",
+               "qwen3next", "llama4", "gemma4", "deepseek2", "deepseek2-lite", "deepseek2-kvb"]
     return [open_gguf(write_tiny_gguf(Path(directory) / f"seed-{arch}.gguf", arch, **kw))
             for arch, kw in cases] + [open_gguf(write_family(f, directory)) for f in hybrids]
 

@@ -404,7 +404,11 @@ def test_tool_arguments_with_lone_surrogate_escapes(server):
             assert status == 200
             events = [strict_json(line[6:]) for line in raw.split(b"\n\n")
                       if line.startswith(b"data: {")]
-            calls = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls") or []]
+            deltas = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls") or []]
+            # the streamed pieces of one call: its id and name first, then the arguments
+            assert {d["index"] for d in deltas} == {0} and deltas[0]["id"]
+            calls = [{**deltas[0], "function": {**deltas[0]["function"], "arguments": "".join(
+                d["function"].get("arguments", "") for d in deltas)}}]
         else:
             _, raw = forced_reply(server, text)
             calls = strict_json(raw)["choices"][0]["message"]["tool_calls"]

@@ -4,7 +4,8 @@ below the common prefix and recomputes only from there; ``Session.save``/``load`
 ``run --prompt-cache`` carry the checkpoint one token before the end of the prompt, so the
 same prompt again recomputes one token. The results equal a fresh evaluation.
 
-The model is the granitehybrid fixture (Mamba2 and attention layers, tests/families.py).
+The models are the granitehybrid fixture (Mamba2 and attention layers) and the qwen35 one
+(gated delta-nets and attention), tests/families.py.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from localllm.runtime.generate import prefill
 from localllm.runtime.session import CHECKPOINT_INTERVAL, Session, load_model
 
 
-@pytest.fixture(scope="module")
-def path(tmp_path_factory):
-    return write_family("granitehybrid", tmp_path_factory.mktemp("hybrid-session"))
+@pytest.fixture(scope="module", params=["granitehybrid", "qwen35"])
+def path(request, tmp_path_factory):
+    return write_family(request.param, tmp_path_factory.mktemp("hybrid-session"))
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +89,11 @@ def test_save_load_keeps_the_checkpoint_before_the_end(model, tmp_path, monkeypa
                                rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", "lfm2", "falcon-h1"])
+@pytest.mark.parametrize("family", ["nemotron_h", "lfm2", "falcon-h1", "qwen35"])
 def test_static_decode_steps_equal_ordinary_ones(family, tmp_path):
     """The one-token step with a device-held position (CUDA graphs' path, eager here) on
-    each memory plan: FFN-only layers, convolution states, two memories per layer."""
+    each memory plan: FFN-only layers, convolution states, two memories per layer, a
+    delta-net state."""
     m = load_model(write_family(family, tmp_path), device="cpu", progress=False,
                    backend="torch", dtype=torch.float32)
     prompt = _tokens(30, 4)

@@ -154,3 +154,50 @@ def test_prompt_cache_refuses_malformed_tokens(phi3, tmp_path):
               metadata=meta)
     with pytest.raises(LocalLLMError, match="malformed"):
         Session(phi3, ctx_size=32).load(path)
+
+
+# ---- chunked local attention (Llama 4: llama.cpp's LLAMA_SWA_TYPE_CHUNKED) ----------------
+def test_chunked_mask_sees_only_the_query_chunk():
+    """A query at p sees keys floor(p / chunk) * chunk .. p, as llama.cpp's is_masked_swa."""
+    from localllm.memory import attention_mask
+
+    q, k = torch.arange(12), torch.arange(12)
+    mask = attention_mask(q, k, None, 4)
+    for p in range(12):
+        for j in range(12):
+            assert bool(mask[p, j]) == (p // 4 * 4 <= j <= p), (p, j)
+    # empty cells (-1) stay hidden; a window and a chunk together: both hold
+    assert not attention_mask(q, torch.full((3,), -1), None, 4).any()
+    both = attention_mask(q, k, 2, 4)
+    assert torch.equal(both, attention_mask(q, k, 2, None) & mask)
+
+
+@pytest.mark.parametrize("ring", [True, False])  # a ring of chunk + slack, a full cache
+def test_chunked_spec_makes_a_cache_whose_attention_is_chunked(ring):
+    """KVSpec(chunked=True) gives a cache with ``chunk``; the torch attention over it, a
+    prompt then one-token steps across chunk boundaries, equals a brute-force chunked
+    softmax; query_window gives the one-token kernels the same keys."""
+    from localllm.backends.dense import TorchOps
+    from localllm.memory import query_window
+
+    spec = KVSpec(1, 4, 4, chunked=True)
+    cache = (spec.make(64, dtype=torch.float32, device="cpu", slack=2, checkpoints=0)
+             if ring else KVCache(16, 1, 4, dtype=torch.float32, device="cpu", chunk=4))
+    assert cache.chunk == 4 and "chunk4" in cache.describe()
+    assert isinstance(cache, RingKVCache) == ring  # the ring (6 cells) wraps below
+    g = torch.Generator().manual_seed(0)
+    n = 10
+    q, k, v = (torch.randn(1, n, 4, generator=g) for _ in range(3))
+    ops = TorchOps()
+    out = [ops.attention(q[:, :5], k[:, :5], v[:, :5], cache, 0, torch.arange(5), scale=0.5)]
+    for p in range(5, n):
+        out.append(ops.attention(q[:, p:p + 1], k[:, p:p + 1], v[:, p:p + 1], cache, p,
+                                 torch.tensor([p]), scale=0.5))
+        assert query_window(cache, p) == p % 4 + 1
+    got = torch.cat(out)  # (n, 4)
+    for p in range(n):
+        lo = p // 4 * 4
+        w = torch.softmax(q[0, p] @ k[0, lo:p + 1].T * 0.5, -1)
+        assert torch.allclose(got[p], w @ v[0, lo:p + 1], atol=1e-5), p
+    with pytest.raises(ValueError, match="chunk"):
+        KVSpec(1, 4, None, chunked=True)

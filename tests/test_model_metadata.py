@@ -165,6 +165,16 @@ def test_valid_values_still_load(tiny_model_path):
 
 # ---- issue 28: the keys of the 2025 dense families ---------------------------------------------
 EXAONE4_ISWA = {"n_layers": 64, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 32}
+GPT_OSS = {"extra": (("expert_count", 4), ("expert_used_count", 2),
+                     ("expert_feed_forward_length", 32))}
+GLM4MOE = {"n_layers": 3, "extra": (("expert_count", 4), ("expert_used_count", 2),
+                                    ("expert_feed_forward_length", 32),
+                                    ("expert_shared_count", 1),
+                                    ("leading_dense_block_count", 1))}
+ERNIE_MOE = {"extra": (("expert_count", 4), ("expert_used_count", 2),
+                       ("expert_feed_forward_length", 32),
+                       ("expert_shared_feed_forward_length", 32),
+                       ("leading_dense_block_count", 1), ("interleave_moe_layer_step", 1))}
 NEW_KEYS = [
     ("apertus", {}, "xielu.alpha_n", [0.8], "xielu.alpha_n"),  # one value for two layers
     ("apertus", {}, "xielu.beta", None, "xielu.beta"),  # required
@@ -186,6 +196,48 @@ NEW_KEYS = [
      "hunyuan-dense.rope.scaling.alpha"),
     ("smollm3", {"n_layers": 4}, "smollm3.rope.dimension_count", 3,
      "smollm3.rope.dimension_count"),
+    # gpt-oss: expert counts, its window and pattern, YaRN
+    ("gpt-oss", GPT_OSS, "gpt-oss.expert_count", 0, "gpt-oss.expert_count"),
+    ("gpt-oss", GPT_OSS, "gpt-oss.expert_count", 3, "ffn_gate_inp"),  # tensors have 4
+    ("gpt-oss", GPT_OSS, "gpt-oss.expert_used_count", 5, "gpt-oss.expert_used_count"),
+    ("gpt-oss", GPT_OSS, "gpt-oss.expert_feed_forward_length", None,
+     "gpt-oss.expert_feed_forward_length"),
+    ("gpt-oss", GPT_OSS, "gpt-oss.attention.sliding_window", None,
+     "gpt-oss.attention.sliding_window"),
+    ("gpt-oss", GPT_OSS, "gpt-oss.attention.sliding_window_pattern", [True, False, True],
+     "gpt-oss.attention.sliding_window_pattern"),  # three values for two layers
+    ("gpt-oss", GPT_OSS, "gpt-oss.rope.scaling.type", "yarm", "gpt-oss.rope.scaling.type"),
+    ("gpt-oss", {**GPT_OSS, "extra": (*GPT_OSS["extra"], ("rope.scaling.type", "yarn"))},
+     "gpt-oss.rope.scaling.factor", -4.0, "gpt-oss.rope.scaling.factor"),
+    ("gpt-oss", {**GPT_OSS, "extra": (*GPT_OSS["extra"], ("rope.scaling.type", "yarn"),
+                                      ("rope.scaling.factor", 4.0))},
+     "gpt-oss.rope.freq_base_swa", 1.0, "gpt-oss.rope.freq_base_swa"),
+    # glm4moe: its MoE layout
+    ("glm4moe", GLM4MOE, "glm4moe.nextn_predict_layers", 3, "glm4moe.nextn_predict_layers"),
+    ("glm4moe", GLM4MOE, "glm4moe.leading_dense_block_count", 4,
+     "glm4moe.leading_dense_block_count"),
+    ("glm4moe", GLM4MOE, "glm4moe.leading_dense_block_count", 2, "blk.1."),  # routed tensors
+    ("glm4moe", GLM4MOE, "glm4moe.expert_shared_count", None, "glm4moe.expert_shared_count"),
+    ("glm4moe", GLM4MOE, "glm4moe.expert_gating_func", 7, "glm4moe.expert_gating_func"),
+    ("glm4moe", GLM4MOE, "glm4moe.expert_count", 5, "ffn_gate_inp"),  # the tensors have 4
+    ("glm4moe", GLM4MOE, "glm4moe.expert_weights_scale", -1.0,
+     "glm4moe.expert_weights_scale"),
+    ("olmoe", {"extra": (("expert_count", 4), ("expert_used_count", 2))},
+     "olmoe.expert_used_count", 0, "olmoe.expert_used_count"),
+    ("olmoe", {"extra": (("expert_count", 4), ("expert_used_count", 2))},
+     "olmoe.expert_count", 8, "ffn_gate_inp"),  # the tensors have 4
+    ("ernie4_5-moe", ERNIE_MOE, "ernie4_5-moe.interleave_moe_layer_step", 2,
+     "ernie4_5-moe.interleave_moe_layer_step"),
+    ("ernie4_5-moe", ERNIE_MOE, "ernie4_5-moe.interleave_moe_layer_step", None,
+     "ernie4_5-moe.interleave_moe_layer_step"),
+    ("ernie4_5-moe", ERNIE_MOE, "ernie4_5-moe.leading_dense_block_count", 3,
+     "ernie4_5-moe.leading_dense_block_count"),
+    ("ernie4_5-moe", ERNIE_MOE, "ernie4_5-moe.expert_shared_feed_forward_length", 64,
+     "ffn_gate_shexp"),  # the tensors are 32 wide
+    ("phimoe", {"extra": (("expert_count", 4), ("expert_used_count", 2))},
+     "phimoe.expert_used_count", 5, "phimoe.expert_used_count"),
+    ("phimoe", {"extra": (("expert_count", 4), ("expert_used_count", 2))},
+     "phimoe.expert_count", None, "phimoe.expert_count"),
 ]
 
 
@@ -197,6 +249,13 @@ def test_bad_key_of_a_new_family_is_one_error_naming_it(tiny_model_path, no_weig
         _load(tiny_model_path(arch, **kw), **{key: value})
     msg = str(e.value)
     assert "\n" not in msg and named in msg
+
+
+def test_glm4moe_next_token_prediction_block_is_checked_not_loaded(tiny_model_path):
+    """nextn_predict_layers: the last block (counted in block_count) is accepted with its
+    tensors' shapes checked, and the decoder has one layer less (llama.cpp's trunk)."""
+    m = _load(tiny_model_path("glm4moe", **GLM4MOE), **{"glm4moe.nextn_predict_layers": 1})
+    assert m.args.n_layers == 2 and len(m.model.layers) == 2
 
 
 def test_exaone4_slides_only_with_the_32b_layer_count(tiny_model_path):

@@ -58,7 +58,7 @@ def f16_tensors(f16_model):
 
 
 # ---- block level -----------------------------------------------------------------------------
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4])
 def test_legacy_types_match_gguf_reference_quantizer(qtype):
     rng = np.random.default_rng(0)
     x = (rng.standard_t(4, size=(16, 256)) * 0.02).astype(np.float32)

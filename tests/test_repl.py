@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -86,8 +88,9 @@ class FakeSession(Session):
     def n_past(self) -> int:
         return len(self.tokens)
 
-    def truncate(self, n: int) -> None:
+    def truncate(self, n: int) -> int:
         del self.tokens[n:]
+        return len(self.tokens)  # as Session.truncate: the tokens kept without recomputing
 
     def reset(self) -> None:
         self.tokens = []
@@ -635,3 +638,76 @@ def test_smollm2_sea_haiku_loop_is_stopped():
     assert repl.stats.finish == "loop", repl.messages[-1]["content"]
     assert repl.stats.generated < 400
     assert "[stopped: the reply kept repeating itself" in out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def thinker_path(tmp_path_factory):
+    """A tiny random model with Qwen3's tokens and Qwen3.5's real template, whose generation
+    prompt opens a <think> block."""
+    from tiny_model import QWEN3_SPECIALS, write_tiny_gguf
+
+    source = (Path(__file__).resolve().parent / "data" / "templates" / "Qwen3.5-4B.jinja")
+    return write_tiny_gguf(tmp_path_factory.mktemp("think") / "thinker.gguf", "qwen3",
+                           context_length=512, specials=QWEN3_SPECIALS,
+                           chat_template=source.read_text("utf-8"))
+
+
+@pytest.fixture(scope="module")
+def thinker_llm(thinker_path):
+    return LLM(thinker_path, device="cpu", ctx_size=512)
+
+
+def test_thinking_is_dimmed_hidden_and_switched_off(thinker_llm):
+    from localllm.sampling.chain import SamplingParams
+
+    out = io.StringIO()
+    console = Console(file=out, width=200, color_system="standard", force_terminal=True)
+    repl = ChatREPL(thinker_llm, console=console, params=SamplingParams(temp=0),
+                    n_predict=12, reasoning_budget=4)
+    answer = repl.send("hi")
+    message = repl.messages[-1]
+    # the budget closed the block: the reasoning is apart, the answer has no markers
+    assert message["reasoning_content"] and "<think>" not in answer and "</think>" not in answer
+    assert message["content"] == answer
+    shown = out.getvalue()
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", shown)
+    assert message["reasoning_content"] in plain and "\x1b[2m" in shown  # dimmed
+    assert plain.index(message["reasoning_content"]) < plain.rindex(answer)
+    repl.command("/think hide")
+    out.truncate(0)
+    out.seek(0)
+    repl.send("again")
+    hidden = out.getvalue()
+    assert "thinking..." in hidden and "/think show" in hidden
+    assert repl.messages[-1]["reasoning_content"] not in hidden
+    repl.command("/think off")  # Qwen3.5's template closes the block itself: no reasoning
+    repl.send("no thinking now")
+    assert "reasoning_content" not in repl.messages[-1]
+    assert "<think>\n\n</think>" in repl.template.render(repl.window(), True, **repl.variables)
+    repl.command("/think maybe")
+    assert "usage: /think" in out.getvalue()
+
+
+def test_run_chat_reasoning_to_stderr_and_the_schema_after_it(monkeypatch, capsys,
+                                                                thinker_path):
+    import jsonschema
+    from cli_helpers import assert_one_line_error, run_cli
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    code, out, err = run_cli(monkeypatch, capsys, "run", str(thinker_path), "hi", "--chat",
+                             "-c", "512", "-n", "40", "--reasoning-budget", "4",
+                             "--json-schema", json.dumps(schema), "--temp", "0")
+    assert code == 0, err
+    jsonschema.validate(json.loads(out), schema)  # the answer alone, after the reasoning
+    assert err.strip() and "<think>" not in out and "</think>" not in out
+    code, out, _ = run_cli(monkeypatch, capsys, "run", str(thinker_path), "hi", "--chat",
+                           "-c", "512", "-n", "12", "--reasoning-budget", "3",
+                           "--reasoning-format", "none", "--temp", "0")
+    assert code == 0 and "</think>" in out  # left in the text
+    for args, flag in ((["--reasoning-budget", "-2", "--chat"], "--reasoning-budget"),
+                       (["--reasoning-format", "maybe", "--chat"], "--reasoning-format"),
+                       (["--chat-template-kwargs", "[1]", "--chat"], "--chat-template-kwargs"),
+                       (["--reasoning-budget", "3"], "--chat")):
+        code, _, err = run_cli(monkeypatch, capsys, "run", str(thinker_path), "hi", *args)
+        assert_one_line_error(code, err, flag)

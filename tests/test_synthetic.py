@@ -141,3 +141,24 @@ def test_every_geometry_follows_its_declaration(name):
                 "qwen2.5-0.5b": 0.49, "gemma3-1b": 1.0, "olmo2-1b": 1.48}
     if name in billions:
         assert abs(n_params / 1e9 / billions[name] - 1) < 0.05, n_params
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_every_geometry_has_a_memory_estimate(name):
+    """``bench --synthetic``'s check before writing sizes each geometry's memories from the
+    architecture's own args (a hybrid's recurrent state included): no geometry fails it, and
+    a hybrid's estimate holds its fixed states."""
+    import torch
+
+    from localllm.eval.bench import check_synthetic_memory
+    from localllm.memory import RecurrentSpec
+    from localllm.models import memory_layout
+    from localllm.models.synthetic import geometry_args
+    from localllm.runtime.resources import kv_cache_bytes
+
+    g = GEOMETRIES[name]
+    check_synthetic_memory(g, [], torch.device("cpu"), 512)
+    args = geometry_args(g)
+    states = [s for s in memory_layout(args) if isinstance(s, RecurrentSpec)]
+    if states:
+        assert kv_cache_bytes(args, 512) >= sum(s.nbytes(512, 4) for s in states) > 0

@@ -46,20 +46,29 @@ def _spm_vocab(w: gguf.GGUFWriter, *, bos: int = 2, eos: int = 1) -> int:
     return len(tokens)
 
 
-def _byte_bpe_vocab(w: gguf.GGUFWriter) -> int:
+# Qwen3's added tokens (CONTROL 3 or USER_DEFINED 4, as in Qwen3's GGUF files): with
+# ``specials=QWEN3_SPECIALS`` and Qwen3's chat template, a tiny model of a thinking family.
+QWEN3_SPECIALS = (("<|im_start|>", 3), ("<tool_call>", 4), ("</tool_call>", 4),
+                  ("<think>", 4), ("</think>", 4), ("<tool_response>", 4),
+                  ("</tool_response>", 4))
+
+
+def _byte_bpe_vocab(w: gguf.GGUFWriter, specials: tuple = ()) -> int:
     from localllm.tokenizer import _byte_decoder
 
     alphabet = sorted(_byte_decoder(), key=lambda c: _byte_decoder()[c])
     merges = ["Ġ t", "h e", "Ġt he", "Ġ a", "i s", "Ġ is"]
     tokens = alphabet + [m.replace(" ", "") for m in merges] + ["<|endoftext|>", "<|im_end|>"]
     types = [1] * (len(tokens) - 2) + [3, 3]
+    tokens += [text for text, _ in specials]  # after the others: their ids do not move
+    types += [kind for _, kind in specials]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    w.add_eos_token_id(len(tokens) - 2)
-    w.add_bos_token_id(len(tokens) - 2)
+    w.add_eos_token_id(len(tokens) - 2 - len(specials))
+    w.add_bos_token_id(len(tokens) - 2 - len(specials))
     w.add_add_bos_token(False)
     return len(tokens)
 
@@ -97,6 +106,8 @@ def write_tiny_gguf(
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F16,
     extra: dict | tuple | None = None,
     optional: tuple[str, ...] | None = None,
+    specials: tuple = (),
+    chat_template: str | None = None,
     split_max_tensors: int = 0,
 ) -> Path:
     """Write a random-weights model; matrices stored as ``qtype`` (F32, F16, legacy quants;
@@ -113,7 +124,10 @@ def write_tiny_gguf(
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_name(f"tiny-{arch}")
-    n_vocab = _byte_bpe_vocab(w) if arch in ("qwen2", "qwen3", "qwen3moe") else _spm_vocab(w)
+    n_vocab = (_byte_bpe_vocab(w, specials) if arch in ("qwen2", "qwen3", "qwen3moe")
+               else _spm_vocab(w))
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     a = arch + "."
     md = {"general.architecture": arch, a + "context_length": context_length,
           a + "embedding_length": d_model, a + "block_count": n_layers,
@@ -121,7 +135,7 @@ def write_tiny_gguf(
           a + "attention.head_count_kv": n_kv_heads, a + "attention.key_length": head_dim,
           a + "attention.value_length": head_dim, a + "attention.layer_norm_rms_epsilon": 1e-6,
           a + "rope.freq_base": 10000.0}
-    if arch in ("gemma2", "gemma3"):
+    if arch in ("gemma2", "gemma3", "gpt-oss"):
         md[a + "attention.sliding_window"] = sliding_window
     if arch == "apertus":  # xIELU's parameters (keys outside the arch's namespace)
         md.update({"xielu.alpha_n": 0.8, "xielu.alpha_p": 0.8, "xielu.beta": 0.5,

@@ -1,14 +1,14 @@
-"""The OpenAI-shaped layer: completions and chat completions over :class:`~localllm.api.core.LLM`.
+"""The OpenAI-shaped layer: text completions over :class:`~localllm.api.core.LLM`, and the
+helpers chat completions (:mod:`localllm.api.chat`) share with them.
 
-:func:`create_completion` and :func:`create_chat_completion` take validated parameters
-(:class:`~localllm.api.schema.CompletionParams` / :class:`~localllm.api.schema.ChatParams`:
-OpenAI's and llama-server's names), turn them into one
-:class:`~localllm.api.core.GenerationRequest` with :meth:`LLM.prepare` (the chat template,
-tools and ``response_format`` are resolved here) and shape the steps of the
+:func:`create_completion` takes validated parameters
+(:class:`~localllm.api.schema.CompletionParams`: OpenAI's and llama-server's names), turns
+them into one :class:`~localllm.api.core.GenerationRequest` with :meth:`LLM.prepare`
+(``response_format`` and ``grammar`` are resolved here) and shapes the steps of the
 :class:`~localllm.api.core.Generation` as the dicts of OpenAI's API: they validate as the
-``openai`` package's ``Completion``, ``ChatCompletion`` and ``ChatCompletionChunk``. Each result
-carries its own ``usage`` and llama-server's ``timings`` (the last chunk of a stream does).
-``LLM.create_completion`` / ``LLM.create_chat_completion`` and the server call these.
+``openai`` package's ``Completion``. Each result carries its own ``usage`` and llama-server's
+``timings`` (the last chunk of a stream does). ``LLM.create_completion`` and the server call
+it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..errors import LocalLLMError, ParameterError
+from ..errors import ParameterError
 from ..runtime.generate import Step, Timings
 from .schema import ChatParams, CompletionParams, JsonObjectFormat, JsonSchemaFormat, TextFormat
 
@@ -75,93 +75,6 @@ def create_completion(llm: LLM, body: CompletionParams, *, n_predict: int = -1,
     return shape.completion(prefix, want)
 
 
-def with_default_system(entry, messages: list[dict]) -> list[dict]:
-    """``messages`` with the model's default system prompt (models.toml ``system``, Ollama's
-    ``SYSTEM``; ``entry``: a :class:`~localllm.registry.ModelEntry` or None) first when none
-    of them is a system or developer message, as Ollama does."""
-    system = entry.system if entry is not None else None
-    if not system or any(m.get("role") in ("system", "developer") for m in messages):
-        return messages
-    return [{"role": "system", "content": system}, *messages]
-
-
-def create_chat_completion(llm: LLM, body: ChatParams, *, n_predict: int = -1,
-                           time_limit: float | None = None,
-                           cancel: threading.Event | None = None) -> dict | Iterator[dict]:
-    """A chat reply, shaped as OpenAI's ``ChatCompletion`` (``ChatCompletionChunk`` dicts when
-    ``body.stream``).
-
-    Args:
-        body: the request (see :class:`~localllm.api.schema.ChatParams`): ``messages``
-            (``role`` system / developer / user / assistant / tool; ``content`` text or text
-            parts; assistant ``tool_calls``; tool ``tool_call_id``), rendered with the model's
-            chat template (``chat_template``: a built-in name, a metadata variant or Jinja
-            text; never a file); ``max_tokens`` / ``max_completion_tokens``; ``tools``:
-            OpenAI function tools, rendered through the template (or described in the system
-            message when it knows nothing of tools); the calls the model writes (Hermes/Qwen
-            ``<tool_call>``, Llama 3.1 JSON, Mistral ``[TOOL_CALLS]``, the built-in templates'
-            fenced ``tool_call``) come back as ``message.tool_calls`` with finish_reason
-            "tool_calls"; ``tool_choice``: "auto" (default with tools), "none", "required" or
-            ``{"type": "function", "function": {"name": N}}`` (the last two constrain the reply
-            to a JSON call whose arguments follow the tool's ``parameters`` schema);
-            ``logprobs`` / ``top_logprobs``; the rest as in :func:`create_completion`. With
-            tools, a stream sends the reply in one chunk once it is complete.
-        n_predict, time_limit, cancel: see :func:`create_completion`.
-    Returns:
-        ``{"id", "object": "chat.completion", "created", "model", "choices": [{"index",
-        "message": {"role": "assistant", "content", "tool_calls"?}, "logprobs",
-        "finish_reason"}], "usage", "timings"}``.
-    Raises:
-        ParameterError: tools and ``tool_choice`` that do not fit together.
-        TemplateError: the chat template is unknown or failed.
-        ContextOverflowError, GrammarError: see :meth:`LLM.prepare`.
-    """
-    from ..chat.template import template_for
-    from ..chat.tools import fallback_messages, forced_tool_schema, template_knows_tools
-    from ..chat.tools import template_messages as for_template
-
-    tools = body.tool_dicts()
-    choice = body.tool_choice
-    if choice is not None and not isinstance(choice, str):
-        choice = choice.model_dump()
-    if choice not in (None, "none") and not tools:
-        raise ParameterError("tool_choice needs tools")
-    use_tools = bool(tools) and choice != "none"
-    template = template_for(llm, body.chat_template or llm.chat_template)
-    msgs = for_template(with_default_system(llm.entry, body.template_messages()))
-    native_tools = use_tools and template_knows_tools(template.source)
-    if use_tools and not native_tools:
-        msgs = fallback_messages(msgs, tools)
-    ids = template.encode(llm.tokenizer, msgs, tools=tools if native_tools else None)
-    if not ids:
-        raise LocalLLMError("the chat template rendered an empty prompt")
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    params = llm.sampling_params(**_overrides(body, (body.top_logprobs or 0)
-                                              if body.logprobs else 0))
-    forced = forced_tool_schema(tools, choice) if use_tools else None
-    if forced is not None:
-        if not isinstance(body.response_format, (TextFormat, type(None))) or body.grammar:
-            raise ParameterError("tool_choice that forces a call cannot be combined with "
-                                 "response_format or grammar")
-        from ..grammar.constraint import GrammarConstraint
-
-        constraint = GrammarConstraint.from_json_schema(forced, llm.tokenizer,
-                                                        source="tool_choice")
-    else:
-        constraint = _response_constraint(llm, body.response_format, body.grammar)
-    request = llm.prepare(ids, params=params, n_predict=_budget(max_tokens, n_predict),
-                          stop=body.stops(), constraint=constraint,
-                          cache_prompt=body.cache_prompt, time_limit=time_limit, cancel=cancel)
-    gen = llm.stream(request)
-    head = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()),
-            "model": llm.model_name}
-    shape = _Shape(llm, gen, head)
-    tool_list = tools if use_tools else []
-    if body.stream:
-        return shape.chat_chunks(tool_list, bool(body.logprobs), _include_usage(body))
-    return shape.chat(tool_list, bool(body.logprobs))
-
-
 # ---- parameters -----------------------------------------------------------------------------
 def _overrides(body: CompletionParams | ChatParams, top_logprobs: int) -> dict[str, Any]:
     out = body.sampling_overrides()
@@ -205,7 +118,7 @@ def _response_constraint(llm: LLM, response_format: Any, grammar: str | None):
 
 # ---- results ---------------------------------------------------------------------------------
 def finish_reason(reason: str | None) -> str | None:
-    """OpenAI's finish reason for a step's: "stop" or "length"."""
+    """OpenAI's finish reason for a step's: "stop" or "length" (None while running)."""
     return _FINISH.get(reason, "stop") if reason else None
 
 
@@ -279,61 +192,6 @@ class _Shape:
             yield chunk
         if usage_chunk:
             yield {**self.head, "object": "text_completion", "choices": [], **self.tail()}
-
-    # -- /v1/chat/completions ----------------------------------------------------------------
-    def chat(self, tools: list[dict], logprobs: bool) -> dict:
-        text, content_lps, finish = [], [], None
-        for step in self.steps():
-            text.append(step.text)
-            if logprobs and step.token >= 0:
-                content_lps.append(_token_logprob(self.tokenizer, step))
-            finish = step.finish_reason or finish
-        message, reason = _chat_message("".join(text), tools, finish)
-        return {**self.head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message,
-                             "logprobs": {"content": content_lps, "refusal": None}
-                             if logprobs else None,
-                             "finish_reason": reason}], **self.tail()}
-
-    def chat_chunks(self, tools: list[dict], logprobs: bool, usage_chunk: bool) -> Iterator[dict]:
-        def chunk(delta: dict, finish=None, lps=None) -> dict:
-            return {**self.head, "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": delta, "logprobs": lps,
-                                 "finish_reason": finish}]}
-
-        yield chunk({"role": "assistant", "content": ""})
-        finish, held, held_lps = None, [], []
-        for step in self.steps():
-            finish = step.finish_reason or finish
-            lp = [_token_logprob(self.tokenizer, step)] if logprobs and step.token >= 0 else []
-            if tools:  # a tool call is only known once complete: hold the reply back
-                held.append(step.text)
-                held_lps += lp
-            elif step.text or lp:
-                yield chunk({"content": step.text},
-                            lps={"content": lp, "refusal": None} if logprobs else None)
-        if tools:
-            message, reason = _chat_message("".join(held), tools, finish)
-            delta = {k: v for k, v in message.items() if k != "role" and v is not None}
-            if "tool_calls" in delta:
-                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
-            if delta:
-                yield chunk(delta, lps={"content": held_lps, "refusal": None} if logprobs else None)
-        else:
-            reason = finish_reason(finish)
-        yield {**chunk({}, reason), **self.tail()}
-        if usage_chunk:
-            yield {**self.head, "object": "chat.completion.chunk", "choices": [], **self.tail()}
-
-
-def _chat_message(text: str, tools: list[dict], finish: str | None) -> tuple[dict, str | None]:
-    from ..chat.tools import parse_tool_calls
-
-    if tools:
-        content, calls = parse_tool_calls(text, tools)
-        if calls:
-            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-    return {"role": "assistant", "content": text}, finish_reason(finish)
 
 
 def _token_text(tokenizer, token: int) -> tuple[str, list[int]]:

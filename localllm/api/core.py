@@ -19,7 +19,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -28,6 +28,7 @@ import torch
 
 from ..errors import ContextOverflowError, LocalLLMError, ParameterError
 from ..grammar.budget import BudgetedConstraint
+from ..grammar.lazy import Thinking, ThinkingControl
 from ..memory import cache_type
 from ..registry import ModelEntry, load_registry
 from ..runtime.generate import Step, Timings, generate_tokens
@@ -66,6 +67,7 @@ class GenerationRequest:
         sampler: a ready sampler chain to use instead of one built from ``params``.
         drafter: speculative decoding (:mod:`localllm.runtime.speculative`): guessed tokens
             verified in one forward; the output is the same.
+        preserved: control tokens whose text the steps carry (a chat format's markers).
     """
 
     ids: list[int]
@@ -80,6 +82,7 @@ class GenerationRequest:
     on_context_full: Callable[[list[int]], Sequence[int] | None] | None = None
     sampler: Any = None
     drafter: Any = None
+    preserved: frozenset[int] = frozenset()
     _used: bool = field(default=False, init=False, repr=False)
 
 
@@ -198,9 +201,14 @@ class LLM:
                             self.args.context_length)
         self.batch_size = options.batch_size
         self.verbose = options.verbose
-        # The chat template create_chat_completion uses by default: a built-in name, a
-        # metadata variant's name, Jinja text or a ChatTemplate (the CLI's --chat-template).
+        # The chat defaults create_chat_completion uses when a request says nothing: the
+        # template (a built-in name, a metadata variant's name, Jinja text or a ChatTemplate:
+        # --chat-template), template variables (--chat-template-kwargs), the reasoning
+        # format and budget (--reasoning-format, --reasoning-budget).
         self.chat_template: Any = None
+        self.chat_template_kwargs: dict = {}
+        self.reasoning_format: str = "auto"
+        self.reasoning_budget: int = -1
         draft = None
         if options.draft_model is not None:
             draft = load_model(load_registry().resolve(options.draft_model)[0],
@@ -343,6 +351,9 @@ class LLM:
         on_context_full: Callable[[list[int]], Sequence[int] | None] | None = None,
         sampler: Any = None,
         drafter: Any = None,
+        thinking: Thinking | None = None,
+        answer_required: bool = False,
+        preserved: Collection[int] = (),
         **sampling: Any,
     ) -> GenerationRequest:
         """Check a generation's arguments once and build its :class:`GenerationRequest`.
@@ -361,7 +372,14 @@ class LLM:
             session / cache_prompt: see :class:`GenerationRequest`.
             time_limit: seconds from now after which the generation stops with
                 :class:`GenerationTimeout` (None: no limit).
-            cancel / on_context_full / sampler / drafter: see :class:`GenerationRequest`.
+            cancel / on_context_full / sampler / drafter / preserved: see
+                :class:`GenerationRequest`.
+            thinking: the reply opens with a reasoning block
+                (:class:`~localllm.grammar.lazy.Thinking`): the constraint applies after it,
+                its budget ends it, and a JSON constraint's token budget is what it leaves
+                (:class:`~localllm.grammar.lazy.ThinkingControl`).
+            answer_required: with ``thinking``, the constraint's answer must follow the
+                reasoning (not a lazy grammar): the reply may not end inside it.
         Raises:
             ContextOverflowError: the prompt leaves no room to generate in the context.
             ParameterError: a sampling parameter is out of range or of the wrong type, a
@@ -395,17 +413,23 @@ class LLM:
 
             constraint = constraint_for(self.tokenizer, grammar=grammar, json_schema=json_schema,
                                         json=json)
+        budget = ctx_size - len(ids)
+        if n_predict >= 0:
+            budget = min(budget, n_predict)
         schema = getattr(constraint, "json_schema", None)
         if schema is not None and not isinstance(constraint, BudgetedConstraint):
-            budget = ctx_size - len(ids)
-            if n_predict >= 0:
-                budget = min(budget, n_predict)
             constraint = BudgetedConstraint(constraint, schema, budget)
+        if thinking is not None:
+            if not isinstance(thinking, Thinking):
+                raise ParameterError(f"thinking must be a Thinking, got {type(thinking).__name__}")
+            constraint = ThinkingControl(thinking, constraint, self.tokenizer, total=budget,
+                                         required=answer_required)
         return GenerationRequest(
             ids=ids, params=params, n_predict=n_predict, stop=tuple(s for s in stop if s),
             constraint=constraint, session=session, cache_prompt=bool(cache_prompt),
             deadline=None if time_limit is None else time.monotonic() + time_limit,
-            cancel=cancel, on_context_full=on_context_full, sampler=sampler, drafter=drafter)
+            cancel=cancel, on_context_full=on_context_full, sampler=sampler, drafter=drafter,
+            preserved=frozenset(preserved))
 
     def stream(self, prompt: str | Sequence[int] | GenerationRequest, **kwargs: Any) -> Generation:
         """Generate, yielding a :class:`~localllm.runtime.generate.Step` per token (token,
@@ -466,7 +490,8 @@ class LLM:
                                         stop=req.stop, constraint=req.constraint,
                                         timings=gen.timings, on_context_full=req.on_context_full,
                                         drafter=req.drafter or spec.drafter(),
-                                        draft_max=spec.draft_max, draft_min=spec.draft_min)
+                                        draft_max=spec.draft_max, draft_min=spec.draft_min,
+                                        preserved=req.preserved)
                 for step in steps:
                     if req.deadline is not None and time.monotonic() > req.deadline:
                         raise GenerationTimeout(
@@ -501,8 +526,8 @@ class LLM:
                                **kwargs: Any) -> dict | Iterator[dict]:
         """A chat reply shaped as OpenAI's ``ChatCompletion`` (``ChatCompletionChunk`` dicts
         when ``stream=True``), as llama-cpp-python's ``Llama.create_chat_completion``: see
-        :func:`localllm.api.completions.create_chat_completion` for the keywords (tools,
-        ``tool_choice``, ``response_format``, logprobs, sampling; checked by
+        :func:`localllm.api.chat.create_chat_completion` for the keywords (tools,
+        ``tool_choice``, ``response_format``, reasoning, logprobs, sampling; checked by
         :class:`~localllm.api.schema.ChatParams`).
 
         Raises:
@@ -510,7 +535,7 @@ class LLM:
                 out of range. TemplateError: the chat template failed.
             ContextOverflowError, GrammarError: see :meth:`prepare`.
         """
-        from .completions import create_chat_completion
+        from .chat import create_chat_completion
         from .schema import ChatParams, parse
 
         return create_chat_completion(self, parse(ChatParams, _with(kwargs, messages=messages)))

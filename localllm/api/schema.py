@@ -28,6 +28,7 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    field_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -46,6 +47,8 @@ Int32 = Annotated[int, Field(ge=-_INT32, le=_INT32 - 1)]
 Int64 = Annotated[int, Field(ge=-_INT64, le=_INT64 - 1)]
 Positive = Annotated[int, Field(ge=1)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+# llama.cpp's reasoning budget: -1 no limit, 0 no thinking, N tokens.
+ReasoningBudget = Annotated[int, Field(ge=-1, le=_INT32 - 1)]
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 
 M = TypeVar("M", bound=BaseModel)
@@ -274,6 +277,7 @@ class Message(_Open):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier reply's reasoning (templates read it)
 
 
 class FunctionDef(_Open):
@@ -281,6 +285,23 @@ class FunctionDef(_Open):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _compiles(cls, value: dict | None) -> dict | None:
+        # Checked on arrival: a malformed schema is an error naming the tool even where
+        # the call grammar is lazy and would compile it only if the model opened a call.
+        if value is not None:
+            from ..errors import GrammarError
+            from ..grammar.constraint import validate_json_schema
+
+            try:
+                validate_json_schema(value, "parameters")
+            except GrammarError as e:
+                raise PydanticCustomError("json_schema", "not a usable JSON schema ({reason})",
+                                          {"reason": str(e).removeprefix("parameters: ")}
+                                          ) from None
+        return value
 
 
 class Tool(_Open):
@@ -442,6 +463,15 @@ class ChatParams(_Request):
     # A built-in template's name, a tokenizer.chat_template.NAME variant, or Jinja text;
     # never a file (see localllm.chat.template.select_template).
     chat_template: str | None = None
+    # Template variables (llama-server's name): enable_thinking, reasoning_effort ...
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Reasoning, as llama-server takes it: where it goes, how many tokens it may use.
+    reasoning_format: Literal["none", "deepseek", "auto"] | None = None
+    reasoning_budget_tokens: ReasoningBudget | None = Field(
+        None, validation_alias=AliasChoices("reasoning_budget_tokens", "thinking_budget_tokens",
+                                            "reasoning_budget"))
+    # OpenAI's: passed to the template (gpt-oss's harmony reads it); "none": no thinking.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     def template_messages(self) -> list[dict]:
         """The messages as dicts for the chat template (extra fields kept, None dropped)."""
@@ -502,3 +532,51 @@ def parse_options(options: dict[str, Any]) -> LLMOptions:
                                  f"(known: {known})") from None
         flag = _OPTION_FLAGS.get(err.param or "")
         raise ParameterError(f"{err} ({flag})" if flag else str(err)) from None
+
+
+# ---- embeddings and tokens (the server's /v1/embeddings, /tokenize, /detokenize) ---------------
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
+
+
+class EmbeddingParams(_Model):
+    """``POST /v1/embeddings`` (OpenAI's fields)."""
+
+    input: either("a string, a list of strings, token ids or a list of token-id lists",
+                  str=str, list=Annotated[list[either(
+                      "a string, a token id or a list of token ids", str=str, num=Int32,
+                      list=list[Int32])], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Positive | None = None
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs, each a text or token ids (a flat list of ids is one input).
+
+        Raises:
+            InvalidRequest: texts and ids mixed in one list.
+        """
+        if isinstance(self.input, str):
+            return [self.input]
+        if all(isinstance(x, int) for x in self.input):
+            return [list(self.input)]
+        if any(isinstance(x, int) for x in self.input):
+            raise InvalidRequest("input: a list mixes token ids with other inputs", "input")
+        return list(self.input)
+
+
+class TokenizeParams(_Model):
+    """llama-server's ``POST /tokenize``."""
+
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+    model: str | None = None
+
+
+class DetokenizeParams(_Model):
+    """llama-server's ``POST /detokenize``."""
+
+    tokens: list[Int32]
+    model: str | None = None

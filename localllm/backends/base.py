@@ -43,12 +43,15 @@ class Matrix(Protocol):
 
 @runtime_checkable
 class ExpertMatrix(Protocol):
-    """A mixture-of-experts tensor (n_expert, out, in) (llama.cpp's ``ffn_*_exps``)."""
+    """A mixture-of-experts tensor (n_expert, out, in) (llama.cpp's ``ffn_*_exps``), with
+    an optional bias per expert (``bias``: (n_expert, out) float32 or None; gpt-oss's
+    ``ffn_*_exps.bias``, set by :func:`localllm.models.base.bind`)."""
 
     shape: tuple[int, int, int]
+    bias: torch.Tensor | None
 
     def __call__(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        """x (T, in) float32 through expert ``e`` -> (T, out) float32."""
+        """x (T, in) float32 through expert ``e`` (plus its bias) -> (T, out) float32."""
 
 
 class ExpertList:
@@ -57,9 +60,11 @@ class ExpertList:
     def __init__(self, matrices: list[Matrix]) -> None:
         self.matrices = matrices
         self.shape = (len(matrices), *matrices[0].shape)
+        self.bias: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        return self.matrices[e](x)
+        y = self.matrices[e](x)
+        return y if self.bias is None else y + self.bias[e]
 
 
 class Backend:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from ..memory import BlockRows, attention_mask
-from . import ssm
+from . import deltanet, ssm
 from .base import Backend as _Backend
 
 # Above this many rows a CPU product takes the float32 GEMM path (see the module docstring).
@@ -155,6 +155,8 @@ def attend(
     window: int | None,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads (GQA), float32.
 
@@ -165,6 +167,11 @@ def attend(
     holds position ``j`` -> (T, n_heads * hd) float32.
     ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2's
     ``attn_logit_softcapping``, llama.cpp's ``hparams.attn_soft_cap``).
+    ``sinks``: (n_heads,) float32, one learned logit per query head that joins the softmax's
+    denominator and attends to nothing (gpt-oss's attention sinks; llama.cpp's
+    ``ggml_soft_max_add_sinks``: ``p_j = exp(s_j - m) / (sum_i exp(s_i - m) + exp(sink - m))``,
+    ``m`` the maximum of the scores and the sink, the sink neither scaled nor capped).
+    ``chunk``: chunked local attention (see :func:`~localllm.memory.attention_mask`).
     Query head h reads KV head h // (n_heads / n_kv_heads), as llama.cpp does. The heads of a
     group are stacked into one product instead of repeating K/V: in decode this is several
     times faster on the CPU than torch's SDPA with a mask.
@@ -173,13 +180,16 @@ def attend(
     n_kv, s = keys.shape[0], keys.shape[1]
     group = n_heads // n_kv
     mask = attention_mask(q_positions, s if k_positions is None else k_positions,
-                          window)  # (T, S)
+                          window, chunk)  # (T, S)
     qg = q.reshape(n_kv, group * t, hd)  # (nkv, g*T, hd)
     # A long prompt's scores are large (32 heads x 512 x 512 x 4 bytes = 32 MiB): computed
     # in place (softmax included) in blocks of at most ATTEND_CHUNK_BYTES (score_blocks), so
     # that prefill's working set stays small; each row's result is the same either way.
     out = torch.empty(n_kv, group * t, hd, dtype=torch.float32, device=q.device)
     hidden = ~mask
+    # each score row's sink: row r of KV head h belongs to query head h * group + r // t
+    sink_rows = (None if sinks is None else
+                 sinks.float().view(n_kv, group).repeat_interleave(t, dim=1)[..., None])
     blocks = isinstance(keys, BlockRows) or isinstance(values, BlockRows)
     head_bytes = 4 * s * (keys.shape[2] + values.shape[2]) if blocks else 0
     dense: tuple[int, int, torch.Tensor, torch.Tensor] | None = None  # the heads dequantized
@@ -194,33 +204,60 @@ def attend(
             scores.view(h1 - h0, -1, t, s).masked_fill_(hidden, float("-inf"))
         else:  # part of one query head's rows
             scores.masked_fill_(hidden[r0 % t : r0 % t + r1 - r0], float("-inf"))
-        torch.softmax(scores, dim=-1, out=scores)
+        if sink_rows is None:
+            torch.softmax(scores, dim=-1, out=scores)
+        else:
+            sink_softmax_(scores, sink_rows[h0:h1, r0:r1])
         torch.matmul(scores, dense[3], out=out[h0:h1, r0:r1])  # (n, rows, hd)
         del scores
     return out.view(n_heads, t, hd).transpose(0, 1).reshape(t, n_heads * hd)
 
 
+def sink_softmax_(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim in place, with one more logit per row in the denominator
+    (attention sinks, see :func:`attend`): scores (..., S) float32, sinks broadcastable to
+    (..., 1). A row whose scores are all -inf becomes zeros (the sink takes everything)."""
+    m = torch.maximum(scores.amax(-1, keepdim=True), sinks)
+    scores.sub_(m).exp_()
+    scores.div_(scores.sum(-1, keepdim=True) + (sinks - m).exp())
+    return scores
+
+
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       q_positions: torch.Tensor, k_positions: torch.Tensor | None, *,
-                      window: int | None, scale: float) -> torch.Tensor:
+                      window: int | None, scale: float,
+                      sinks: torch.Tensor | None = None,
+                      chunk: int | None = None) -> torch.Tensor:
     """:func:`attend` (no soft-capping) in the cache's dtype through torch's fused
     ``scaled_dot_product_attention`` (float16 on CUDA: its memory-efficient kernel, after
     Rabe & Staats 2021; float32 accumulation), with no float32 copies of the keys and values.
 
     q: (n_heads, T, hd) float32; keys/values: (n_kv_heads, S, hd) float16/float32 ->
     (T, n_heads * hd) float32. A query with no visible key gives NaN, as ``attend``.
+    ``sinks`` (n_heads,): attention sinks (see :func:`attend`), taken as one more key of
+    zeros whose score is set by an additive mask to the head's sink logit, and whose value
+    is zero (the sink in the cache's dtype: float16 on CUDA).
     """
     n_heads, t, hd = q.shape
     n_kv = keys.shape[0]
     group = n_heads // n_kv
     dt = keys.dtype
     mask = attention_mask(q_positions, keys.shape[1] if k_positions is None else k_positions,
-                          window)  # (T, S)
+                          window, chunk)  # (T, S)
     # A KV group's query heads as one longer query sequence (as attend does): no repeated
     # K/V, and no enable_gqa, which with a mask sends SDPA to its quadratic math backend.
     qg = q.to(dt).reshape(n_kv, group * t, hd)
-    out = F.scaled_dot_product_attention(qg[None], keys[None], values.to(dt)[None],
-                                         attn_mask=mask.repeat(group, 1), scale=scale)
+    mask = mask.repeat(group, 1)  # (group * T, S)
+    values = values.to(dt)
+    if sinks is not None:
+        zero = keys.new_zeros(n_kv, 1, hd)
+        keys, values = torch.cat([keys, zero], 1), torch.cat([values, zero], 1)
+        bias = torch.zeros(n_kv, group * t, mask.shape[1] + 1, dtype=dt, device=q.device)
+        bias[..., :-1].masked_fill_(~mask, float("-inf"))
+        bias[..., -1] = sinks.view(n_kv, group).repeat_interleave(t, dim=1).to(dt)
+        mask = bias
+    out = F.scaled_dot_product_attention(qg[None], keys[None], values[None],
+                                         attn_mask=mask[None], scale=scale)
     return out[0].reshape(n_heads, t, hd).transpose(0, 1).reshape(t, n_heads * hd).float()
 
 
@@ -245,6 +282,26 @@ def xielu(x: torch.Tensor, alpha_n: float, alpha_p: float, beta: float, eps: flo
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_tanh": gelu_tanh,
     "silu": F.silu,
+}
+
+# gpt-oss's clamped SwiGLU (llama.cpp's LLM_FFN_SWIGLU_OAI_MOE in src/llama-graph.cpp).
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's gated activation, as ggml's ``ggml_swiglu_oai`` computes it
+    (``ggml/src/ggml-cpu/ops.cpp``): ``x * sigmoid(alpha x) * (y + 1)`` with
+    ``x = min(gate, limit)``, ``y = clamp(up, -limit, limit)``, alpha 1.702, limit 7.
+    (T, F) float32 each -> (T, F) float32."""
+    x = gate.clamp(max=SWIGLU_OAI_LIMIT)
+    return x * torch.sigmoid(SWIGLU_OAI_ALPHA * x) * (up.clamp(-SWIGLU_OAI_LIMIT,
+                                                               SWIGLU_OAI_LIMIT) + 1.0)
+
+
+# Gated activations that are not ``act(gate) * up``, by name.
+GATED: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "swiglu_oai": swiglu_oai,
 }
 
 
@@ -283,9 +340,12 @@ class TorchOps:
     @staticmethod
     def gated(gate: torch.Tensor, up: torch.Tensor, act: str, *,
               overwrite: bool = False) -> torch.Tensor:
-        """act(gate) * up (T, F), ``act`` a key of :data:`ACTIVATIONS`. ``overwrite``: the
-        caller no longer needs ``gate``, and the result may be written over it (the native
-        ops do: no buffer of its own; these return a new tensor)."""
+        """act(gate) * up (T, F), ``act`` a key of :data:`ACTIVATIONS`, or the gated
+        function :data:`GATED` names (``swiglu_oai``). ``overwrite``: the caller no longer
+        needs ``gate``, and the result may be written over it (the native ops do: no buffer
+        of its own; these return a new tensor)."""
+        if act in GATED:
+            return GATED[act](gate, up)
         return ACTIVATIONS[act](gate) * up
 
     def self_attention(
@@ -306,6 +366,7 @@ class TorchOps:
         scale: float,
         softcap: float | None = None,
         norm_after_rope: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The attention of a layer from its projections: per-head RMSNorm of q and k by
         ``q_norm`` / ``k_norm`` when given (QK-norm), RoPE by ``angles`` (from
@@ -314,7 +375,8 @@ class TorchOps:
         llama.cpp's ``hunyuan-vl.cpp``).
 
         q: (T, n_heads * head_dim), k/v: (T, n_kv_heads * head_dim) float32 (views with unit
-        column stride) -> (T, n_heads * head_dim) float32.
+        column stride) -> (T, n_heads * head_dim) float32. ``sinks``: (n_heads,) float32
+        attention sinks (see :func:`attend`), or None.
         """
         t = q.shape[0]
         q = q.reshape(t, -1, head_dim).transpose(0, 1)  # (nh, T, hd)
@@ -326,7 +388,8 @@ class TorchOps:
         else:
             q = self.norm_rope(q, q_norm, eps, angles, neox=neox)
             k = self.norm_rope(k, k_norm, eps, angles, neox=neox)
-        return self.attention(q, k, v, cache, pos, positions, scale=scale, softcap=softcap)
+        return self.attention(q, k, v, cache, pos, positions, scale=scale, softcap=softcap,
+                              sinks=sinks)
 
     def attention(
         self,
@@ -339,16 +402,77 @@ class TorchOps:
         *,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store the new keys/values in ``cache`` and attend the new queries over it.
 
         q: (n_heads, T, hd), k/v: (n_kv_heads, T, hd) float32 at ``positions`` (T,) int64, the
         first of which is ``pos`` (an int, or a (1,) device tensor in static decode: see
-        :mod:`localllm.memory.kv`) -> (T, n_heads * hd) float32.
+        :mod:`localllm.memory.kv`) -> (T, n_heads * hd) float32. ``sinks``: see :func:`attend`.
         """
         keys, values, k_pos = store_kv(cache, pos, k, v)
         return attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale,
+                      softcap=softcap, sinks=sinks, chunk=cache.chunk)
+
+    def attention_shared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache,
+                         pos: int | torch.Tensor, positions: torch.Tensor, *, scale: float,
+                         softcap: float | None = None):
+        """:meth:`attention`, also returning what the queries attended over, for layers that
+        share this layer's keys and values (Gemma 3n/4's shared-KV layers: llama.cpp's
+        ``layer_reuse_cb``): (out (T, n_heads * hd), kv), ``kv`` opaque, for
+        :meth:`attend_shared`. q, k, v as :meth:`attention` takes them."""
+        keys, values, k_pos = store_kv(cache, pos, k, v)
+        out = attend(q, keys, values, positions, k_pos, window=cache.window, scale=scale,
+                     softcap=softcap, chunk=cache.chunk)
+        return out, (keys, values, k_pos)
+
+    def attend_shared(self, q: torch.Tensor, kv, positions: torch.Tensor, *,
+                      window: int | None, scale: float,
+                      softcap: float | None = None) -> torch.Tensor:
+        """Queries q (n_heads, T, hd) float32 at ``positions`` over another layer's keys and
+        values of the same step (``kv`` from :meth:`attention_shared`), with this layer's
+        ``window`` -> (T, n_heads * hd) float32; nothing is stored."""
+        keys, values, k_pos = kv
+        return attend(q, keys, values, positions, k_pos, window=window, scale=scale,
                       softcap=softcap)
+
+    def mla_attention(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        k_b: torch.Tensor,
+        v_b: torch.Tensor,
+        cache,
+        pos: int | torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        scale: float,
+    ) -> torch.Tensor:
+        """Multi-head latent attention over a latent cache with absorbed projections
+        (DeepSeek-V2, Liu et al. 2024; llama.cpp's ``src/models/deepseek2.cpp``, MLA branch):
+        each head's query is taken into the latent space, ``[k_b[h] @ q_nope[h], q_pe[h]]``,
+        and attends over the cached latents ``[c, k_pe]`` of every position as one shared
+        key (MQA); the values are the latents' first ``kv_lora_rank`` values ``c``, and each
+        head's result is expanded by ``v_b[h]``. Only the latent is stored.
+
+        q_nope: (H, T, nope), q_pe: (H, T, n_rot) (rotated) float32; latent: (T, r + n_rot)
+        float32, the new positions' ``[c, k_pe]`` (c RMS-normed, k_pe rotated), written into
+        ``cache`` (a :class:`~localllm.memory.LatentCache`) at ``positions`` (T,) int64 from
+        ``pos`` (an int, or a (1,) device tensor in static decode); k_b: (H, r, nope), v_b:
+        (H, dv, r) float32 -> (T, H * dv) float32.
+        """
+        h, t, _ = q_nope.shape
+        r = k_b.shape[1]
+        if isinstance(pos, torch.Tensor):
+            cached = cache.update_static(pos, latent)
+        else:
+            cached = cache.update(pos, latent)
+        q = torch.cat([torch.matmul(q_nope, k_b.transpose(1, 2)), q_pe], dim=-1)  # (H, T, D)
+        kv = cached[None]  # (1, S, D): the latent is both keys and (its first r) values
+        out = attend(q, kv, kv, positions, None, window=None, scale=scale)  # (T, H * D)
+        o = out.view(t, h, -1)[:, :, :r].transpose(0, 1)  # (H, T, r)
+        return torch.matmul(o, v_b.transpose(1, 2)).transpose(0, 1).reshape(t, -1)
 
     @staticmethod
     def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -367,6 +491,18 @@ class TorchOps:
         y (T, H, P) float32 (:func:`localllm.backends.ssm.ssm_scan`: the recurrence for one
         token, the chunked form for more)."""
         return ssm.ssm_scan(x, dt, dt_bias, a, b, c, d, state)
+
+    @staticmethod
+    def gated_delta_net(qkv: torch.Tensor, alpha: torch.Tensor, beta_logit: torch.Tensor,
+                        dt_bias: torch.Tensor, a: torch.Tensor, state: torch.Tensor, *,
+                        n_k_heads: int, eps: float, interleave: bool) -> torch.Tensor:
+        """A gated delta-net's recurrence from its convolved projections, continuing from
+        ``state`` (Hv, S, S), updated in place: qkv (T, 2 Hk S + Hv S), alpha / beta_logit
+        (T, Hv), dt_bias / a (Hv,) float32 -> (T, Hv, S) float32
+        (:func:`localllm.backends.deltanet.gated_delta_net`: the recurrence for one token,
+        the chunked form for more)."""
+        return deltanet.gated_delta_net(qkv, alpha, beta_logit, dt_bias, a, state,
+                                        n_k_heads=n_k_heads, eps=eps, interleave=interleave)
 
     def experts(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate,
                 up, down, act: str) -> torch.Tensor:

@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as T
 
 from .. import cpu
 from ..errors import UnsupportedError
+from ..memory import query_window
 from .base import ExpertList
 from .dense import Backend as _Backend
 from .dense import TorchOps
@@ -134,6 +135,7 @@ class NativeOps(TorchOps):
         self._gated, self._norm_rope = ops.gated.default, ops.norm_rope.default
         self._attn_decode, self._attn_kvq = ops.attn_decode.default, ops.attn_kvq.default
         self._short_conv, self._ssm_scan = ops.short_conv.default, ops.ssm_scan.default
+        self._delta_net = ops.gated_delta_net.default
         self._no_positions = torch.empty(0, dtype=torch.long)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -152,16 +154,21 @@ class NativeOps(TorchOps):
         return self._residual_norm(x, f, post_weight, weight, eps)
 
     def gated(self, gate, up, act, *, overwrite=False):
+        if act not in self.ACT:  # gated functions without a kernel (swiglu_oai): torch
+            return super().gated(gate, up, act, overwrite=overwrite)
         return self._gated(gate, up, self.ACT[act], gate if overwrite else None)
 
     def self_attention(self, q, k, v, q_norm, k_norm, eps, angles, cache, pos, positions, *,
-                       head_dim, neox, scale, softcap=None, norm_after_rope=False):
+                       head_dim, neox, scale, softcap=None, norm_after_rope=False, sinks=None):
         t = q.shape[0]
         where = None
-        few = t <= self.FEW and isinstance(pos, int) and not norm_after_rope
+        # chunked attention: one query's chunk is a window (query_window), several queries'
+        # are not one window; sinks: the float kernel only
+        few = (t <= self.FEW and isinstance(pos, int) and not norm_after_rope
+               and (cache.chunk is None or t == 1))
         if few and cache.quantized:
             if (cache.type_k.ggml in QUANTIZED_KV and cache.type_v.ggml in QUANTIZED_KV
-                    and cache.dim_k == cache.dim_v):
+                    and cache.dim_k == cache.dim_v and sinks is None):
                 where = cache.decode_slot(pos, t)
             if where is not None:
                 return self._attention_blocks(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
@@ -173,12 +180,12 @@ class NativeOps(TorchOps):
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
                                           positions, head_dim=head_dim, neox=neox,
                                           scale=scale, softcap=softcap,
-                                          norm_after_rope=norm_after_rope)
+                                          norm_after_rope=norm_after_rope, sinks=sinks)
         slot, live, k_pos = where
         cos, sin = angles
         return self._attn_decode(q, k, v, q_norm, k_norm, eps, cos, sin, neox, cache.k, cache.v,
                                  self._no_positions if k_pos is None else k_pos, slot, live,
-                                 pos, cache.window or 0, scale, softcap or 0.0)
+                                 pos, query_window(cache, pos) or 0, scale, softcap or 0.0, sinks)
 
     def _attention_blocks(self, q, k, v, q_norm, k_norm, eps, angles, cache, pos, where, *,
                           head_dim, neox, scale, softcap):
@@ -194,7 +201,7 @@ class NativeOps(TorchOps):
         return self._attn_kvq(qr, kr, v if v.stride(-1) == 1 else v.contiguous(), cache.k,
                               int(cache.type_k.ggml), cache.v, int(cache.type_v.ggml),
                               self._no_positions if k_pos is None else k_pos, slot, live, pos,
-                              cache.window or 0, scale, softcap or 0.0)
+                              query_window(cache, pos) or 0, scale, softcap or 0.0)
 
     def short_conv(self, x, weight, bias, state, *, silu):
         """One native call (``localllm/cpu/csrc/ssm.cpp``): every token and channel, and the
@@ -209,21 +216,38 @@ class NativeOps(TorchOps):
         torch form's products do several times)."""
         return self._ssm_scan(x, dt, dt_bias, a, b, c, d, state)
 
+    def gated_delta_net(self, qkv, alpha, beta_logit, dt_bias, a, state, *, n_k_heads, eps,
+                        interleave):
+        """The native recurrence (``recurrent.cpp``), token by token with each head's state
+        in cache, for a decode step and a prompt."""
+        return self._delta_net(qkv.contiguous(), alpha.contiguous(), beta_logit.contiguous(),
+                               dt_bias, a, state, n_k_heads, eps, interleave)
+
     def experts(self, x, chosen, weights, gate, up, down, act):
         """Native int8 experts (all three :class:`PackedExperts` with ``q8`` weights): one
         token's k experts in one :func:`localllm.cpu.gemv_experts` call per matrix (a call
-        per expert and matrix spent most of a MoE decode step in Python), and a prompt of at
-        least :data:`MOE_MIN_ROWS` rows per expert on average in one
-        :func:`localllm.cpu.moe_ffn_q8` call (SiLU experts; the per-expert loop spent most of
-        a MoE prefill in small products and Python). Otherwise the torch grouping."""
-        stacked = [m.stacked if isinstance(m, PackedExperts) else None for m in (gate, up, down)]
-        if act == "silu" and all(w is not None and w.q8 for w in stacked):
+        per expert and matrix spent most of a MoE decode step in Python; the experts'
+        biases added by row), and a prompt of at least :data:`MOE_MIN_ROWS` rows per expert
+        on average in one :func:`localllm.cpu.moe_ffn_q8` call (SiLU experts without biases;
+        the per-expert loop spent most of a MoE prefill in small products and Python).
+        Otherwise the torch grouping."""
+        mats = (gate, up, down)
+        stacked = [m.stacked if isinstance(m, PackedExperts) else None for m in mats]
+        if all(w is not None and w.q8 for w in stacked):
             n_expert, n_ff = gate.shape[0], gate.shape[1]
             if x.shape[0] == 1:
-                h = self.gated(cpu.gemv_experts(x, stacked[0], chosen[0], n_ff),
-                               cpu.gemv_experts(x, stacked[1], chosen[0], n_ff), act,
-                               overwrite=True)  # (k, n_ff)
-                return weights @ cpu.gemv_experts(h, stacked[2], chosen[0], x.shape[1])
-            if x.shape[0] * chosen.shape[1] >= MOE_MIN_ROWS * n_expert and cpu.moe_q8():
+                e = chosen[0]
+                g, u = (_biased(cpu.gemv_experts(x, w, e, n_ff), m.bias, e)
+                        for w, m in zip(stacked[:2], mats[:2]))
+                h = self.gated(g, u, act, overwrite=True)  # (k, n_ff)
+                return weights @ _biased(cpu.gemv_experts(h, stacked[2], e, x.shape[1]),
+                                         down.bias, e)
+            if (act == "silu" and all(m.bias is None for m in mats) and cpu.moe_q8()
+                    and x.shape[0] * chosen.shape[1] >= MOE_MIN_ROWS * n_expert):
                 return cpu.moe_ffn_q8(x, chosen, weights, *stacked)
         return super().experts(x, chosen, weights, gate, up, down, act)
+
+
+def _biased(y: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor) -> torch.Tensor:
+    """``y`` (k, out), one row per chosen expert, plus each expert's bias row (in place)."""
+    return y if bias is None else y.add_(bias[experts])

@@ -12,9 +12,10 @@ from collections.abc import Sequence
 import torch
 
 from .. import kernels
+from ..memory import query_window
 from .base import ExpertList
+from .dense import GATED, TorchOps, prefill_attention, store_kv
 from .dense import Backend as _Backend
-from .dense import TorchOps, prefill_attention, store_kv
 
 
 class TritonMatrix:
@@ -126,19 +127,26 @@ class KernelOps(TorchOps):
 
     @staticmethod
     def gated(gate, up, act, *, overwrite=False):
+        if act in GATED:  # gated functions without a kernel (swiglu_oai): torch
+            return TorchOps.gated(gate, up, act)
         return kernels.gated_act(gate, up, act=act)
 
     def self_attention(self, q, k, v, q_norm, k_norm, eps, angles, cache, pos, positions, *,
-                       head_dim, neox, scale, softcap=None, norm_after_rope=False):
+                       head_dim, neox, scale, softcap=None, norm_after_rope=False, sinks=None):
         """One token: two launches, :func:`localllm.kernels.norm_rope_kv` (QK-norm, RoPE and
-        the cache write) then :func:`localllm.kernels.decode_attention`."""
+        the cache write) then :func:`localllm.kernels.decode_attention`. Attention sinks
+        (gpt-oss) go the torch way (:meth:`attention`): the decode kernel has none yet."""
         rope_pos, inv_freq, rope_scale, magnitude = angles
-        # A quantized cache (-ctk/-ctv) has no Triton kernel yet: the torch attention, which
-        # dequantizes it a block of heads at a time.
-        if q.shape[0] != 1 or magnitude is not None or norm_after_rope or cache.quantized:
+        # a chunked layer's window depends on the position, read on the host; a quantized
+        # cache (-ctk/-ctv) has no Triton kernel yet: the torch attention, which dequantizes
+        # it a block of heads at a time
+        if (q.shape[0] != 1 or magnitude is not None or norm_after_rope or sinks is not None
+                or (cache.chunk is not None and isinstance(pos, torch.Tensor))
+                or cache.quantized):
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
                                           positions, head_dim=head_dim, neox=neox, scale=scale,
-                                          softcap=softcap, norm_after_rope=norm_after_rope)
+                                          softcap=softcap, norm_after_rope=norm_after_rope,
+                                          sinks=sinks)
         q = q.reshape(1, -1, head_dim).transpose(0, 1)  # (nh, 1, hd)
         k = k.reshape(1, -1, head_dim).transpose(0, 1)  # (nkv, 1, hd)
         v = v.reshape(1, -1, head_dim).transpose(0, 1)
@@ -147,7 +155,20 @@ class KernelOps(TorchOps):
         keys, values, k_pos = (cache.written_static() if isinstance(pos, torch.Tensor)
                                else cache.written(pos))
         return kernels.decode_attention(q1, keys, values, positions, k_positions=k_pos,
-                                window=cache.window, scale=scale, softcap=softcap)
+                                window=query_window(cache, pos) if cache.chunk else cache.window,
+                                scale=scale, softcap=softcap)
+
+    def mla_attention(self, q_nope, q_pe, latent, k_b, v_b, cache, pos, positions, *, scale):
+        """One token: the latent written, then one :func:`localllm.kernels.mla_decode`
+        launch over the latent cache (every head); prefill: the torch form."""
+        if q_nope.shape[1] != 1:
+            return super().mla_attention(q_nope, q_pe, latent, k_b, v_b, cache, pos, positions,
+                                         scale=scale)
+        cached = (cache.update_static(pos, latent) if isinstance(pos, torch.Tensor)
+                  else cache.update(pos, latent))
+        q = torch.cat([torch.matmul(q_nope, k_b.transpose(1, 2)), q_pe], dim=-1)[:, 0]
+        o = kernels.mla_decode(q, cached, positions, k_b.shape[1], scale)  # (H, r)
+        return torch.matmul(o[:, None], v_b.transpose(1, 2)).reshape(1, -1)
 
     @staticmethod
     def short_conv(x, weight, bias, state, *, silu):
@@ -157,17 +178,32 @@ class KernelOps(TorchOps):
     def ssm_scan(x, dt, dt_bias, a, b, c, d, state):
         return kernels.ssm_scan(x, dt, dt_bias, a, b, c, d, state)
 
+    @staticmethod
+    def gated_delta_net(qkv, alpha, beta_logit, dt_bias, a, state, *, n_k_heads, eps,
+                        interleave):
+        return kernels.gated_delta_net(qkv, alpha, beta_logit, dt_bias, a, state,
+                                       n_k_heads=n_k_heads, eps=eps, interleave=interleave)
+
     def attention(self, q, k, v, cache, pos, positions, *, scale: float,
-                  softcap: float | None = None) -> torch.Tensor:
-        if cache.quantized or (q.shape[1] != 1 and softcap is not None):  # SDPA: no softcap
+                  softcap: float | None = None, sinks: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+        """Prefill: SDPA (sinks as one more key, see :func:`prefill_attention`); a decode
+        token: the flash-decoding kernel, or :func:`~localllm.backends.dense.attend` with
+        sinks; a quantized cache: :func:`~localllm.backends.dense.attend`."""
+        # SDPA has no soft-capping; a chunked step at a device position has no host window
+        if cache.quantized or (softcap is not None and (q.shape[1] != 1 or sinks is not None)) or (
+                cache.chunk is not None and q.shape[1] == 1 and isinstance(pos, torch.Tensor)):
             return super().attention(q, k, v, cache, pos, positions, scale=scale,
-                                     softcap=softcap)
+                                     softcap=softcap, sinks=sinks)
+        if q.shape[1] == 1 and sinks is not None:
+            return super().attention(q, k, v, cache, pos, positions, scale=scale, sinks=sinks)
         keys, values, k_pos = store_kv(cache, pos, k, v)
         if q.shape[1] != 1:
             return prefill_attention(q, keys, values, positions, k_pos, window=cache.window,
-                                     scale=scale)
+                                     scale=scale, sinks=sinks, chunk=cache.chunk)
         return kernels.decode_attention(q[:, 0], keys, values, positions, k_positions=k_pos,
-                                window=cache.window, scale=scale, softcap=softcap)
+                                window=query_window(cache, pos) if cache.chunk else cache.window,
+                                scale=scale, softcap=softcap)
 
 
 def _magnified(x: torch.Tensor, magnitude: torch.Tensor | None, neox: bool) -> torch.Tensor:

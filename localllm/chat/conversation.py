@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 from ..errors import ContextOverflowError, LocalLLMError, ParameterError
 from ..runtime.stop import cut_at_stop
+from .replies import chat_format
 from .template import ChatTemplate, template_for
 
 
@@ -94,6 +95,12 @@ class Conversation:
         n_predict: most tokens per reply (-1: no limit; 0: none).
         session: the session to use (default: ``llm.session()``).
         loop_guard: stop a reply that loops (:class:`LoopGuard`).
+        reasoning_format: ``none`` leaves a thinking model's reasoning in the reply;
+            ``deepseek``/``auto`` (llama.cpp's ``--reasoning-format``) split it off: it goes to
+            ``reply``'s ``emit_thinking`` and the message's ``reasoning_content``.
+        reasoning_budget: reasoning tokens per reply (-1: no limit; 0: none where the
+            template allows; a spent budget closes the block and the answer follows).
+        variables: more template variables (``--chat-template-kwargs``: ``enable_thinking``).
     Raises:
         ParameterError: ``keep`` < -1.
     """
@@ -112,6 +119,9 @@ class Conversation:
         n_predict: int = -1,
         session=None,
         loop_guard: bool = True,
+        reasoning_format: str = "auto",
+        reasoning_budget: int = -1,
+        variables: dict | None = None,
     ) -> None:
         if keep < -1:
             raise ParameterError(f"--keep must be >= -1, got {keep}")
@@ -127,6 +137,10 @@ class Conversation:
         self.stop = tuple(stop)
         self.n_predict = n_predict
         self.loop_guard = loop_guard
+        self.reasoning_format = reasoning_format
+        self.reasoning_budget = reasoning_budget
+        self.variables = dict(variables or {})
+        self.fmt = chat_format(self.template.source)
         self.messages: list[dict] = []  # the whole history (system prompt apart)
         self.window_start = 0  # messages before it (and after the pinned ones) were shifted out
         self.pinned = 0  # leading messages kept by ``keep``
@@ -144,7 +158,8 @@ class Conversation:
         return head + self.messages[: self.pinned] + self.messages[start:]
 
     def _encode(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.template.encode(self.tokenizer, messages, add_generation_prompt)
+        return self.template.encode(self.tokenizer, messages, add_generation_prompt,
+                                    **self.variables)
 
     def clear(self) -> None:
         """Forget the conversation and empty the KV cache."""
@@ -221,13 +236,16 @@ class Conversation:
         self,
         emit: Callable[[str], None] = lambda text: None,
         on_shift: Callable[[int, int, int], None] = lambda dropped, before, after: None,
+        emit_thinking: Callable[[str], None] = lambda text: None,
     ) -> str:
         """Answer the last user message; the reply is added to the messages and returned.
 
         Text pieces go to ``emit`` as they are generated (stop strings never appear);
         ``on_shift(dropped_messages, tokens_before, tokens_after)`` reports a context shift
         in the middle of the reply, after the piece that filled the context. Ctrl-C ends the
-        reply early (``stats.finish == "interrupted"``); the partial reply is kept.
+        reply early (``stats.finish == "interrupted"``); the partial reply is kept. With a
+        thinking template (and ``reasoning_format`` other than ``none``) the reasoning goes to
+        ``emit_thinking`` instead, and the answer alone is returned.
 
         Raises:
             LocalLLMError: the prompt cannot fit, or the template failed (the user message
@@ -261,10 +279,29 @@ class Conversation:
             state["shift"] = (dropped, n_before, len(ids) + len(generated))
             return ids + generated
 
+        parser, thinking = self._reasoning()
+        parts: dict[str, list[str]] = {"content": [], "reasoning": []}
+
+        def show(piece: str) -> None:
+            if parser is None:
+                emit(piece)
+                return
+            for event in parser.push(piece):
+                route(event)
+
+        def route(event) -> None:
+            if event.kind == "reasoning":
+                parts["reasoning"].append(event.text)
+                emit_thinking(event.text)
+            elif event.kind in ("content", "drop"):
+                parts["content"].append(event.text)
+                emit(event.text)
+
         sampler = self.make_sampler(self.params) if self.make_sampler is not None else None
+        extra = {"thinking": thinking} if thinking is not None else {}
         request = self.llm.prepare(prompt, params=self.params, session=self.session,
                                    n_predict=self.n_predict, stop=self.stop,
-                                   on_context_full=shift, sampler=sampler)
+                                   on_context_full=shift, sampler=sampler, **extra)
         guard = LoopGuard() if self.loop_guard else None
         t0 = time.perf_counter()
         generation = self.llm.stream(request)
@@ -275,7 +312,7 @@ class Conversation:
                         reply_ids.append(step.token)
                     if step.text:
                         shown.append(step.text)
-                        emit(step.text)
+                        show(step.text)
                     if state["shift"] is not None:
                         on_shift(*state["shift"])
                         state["shift"] = None
@@ -292,7 +329,7 @@ class Conversation:
             done = "".join(shown)
             if full.startswith(done) and len(full) > len(done):
                 shown.append(full[len(done):])
-                emit(full[len(done):])
+                show(full[len(done):])
         if stats.finish == "ctx" and state["gave_up"]:
             stats.finish = "full"
         stats.generated = len(reply_ids)
@@ -302,9 +339,39 @@ class Conversation:
         stats.prompt_evaluated = timings.prompt_tokens
         stats.prompt_reused = timings.reused_tokens
         text = "".join(shown)
+        message = {"role": "assistant", "content": text}
+        if parser is not None:
+            for event in parser.finish():
+                route(event)
+            message["content"] = text = "".join(parts["content"])
+            if parts["reasoning"]:
+                message["reasoning_content"] = "".join(parts["reasoning"])
         # The partial reply of an interrupted or cut turn is kept: the template closes it.
-        self.messages.append({"role": "assistant", "content": text})
+        self.messages.append(message)
         return text
+
+    def _reasoning(self):
+        """(the reply parser that splits the reasoning off, or None; the budget's
+        :class:`~localllm.grammar.lazy.Thinking`, or None) for a thinking template."""
+        fmt = self.fmt
+        if fmt.thinking is None:
+            return None, None
+        from .reasoning import generation_prompt, opens_thinking, thinking_control
+        from .replies import ReplyParser
+
+        window = self.window()
+        text = self.template.render(window, True, **self.variables)
+        inside = False
+        if not fmt.harmony:
+            bare = self.template.render(window, False, **self.variables)
+            inside = opens_thinking(generation_prompt(text, bare), fmt.thinking)
+        parser = None
+        if self.reasoning_format != "none":
+            parser = ReplyParser(fmt, reasoning=True, inside=inside)
+        thinking = None
+        if self.reasoning_budget >= 0:
+            thinking = thinking_control(self.tokenizer, fmt, inside, self.reasoning_budget)
+        return parser, thinking
 
 
 __all__ = ["Conversation", "LoopGuard", "TurnStats"]

@@ -637,7 +637,15 @@ class ChatTemplate:
                tools: list | None = None, **kwargs) -> list[int]:
         """Render and tokenize: special-token texts are parsed, and BOS is added only when
         the vocabulary wants one and the template did not already write it."""
-        text = self.render(messages, add_generation_prompt, tools, **kwargs)
+        return self.tokenize(tokenizer, self.render(messages, add_generation_prompt, tools,
+                                                    **kwargs))
+
+    def tokenize(self, tokenizer, text: str) -> list[int]:
+        """Token ids of rendered text (see :meth:`encode`).
+
+        Raises:
+            TemplateError: the text holds lone surrogates (not UTF-8).
+        """
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8 (stdin, argv)

@@ -19,15 +19,9 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from typing import Any
 
 from ..errors import ParameterError
-
-_HERMES = ("<tool_call>", "</tool_call>")
-_FENCE = "```tool_call"
-_MISTRAL = "[TOOL_CALLS]"
-_PYTHON_TAG = "<|python_tag|>"
 
 
 def forced_tool_schema(tools: list[dict], tool_choice: Any) -> dict | None:
@@ -74,94 +68,10 @@ def _reject_constant(name: str) -> Any:
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
 
-def _call(name: str, arguments: dict) -> dict:
-    try:
-        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # "\ud800" escapes decode to lone surrogates: keep them escaped
-        text = json.dumps(arguments, allow_nan=False)
-    return {"id": "call_" + secrets.token_hex(12), "type": "function",
-            "function": {"name": name, "arguments": text}}
-
-
-def _decode_objects(text: str) -> list[Any] | None:
-    """JSON values in ``text`` separated by whitespace, ``;`` or ``,``; None if not only that
-    (or if a value is not JSON: NaN, Infinity, nested deeper than the parser goes)."""
-    out, i = [], 0
-    while True:
-        while i < len(text) and text[i] in " \t\r\n;,":
-            i += 1
-        if i >= len(text):
-            return out
-        try:
-            value, i = _DECODER.raw_decode(text, i)
-        except (ValueError, RecursionError):
-            return None
-        out.append(value)
-
-
-def _as_call(obj: Any, names: set[str]) -> dict | None:
-    if not isinstance(obj, dict):
-        return None
-    fn = obj.get("function") if isinstance(obj.get("function"), dict) else obj
-    name = fn.get("name")
-    if not isinstance(name, str) or name not in names:
-        return None
-    args = fn.get("arguments", fn.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = _DECODER.decode(args)
-        except (ValueError, RecursionError):
-            return None
-    if not isinstance(args, dict):
-        return None
-    try:
-        return _call(name, args)
-    except (ValueError, RecursionError):  # too deep to write back
-        return None
-
-
-def _hermes_blocks(text: str) -> tuple[list[str], str]:
-    """``<tool_call>...</tool_call>`` blocks (the last may be unclosed) and the text around
-    them, found with ``str.find`` in linear time (the regex ``<tool_call>\\s*(.*?)\\s*...``
-    took quadratic time on a long run of spaces)."""
-    opening, closing = _HERMES
-    blocks, rest, pos = [], [], 0
-    while (start := text.find(opening, pos)) >= 0:
-        rest.append(text[pos:start])
-        body = start + len(opening)
-        end = text.find(closing, body)
-        stop = len(text) if end < 0 else end
-        blocks.append(text[body:stop].strip())
-        pos = stop if end < 0 else end + len(closing)
-    rest.append(text[pos:])
-    return blocks, "".join(rest)
-
-
-def _fenced_blocks(text: str) -> tuple[list[str], str]:
-    """The fenced ``tool_call`` blocks (a fence, ``tool_call``, a line break, the call, a
-    closing fence) and the text around them, in linear time."""
-    blocks, rest, pos, search = [], [], 0, 0
-    while (start := text.find(_FENCE, search)) >= 0:
-        head = start + len(_FENCE)
-        i = head
-        while i < len(text) and text[i].isspace():
-            i += 1
-        newline = text.rfind("\n", head, i)
-        end = text.find("```", i) if newline >= 0 else -1
-        if end < 0:  # not a complete block: look further
-            search = head
-            continue
-        body = text[newline + 1:end]
-        blocks.append(body.removesuffix("\n"))
-        rest.append(text[pos:start])
-        pos = search = end + 3
-    rest.append(text[pos:])
-    return blocks, "".join(rest)
-
-
 def parse_tool_calls(text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
-    """Split a reply into (content, tool calls) in OpenAI's shape.
+    """Split a whole reply into (content, tool calls) in OpenAI's shape, in any family's
+    format (:class:`~localllm.chat.toolparse.ToolScanner`, the streaming reader, run over the
+    whole text).
 
     Linear in the length of ``text``. A value that is not JSON (``NaN``, ``Infinity``), that
     is nested deeper than the JSON parser goes, or that names no tool of ``tools`` is no call.
@@ -169,46 +79,21 @@ def parse_tool_calls(text: str, tools: list[dict]) -> tuple[str | None, list[dic
     Returns:
         content: the text outside the calls, stripped (None when empty and there are calls);
         calls: ``[{"id": "call_...", "type": "function", "function": {"name": ...,
-        "arguments": "<JSON text>"}}]`` (empty when the reply holds no call to a known tool).
+        "arguments": "<JSON text>"}}]`` (empty when the reply holds no call to a known tool:
+        the content is then ``text`` itself).
     """
-    names = {t["function"]["name"] for t in tools}
-    if not names:
+    from .events import ReplyMessage
+    from .toolparse import ToolScanner
+
+    if not tools:
         return text, []
-
-    def found(calls: list[dict | None], rest: str) -> tuple[str | None, list[dict]] | None:
-        if calls and all(c is not None for c in calls):
-            rest = rest.strip()
-            return (rest or None), calls  # type: ignore[return-value]
-        return None
-
-    for split in (_hermes_blocks, _fenced_blocks):
-        blocks, rest = split(text)
-        if blocks:
-            calls = []
-            for block in blocks:
-                objs = _decode_objects(block)
-                calls += [_as_call(o, names) for o in objs] if objs else [None]
-            result = found(calls, rest)
-            if result:
-                return result
-    if _MISTRAL in text:
-        head, _, tail = text.partition(_MISTRAL)
-        objs = _decode_objects(tail)
-        if objs:
-            flat = [o for v in objs for o in (v if isinstance(v, list) else [v])]
-            result = found([_as_call(o, names) for o in flat], head)
-            if result:
-                return result
-    body = text.strip()
-    head = ""
-    if _PYTHON_TAG in body:
-        head, _, body = body.partition(_PYTHON_TAG)
-    objs = _decode_objects(body)
-    if objs:
-        result = found([_as_call(o, names) for o in objs], head)
-        if result:
-            return result
-    return text, []
+    scanner = ToolScanner(tools)
+    message = ReplyMessage()
+    for event in [*scanner.push(text), *scanner.finish()]:
+        message.add(event)
+    if not message.calls:
+        return text, []
+    return message.content.strip() or None, message.calls
 
 
 def template_messages(messages: list[dict]) -> list[dict]:

@@ -18,6 +18,7 @@ import typer.main
 
 from ..errors import LocalLLMError, ParameterError
 from . import chat, manage, perplexity, pull, quantize, serve
+from .chat_options import ReasoningBudgetOpt, ReasoningFormatOpt, TemplateKwargsOpt
 from .options import (
     ThreadsBatchOpt,
     ThreadsOpt,
@@ -168,6 +169,9 @@ def _run(
     prompt_cache: Annotated[Path | None, typer.Option(
         "--prompt-cache",
         help="file to cache the prompt's KV state in (reused when it matches)")] = None,
+    reasoning_format: ReasoningFormatOpt = "auto",
+    reasoning_budget: ReasoningBudgetOpt = -1,
+    chat_template_kwargs: TemplateKwargsOpt = None,
     threads: ThreadsOpt = None,
     threads_batch: ThreadsBatchOpt = None,
     verbose: VerboseOpt = False,
@@ -175,7 +179,9 @@ def _run(
     speculative=None,
     kv_cache=None,
 ) -> None:
-    """Generate a continuation of PROMPT and stream it to stdout."""
+    """Generate a continuation of PROMPT and stream it to stdout. With --chat and a thinking
+    model's template, the reasoning goes to stderr (--reasoning-format none: stdout) and a
+    grammar or schema applies to the answer after it."""
     apply_threads(threads, threads_batch)
     positional = list(args or [])
     if len(positional) > 2:
@@ -188,6 +194,13 @@ def _run(
         raise ParameterError(f"-n/--n-predict must be -1 (no limit), -2 or >= 0, got {n_predict}")
     if system is not None and not chat:
         raise ParameterError("--system applies the chat template: use it with --chat")
+    if not chat and (chat_template_kwargs is not None or reasoning_budget != -1):
+        raise ParameterError("--chat-template-kwargs and --reasoning-budget apply to the chat "
+                             "template: use them with --chat")
+    from .chat_options import parse_reasoning_options
+
+    variables, reasoning_format = parse_reasoning_options(reasoning_format, reasoning_budget,
+                                                          chat_template_kwargs)
     text = read_prompt(prompt, file)
     if prompt_cache is not None:  # before any work: a device, FIFO or foreign link is refused
         from ..atomic import check_input_file, check_output_path
@@ -203,12 +216,17 @@ def _run(
     params = llm.sampling_params(**(sampling.overrides if sampling is not None else {}))
     if verbose:
         print_model_summary(llm)
+    rendered = None
     if chat:
-        from ..chat.template import apply_chat
+        from ..api.chat import render_chat
 
         default = llm.entry.system if llm.entry is not None else None
-        ids = apply_chat(llm, text, system=system if system is not None else default,
-                         template=chat_template)
+        system = system if system is not None else default
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": text}]
+        rendered = render_chat(llm, messages, template=chat_template, variables=variables,
+                               files=True)
+        ids = rendered.ids
     else:
         ids = llm.encode_prompt(text, special=special)
     constraint = None
@@ -216,6 +234,10 @@ def _run(
         from ..grammar.constraint import constraint_from_cli
 
         constraint = constraint_from_cli(grammar, grammar_file, json_mode, json_schema, llm.tokenizer)
+    parser, reasoning_kw = None, {}
+    if rendered is not None and rendered.fmt.thinking is not None:
+        parser, reasoning_kw = _reasoning_setup(llm, rendered, reasoning_format,
+                                                reasoning_budget, constraint)
     json_out = json_mode or json_schema is not None
     session = None
     if prompt_cache is not None:  # llama-cli's --prompt-cache: reuse the matching prefix
@@ -227,7 +249,8 @@ def _run(
     out = sys.stdout
     tail = ""  # the last text written, to end the output on a newline where it is due
     steps = llm.stream(ids, params=params, n_predict=n_predict, stop=stop or (),
-                       constraint=constraint, session=session)
+                       constraint=constraint, session=session, **reasoning_kw)
+    thinking_out = _ThinkingOut()
     first = next(steps, None)  # builds the sampler chain and evaluates the prompt
     if verbose:
         print_sampler(steps.sampler)
@@ -235,17 +258,24 @@ def _run(
         for step in itertools.chain([first] if first is not None else [], steps):
             if params.n_probs > 0 and step.trace is not None:
                 print_trace(llm.tokenizer, step.trace)
-            if step.text:
+            answer = step.text
+            if parser is not None:
+                events = parser.push(step.text) if step.text else []
+                if step.finish_reason:
+                    events += parser.finish()
+                answer = thinking_out.split(events)
+            if answer:
                 if json_out:
-                    pieces.append(step.text)
+                    pieces.append(answer)
                 else:
-                    out.write(step.text)
+                    out.write(answer)
                     out.flush()
-                    tail = step.text
+                    tail = answer
             finish = step.finish_reason
     except BrokenPipeError:  # `localllm run ... | head`: the reader has all it wanted
         _silence_stdout()
         return
+    thinking_out.close()
     if session is not None:
         session.truncate(len(ids))  # the prompt's state, as llama-cli saves it
         session.save(prompt_cache)
@@ -262,6 +292,52 @@ def _run(
             reused = steps.timings.reused_tokens
             _err(f"prompt cache: {reused} of {len(ids)} prompt tokens reused")
         print_timings(llm, steps.timings, finish)
+
+
+def _reasoning_setup(llm, rendered, reasoning_format: str, budget: int, constraint):
+    """(the reply parser that splits the reasoning off, or None; the keywords that run the
+    reasoning before the constraint and within ``budget``) of a thinking template."""
+    from ..api.chat import thinking_spec
+    from ..chat.reasoning import single_token
+    from ..chat.replies import ReplyParser
+
+    parser = None
+    if reasoning_format != "none":
+        parser = ReplyParser(rendered.fmt, reasoning=True, inside=rendered.inside)
+    kw: dict = {"preserved": [t for text in rendered.fmt.preserved
+                              if (t := single_token(llm.tokenizer, text)) is not None]}
+    if budget >= 0 or constraint is not None:
+        kw["thinking"] = thinking_spec(llm, rendered, budget)
+        kw["answer_required"] = constraint is not None
+    return parser, kw
+
+
+class _ThinkingOut:
+    """Writes a reply's reasoning to stderr (dimmed on a terminal) and returns its answer."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.dim = sys.stderr.isatty()
+
+    def split(self, events) -> str:
+        answer = []
+        for e in events:
+            if e.kind == "reasoning" and e.text:
+                if not self.open:
+                    self.open = True
+                    sys.stderr.write("\x1b[2m" if self.dim else "")
+                sys.stderr.write(e.text)
+                sys.stderr.flush()
+            elif e.kind in ("content", "drop") and e.text:
+                self.close()
+                answer.append(e.text)
+        return "".join(answer)
+
+    def close(self) -> None:
+        if self.open:
+            sys.stderr.write("\x1b[0m\n" if self.dim else "\n")
+            sys.stderr.flush()
+            self.open = False
 
 
 def _same_file(a, b) -> bool:

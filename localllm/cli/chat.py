@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from ..errors import ParameterError
+from .chat_options import ReasoningBudgetOpt, ReasoningFormatOpt, TemplateKwargsOpt
 from .options import ThreadsBatchOpt, ThreadsOpt, apply_threads
 
 
@@ -34,12 +35,19 @@ def chat_command(
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda")] = "auto",
     threads: ThreadsOpt = None,
     threads_batch: ThreadsBatchOpt = None,
+    reasoning_format: ReasoningFormatOpt = "auto",
+    reasoning_budget: ReasoningBudgetOpt = -1,
+    chat_template_kwargs: TemplateKwargsOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="details on stderr")] = False,
     sampling=None,
     speculative=None,
     kv_cache=None,
 ) -> None:
     """Chat with a model in the terminal (streaming, /help for commands)."""
+    from .chat_options import parse_reasoning_options
+
+    variables, reasoning_format = parse_reasoning_options(reasoning_format, reasoning_budget,
+                                                          chat_template_kwargs)
     from rich.console import Console
 
     from .progress import step_progress
@@ -72,7 +80,9 @@ def chat_command(
     console = Console(highlight=False)
     repl = ChatREPL(llm, console=console, template=template, params=params, system=system,
                     keep=keep, context_shift=not no_context_shift, stop=stop or (),
-                    n_predict=n_predict, loop_guard=not no_loop_guard)
+                    n_predict=n_predict, loop_guard=not no_loop_guard,
+                    reasoning_format=reasoning_format, reasoning_budget=reasoning_budget,
+                    variables=variables)
     if verbose:
         console.print(f"model {llm.path}, template {template.name}, device {llm.device}",
                       style="dim", markup=False)

@@ -39,21 +39,26 @@ INFO_CTX = 4096
 
 
 def memory_line(layout: list, context_length: int, types: tuple | None = None) -> str:
-    """A sequence's memory by kind: the KV (and latent) caches at ``INFO_CTX`` tokens of the
-    K and V cache ``types`` (:class:`~localllm.memory.CacheType`, ``-ctk`` / ``-ctv``;
-    default float16, llama.cpp's default cache type), the recurrent states (fixed: float32
-    whatever the context)."""
-    from ..memory import CACHE_TYPES, RecurrentSpec
+    """A sequence's memory by kind: the KV caches at ``INFO_CTX`` tokens of the K and V cache
+    ``types`` (:class:`~localllm.memory.CacheType`, ``-ctk`` / ``-ctv``; default float16,
+    llama.cpp's default cache type), the latent (MLA) caches in float16, the recurrent states
+    (fixed: float32 whatever the context)."""
+    from ..memory import CACHE_TYPES, LatentSpec, RecurrentSpec
 
     types = types or (CACHE_TYPES["f16"], CACHE_TYPES["f16"])
     ctx = min(INFO_CTX, context_length)
     rec = [s for s in layout if isinstance(s, RecurrentSpec)]
-    kv = [s for s in layout if not isinstance(s, RecurrentSpec)]
+    latent = [s for s in layout if isinstance(s, LatentSpec)]
+    kv = [s for s in layout if not isinstance(s, (RecurrentSpec, LatentSpec))]
     parts = []
     if kv:
         mib = sum(s.nbytes(ctx, 2, types=types) for s in kv) / 2**20
         names = types[0].name if types[0] == types[1] else f"K {types[0].name}, V {types[1].name}"
         parts.append(f"KV cache {mib:.1f} MiB at {ctx} tokens ({len(kv)} layers, {names})")
+    if latent:  # MLA: one latent per position instead of every head's keys and values
+        per_token = sum(s.nbytes(1, 2) for s in latent)
+        parts.append(f"latent cache {per_token * ctx / 2**20:.1f} MiB at {ctx} tokens "
+                     f"({len(latent)} layers, float16: {per_token} bytes per token)")
     if rec:
         mib = sum(s.nbytes(ctx, 4) for s in rec) / 2**20
         parts.append(f"recurrent state {mib:.1f} MiB ({len(rec)} layers, fixed, float32; "

@@ -11,7 +11,7 @@ import typer
 # quantize.recipe.FILE_TYPES, spelled out so that building the CLI does not import gguf and
 # numpy (tests/test_newcomer.py checks that they agree).
 TYPE_NAMES = ("Q8_0, Q6_K, Q5_K_M, Q5_K_S, Q4_K_M, Q4_K_S, Q3_K_L, Q3_K_M, Q3_K_S, Q2_K, Q4_0, Q4_1, "
-              "Q5_0, Q5_1, IQ4_NL, IQ4_XS")
+              "Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4_MOE")
 
 
 def quantize_command(

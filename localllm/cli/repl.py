@@ -36,6 +36,8 @@ HELP = """\
 /save FILE            save the conversation as JSON
 /load FILE            load a conversation saved with /save
 /regen                generate the last reply again
+/think on|off         let a thinking model think (off: no reasoning, where the template allows)
+/think show|hide      show the reasoning dimmed, or only a one-line note of its length
 /exit                 leave (or Ctrl-D)
 Multiline: end a line with \\ to continue it, or put the text between \"\"\" lines.
 Ctrl-C stops the reply being generated."""
@@ -105,6 +107,9 @@ class ChatREPL(Conversation):
         n_predict: int = DEFAULT_REPLY_TOKENS,
         session=None,
         loop_guard: bool = True,
+        reasoning_format: str = "auto",
+        reasoning_budget: int = -1,
+        variables: dict | None = None,
     ) -> None:
         if console is None:
             from rich.console import Console
@@ -112,8 +117,13 @@ class ChatREPL(Conversation):
             console = Console(highlight=False)
         super().__init__(llm, make_sampler=make_sampler, template=template, params=params,
                          system=system, keep=keep, context_shift=context_shift, stop=stop,
-                         n_predict=n_predict, session=session, loop_guard=loop_guard)
+                         n_predict=n_predict, session=session, loop_guard=loop_guard,
+                         reasoning_format=reasoning_format, reasoning_budget=reasoning_budget,
+                         variables=variables)
         self.console = console
+        self.show_thinking = True
+        self._budget = reasoning_budget  # what /think on restores
+        self._thought = None  # characters of reasoning shown in this reply (None: none yet)
         self._pending: list[str] = []
         self._in_block = False
         self._echo_fd: int | None = None  # the terminal whose echo is off during replies
@@ -193,6 +203,8 @@ class ChatREPL(Conversation):
                 self.load(arg) if arg else self.error("usage: /load FILE")
             elif name == "/regen":
                 self.regen()
+            elif name == "/think":
+                self.think(arg)
             else:
                 self.error(f"unknown command {name} (try /help)")
         except LocalLLMError as e:
@@ -200,6 +212,21 @@ class ChatREPL(Conversation):
         except TypeError:
             self.error(f"usage: see /help for {name}")
         return True
+
+    def think(self, arg: str) -> None:
+        """``/think on|off|show|hide``."""
+        if arg in ("on", "off"):
+            self.variables["enable_thinking"] = arg == "on"
+            self.reasoning_budget = self._budget if arg == "on" else 0
+            if self.fmt.thinking is None:
+                self.note(f"thinking {arg} (this template has no reasoning markers)")
+            else:
+                self.note(f"thinking {arg}")
+        elif arg in ("show", "hide"):
+            self.show_thinking = arg == "show"
+            self.note(f"reasoning {'shown' if self.show_thinking else 'hidden'}")
+        else:
+            self.error("usage: /think on|off|show|hide")
 
     def set_param(self, name: str, value: str) -> None:
         """``/set PARAM VALUE``: PARAM as on the command line (``top-k``, ``--temp``, ``top_k``).
@@ -304,7 +331,32 @@ class ChatREPL(Conversation):
 
     def _emit(self, text: str) -> None:
         if text:
+            self._end_thinking()
             self.console.print(text, end="", markup=False, highlight=False, soft_wrap=True)
+
+    def _emit_thinking(self, text: str) -> None:
+        """Reasoning: dimmed, or (hidden) one note when it begins and its size when it ends."""
+        if not text:
+            return
+        if self._thought is None:
+            self._thought = 0
+            if not self.show_thinking:
+                self.console.print("thinking...", style="dim", end="", markup=False,
+                                   highlight=False)
+        self._thought += len(text)
+        if self.show_thinking:
+            self.console.print(text, style="dim", end="", markup=False, highlight=False,
+                               soft_wrap=True)
+
+    def _end_thinking(self) -> None:
+        if self._thought is None:
+            return
+        if self.show_thinking:
+            self.console.print()
+        else:
+            self.console.print(f" ({self._thought} characters; /think show to see them)",
+                               style="dim", markup=False, highlight=False)
+        self._thought = None
 
     # ---- a turn ---------------------------------------------------------------------------
     def send(self, text: str) -> str | None:
@@ -315,7 +367,9 @@ class ChatREPL(Conversation):
     def _reply(self) -> str | None:
         try:
             with no_echo(self._echo_fd):
-                text = self.reply(self._emit, self._shifted)
+                self._thought = None
+                text = self.reply(self._emit, self._shifted, self._emit_thinking)
+                self._end_thinking()
         except LocalLLMError as e:  # the prompt does not fit, or a template error
             self.error(str(e))
             return None

@@ -357,6 +357,7 @@ def check_synthetic_memory(geometry, tensors, device: torch.device, ctx_size: in
     import os
 
     from ..errors import LocalLLMError
+    from ..models.synthetic import geometry_args
     from ..runtime.resources import (
         SKIP_ENV,
         format_bytes,
@@ -367,9 +368,12 @@ def check_synthetic_memory(geometry, tensors, device: torch.device, ctx_size: in
 
     if os.environ.get(SKIP_ENV, "") not in ("", "0"):
         return
+
     quantized = device.type == "cuda"
+    # the memories from the architecture's own args (a hybrid's recurrent layers and states
+    # are in its ModelArgs, not in the Geometry)
     need = (sum(stored_bytes(t, quantized) for t in tensors)
-            + kv_cache_bytes(geometry, ctx_size, device))
+            + kv_cache_bytes(geometry_args(geometry), ctx_size, device))
     free = free_memory(device)
     if free is not None and need > free:
         raise LocalLLMError(

@@ -105,6 +105,28 @@ def _resolve_pointer(root: Any, ref: str) -> Any:
     return node
 
 
+def validate_json_schema(schema: Any, source: str = "<json-schema>") -> None:
+    """Check that ``schema`` compiles (bounded, as :func:`check_schema`, then by llguidance
+    itself, with no tokenizer): a request's tool schemas are checked when it arrives, so
+    that a malformed one is an error naming the tool, whatever ``tool_choice`` says.
+
+    Raises:
+        GrammarError: ``source: message``.
+    """
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{source}: a JSON schema must be an object, not "
+                           f"{type(schema).__name__}")
+    check_schema(schema, source)
+    check_sizes(schema, source)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except (ValueError, TypeError, RecursionError) as e:
+        error = str(e)
+    if error:
+        raise GrammarError(f"{source}: {_first_line(error)}")
+
+
 def check_schema(schema: Any, source: str = "<json-schema>") -> None:
     """Reject a schema too large or too deep to compile safely, before llguidance sees it.
 

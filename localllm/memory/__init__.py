@@ -32,7 +32,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .kv import RING_SLACK, KVCache, RingKVCache, attention_mask
+from .kv import RING_SLACK, KVCache, RingKVCache, attention_mask, query_window
 from .kvtypes import CACHE_TYPES, BlockRows, CacheType, cache_type
 from .latent import LatentCache
 from .recurrent import Checkpoints, RecurrentState
@@ -58,6 +58,7 @@ __all__ = [
     "check_cache_types",
     "layout_bytes",
     "make_memory",
+    "query_window",
 ]
 
 # Context checkpoints kept per sequence (llama.cpp's --ctx-checkpoints default).
@@ -124,7 +125,9 @@ class KVSpec:
     """Keys and values of one attention layer: every position (``window`` None), or a
     sliding window of the last ``window`` positions (a ring of ``window + slack`` cells when
     that is smaller than the context). ``head_dim_v``: the value head size when it differs
-    from the key's.
+    from the key's. ``chunked``: chunked local attention in chunks of ``window`` positions
+    (Llama 4; a query sees the keys of its own chunk, all within its last ``window``
+    positions, so the same ring holds them).
 
     Byte counts take ``itemsize`` (bytes per element of a float cache) or, where given,
     ``types``: the K and V :class:`~localllm.memory.kvtypes.CacheType` (a block type counts
@@ -134,6 +137,11 @@ class KVSpec:
     head_dim: int
     window: int | None = None
     head_dim_v: int | None = None
+    chunked: bool = False
+
+    def __post_init__(self) -> None:
+        if self.chunked and not self.window:
+            raise ValueError("a chunked KVSpec needs its chunk size as the window")
 
     def cells(self, ctx_size: int, slack: int = RING_SLACK) -> int:
         """Positions held at ``ctx_size``: the context, or ``window + slack`` for a ring."""
@@ -160,12 +168,14 @@ class KVSpec:
     def make(self, ctx_size: int, *, dtype: torch.dtype, device, slack: int,
              checkpoints: int, types: KVTypes = (None, None)) -> KVCache | RingKVCache:
         type_k, type_v = types
+        chunk = self.window if self.chunked else None
         if self.window and self.window < ctx_size:
             return RingKVCache(self.window, self.n_kv_heads, self.head_dim, slack=slack,
                                dtype=dtype, device=device, head_dim_v=self.head_dim_v,
-                               checkpoints=checkpoints, type_k=type_k, type_v=type_v)
+                               checkpoints=checkpoints, chunk=chunk, type_k=type_k,
+                               type_v=type_v)
         return KVCache(ctx_size, self.n_kv_heads, self.head_dim, dtype=dtype, device=device,
-                       head_dim_v=self.head_dim_v, type_k=type_k, type_v=type_v)
+                       head_dim_v=self.head_dim_v, chunk=chunk, type_k=type_k, type_v=type_v)
 
 
 @dataclass(frozen=True)

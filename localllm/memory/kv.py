@@ -33,13 +33,17 @@ RING_SLACK = 256
 
 
 def attention_mask(
-    q_positions: torch.Tensor, k_positions: torch.Tensor | int, window: int | None
+    q_positions: torch.Tensor, k_positions: torch.Tensor | int, window: int | None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Boolean (T, S) mask, True where query ``i`` may attend to key ``j``.
 
     Causal over absolute positions; keys with position -1 are empty cells. ``k_positions``
     may be the number of keys S instead, when cell ``j`` holds position ``j``. With a
     ``window``, a query at p sees keys at p - window + 1 .. p (llama.cpp's standard SWA).
+    With a ``chunk`` (chunked local attention, Llama 4: llama.cpp's LLAMA_SWA_TYPE_CHUNKED,
+    ``llama_hparams::is_masked_swa``), a query at p sees only the keys of its own chunk,
+    floor(p / chunk) * chunk .. p.
     """
     if isinstance(k_positions, int):
         k_positions = torch.arange(k_positions, device=q_positions.device)
@@ -48,12 +52,30 @@ def attention_mask(
     mask = (k >= 0) & (k <= q)
     if window is not None:
         mask &= q - k < window
+    if chunk is not None:
+        mask &= k >= torch.div(q, chunk, rounding_mode="floor") * chunk
     return mask
+
+
+def query_window(cache, pos: int) -> int | None:
+    """The window of keys one query at ``pos`` sees in ``cache`` (a :class:`KVCache` or
+    :class:`RingKVCache`): its own window, or for a chunked layer the keys from the start of
+    the query's chunk, ``pos % chunk + 1`` of them (what lets one-token kernels that take a
+    window run chunked attention unchanged)."""
+    if cache.chunk is None:
+        return cache.window
+    w = pos % cache.chunk + 1
+    return w if cache.window is None else min(w, cache.window)
 
 
 def _heads(cache) -> str:
     """``{kv heads}x{key size}x{value size}`` of a cache, for :meth:`describe`."""
     return f"{cache.k.shape[0]}x{cache.dim_k}x{cache.dim_v}"
+
+
+def _chunk(cache) -> str:
+    """The chunk size of a chunked cache for :meth:`describe` (``:chunk8192``), or ``""``."""
+    return f":chunk{cache.chunk}" if cache.chunk else ""
 
 
 def _check_float(name: str, t: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
@@ -146,9 +168,10 @@ class KVCache(_Rows, Appendable):
     positions: torch.Tensor | None = None  # cell j holds position j
 
     def __init__(self, size: int, n_kv_heads: int, head_dim: int, *, dtype: torch.dtype,
-                 device, head_dim_v: int | None = None, type_k: CacheType | None = None,
-                 type_v: CacheType | None = None) -> None:
+                 device, head_dim_v: int | None = None, chunk: int | None = None,
+                 type_k: CacheType | None = None, type_v: CacheType | None = None) -> None:
         self.size = size
+        self.chunk = chunk  # chunked local attention (attention_mask), or None
         self._alloc(n_kv_heads, size, head_dim, head_dim_v, dtype=dtype, device=device,
                     type_k=type_k, type_v=type_v)
         self.n = 0  # positions 0 .. n-1 are valid
@@ -201,7 +224,7 @@ class KVCache(_Rows, Appendable):
         return self.k.nbytes + self.v.nbytes
 
     def describe(self) -> str:
-        return f"full:{_heads(self)}"
+        return f"full:{_heads(self)}{_chunk(self)}"
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"k": self.k[:, : self.n], "v": self.v[:, : self.n]}
@@ -230,9 +253,12 @@ class RingKVCache(_Rows):
 
     def __init__(self, window: int, n_kv_heads: int, head_dim: int, *, slack: int,
                  dtype: torch.dtype, device, head_dim_v: int | None = None,
-                 checkpoints: int = 0, type_k: CacheType | None = None,
-                 type_v: CacheType | None = None) -> None:
+                 checkpoints: int = 0, chunk: int | None = None,
+                 type_k: CacheType | None = None, type_v: CacheType | None = None) -> None:
         self.window = window
+        # chunked local attention (attention_mask): a query sees its own chunk only, a
+        # subset of the window when window == chunk, so the ring holds what it needs
+        self.chunk = chunk
         self.size = window + slack
         self._alloc(n_kv_heads, self.size, head_dim, head_dim_v, dtype=dtype, device=device,
                     type_k=type_k, type_v=type_v)
@@ -399,7 +425,7 @@ class RingKVCache(_Rows):
         return []  # a step writes only the cells of its own positions
 
     def describe(self) -> str:
-        return f"ring{self.size}:{_heads(self)}"
+        return f"ring{self.size}:{_heads(self)}{_chunk(self)}"
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"k": self.k, "v": self.v, "positions": self.positions}

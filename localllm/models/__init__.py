@@ -38,16 +38,27 @@ from types import ModuleType
 from ..errors import UnsupportedError
 from . import (
     apertus,
+    deepseek2,
+    ernie4_5_moe,
     exaone4,
     falcon_h1,
     gemma,
+    gemma4,
+    glm4moe,
+    gptoss,
     granite_hybrid,
     lfm2,
     llama,
+    llama4,
     mamba2,
     nemotron_h,
     olmo2,
+    olmoe,
     phi3,
+    phimoe,
+    qwen3next,
+    qwen35,
+    qwen35moe,
 )
 
 ARCHITECTURES: dict[str, ModuleType] = {
@@ -62,11 +73,13 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "ernie4_5": llama,
     "seed_oss": llama,
     "hunyuan-dense": llama,
+    "llama4": llama4,
     "apertus": apertus,
     "exaone4": exaone4,
     "gemma": gemma,
     "gemma2": gemma,
     "gemma3": gemma,
+    "gemma4": gemma4,
     "phi3": phi3,
     "olmo2": olmo2,
     "mamba2": mamba2,
@@ -74,6 +87,15 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "falcon-h1": falcon_h1,
     "nemotron_h": nemotron_h,
     "lfm2": lfm2,
+    "qwen35": qwen35,
+    "qwen35moe": qwen35moe,
+    "qwen3next": qwen3next,
+    "gpt-oss": gptoss,
+    "glm4moe": glm4moe,
+    "olmoe": olmoe,
+    "ernie4_5-moe": ernie4_5_moe,
+    "phimoe": phimoe,
+    "deepseek2": deepseek2,
 }
 
 

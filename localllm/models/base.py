@@ -22,7 +22,8 @@ models. The ``Model`` is built from ``args`` alone and :func:`bind` attaches the
 backend loads: matrices become one :class:`~localllm.models.common.Linear`, 3-D expert
 tensors an :class:`~localllm.backends.ExpertMatrix`, vectors and the parameters of
 :data:`DENSE_TENSORS` float32 tensors, ``.bias`` tensors the bias of the ``Linear`` of the
-same stem (a field ``{stem}_bias`` where the stem has no matrix: ``ssm_dt_bias``); dots in a
+same stem, or the float32 bias of its ``ExpertMatrix`` (one row per expert; gpt-oss), or a
+field ``{stem}_bias`` where the stem has no matrix (``ssm_dt_bias``); dots in a
 stem become underscores in its field (``shortconv.in_proj``); projections of one input
 (``model.FUSE``: Q/K/V, gate/up) are fused into one product where the backend can stack
 them. A tensor without a field, or a required field without a tensor, fails at bind time
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..backends.base import ExpertList
 from ..errors import GGUFError
 from .common import Embedding, Linear, fuse
 
@@ -65,12 +67,17 @@ class TensorSpec:
     reversed: (rows, cols) for a matrix, (n_expert, rows, cols) for experts), whether a
     file may omit it (``optional``: a tied output, biases, RoPE factors), and for a matrix
     holding several projections stacked by rows (a file's fused ``attn_qkv``) their sizes
-    (``parts``: its ``Linear`` returns one output each)."""
+    (``parts``: its ``Linear`` returns one output each). ``unused``: a tensor a file may
+    carry for something localllm does not run (Qwen3.5's multi-token-prediction block):
+    its shape is checked, it is never read or bound. ``unless``: another tensor whose
+    presence makes this one optional (an older layout of the same projections)."""
 
     name: str
     shape: tuple[int, ...]
     optional: bool = False
     parts: tuple[int, ...] | None = None
+    unused: bool = False
+    unless: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -161,6 +168,33 @@ class HParams:
                                       f"({self.key('block_count')})")
             return tuple(self._int(key, x, lo, hi) for x in v)
         return (self._int(key, v, lo, hi),) * n_layers
+
+    def bool_layers(self, name: str, n_layers: int) -> tuple[bool, ...] | None:
+        """One boolean per layer (an array of exactly ``n_layers`` booleans, llama.cpp's
+        ``get_key_or_arr`` of ``attention.recurrent_layers``), or None when absent."""
+        key, v = self._get(name, None)
+        if v is None:
+            return None
+        if not isinstance(v, list):
+            raise self._fail(key, f"must be an array of booleans, got {_show(v)}")
+        if len(v) != n_layers:
+            raise self._fail(key, f"has {len(v)} values for {n_layers} layers "
+                                  f"({self.key('block_count')})")
+        if not all(isinstance(x, bool) for x in v):
+            raise self._fail(key, "must hold booleans only")
+        return tuple(v)
+
+    def int_array(self, name: str, n_max: int, default: Any = None, *, lo: int = 0,
+                  hi: int = MAX_DIM) -> Any:
+        """An array of 1 .. ``n_max`` integers in ``lo .. hi``, padded with zeros to
+        ``n_max`` (llama.cpp's ``get_key_or_arr`` into a fixed array: RoPE sections);
+        ``default`` when absent."""
+        key, v = self._get(name, default)
+        if v is default and key not in self.md:
+            return v
+        if not isinstance(v, list) or not 1 <= len(v) <= n_max:
+            raise self._fail(key, f"must be an array of 1 to {n_max} integers, got {_show(v)}")
+        return tuple(self._int(key, x, lo, hi) for x in v) + (0,) * (n_max - len(v))
 
     def _int(self, key: str, v: Any, lo: int, hi: int) -> int:
         if isinstance(v, bool) or not isinstance(v, int):
@@ -274,9 +308,10 @@ def check_tensors(specs: list[TensorSpec], tensors: dict, source: str = "") -> N
     for s in specs:
         t = tensors.get(s.name)
         if t is None:
-            if not s.optional:
+            if not s.optional and (s.unless is None or s.unless not in tensors):
+                instead = f", nor is {s.unless!r}" if s.unless else ""
                 raise GGUFError(f"{pre}tensor {s.name!r} is missing (the hyperparameters need "
-                                f"shape {s.shape})")
+                                f"shape {s.shape}{instead})")
             continue
         if tuple(t.shape) != tuple(s.shape):
             raise GGUFError(f"{pre}tensor {s.name!r} has shape {tuple(t.shape)}, but the "
@@ -420,7 +455,7 @@ def bind(model: BaseModel, gguf, backend, specs: list[TensorSpec], *,
     top: dict[str, Any] = {}
     blocks: list[dict[str, Any]] = [{} for _ in range(model.args.n_layers)]
     names: dict[tuple[int | None, str], str] = {}  # (layer, stem) -> GGUF name, for errors
-    present = [s for s in specs if s.name in gguf.tensors]
+    present = [s for s in specs if s.name in gguf.tensors and not s.unused]
     for s in sorted(present, key=lambda s: s.name.endswith(".bias")):  # weights first
         i, stem, suffix = layer_of(s.name)
         owner = top if i is None else blocks[i]
@@ -428,6 +463,9 @@ def bind(model: BaseModel, gguf, backend, specs: list[TensorSpec], *,
         stem = field_name(stem)
         if suffix == "bias" and isinstance(owner.get(stem), Linear):
             owner[stem].bias = backend.dense(info)
+            continue
+        if suffix == "bias" and isinstance(owner.get(stem), ExpertList):
+            owner[stem].bias = backend.dense(info, torch.float32)  # (n_expert, out)
             continue
         if suffix == "bias":  # the bias of no matrix (Mamba's ssm_dt.bias): its own field
             stem += "_bias"

@@ -245,10 +245,13 @@ def moe_ffn(layer: Layer, x: torch.Tensor, n_used: int, norm: bool, ops) -> torc
                        layer.ffn_down_exps, "silu")
 
 
-def attention_temperature(positions: torch.Tensor, scale: float, length: int) -> torch.Tensor:
+def attention_temperature(positions: torch.Tensor, scale: float, length: int,
+                          offset: float = 0.0) -> torch.Tensor:
     """Llama 4's attention temperature per position (llama.cpp's ``llm_graph_input_attn_temp``):
-    (T,) int64 -> (T, 1) float32, ``1 + scale * ln(1 + floor(p / length))``."""
-    return (torch.log(torch.floor(positions.float() / length) + 1.0) * scale + 1.0)[:, None]
+    (T,) int64 -> (T, 1) float32, ``1 + scale * ln(1 + floor((p + offset) / length))``
+    (``offset``: llama.cpp's ``f_attn_temp_offset``, 1 for Llama 4, 0 for Mistral 3)."""
+    return (torch.log(torch.floor((positions.float() + offset) / length) + 1.0) * scale
+            + 1.0)[:, None]
 
 
 class Model(BaseModel):

@@ -67,6 +67,26 @@ _LLAMA3_SPECIALS = tuple(
     for i in range(256)
 )
 
+# o200k_harmony's special tokens (ids 199998 .. 201087 of the released vocabulary): the
+# harmony chat format's markers among reserved ones.
+_HARMONY_SPECIALS = tuple(
+    {0: "<|startoftext|>", 1: "<|endoftext|>", 4: "<|return|>", 5: "<|constrain|>",
+     7: "<|channel|>", 8: "<|start|>", 9: "<|end|>", 10: "<|message|>", 14: "<|call|>",
+     20: "<|endofprompt|>"}.get(i, f"<|reserved_{199998 + i}|>")
+    for i in range(1090)
+)
+
+
+def _gpt_oss_keys(n_expert: int, n_used: int, expert_ffn: int) -> dict:
+    """gpt-oss's expert and RoPE keys (YaRN x32 over an original context of 4096)."""
+    return {"gpt-oss.expert_count": n_expert, "gpt-oss.expert_used_count": n_used,
+            "gpt-oss.expert_feed_forward_length": expert_ffn,
+            "gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": 32.0,
+            "gpt-oss.rope.scaling.original_context_length": 4096}
+
+
+_LLAMA4_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>",
+                    "<|header_end|>", "<|eot|>")
 _MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]")
 _HUNYUAN_SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|extra_0|>")
 # Ministral 3's RoPE and attention temperature (the keys llama.cpp's converter writes)
@@ -78,6 +98,46 @@ _MINISTRAL3_ROPE = {
     "mistral3.attention.temperature_scale": 0.1}
 
 
+_DEEPSEEK_SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>")
+
+
+def mla_keys(arch: str, *, kv_lora_rank: int, rope: int, key_mla: int, value_mla: int,
+         experts: int, used: int, shared: int, expert_ffn: int, dense_lead: int,
+         q_lora_rank: int = 0, groups: tuple[int, int] = (1, 1), sigmoid: bool = False,
+         scale: float = 1.0, yarn: tuple[float, int, float] | None = None,
+         kv_b: bool = False) -> dict:
+    """The ``deepseek2`` keys llama.cpp's converter writes (``conversion/deepseek.py``): the
+    latent's sizes (``attention.key_length`` = kv_lora_rank + RoPE dims, ``value_length`` =
+    kv_lora_rank, the per-head sizes in the ``_mla`` keys), experts, groups, gating and YaRN
+    (factor, original context, mscale_all_dim, stored x 0.1). ``kv_b``: the keys of files
+    converted before the ``attn_kv_b`` split (the per-head sizes in ``key_length`` /
+    ``value_length``, no ``_mla`` keys)."""
+    a = arch + "."
+    md = {a + "attention.kv_lora_rank": kv_lora_rank, a + "rope.dimension_count": rope}
+    if kv_b:
+        md.update({a + "attention.key_length": key_mla, a + "attention.value_length": value_mla})
+    else:
+        md.update({a + "attention.key_length": kv_lora_rank + rope,
+                   a + "attention.value_length": kv_lora_rank,
+                   a + "attention.key_length_mla": key_mla,
+                   a + "attention.value_length_mla": value_mla})
+    md |= {a + "leading_dense_block_count": dense_lead, a + "expert_count": experts,
+          a + "expert_used_count": used, a + "expert_shared_count": shared,
+          a + "expert_feed_forward_length": expert_ffn, a + "expert_weights_scale": scale,
+          a + "expert_gating_func": 2 if sigmoid else 1}
+    if q_lora_rank:
+        md[a + "attention.q_lora_rank"] = q_lora_rank
+    if sigmoid:
+        md[a + "expert_weights_norm"] = True
+    if groups[0] > 1:
+        md[a + "expert_group_count"], md[a + "expert_group_used_count"] = groups
+    if yarn is not None:
+        md.update({a + "rope.scaling.type": "yarn", a + "rope.scaling.factor": yarn[0],
+                   a + "rope.scaling.original_context_length": yarn[1],
+                   a + "rope.scaling.yarn_log_multiplier": 0.1 * yarn[2]})
+    return md
+
+
 def _xielu(n_layers: int) -> dict:
     """Apertus' xIELU parameters, one per layer, as the checkpoint stores them (before
     softplus): near its initial values alpha_p = alpha_n = 0.8, beta = 0.5, eps = -1e-6,
@@ -86,6 +146,36 @@ def _xielu(n_layers: int) -> dict:
     return {"xielu.alpha_n": [0.4 + 0.5 * r for r in ramp],
             "xielu.alpha_p": [0.6 - 0.4 * r for r in ramp],
             "xielu.beta": [0.5] * n_layers, "xielu.eps": [-1e-6] * n_layers}
+
+
+def _glm4moe_keys(n_expert: int, n_used: int, expert_ffn: int, scale: float, *,
+                  nextn: int = 0) -> dict:
+    """GLM-4.5's MoE and RoPE keys: one leading dense layer, one shared expert, sigmoid
+    scores normalised and scaled, half of each head rotated (64 of 128 in the releases)."""
+    keys = {"glm4moe.expert_count": n_expert, "glm4moe.expert_used_count": n_used,
+            "glm4moe.expert_feed_forward_length": expert_ffn,
+            "glm4moe.expert_shared_count": 1, "glm4moe.leading_dense_block_count": 1,
+            "glm4moe.expert_gating_func": 2, "glm4moe.expert_weights_norm": True,
+            "glm4moe.expert_weights_scale": scale, "glm4moe.rope.dimension_count": 64}
+    if nextn:
+        keys["glm4moe.nextn_predict_layers"] = nextn
+    return keys
+_GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
+
+
+def _gemma4(n_layers: int, shared: int, per_layer: int, period: int, ffn: int) -> dict:
+    """Gemma 4's keys: every ``period``-th layer global (head 512), the others sliding
+    (head 256, RoPE base 10,000), the last ``shared`` layers sharing KV with an FFN twice
+    as wide, ``per_layer`` embedding values per layer, logits soft-capped at 30."""
+    return {"gemma4.attention.sliding_window_pattern": [i % period != period - 1
+                                                        for i in range(n_layers)],
+            "gemma4.attention.key_length_swa": 256, "gemma4.attention.value_length_swa": 256,
+            "gemma4.rope.dimension_count": 512, "gemma4.rope.dimension_count_swa": 256,
+            "gemma4.rope.freq_base_swa": 10000.0, "gemma4.attention.shared_kv_layers": shared,
+            "gemma4.embedding_length_per_layer_input": per_layer,
+            "gemma4.final_logit_softcapping": 30.0,
+            "gemma4.feed_forward_length": [ffn if i < n_layers - shared else 2 * ffn
+                                           for i in range(n_layers)]}
 
 
 GEOMETRIES: dict[str, Geometry] = {
@@ -208,7 +298,52 @@ GEOMETRIES: dict[str, Geometry] = {
     "ernie4.5-0.3b": Geometry(
         "ernie4.5-0.3b", "ernie4_5", 103424, 18, 1024, 16, 2, 64, 3072, 131072, 500000.0,
         1e-5, "llama", "default", specials=("<unk>", "<s>", "</s>", "<pad>"), tied_output=True),
+    # Llama-4-Scout-17B-16E: every layer MoE (16 experts, top-1, a shared expert), chunked
+    # attention in 3 of 4 layers, Llama 3 RoPE factors (rope_freqs)
+    "llama4-scout": Geometry(
+        "llama4-scout", "llama4", 202048, 48, 5120, 40, 8, 128, 16384, 10485760, 500000.0,
+        1e-5, "gpt2", "llama4", specials=_LLAMA4_SPECIALS, optional=("rope_freqs.weight",),
+        extra={"llama4.expert_count": 16, "llama4.expert_used_count": 1,
+               "llama4.expert_feed_forward_length": 8192,
+               "llama4.interleave_moe_layer_step": 1}),
+    # Llama-4-Maverick-17B-128E: MoE every other layer (128 experts), no QK-norm
+    "llama4-maverick": Geometry(
+        "llama4-maverick", "llama4", 202048, 48, 5120, 40, 8, 128, 16384, 1048576, 500000.0,
+        1e-5, "gpt2", "llama4", specials=_LLAMA4_SPECIALS, optional=("rope_freqs.weight",),
+        extra={"llama4.expert_count": 128, "llama4.expert_used_count": 1,
+               "llama4.expert_feed_forward_length": 8192,
+               "llama4.interleave_moe_layer_step": 2}),
+    # Gemma-4-E2B: per-layer embeddings (256 per layer), the last 20 of 35 layers sharing
+    # KV, four sliding layers (head 256, window 512) to one global (head 512), the shared
+    # layers' FFN twice as wide, soft-capped logits
+    "gemma4-e2b": Geometry(
+        "gemma4-e2b", "gemma4", 262144, 35, 1536, 8, 1, 512, 6144, 131072, 1000000.0, 1e-6,
+        "llama", "default", specials=_GEMMA_SPECIALS, tied_output=True, sliding_window=512,
+        extra=_gemma4(35, 20, 256, 5, 6144)),
+    # Gemma-4-E4B: 42 layers, the last 18 sharing KV
+    "gemma4-e4b": Geometry(
+        "gemma4-e4b", "gemma4", 262144, 42, 2560, 8, 2, 512, 10240, 131072, 1000000.0, 1e-6,
+        "llama", "default", specials=_GEMMA_SPECIALS, tied_output=True, sliding_window=512,
+        extra=_gemma4(42, 18, 256, 6, 10240)),
+    # Gemma-4-31B: dense, five sliding layers (window 1024) to one global, no per-layer
+    # embeddings or shared KV
+    "gemma4-31b": Geometry(
+        "gemma4-31b", "gemma4", 262144, 60, 5376, 32, 16, 512, 21504, 262144, 1000000.0, 1e-6,
+        "llama", "default", specials=_GEMMA_SPECIALS, tied_output=True, sliding_window=1024,
+        extra=_gemma4(60, 0, 0, 6, 21504)),
     # ---- 0.5-1B geometries of every family (bench/bench_families.py) ----------------------
+    # Gemma-4-E2B's layers at 9 of its 35 (the last 4 sharing KV)
+    "gemma4-1b": Geometry(
+        "gemma4-1b", "gemma4", 262144, 9, 1536, 8, 1, 512, 6144, 131072, 1000000.0, 1e-6,
+        "llama", "default", specials=_GEMMA_SPECIALS, tied_output=True, sliding_window=512,
+        extra=_gemma4(9, 4, 256, 5, 6144)),
+    # Llama-4-Scout's vocabulary, head size and routing at 1B active (16 experts of 1024)
+    "llama4-1b": Geometry(
+        "llama4-1b", "llama4", 202048, 8, 1536, 12, 4, 128, 4096, 10485760, 500000.0, 1e-5,
+        "gpt2", "llama4", specials=_LLAMA4_SPECIALS, optional=("rope_freqs.weight",),
+        extra={"llama4.expert_count": 16, "llama4.expert_used_count": 1,
+               "llama4.expert_feed_forward_length": 1024,
+               "llama4.interleave_moe_layer_step": 1}),
     # Gemma-3-1B: 5 of 6 layers sliding (512), MQA, head size 256
     "gemma3-1b": Geometry(
         "gemma3-1b", "gemma3", 262144, 26, 1152, 4, 1, 256, 6912, 32768, 1000000.0, 1e-6,
@@ -271,12 +406,48 @@ GEOMETRIES: dict[str, Geometry] = {
     "ernie4.5-1b": Geometry(
         "ernie4.5-1b", "ernie4_5", 103424, 16, 2048, 32, 4, 64, 6144, 131072, 500000.0,
         1e-5, "llama", "default", specials=("<unk>", "<s>", "</s>", "<pad>"), tied_output=True),
+    # gpt-oss-20b: 24 layers alternating sliding-window (128) and full attention, 32 experts
+    # (4 used, 2880 wide, MXFP4 in the released files) with biases, attention sinks, YaRN
+    # (x32 over 4096), the o200k_harmony vocabulary (pre-tokenizer gpt-4o)
+    "gpt-oss-20b": Geometry(
+        "gpt-oss-20b", "gpt-oss", 201088, 24, 2880, 64, 8, 64, 2880, 131072, 150000.0, 1e-5,
+        "gpt2", "gpt-4o", specials=_HARMONY_SPECIALS, qkv_bias=True, sliding_window=128,
+        extra=_gpt_oss_keys(32, 4, 2880)),
     # Qwen3-30B-A3B's proportions at 1B: 64 experts, 8 used (0.3B active), expert FFN 256
     "qwen3moe-1b": Geometry(
         "qwen3moe-1b", "qwen3moe", 151936, 16, 1024, 16, 4, 128, 3072, 40960, 1000000.0,
         1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
         n_pad_tokens=290, extra={"qwen3moe.expert_count": 64, "qwen3moe.expert_used_count": 8,
                                  "qwen3moe.expert_feed_forward_length": 256}),
+    # ---- multi-head latent attention (issue #28): GGUF architecture deepseek2 ----------------
+    # DeepSeek-V2-Lite (16B, 2.4B active): queries without compression, latent 512 + 64, 64
+    # experts (6 used, softmax) and 2 shared of 1408, first layer dense, YaRN x40 (mscale 0.707)
+    "deepseek-v2-lite": Geometry(
+        "deepseek-v2-lite", "deepseek2", 102400, 27, 2048, 16, 1, 192, 10944, 163840, 10000.0,
+        1e-6, "gpt2", "deepseek-llm", specials=_DEEPSEEK_SPECIALS,
+        extra=mla_keys("deepseek2", kv_lora_rank=512, rope=64, key_mla=192, value_mla=128,
+                   experts=64, used=6, shared=2, expert_ffn=1408, dense_lead=1,
+                   yarn=(40.0, 4096, 0.707))),
+    # DeepSeek-V3 / R1 (671B, 37B active): q_lora_rank 1536, 256 experts in 8 groups (4 used
+    # per token), sigmoid gating with the selection bias, 3 dense layers (memory estimates)
+    "deepseek-v3": Geometry(
+        "deepseek-v3", "deepseek2", 129280, 61, 7168, 128, 1, 192, 18432, 163840, 10000.0,
+        1e-6, "gpt2", "deepseek-v3", specials=_DEEPSEEK_SPECIALS,
+        optional=("exp_probs_b.bias",),
+        extra=mla_keys("deepseek2", q_lora_rank=1536, kv_lora_rank=512, rope=64, key_mla=192,
+                   value_mla=128, experts=256, used=8, shared=1, expert_ffn=2048,
+                   dense_lead=3, groups=(8, 4), sigmoid=True, scale=2.5,
+                   yarn=(40.0, 4096, 1.0))),
+    # DeepSeek-V3's layout at 1.4B (0.7B active with the embeddings): 12 layers of 1536,
+    # q_lora_rank 512, 32 experts of 512 in 4 groups (2 used), 6 routed + 1 shared
+    "deepseek-v3-1b": Geometry(
+        "deepseek-v3-1b", "deepseek2", 129280, 12, 1536, 16, 1, 192, 4096, 163840, 10000.0,
+        1e-6, "gpt2", "deepseek-v3", specials=_DEEPSEEK_SPECIALS,
+        optional=("exp_probs_b.bias",),
+        extra=mla_keys("deepseek2", q_lora_rank=512, kv_lora_rank=512, rope=64, key_mla=192,
+                       value_mla=128, experts=32, used=6, shared=1, expert_ffn=512,
+                       dense_lead=1, groups=(4, 2), sigmoid=True, scale=2.5,
+                       yarn=(40.0, 4096, 1.0))),
     # ---- hybrid and state-space models (issue #27) ------------------------------------------
     # Mamba2-370m (state-spaces): 48 Mamba2 layers, GPT-NeoX vocabulary padded to 16
     "mamba2-370m": Geometry(
@@ -328,17 +499,132 @@ GEOMETRIES: dict[str, Geometry] = {
                "nemotron_h.ssm.conv_kernel": 4, "nemotron_h.ssm.inner_size": 7168,
                "nemotron_h.ssm.state_size": 128, "nemotron_h.ssm.time_step_rank": 112,
                "nemotron_h.ssm.group_count": 8}),
+    # ---- gated delta-net hybrids (issue #27) -------------------------------------------------
+    # Qwen3.5-0.8B's text model: 24 layers, 3 gated delta-nets (16 heads x 128) to 1 gated
+    # attention (8 heads, 2 KV, head size 256, RoPE on 64 dims in interleaved M-RoPE
+    # sections), SwiGLU 3584, tied output
+    "qwen35-0.8b": Geometry(
+        "qwen35-0.8b", "qwen35", 248320, 24, 1024, 8, 2, 256, 3584, 262144, 10000000.0, 1e-6,
+        "gpt2", "qwen35", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        tied_output=True, n_pad_tokens=271, extra={
+            "qwen35.ssm.conv_kernel": 4, "qwen35.ssm.inner_size": 2048,
+            "qwen35.ssm.state_size": 128, "qwen35.ssm.time_step_rank": 16,
+            "qwen35.ssm.group_count": 16, "qwen35.full_attention_interval": 4,
+            "qwen35.rope.dimension_count": 64, "qwen35.rope.dimension_sections": [11, 11, 10, 0]}),
+    # Qwen3.5-35B-A3B: 40 layers, 256 experts (8 used, 512 wide) and a shared expert, 32
+    # value heads over 16 key heads
+    "qwen35moe-35b-a3b": Geometry(
+        "qwen35moe-35b-a3b", "qwen35moe", 248320, 40, 2048, 16, 2, 256, 512, 262144,
+        10000000.0, 1e-6, "gpt2", "qwen35",
+        specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), n_pad_tokens=271, extra={
+            "qwen35moe.expert_count": 256, "qwen35moe.expert_used_count": 8,
+            "qwen35moe.expert_feed_forward_length": 512,
+            "qwen35moe.expert_shared_feed_forward_length": 512,
+            "qwen35moe.ssm.conv_kernel": 4, "qwen35moe.ssm.inner_size": 4096,
+            "qwen35moe.ssm.state_size": 128, "qwen35moe.ssm.time_step_rank": 32,
+            "qwen35moe.ssm.group_count": 16, "qwen35moe.full_attention_interval": 4,
+            "qwen35moe.rope.dimension_count": 64,
+            "qwen35moe.rope.dimension_sections": [11, 11, 10, 0]}),
+    # Qwen3-Next-80B-A3B: 48 layers, 512 experts (10 used, 512 wide) and a shared expert
+    "qwen3next-80b-a3b": Geometry(
+        "qwen3next-80b-a3b", "qwen3next", 151936, 48, 2048, 16, 2, 256, 5120, 262144,
+        10000000.0, 1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>",
+                                                     "<|im_end|>"), n_pad_tokens=290, extra={
+            "qwen3next.expert_count": 512, "qwen3next.expert_used_count": 10,
+            "qwen3next.expert_feed_forward_length": 512,
+            "qwen3next.expert_shared_feed_forward_length": 512,
+            "qwen3next.ssm.conv_kernel": 4, "qwen3next.ssm.inner_size": 4096,
+            "qwen3next.ssm.state_size": 128, "qwen3next.ssm.time_step_rank": 32,
+            "qwen3next.ssm.group_count": 16, "qwen3next.full_attention_interval": 4,
+            "qwen3next.rope.dimension_count": 64}),
+    # Qwen3.5-35B-A3B's proportions at 1B: 16 layers, 64 experts (8 used, 256 wide)
+    "qwen35moe-1b": Geometry(
+        "qwen35moe-1b", "qwen35moe", 248320, 16, 1024, 8, 2, 256, 256, 262144, 10000000.0,
+        1e-6, "gpt2", "qwen35", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        n_pad_tokens=271, extra={
+            "qwen35moe.expert_count": 64, "qwen35moe.expert_used_count": 8,
+            "qwen35moe.expert_feed_forward_length": 256,
+            "qwen35moe.expert_shared_feed_forward_length": 256,
+            "qwen35moe.ssm.conv_kernel": 4, "qwen35moe.ssm.inner_size": 2048,
+            "qwen35moe.ssm.state_size": 128, "qwen35moe.ssm.time_step_rank": 16,
+            "qwen35moe.ssm.group_count": 8, "qwen35moe.full_attention_interval": 4,
+            "qwen35moe.rope.dimension_count": 64,
+            "qwen35moe.rope.dimension_sections": [11, 11, 10, 0]}),
+    # Qwen3-Next-80B-A3B's proportions at 1B: 16 layers, 64 experts (8 used, 256 wide)
+    "qwen3next-1b": Geometry(
+        "qwen3next-1b", "qwen3next", 151936, 16, 1024, 8, 2, 256, 256, 262144, 10000000.0,
+        1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        n_pad_tokens=290, extra={
+            "qwen3next.expert_count": 64, "qwen3next.expert_used_count": 8,
+            "qwen3next.expert_feed_forward_length": 256,
+            "qwen3next.expert_shared_feed_forward_length": 256,
+            "qwen3next.ssm.conv_kernel": 4, "qwen3next.ssm.inner_size": 2048,
+            "qwen3next.ssm.state_size": 128, "qwen3next.ssm.time_step_rank": 16,
+            "qwen3next.ssm.group_count": 8, "qwen3next.full_attention_interval": 4,
+            "qwen3next.rope.dimension_count": 64}),
+    # GLM-4.5-Air: 46 decoder layers (the first dense) and its next-token-prediction block,
+    # 128 experts (8 used, sigmoid scores with a selection bias, normalised) and a shared one,
+    # Q/K/V biases, RoPE on half of each head
+    "glm4.5-air": Geometry(
+        "glm4.5-air", "glm4moe", 151552, 47, 4096, 96, 8, 128, 10944, 131072, 1000000.0, 1e-5,
+        "gpt2", "glm4", specials=("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>",
+                                  "<|assistant|>", "<|observation|>"),
+        qkv_bias=True, extra=_glm4moe_keys(128, 8, 1408, 1.0, nextn=1)),
+    # GLM-4.5-Air's proportions at ~1B active: 16 layers (the first dense), 32 experts
+    "glm4moe-1b": Geometry(
+        "glm4moe-1b", "glm4moe", 151552, 16, 1536, 24, 4, 64, 4608, 131072, 1000000.0, 1e-5,
+        "gpt2", "glm4", specials=("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>",
+                                  "<|assistant|>", "<|observation|>"),
+        qkv_bias=True, extra=_glm4moe_keys(32, 8, 512, 1.0)),
+    # OLMoE-1B-7B: 16 layers, 64 experts (8 used, softmax, not renormalised) 1024 wide,
+    # QK-norm over all heads
+    "olmoe-1b-7b": Geometry(
+        "olmoe-1b-7b", "olmoe", 50304, 16, 2048, 16, 16, 128, 1024, 4096, 10000.0, 1e-5,
+        "gpt2", "olmo", specials=("<|endoftext|>", "<|padding|>"),
+        extra={"olmoe.expert_count": 64, "olmoe.expert_used_count": 8}),
+    # ERNIE-4.5-21B-A3B: 28 layers (the first dense), 64 experts (6 used) 1536 wide and a
+    # shared FFN of two experts' width
+    "ernie4.5-21b-a3b": Geometry(
+        "ernie4.5-21b-a3b", "ernie4_5-moe", 103424, 28, 2560, 20, 4, 128, 12288, 131072,
+        500000.0, 1e-5, "llama", "default", specials=("<unk>", "<s>", "</s>", "<pad>"),
+        tied_output=True,
+        extra={"ernie4_5-moe.expert_count": 64, "ernie4_5-moe.expert_used_count": 6,
+               "ernie4_5-moe.expert_feed_forward_length": 1536,
+               "ernie4_5-moe.expert_shared_feed_forward_length": 3072,
+               "ernie4_5-moe.leading_dense_block_count": 1,
+               "ernie4_5-moe.interleave_moe_layer_step": 1}),
+    # Phi-3.5-MoE: 32 layers, 16 experts (2 used) 6400 wide, biased norms, LongRoPE
+    "phi3.5-moe": Geometry(
+        "phi3.5-moe", "phimoe", 32064, 32, 4096, 32, 8, 128, 6400, 131072, 10000.0, 1e-5,
+        "llama", "default", specials=("<unk>", "<s>", "</s>", "<|endoftext|>", "<|end|>"),
+        optional=("rope_factors_long.weight", "rope_factors_short.weight"),
+        extra={"phimoe.expert_count": 16, "phimoe.expert_used_count": 2,
+               "phimoe.rope.scaling.original_context_length": 4096,
+               "phimoe.rope.scaling.attn_factor": 1.19}),
+    # gpt-oss-20b's layer kinds, vocabulary and expert proportions at 1.4B: 12 layers,
+    # 16 experts (4 used, 768 wide; 0.55B active with the output projection)
+    "gpt-oss-1b": Geometry(
+        "gpt-oss-1b", "gpt-oss", 201088, 12, 1536, 24, 8, 64, 768, 131072, 150000.0, 1e-5,
+        "gpt2", "gpt-4o", specials=_HARMONY_SPECIALS, qkv_bias=True, sliding_window=128,
+        extra=_gpt_oss_keys(16, 4, 768)),
 }
+
+
+def geometry_args(g: Geometry):
+    """The architecture's validated ``ModelArgs`` of the geometry's metadata (what a model
+    loaded from its file has: memory layouts and estimates read them)."""
+    from . import model_args
+
+    return model_args(_hparams(g), g.n_vocab)
 
 
 def tensor_shapes(g: Geometry) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape in torch order) of every tensor, from the architecture's declaration
     (``tensor_specs`` of the geometry's metadata): the required tensors, ``output.weight``
     unless the output is tied, and the optional ones named in ``g.optional``."""
-    from . import model_args, tensor_specs
+    from . import tensor_specs
 
-    args = model_args(_hparams(g), g.n_vocab)
-    return [(s.name, s.shape) for s in tensor_specs(args)
+    return [(s.name, s.shape) for s in tensor_specs(geometry_args(g))
             if not s.optional or (s.name == "output.weight" and not g.tied_output)
             or s.name in g.optional or _unlayered(s.name) in g.optional
             or (g.qkv_bias and ".bias" in s.name and "attn_output" not in s.name)]
@@ -351,11 +637,12 @@ def _unlayered(name: str) -> str:
 
 
 def _stored_f32(name: str, shape: tuple[int, ...]) -> bool:
-    """Vectors and the state-space parameters (``models.base.DENSE_TENSORS``: llama.cpp's
-    SSM kernels read them as F32) are written F32; other matrices F16 before the recipe."""
+    """Vectors, biases (gpt-oss's per-expert biases are matrices) and the state-space
+    parameters (``models.base.DENSE_TENSORS``: llama.cpp's SSM kernels read them as F32) are
+    written F32, as the converters write them; other matrices F16 before the recipe."""
     from .base import DENSE_TENSORS, layer_of
 
-    return len(shape) == 1 or layer_of(name)[1] in DENSE_TENSORS
+    return len(shape) == 1 or name.endswith(".bias") or layer_of(name)[1] in DENSE_TENSORS
 
 
 def tensor_types(g: Geometry, quant: str) -> dict[str, GGMLQuantizationType]:
@@ -407,7 +694,12 @@ def _bpe_vocab(g: Geometry) -> dict:
     md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": g.pre,
           "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
           "tokenizer.ggml.merges": merges}
-    if g.arch in ("llama", "mistral", "granite", "olmo2", "phi3"):
+    if "<|return|>" in g.specials:  # harmony: as the released gpt-oss files
+        md.update({"tokenizer.ggml.bos_token_id": first_special + g.specials.index("<|startoftext|>"),
+                   "tokenizer.ggml.eos_token_id": first_special + g.specials.index("<|return|>"),
+                   "tokenizer.ggml.padding_token_id": first_special + g.specials.index("<|endoftext|>"),
+                   "tokenizer.ggml.add_bos_token": False})
+    elif g.arch in ("llama", "mistral", "granite", "olmo2", "phi3"):
         md.update({"tokenizer.ggml.bos_token_id": first_special,
                    "tokenizer.ggml.eos_token_id": first_special + 1,
                    "tokenizer.ggml.add_bos_token": True})
@@ -506,10 +798,15 @@ def _ssm_values(name: str, x: np.ndarray, rng: np.random.Generator) -> np.ndarra
 def _random_blocks(qtype: GGMLQuantizationType, n_blocks: int, d: float,
                    rng: np.random.Generator) -> np.ndarray:
     """``n_blocks`` random blocks of ``qtype`` with scales ``d`` x U(0.75, 1.25): uint8
-    (n_blocks, block_bytes)."""
-    d_off, m_off, ratio = _SCALE_LAYOUT[qtype]
+    (n_blocks, block_bytes). MXFP4's scale is a power of two (an E8M0 byte, 2^(e - 128)
+    per unit of its codebook): ``d`` x U(0.75, 1.25) rounded to the nearest one."""
     size = BLOCK_FORMATS[qtype].type_size
     raw = np.frombuffer(rng.bytes(n_blocks * size), dtype=np.uint8).reshape(n_blocks, size).copy()
+    if qtype == Q.MXFP4:  # block_mxfp4: [e: uint8][qs: 16 bytes of nibbles]
+        e = 128 + np.rint(np.log2(d * rng.uniform(0.75, 1.25, n_blocks)))
+        raw[:, 0] = np.clip(e, 2, 254).astype(np.uint8)
+        return raw
+    d_off, m_off, ratio = _SCALE_LAYOUT[qtype]
     scales = (d * rng.uniform(0.75, 1.25, n_blocks)).astype(np.float16)
     raw[:, d_off:d_off + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
     if m_off is not None:
@@ -537,7 +834,8 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
                   rng: np.random.Generator, std: float = WEIGHT_STD) -> np.ndarray:
     """Random data of one tensor as the bytes GGUF stores: uint8 (n_bytes,).
 
-    Norm weights are 1 + N(0, 0.02) (Gemma's GGUF norms already include its +1); RoPE
+    Norm weights and Gemma 4's layer output scales are 1 + N(0, 0.02) (Gemma's GGUF norms
+    already include its +1); RoPE
     frequency factors (``rope_freqs``, ``rope_factors_*``) 1 + |N(0, 2)|; state-space
     parameters as :func:`_ssm_values` makes them; biases and float matrices are
     N(0, ``std``); quantized matrices dequantize to std ~``std``.
@@ -548,7 +846,7 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
         ssm = _ssm_values(name, x, rng)
         if ssm is not None:
             x = ssm
-        elif "norm" in name:
+        elif "norm" in name or "output_scale" in name:
             x *= WEIGHT_STD
             x += 1.0
         elif name.startswith("rope_f"):
@@ -560,7 +858,7 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
         if qtype == Q.F16:
             return x.astype(np.float16).view(np.uint8)
         return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-    if qtype not in _SCALE_LAYOUT:
+    if qtype not in _SCALE_LAYOUT and qtype != Q.MXFP4:
         raise LocalLLMError(f"synthetic weights of type {qtype.name} are not supported")
     n_blocks = n // BLOCK_FORMATS[qtype].block_size
     return _random_blocks(qtype, n_blocks, std / _unit_std(qtype), rng).reshape(-1)

@@ -28,6 +28,7 @@ BLOCK_QUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], np.ndarray
     Q.Q4_1: legacy.quantize_q4_1,
     Q.Q5_0: legacy.quantize_q5_0,
     Q.Q5_1: legacy.quantize_q5_1,
+    Q.MXFP4: legacy.quantize_mxfp4,
     Q.Q2_K: kquants.quantize_q2_k,
     Q.Q3_K: kquants.quantize_q3_k,
     Q.Q4_K: kquants.quantize_q4_k,

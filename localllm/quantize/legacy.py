@@ -1,4 +1,4 @@
-"""Block quantizers of the 32-element ggml types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
+"""Block quantizers of the 32-element ggml types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4.
 
 Each follows the reference (non-imatrix) rounding of llama.cpp's ``ggml-quants.c``
 (``quantize_row_q4_0_ref`` ...), which is what ``llama-quantize`` uses without an importance
@@ -92,3 +92,30 @@ def quantize_q5_1(x: torch.Tensor) -> np.ndarray:
     d = (mx - mn) / 31
     q = torch.trunc((x - mn[:, None]) * _safe_inv(d)[:, None] + 0.5).clamp(0, 31)
     return _cat([fp16_bytes(d), fp16_bytes(mn), _pack_high_bits(q), _pack_nibbles(q)])
+
+
+# MXFP4's E2M1 values, doubled (ggml's kvalues_mxfp4; the E8M0 scale is halved to match).
+_MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
+                             dtype=torch.float32)
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """ggml's ``GGML_E8M0_TO_FP32_HALF``: 2^(e - 128) for E8M0 bytes ``e`` (int tensor),
+    built from float32 bits (subnormal for e < 2) -> float32."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def quantize_mxfp4(x: torch.Tensor) -> np.ndarray:
+    """MXFP4 (OCP microscaling FP4, gpt-oss's experts; ``quantize_row_mxfp4_ref``):
+    e = floor(log2(absmax)) - 2 + 127 (0 for an all-zero block), d = 2^(e - 128), each value
+    the nearest of d x kvalues_mxfp4 (the first on ties). Layout: e (1 byte), 16 bytes of
+    nibbles (element j low, j + 16 high)."""
+    amax = x.abs().amax(-1)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2 + 127,
+                    torch.zeros_like(amax)).clamp(0, 255).to(torch.int32)
+    d = e8m0_half(e)
+    err = (_MXFP4_VALUES * d[:, None, None] - x[:, :, None]).abs()  # (nb, 32, 16)
+    q = err.argmin(-1)
+    return _cat([e.to(torch.uint8)[:, None], _pack_nibbles(q)])

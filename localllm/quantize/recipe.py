@@ -8,7 +8,8 @@ layer position (``use_more_bits``: the first and last eighth of the layers and e
 layer between); rows whose length is not a multiple of the block size fall back to a
 32-block type (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL)
 or to F16. IQ4_NL / IQ4_XS files give attn_v Q5_K when 4+ query heads share a KV head, and the
-first eighth of the ffn_down matrices Q5_K.
+first eighth of the ffn_down matrices Q5_K. MXFP4_MOE (gpt-oss's release format) gives the
+expert tensors MXFP4 and every other matrix Q8_0.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ FILE_TYPES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
     "Q5_1": (F.MOSTLY_Q5_1, Q.Q5_1),
     "IQ4_NL": (F.MOSTLY_IQ4_NL, Q.IQ4_NL),
     "IQ4_XS": (F.MOSTLY_IQ4_XS, Q.IQ4_XS),
+    # gpt-oss's release format: experts MXFP4, every other matrix Q8_0
+    "MXFP4_MOE": (F.MOSTLY_MXFP4_MOE, Q.MXFP4),
 }
 
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
@@ -133,15 +136,19 @@ class ModelShape:
 
 
 def _tensor_type(ftype: str, default: GGMLQuantizationType, name: str, cat: str, ncols: int,
-                 ms: ModelShape, counters: dict[str, int], tied: bool) -> GGMLQuantizationType:
-    """llama_tensor_get_type_impl for the supported file types."""
+                 ms: ModelShape, counters: dict[str, int], tied: bool,
+                 n_experts: int = 1) -> GGMLQuantizationType:
+    """llama_tensor_get_type_impl for the supported file types (``n_experts``: the leading
+    dimension of a 3-D expert tensor, else 1)."""
     new = default
     falcon = ms.arch == "falcon"
     if cat == "output" or (tied and cat == "token_embd"):
         block = block_format(default).block_size
-        if falcon or ncols % block:
+        if falcon or ncols % block or ftype == "MXFP4_MOE":
             return Q.Q8_0
         return Q.Q6_K if default != Q.Q8_0 else Q.Q8_0
+    if ftype == "MXFP4_MOE":  # experts (n_expert > 1) MXFP4, the rest Q8_0
+        return Q.MXFP4 if n_experts > 1 else Q.Q8_0
     if cat == "token_embd":
         return new
     if cat == "attn_v":
@@ -237,6 +244,7 @@ def plan(tensors: list[tuple[str, tuple[int, ...], GGMLQuantizationType]], metad
             out[name] = cur
             continue
         ncols = shape[-1]
-        new = _tensor_type(ftype, default, name, category(name), ncols, ms, counters, tied)
+        new = _tensor_type(ftype, default, name, category(name), ncols, ms, counters, tied,
+                           shape[0] if len(shape) == 3 else 1)
         out[name] = fallback(new, ncols)
     return out

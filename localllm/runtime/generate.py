@@ -11,7 +11,7 @@ guesses the sampler agrees with are then taken without another forward.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +78,7 @@ def generate_tokens(
     drafter: Drafter | None = None,
     draft_max: int = DRAFT_MAX,
     draft_min: int = 0,
+    preserved: Collection[int] = (),
 ) -> Iterator[Step]:
     """Generate from ``prompt_ids``; yields one :class:`Step` per token.
 
@@ -102,6 +103,8 @@ def generate_tokens(
             output is the same (see :mod:`localllm.runtime.speculative`); memories that
             cannot forget rejected guesses cheaply (recurrent states) are not drafted for.
             ``timings.extra`` gets ``draft_tokens`` and ``draft_accepted``.
+        preserved: control tokens whose text appears in the steps' text (a chat format's
+            markers: harmony's channels, Mistral's ``[TOOL_CALLS]``); others show nothing.
     Raises:
         ContextOverflowError: the prompt does not fit in the context.
     """
@@ -115,7 +118,7 @@ def generate_tokens(
     sampler.accept_prompt(prompt_ids)  # penalties see the prompt, as in llama.cpp's main loop
     timings.prompt_tokens = len(prompt_ids) - timings.reused_tokens
     timings.prompt_seconds = time.perf_counter() - t0
-    decoder = StreamDecoder(tok)
+    decoder = StreamDecoder(tok, preserved=preserved)
     stopper = StopMatcher(stop)
 
     def remaining_text() -> str:

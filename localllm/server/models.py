@@ -244,6 +244,11 @@ class ModelManager:
             names += self.list_available()
         return list(dict.fromkeys(names))
 
+    def loaded_models(self) -> dict[str, object]:
+        """The loaded models by name (each a :class:`localllm.LLM`)."""
+        with self._lock:
+            return {m.name: m.llm for m in self.loaded.values()}
+
     def status(self) -> list[dict]:
         """Ollama's ``ps``: the loaded models (and one loading), memory and expiry."""
         now, wall = self.clock(), time.time()
@@ -298,14 +303,17 @@ class ModelManager:
 def for_server(llm, source: str | None, *, device: str = "auto", ctx_size: int = 4096,
                batch_size: int = 512, max_models: int = 3, keep_alive: float | None = 300.0,
                chat_template=None, options: dict | None = None,
-               aliases: tuple[str, ...] = (), kv_cache: dict | None = None) -> ModelManager:
+               aliases: tuple[str, ...] = (),
+               setup: Callable[[object], None] | None = None,
+               kv_cache: dict | None = None) -> ModelManager:
     """The manager ``localllm serve`` runs: ``llm`` (started from MODEL ``source``, with
     the compiled ``--chat-template`` ``chat_template`` and the LLM keywords ``options``
     (speculative decoding), both kept if it is reloaded) answers to its name, its file's name and stem, and
     ``aliases``; other models load as :class:`localllm.LLM` with the same device and sizes,
-    by registry or store name. ``kv_cache``: the LLM keywords ``type_k`` / ``type_v``
-    (``-ctk`` / ``-ctv``), for every model the manager loads (Ollama's
-    ``OLLAMA_KV_CACHE_TYPE`` does the same).
+    by registry or store name; ``setup`` is called on each model loaded (the server's
+    reasoning settings). ``kv_cache``: the LLM keywords ``type_k`` / ``type_v`` (``-ctk`` /
+    ``-ctv``), for every model the manager loads (Ollama's ``OLLAMA_KV_CACHE_TYPE`` does the
+    same).
     """
     from pathlib import Path
 
@@ -324,6 +332,8 @@ def for_server(llm, source: str | None, *, device: str = "auto", ctx_size: int =
                      progress=None, **(options or {} if started else {}), **(kv_cache or {}))
         if chat_template is not None and started:
             loaded.chat_template = chat_template
+        if setup is not None:
+            setup(loaded)
         return loaded
 
     path = Path(llm.path)

@@ -21,7 +21,7 @@ llama.cpp. Decoding is our own: each token maps to the bytes it contributes
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import lru_cache
 
 from ..errors import GGUFError, LocalLLMError, UnsupportedError
@@ -300,12 +300,20 @@ class Tokenizer:
 class StreamDecoder:
     """Turns a stream of token ids into text pieces that are always whole UTF-8.
 
+    ``special``: control tokens show as their text; ``preserved``: only these do (a chat
+    format's markers, llama.cpp's preserved tokens).
+
     Bytes of a character split across tokens (byte-fallback tokens, byte-level BPE) are
     held back until the character is complete; :meth:`flush` returns what remains.
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, special: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, special: bool = False,
+                 preserved: Collection[int] = ()) -> None:
         self._piece = tokenizer.special_bytes if special else tokenizer.token_bytes
+        if preserved and not special:  # these control tokens show as their text
+            plain, shown = tokenizer.token_bytes, tokenizer.special_bytes
+            keep = frozenset(preserved)
+            self._piece = lambda t: shown(t) if t in keep else plain(t)
         self._pending = b""
 
     def push(self, token: int) -> str:

@@ -7,13 +7,16 @@
 //                                                  into `out` when given (may be gate itself)
 //   norm_rope(x, w, eps, cos, sin, neox) -> y      RoPE of [rms_norm](x), x (H, T, D)
 //   attn_decode(q, k, v, q_norm, k_norm, eps, cos, sin, neox,
-//               k_cache, v_cache, k_pos, slot, live, pos, window, scale, softcap) -> o
+//               k_cache, v_cache, k_pos, slot, live, pos, window, scale, softcap,
+//               sinks=None) -> o
 //       the attention step of T new tokens at positions pos .. pos+T-1 (decode: T = 1; a few
 //       tokens): QK-norm + RoPE of q and k, k and v written into cache cells slot ..
 //       slot+T-1 (and their positions into k_pos), then grouped-query attention of each
 //       query over the first `live` cells (masked by their positions: empty, after the
-//       query, or outside the window). The caches hold float32 or float16 (the native
-//       backend's, as llama.cpp's default KV type); new cells are rounded to nearest.
+//       query, or outside the window); `sinks` (n_heads,) adds one logit per head to the
+//       softmax's denominator (gpt-oss's attention sinks, ggml_soft_max_add_sinks). The
+//       caches hold float32 or float16 (the native backend's, as llama.cpp's default KV
+//       type); new cells are rounded to nearest.
 //
 // They replace the torch compositions of localllm.models.common.TorchOps (rms_norm,
 // residual_norm, gated, norm_rope, attention) operation for operation: element-wise
@@ -367,7 +370,7 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const at::Tensor& cs, const at::Tensor& sn, bool neox,
                        at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& k_pos,
                        int64_t slot, int64_t live, int64_t pos, int64_t window, double scale,
-                       double softcap) {
+                       double softcap, const std::optional<at::Tensor>& sinks) {
   const bool half_kv = k_cache.scalar_type() == at::kHalf;
   TORCH_CHECK((half_kv || k_cache.scalar_type() == at::kFloat) && k_cache.dim() == 3 &&
                   k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
@@ -396,6 +399,7 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               " outside the cache of ", size, " cells");
   const float* qw = vec_or_null(q_norm, d, "attn_decode");
   const float* kw = vec_or_null(k_norm, d, "attn_decode");
+  const float* sk = vec_or_null(sinks, nh, "attn_decode");  // per query head, or null
   const float e = float(eps), sc = float(scale), cap = float(softcap);
   const float *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
   const int64_t half = d / 2;
@@ -481,6 +485,8 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
           }
         }
       }
+      if (sk)  // a sink joins the maximum (and below, the total) as ggml's soft_max does
+        for (int64_t i = 0; i < n; ++i) mx[i] = std::max(mx[i], sk[ha + i]);
       for (int64_t i = 0; i < n; ++i) {  // weights exp(s - max), and their total
         float* si = sa + i * live;
         int64_t j = 0;
@@ -497,7 +503,7 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
           si[j] = std::exp(si[j] - mx[i]);
           tot += si[j];
         }
-        total[i] = tot;
+        total[i] = sk ? tot + std::exp(sk[ha + i] - mx[i]) : tot;
       }
       for (int64_t i0 = 0; i0 < n; i0 += 4) {  // the weighted values, four heads at a time
         const int nb = int(std::min<int64_t>(4, n - i0));
@@ -541,7 +547,7 @@ TORCH_LIBRARY_FRAGMENT(localllm_cpu, m) {
   m.def("attn_decode(Tensor q, Tensor k, Tensor v, Tensor? q_norm, Tensor? k_norm, float eps, "
         "Tensor cos, Tensor sin, bool neox, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor(c!) k_pos, int slot, int live, int pos, int window, float scale, "
-        "float softcap) -> Tensor");
+        "float softcap, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {

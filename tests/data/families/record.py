@@ -50,50 +50,110 @@ MIN_MARGIN = 0.2  # nats between llama.cpp's top two tokens at a prompt's last p
 
 
 MIN_ROUTER_GAP = 0.005  # MoE: router probability between the last chosen expert and the next
+MIN_ROUTER_LOGIT_GAP = 0.2  # Llama 4 (selection on the router's logits)
+# deepseek2 (sigmoid gating, groups): its scores move by up to ~0.02 between llama.cpp and
+# localllm (MLA's chain of products, each rounded by llama.cpp's 8-bit activations)
+MIN_ROUTER_GAP_MLA = 0.01
 N_CANDIDATES = 3  # per length, for MoE (non-MoE: 50)
 
 
-def candidate_prompts(path: Path, seed: int, *, long: bool = False) -> list[list[int]]:
-    """Random prompts, N_CANDIDATES per length (run with localllm's environment). For a MoE
-    model only prompts whose every routing decision is clear (the k-th expert's probability
-    exceeds the next one's by MIN_ROUTER_GAP in every layer, at every position) are kept:
-    at a near-tie, rounding differences between two correct implementations pick different
-    experts and the outputs diverge by far more than the rounding."""
+class RouterSpy:
+    """A MoE layer's router (its ``ffn_gate_inp``) that records, per call, the smallest gap
+    between the k-th and the (k+1)-th expert's selection score over the tokens: the softmax
+    probability, for sigmoid gating (GLM-4.5) the sigmoid plus the selection bias, and for
+    Llama 4 (``logits``: selection on the router's logits) the logit gap; each as a fraction
+    of its threshold (MIN_ROUTER_GAP, MIN_ROUTER_LOGIT_GAP: with 128 experts a probability
+    gap of MIN_ROUTER_GAP is a logit gap small enough for the two CPU paths' rounding to
+    cross), so that a prompt is kept where every recorded value is at least 1."""
+
+    def __init__(self, router, k: int, gaps: list[float], gating: str = "softmax",
+                 bias=None) -> None:
+        self.router, self.k, self.gaps = router, k, gaps
+        self.gating, self.bias = gating, bias
+
+    def __call__(self, x):
+        import torch
+
+        y = self.router(x)
+        if self.gating == "logits":
+            lg = y.float().sort(-1, descending=True).values
+            self.gaps.append(float((lg[:, self.k - 1] - lg[:, self.k]).min())
+                             / MIN_ROUTER_LOGIT_GAP)
+            return y
+        p = torch.sigmoid(y.float()) if self.gating == "sigmoid" else torch.softmax(y.float(), -1)
+        if self.bias is not None:
+            p = p + self.bias
+        p = p.sort(-1, descending=True).values
+        self.gaps.append(float((p[:, self.k - 1] - p[:, self.k]).min()) / MIN_ROUTER_GAP)
+        return y
+
+
+def candidate_prompts(path: Path, seed: int, *, long: bool = False,
+                      lengths: tuple[int, ...] | None = None,
+                      extra_lengths: tuple[int, ...] = ()) -> list[list[int]]:
+    """Random prompts, N_CANDIDATES per length (``lengths``, default by kind of model, then
+    ``extra_lengths``, and with ``long`` a LONG_PROMPT for non-MoE models; run with
+    localllm's environment). For a MoE model only prompts whose every routing decision is
+    clear (the k-th expert's score exceeds the next one's by MIN_ROUTER_GAP in every layer,
+    at every position: :class:`RouterSpy`) are kept: at a near-tie, rounding differences
+    between two correct implementations pick different experts and the outputs diverge by
+    far more than the rounding."""
     import torch
 
-    from localllm.models import llama
+    from localllm.models import deepseek2
     from localllm.runtime.session import Session, load_model
 
     m = load_model(path, device="cpu", progress=False)
     gaps: list[float] = []
-    moe = llama.moe_ffn
+    route = deepseek2.route
 
-    def spy(layer, x, n_used, norm, ops):
-        p = torch.softmax(layer.ffn_gate_inp(x), -1).sort(-1, descending=True).values
-        gaps.append(float((p[:, n_used - 1] - p[:, n_used]).min()))
-        return moe(layer, x, n_used, norm, ops)
+    def spy_route(logits, a, bias):
+        # deepseek2: the gaps of its selection scores, of the groups' scores too
+        p = torch.softmax(logits, -1) if a.gating == "softmax" else torch.sigmoid(logits)
+        s = p if bias is None else p + bias
+        if a.n_group > 1:
+            grouped = s.view(s.shape[0], a.n_group, -1)
+            g = grouped.topk(2, -1).values.sum(-1).sort(-1, descending=True)
+            gaps.append(float((g.values[:, a.n_group_used - 1]
+                               - g.values[:, a.n_group_used]).min()) / MIN_ROUTER_GAP_MLA)
+            out = torch.ones_like(g.values, dtype=torch.bool).scatter_(
+                1, g.indices[:, :a.n_group_used], False)
+            s = grouped.masked_fill(out[:, :, None], float("-inf")).view(s.shape[0], -1)
+        s = s.sort(-1, descending=True).values
+        k = a.n_expert_used
+        gaps.append(float((s[:, k - 1] - s[:, k]).min()) / MIN_ROUTER_GAP_MLA)
+        return route(logits, a, bias)
 
+    is_moe = bool(getattr(m.args, "n_expert", 0))
+    if is_moe and m.args.arch == "deepseek2":  # its own routing function (groups)
+        deepseek2.route = spy_route
+    elif is_moe:  # every other family's router is its layers' ffn_gate_inp
+        gating = "logits" if m.args.arch == "llama4" else getattr(m.args, "gating", "softmax")
+        for b in m.model.layers:
+            if getattr(b, "ffn_gate_inp", None) is not None:
+                b.ffn_gate_inp = RouterSpy(b.ffn_gate_inp, m.args.n_expert_used, gaps, gating,
+                                           getattr(b, "exp_probs_b_bias", None))
     rng = np.random.default_rng(seed)
     out = []
-    llama.moe_ffn = spy
-    is_moe = bool(getattr(m.args, "n_expert", 0))
-    lengths = PROMPT_LENGTHS_MOE if is_moe else PROMPT_LENGTHS
+    if lengths is None:
+        lengths = PROMPT_LENGTHS_MOE if is_moe else PROMPT_LENGTHS
     if long and not is_moe:  # a MoE prompt this long always has a near-tie somewhere
         lengths = (*lengths, LONG_PROMPT)
     try:
-        for n in lengths:
+        for n in (*lengths, *extra_lengths):
             found = 0
             while found < (N_CANDIDATES if is_moe else 50):
                 ids = rng.integers(4, m.tokenizer.n_vocab - 4, n).tolist()
                 gaps.clear()
                 if is_moe:
-                    Session(m, ctx_size=N_CTX_LONG).eval(ids)
-                if not gaps or min(gaps) >= MIN_ROUTER_GAP:
+                    Session(m, ctx_size=max(N_CTX_LONG, n + 1)).eval(ids)
+                if not gaps or min(gaps) >= 1.0:  # each gap over its threshold
                     out.append(ids)
                     found += 1
     finally:
-        llama.moe_ffn = moe
+        deepseek2.route = route
     return out
+
 
 
 def decisive_prompts(llm, candidates: list[list[int]]) -> tuple[list[list[int]], list[np.ndarray]]:
@@ -162,10 +222,11 @@ def record(directory: Path) -> None:
         long = (directory / f"{family}.long").exists()
         # YaRN's betas from the file where the family reads them (llama.cpp's own default;
         # llama-cpp-python's is to force 32 and 1)
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_CTX_LONG if long else N_CTX,
+        candidates = json.loads((directory / f"{family}.json").read_text())
+        n_ctx = max(N_CTX_LONG if long else N_CTX, max(len(c) for c in candidates) + 1)
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx,
                               logits_all=True, seed=0, n_threads=2, verbose=False,
                               yarn_beta_fast=-1.0, yarn_beta_slow=-1.0)
-        candidates = json.loads((directory / f"{family}.json").read_text())
         ps, logits = decisive_prompts(llm, candidates)
         sha = (directory / f"{family}.sha256").read_text().strip()
         extra = {}
@@ -194,7 +255,7 @@ def main() -> None:
         record(args.record)
         return
     sys.path.insert(0, str(HERE.parents[1]))
-    from families import FAMILIES, RECURRENT, sha256, write_family
+    from families import FAMILIES, LONG_PROMPTS, PROMPT_LENGTHS, RECURRENT, sha256, write_family
 
     with tempfile.TemporaryDirectory() as tmp:
         written = Path(tmp) / "written"
@@ -203,7 +264,10 @@ def main() -> None:
             long = family in RECURRENT
             (Path(tmp) / f"{family}.sha256").write_text(sha256(path))
             (Path(tmp) / f"{family}.json").write_text(
-                json.dumps(candidate_prompts(path, seed=len(family), long=long)))
+                json.dumps(candidate_prompts(path, seed=len(family), long=long,
+                                             lengths=PROMPT_LENGTHS.get(family),
+                                             extra_lengths=tuple(filter(None, [
+                                                 LONG_PROMPTS.get(family)])))))
             if long:  # MoE: no perplexity (a routing near-tie somewhere in its text is sure)
                 moe = any(k.endswith("expert_count") for k in FAMILIES[family][0].extra)
                 (Path(tmp) / f"{family}.long").write_text("" if moe else "ppl")

@@ -1,0 +1,161 @@
+"""Phi-3.5-MoE (``phimoe``), as llama.cpp computes it (``src/models/phimoe.cpp`` for the
+tensors, the graph of ``src/models/phi3.cpp``).
+
+Per layer::
+
+    h   = x + wo(attn(attn_norm(x))) + bo     # optional Q/K/V biases
+    out = h + moe(ffn_norm(h))
+
+Every norm is an RMSNorm followed by a bias (``attn_norm.bias``, ``ffn_norm.bias``,
+``output_norm.bias``: llama.cpp's ``build_norm`` with LLM_NORM_RMS and a bias), and the
+output projection has a bias. RoPE rotates halves (NEOX), LongRoPE factors
+(``rope_factors_long`` / ``rope_factors_short``) when the file has them. The MoE: router
+``ffn_gate_inp`` -> softmax -> the top ``expert_used_count`` (2) -> their probabilities
+renormalised to sum 1 (:func:`localllm.models.moe.route`) -> SwiGLU experts
+``feed_forward_length`` wide; no shared expert.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..backends import ExpertMatrix
+from ..memory import KVSpec
+from .base import (
+    MAX_EXPERTS,
+    REQUIRED,
+    BaseModel,
+    DecoderArgs,
+    HParams,
+    TensorSpec,
+    common_hparams,
+)
+from .common import Linear, Split, positions_of
+from .moe import route
+from .rope import Rope, RopeWeights, factor_specs, read_rope
+
+
+@dataclass(kw_only=True)
+class ModelArgs(DecoderArgs):
+    """Hyperparameters from ``phimoe.*`` metadata keys."""
+
+    ffn_dim: int  # feed_forward_length: each expert's width
+    n_expert: int  # expert_count
+    n_expert_used: int  # expert_used_count
+    attention_scale: float = 0.0
+
+    @classmethod
+    def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
+        """Validated hyperparameters (see :class:`~localllm.models.base.HParams`).
+
+        Raises:
+            GGUFError: a key missing, mistyped, out of range or inconsistent (named): no
+                experts, more used experts than experts.
+        """
+        hp = HParams(md, source)
+        c = common_hparams(hp, n_vocab)
+        n_expert = hp.int("expert_count", REQUIRED, hi=MAX_EXPERTS)
+        rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
+                         neox=True)
+        return cls(**c, rope=rope, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
+                   n_expert=n_expert,
+                   n_expert_used=hp.int("expert_used_count", REQUIRED, hi=n_expert),
+                   attention_scale=1.0 / math.sqrt(c["head_dim"]))
+
+
+def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
+    """llama.cpp's ``phimoe`` tensors (``llama_model_phimoe::load_arch_tensors``), torch
+    shapes."""
+    d, hd, v, e, f = a.d_model, a.head_dim, a.n_vocab, a.n_expert, a.ffn_dim
+    nq, nkv = a.n_heads * hd, a.n_kv_heads * hd
+    specs = [TensorSpec("token_embd.weight", (v, d)), *factor_specs(a.rope)]
+    for i in range(a.n_layers):
+        p = f"blk.{i}."
+        specs += [TensorSpec(p + "attn_norm.weight", (d,)),
+                  TensorSpec(p + "attn_norm.bias", (d,)),
+                  TensorSpec(p + "attn_q.weight", (nq, d)),
+                  TensorSpec(p + "attn_k.weight", (nkv, d)),
+                  TensorSpec(p + "attn_v.weight", (nkv, d)),
+                  TensorSpec(p + "attn_q.bias", (nq,), optional=True),
+                  TensorSpec(p + "attn_k.bias", (nkv,), optional=True),
+                  TensorSpec(p + "attn_v.bias", (nkv,), optional=True),
+                  TensorSpec(p + "attn_output.weight", (d, nq)),
+                  TensorSpec(p + "attn_output.bias", (d,)),
+                  TensorSpec(p + "ffn_norm.weight", (d,)),
+                  TensorSpec(p + "ffn_norm.bias", (d,)),
+                  TensorSpec(p + "ffn_gate_inp.weight", (e, d)),
+                  TensorSpec(p + "ffn_gate_exps.weight", (e, f, d)),
+                  TensorSpec(p + "ffn_up_exps.weight", (e, f, d)),
+                  TensorSpec(p + "ffn_down_exps.weight", (e, d, f))]
+    return specs + [TensorSpec("output_norm.weight", (d,)), TensorSpec("output_norm.bias", (d,)),
+                    TensorSpec("output.weight", (v, d)), TensorSpec("output.bias", (v,))]
+
+
+def memory_layout(a: ModelArgs) -> list[KVSpec]:
+    return [KVSpec(a.n_kv_heads, a.head_dim)] * a.n_layers
+
+
+@dataclass
+class Layer:
+    """The tensors of one block (``blk.{i}.*``)."""
+
+    attn_norm: torch.Tensor
+    attn_norm_bias: torch.Tensor
+    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v (with their biases, if any)
+    attn_output: Linear  # with its bias
+    ffn_norm: torch.Tensor
+    ffn_norm_bias: torch.Tensor
+    ffn_gate_inp: Linear  # the router (float32)
+    ffn_gate_exps: ExpertMatrix
+    ffn_up_exps: ExpertMatrix
+    ffn_down_exps: ExpertMatrix
+
+
+@dataclass
+class Weights(RopeWeights):
+    """Top-level tensors: the output norm's bias besides the RoPE factors."""
+
+    output_norm_bias: torch.Tensor | None = None
+
+
+class Model(BaseModel):
+    """A Phi-3.5-MoE decoder; weights attached by :func:`localllm.models.base.bind`."""
+
+    LAYER = Layer
+    WEIGHTS = Weights
+    weights: Weights
+
+    def prepare(self) -> None:
+        self.rope = Rope.of(self.args.rope, self.weights, self.device)
+        self.scale = self.args.attention_scale * self.rope.score_scale()
+
+    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
+                all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
+        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
+        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits."""
+        a, ops = self.args, self.ops
+        eps = a.norm_eps
+        t = tokens.shape[0]
+        positions = positions_of(pos, t, self.device)
+        x = self.token_embd(tokens)
+        angles = self.rope.angles(ops, positions, memory.ctx_size)["global"]
+        for b, cache in zip(self.layers, memory):
+            n = ops.rms_norm(x, b.attn_norm, eps) + b.attn_norm_bias
+            q, k, v = b.attn_qkv(n)
+            del n
+            q, k = self.rope.arrange(q), self.rope.arrange(k)
+            attn = ops.self_attention(q, k, v, None, None, eps, angles, cache, pos, positions,
+                                      head_dim=a.head_dim, neox=True, scale=self.scale)
+            del q, k, v
+            h = x + b.attn_output(attn)
+            del attn, x
+            n = ops.rms_norm(h, b.ffn_norm, eps) + b.ffn_norm_bias
+            weights, chosen = route(b.ffn_gate_inp(n), a.n_expert_used, norm=True)
+            x = h + ops.experts(n, chosen, weights, b.ffn_gate_exps, b.ffn_up_exps,
+                                b.ffn_down_exps, "silu")
+            del h, n
+        n = ops.rms_norm(x, self.output_norm, eps) + self.output_norm_bias
+        return self.output(n[logits_start:] if all_logits else n[-1:])

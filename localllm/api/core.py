@@ -29,6 +29,7 @@ import torch
 from ..errors import ContextOverflowError, LocalLLMError, ParameterError
 from ..grammar.budget import BudgetedConstraint
 from ..grammar.lazy import Thinking, ThinkingControl
+from ..memory import cache_type
 from ..registry import ModelEntry, load_registry
 from ..runtime.generate import Step, Timings, generate_tokens
 from ..runtime.session import Session, load_model
@@ -155,6 +156,11 @@ class LLM:
             lookup with n-grams of up to N tokens): a draft model (name or path, same
             vocabulary) or n-gram lookup guesses tokens that one batched forward verifies;
             the output is the same as without it.
+        type_k, type_v: element types of the KV cache's keys and values, llama-cpp-python's
+            keywords: a ggml type id (8: Q8_0) or llama.cpp's ``-ctk`` / ``-ctv`` name
+            (``"f16"``, ``"bf16"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``, ``"iq4_nl"``,
+            ``"q5_0"``, ``"q5_1"``, ``"f32"``; :mod:`localllm.memory.kvtypes`); None: the
+            backend's float type (float16; float32 on the CPU's torch path).
     Raises:
         ParameterError: an unknown keyword, or an argument of the wrong type or range.
         ModelNotFoundError, GGUFError, UnsupportedError: see :func:`load_model`.
@@ -179,11 +185,14 @@ class LLM:
             raise ParameterError(f"model must be a name or a path, got {type(model).__name__}")
         if dtype not in _DTYPES:
             raise ParameterError(f"dtype must be torch.float16, float32 or bfloat16, got {dtype!r}")
+        self.type_k = cache_type(options.type_k, "type_k (--cache-type-k)")
+        self.type_v = cache_type(options.type_v, "type_v (--cache-type-v)")
         path, entry = load_registry().resolve(model)
         self.path: Path = path
         self.entry: ModelEntry | None = entry
         self.loaded = load_model(path, device=options.device, progress=options.progress,
-                                 ctx_size=options.ctx_size, dtype=dtype)
+                                 ctx_size=options.ctx_size, dtype=dtype,
+                                 cache_types=(self.type_k, self.type_v))
         self.tokenizer = self.loaded.tokenizer
         self.args = self.loaded.args
         self.metadata: dict = self.loaded.gguf.metadata
@@ -276,7 +285,8 @@ class LLM:
     def session(self, ctx_size: int | None = None) -> Session:
         """A fresh sequence with its own KV cache (``eval``, ``truncate``, ``reset``,
         ``save``/``load``, ``tokens``, ``n_past``, ``ctx_size``)."""
-        return Session(self.loaded, ctx_size=ctx_size or self.ctx_size, batch_size=self.batch_size)
+        return Session(self.loaded, ctx_size=ctx_size or self.ctx_size, batch_size=self.batch_size,
+                       type_k=self.type_k, type_v=self.type_v)
 
     def reserve(self) -> None:
         """Allocate the KV cache of the LLM's own session (the one :meth:`prepare` uses by

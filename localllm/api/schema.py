@@ -490,7 +490,8 @@ _MODEL_NAMES = {cls.__name__ for cls in (
 _OPTION_FLAGS = {"ctx_size": "--ctx-size", "batch_size": "--batch-size", "device": "--device",
                  "draft_model": "--model-draft", "spec_ngram": "--spec-ngram",
                  "draft_max": "--draft-max", "draft_min": "--draft-min",
-                 "draft_p_min": "--draft-p-min"}
+                 "draft_p_min": "--draft-p-min", "type_k": "--cache-type-k",
+                 "type_v": "--cache-type-v"}
 
 
 class LLMOptions(_Model):
@@ -508,6 +509,10 @@ class LLMOptions(_Model):
     draft_max: Annotated[int, Field(ge=1, le=64)] = DRAFT_MAX
     draft_min: Annotated[int, Field(ge=0, le=64)] = 0
     draft_p_min: Annotated[float, Field(ge=0.0, le=1.0)] = 0.8
+    # KV cache element types (llama-cpp-python's names; a ggml type id or llama.cpp's -ctk
+    # name, checked by localllm.memory.cache_type)
+    type_k: int | str | None = None
+    type_v: int | str | None = None
 
 
 def parse_options(options: dict[str, Any]) -> LLMOptions:

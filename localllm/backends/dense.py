@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-from ..memory import attention_mask
+from ..memory import BlockRows, attention_mask
 from . import deltanet, ssm
 from .base import Backend as _Backend
 
@@ -116,16 +116,21 @@ def apply_rope(
 ATTEND_CHUNK_BYTES = 2 << 20
 
 
-def score_blocks(n_kv: int, group: int, t: int, s: int) -> Iterator[tuple[int, int, int, int]]:
+def score_blocks(n_kv: int, group: int, t: int, s: int,
+                 head_bytes: int = 0) -> Iterator[tuple[int, int, int, int]]:
     """The blocks :func:`attend` computes the (n_kv, group * t, s) float32 scores in:
     ``(h0, h1, r0, r1)``, KV heads h0..h1 and query rows r0..r1 of their groups, each block
     at most :data:`ATTEND_CHUNK_BYTES` (at least one row). Whole KV heads while one fits,
     else whole queries of a group (multiples of ``t`` rows), else part of one query head's
-    rows; every row of every head once, in order."""
+    rows; every row of every head once, in order. ``head_bytes``: bytes of one KV head's
+    keys and values once dequantized (a quantized cache): a block of whole heads also keeps
+    those within :data:`ATTEND_CHUNK_BYTES` (at least one head)."""
     rows = max(1, ATTEND_CHUNK_BYTES // (4 * s))  # score rows per block
     gt = group * t
     if rows >= gt:
         step = rows // gt
+        if head_bytes:
+            step = min(step, max(1, ATTEND_CHUNK_BYTES // head_bytes))
         for h0 in range(0, n_kv, step):
             yield h0, min(n_kv, h0 + step), 0, gt
         return
@@ -155,7 +160,9 @@ def attend(
 ) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads (GQA), float32.
 
-    q: (n_heads, T, hd); keys/values: (n_kv_heads, S, hd) float32 or float16;
+    q: (n_heads, T, hd); keys/values: (n_kv_heads, S, hd) float32, float16 or bfloat16, or
+    :class:`~localllm.memory.BlockRows` (a quantized cache: dequantized a block of heads at
+    a time, inside the loop over score blocks, never as a whole);
     k_positions: (S,) int64 absolute positions (-1: empty slot), or None when slot ``j``
     holds position ``j`` -> (T, n_heads * hd) float32.
     ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2's
@@ -183,8 +190,13 @@ def attend(
     # each score row's sink: row r of KV head h belongs to query head h * group + r // t
     sink_rows = (None if sinks is None else
                  sinks.float().view(n_kv, group).repeat_interleave(t, dim=1)[..., None])
-    for h0, h1, r0, r1 in score_blocks(n_kv, group, t, s):
-        scores = torch.matmul(qg[h0:h1, r0:r1], keys[h0:h1].float().transpose(1, 2))
+    blocks = isinstance(keys, BlockRows) or isinstance(values, BlockRows)
+    head_bytes = 4 * s * (keys.shape[2] + values.shape[2]) if blocks else 0
+    dense: tuple[int, int, torch.Tensor, torch.Tensor] | None = None  # the heads dequantized
+    for h0, h1, r0, r1 in score_blocks(n_kv, group, t, s, head_bytes):
+        if dense is None or dense[:2] != (h0, h1):  # the blocks of a head range come in a row
+            dense = (h0, h1, keys[h0:h1].float(), values[h0:h1].float())
+        scores = torch.matmul(qg[h0:h1, r0:r1], dense[2].transpose(1, 2))
         scores.mul_(scale)
         if softcap is not None:
             scores.div_(softcap).tanh_().mul_(softcap)
@@ -196,7 +208,7 @@ def attend(
             torch.softmax(scores, dim=-1, out=scores)
         else:
             sink_softmax_(scores, sink_rows[h0:h1, r0:r1])
-        torch.matmul(scores, values[h0:h1].float(), out=out[h0:h1, r0:r1])  # (n, rows, hd)
+        torch.matmul(scores, dense[3], out=out[h0:h1, r0:r1])  # (n, rows, hd)
         del scores
     return out.view(n_heads, t, hd).transpose(0, 1).reshape(t, n_heads * hd)
 

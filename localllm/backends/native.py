@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
+from gguf import GGMLQuantizationType as T
 
 from .. import cpu
 from ..errors import UnsupportedError
@@ -18,6 +19,9 @@ from ..memory import query_window
 from .base import ExpertList
 from .dense import Backend as _Backend
 from .dense import TorchOps
+
+# The KV cache block types the native decode attention reads (csrc/attn_kvq.cpp).
+QUANTIZED_KV = frozenset({T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1})
 
 # From this many rows per expert on average, a prompt's native experts run as one
 # moe_ffn_q8 call (which unpacks every selected expert's matrices once; with fewer rows the
@@ -107,7 +111,9 @@ class NativeOps(TorchOps):
     RoPE, and the gated activation (SiLU, GELU-tanh) in one native call each, for any number
     of rows; the whole attention of a step of up to :attr:`FEW` tokens (QK-norm and RoPE of
     q and k, the KV-cache write, grouped-query attention over the live cells with the
-    causal, window and soft-capping masks) in one call; the short convolution and Mamba2's
+    causal, window and soft-capping masks) in one call (over a q8_0, q4_0, q4_1, q5_0 or
+    q5_1 cache: QK-norm and RoPE in one call, the quantized write and the attention over the
+    blocks in another, ``csrc/attn_kvq.cpp``); the short convolution and Mamba2's
     scan of any number of tokens in one call each (``csrc/ssm.cpp``). Longer steps (prefill)
     attend with :func:`attend` (torch's batched products).
 
@@ -127,7 +133,7 @@ class NativeOps(TorchOps):
         ops = torch.ops.localllm_cpu
         self._rms_norm, self._residual_norm = ops.rms_norm.default, ops.residual_norm.default
         self._gated, self._norm_rope = ops.gated.default, ops.norm_rope.default
-        self._attn_decode = ops.attn_decode.default
+        self._attn_decode, self._attn_kvq = ops.attn_decode.default, ops.attn_kvq.default
         self._short_conv, self._ssm_scan = ops.short_conv.default, ops.ssm_scan.default
         self._delta_net = ops.gated_delta_net.default
         self._no_positions = torch.empty(0, dtype=torch.long)
@@ -157,10 +163,18 @@ class NativeOps(TorchOps):
         t = q.shape[0]
         where = None
         # chunked attention: one query's chunk is a window (query_window), several queries'
-        # are not one window
-        if (t <= self.FEW and isinstance(pos, int) and not norm_after_rope
-                and (cache.chunk is None or t == 1)
-                and cache.k.dtype in (torch.float32, torch.float16)):
+        # are not one window; sinks: the float kernel only
+        few = (t <= self.FEW and isinstance(pos, int) and not norm_after_rope
+               and (cache.chunk is None or t == 1))
+        if few and cache.quantized:
+            if (cache.type_k.ggml in QUANTIZED_KV and cache.type_v.ggml in QUANTIZED_KV
+                    and cache.dim_k == cache.dim_v and sinks is None):
+                where = cache.decode_slot(pos, t)
+            if where is not None:
+                return self._attention_blocks(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
+                                              where, head_dim=head_dim, neox=neox, scale=scale,
+                                              softcap=softcap)
+        elif few and cache.k.dtype in (torch.float32, torch.float16):
             where = cache.decode_slot(pos, t)
         if where is None:  # prefill, static decode, a wrapped ring, a norm after the rotation
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
@@ -172,6 +186,22 @@ class NativeOps(TorchOps):
         return self._attn_decode(q, k, v, q_norm, k_norm, eps, cos, sin, neox, cache.k, cache.v,
                                  self._no_positions if k_pos is None else k_pos, slot, live,
                                  pos, query_window(cache, pos) or 0, scale, softcap or 0.0, sinks)
+
+    def _attention_blocks(self, q, k, v, q_norm, k_norm, eps, angles, cache, pos, where, *,
+                          head_dim, neox, scale, softcap):
+        """A few tokens over a quantized cache (``csrc/attn_kvq.cpp``): QK-norm and RoPE of
+        q and k (:meth:`norm_rope`), then one call that quantizes the new keys and values
+        into their cells and attends over the cells' blocks directly."""
+        slot, live, k_pos = where
+        t = q.shape[0]
+        qr = self.norm_rope(q.reshape(t, -1, head_dim).transpose(0, 1), q_norm, eps, angles,
+                            neox=neox)
+        kr = self.norm_rope(k.reshape(t, -1, head_dim).transpose(0, 1), k_norm, eps, angles,
+                            neox=neox)
+        return self._attn_kvq(qr, kr, v if v.stride(-1) == 1 else v.contiguous(), cache.k,
+                              int(cache.type_k.ggml), cache.v, int(cache.type_v.ggml),
+                              self._no_positions if k_pos is None else k_pos, slot, live, pos,
+                              query_window(cache, pos) or 0, scale, softcap or 0.0)
 
     def short_conv(self, x, weight, bias, state, *, silu):
         """One native call (``localllm/cpu/csrc/ssm.cpp``): every token and channel, and the

@@ -137,9 +137,12 @@ class KernelOps(TorchOps):
         the cache write) then :func:`localllm.kernels.decode_attention`. Attention sinks
         (gpt-oss) go the torch way (:meth:`attention`): the decode kernel has none yet."""
         rope_pos, inv_freq, rope_scale, magnitude = angles
-        # a chunked layer's window depends on the position, read on the host
+        # a chunked layer's window depends on the position, read on the host; a quantized
+        # cache (-ctk/-ctv) has no Triton kernel yet: the torch attention, which dequantizes
+        # it a block of heads at a time
         if (q.shape[0] != 1 or magnitude is not None or norm_after_rope or sinks is not None
-                or (cache.chunk is not None and isinstance(pos, torch.Tensor))):
+                or (cache.chunk is not None and isinstance(pos, torch.Tensor))
+                or cache.quantized):
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
                                           positions, head_dim=head_dim, neox=neox, scale=scale,
                                           softcap=softcap, norm_after_rope=norm_after_rope,
@@ -186,9 +189,9 @@ class KernelOps(TorchOps):
                   ) -> torch.Tensor:
         """Prefill: SDPA (sinks as one more key, see :func:`prefill_attention`); a decode
         token: the flash-decoding kernel, or :func:`~localllm.backends.dense.attend` with
-        sinks."""
+        sinks; a quantized cache: :func:`~localllm.backends.dense.attend`."""
         # SDPA has no soft-capping; a chunked step at a device position has no host window
-        if (softcap is not None and (q.shape[1] != 1 or sinks is not None)) or (
+        if cache.quantized or (softcap is not None and (q.shape[1] != 1 or sinks is not None)) or (
                 cache.chunk is not None and q.shape[1] == 1 and isinstance(pos, torch.Tensor)):
             return super().attention(q, k, v, cache, pos, positions, scale=scale,
                                      softcap=softcap, sinks=sinks)

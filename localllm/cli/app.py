@@ -23,6 +23,7 @@ from .options import (
     ThreadsBatchOpt,
     ThreadsOpt,
     apply_threads,
+    cache_options,
     prefer_passive_openmp_wait,
     speculative_options,
 )
@@ -176,6 +177,7 @@ def _run(
     verbose: VerboseOpt = False,
     sampling=None,
     speculative=None,
+    kv_cache=None,
 ) -> None:
     """Generate a continuation of PROMPT and stream it to stdout. With --chat and a thinking
     model's template, the reasoning goes to stderr (--reasoning-format none: stdout) and a
@@ -210,7 +212,7 @@ def _run(
     from ..api import LLM
 
     llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None,
-              **(speculative or {}))
+              **(speculative or {}), **(kv_cache or {}))
     params = llm.sampling_params(**(sampling.overrides if sampling is not None else {}))
     if verbose:
         print_model_summary(llm)
@@ -394,16 +396,21 @@ def _attach_sampling(func):
     return sampling_options(func)
 
 
-app.command("run")(_attach_sampling(speculative_options(_run)))
+app.command("run")(_attach_sampling(speculative_options(cache_options(_run))))
 
 
 # ---- info / tokenize / models -------------------------------------------------------------
 @app.command()
-def info(model: ModelArg = None) -> None:
-    """Architecture, hyperparameters, tokenizer and a per-type tensor table."""
+@cache_options
+def info(model: ModelArg = None, kv_cache=None) -> None:
+    """Architecture, hyperparameters, tokenizer and a per-type tensor table; the memory of a
+    sequence with the -ctk / -ctv cache types (default f16)."""
+    from ..memory import cache_type
     from .info import print_info
 
-    print_info(model)
+    kv = kv_cache or {}
+    print_info(model, types=(cache_type(kv.get("type_k", "f16")),
+                             cache_type(kv.get("type_v", "f16"))))
 
 
 @app.command()
@@ -453,6 +460,7 @@ def models() -> None:
 
 
 @app.command()
+@cache_options
 def bench(
     model: ModelArg = None,
     n_prompt: Annotated[int, typer.Option("--n-prompt", "-p", help="prompt tokens (pp)")] = 512,
@@ -473,6 +481,7 @@ def bench(
         "--llama-cpp/--no-llama-cpp", help="also time llama-cpp-python when installed")] = True,
     json_out: Annotated[bool, typer.Option(
         "--json", help="print the figures as one JSON line")] = False,
+    kv_cache=None,
 ) -> None:
     """Prefill (pp) and decode (tg) speed, time to first token, peak memory and bandwidth."""
     from .progress import step_progress
@@ -486,7 +495,7 @@ def bench(
                             device=device, synthetic=synthetic, quant=quant, threads=threads,
                             threads_batch=threads_batch,
                             peak_bandwidth=peak_bandwidth, llama_cpp=llama_cpp, as_json=True,
-                            progress=report, print_result=False)
+                            progress=report, print_result=False, kv_cache=kv_cache)
     from ..eval.bench import print_figures
 
     if json_out:
@@ -496,12 +505,12 @@ def bench(
 
 
 # --- commands defined in their own modules ---
-app.command("chat")(_attach_sampling(speculative_options(chat.chat_command)))
+app.command("chat")(_attach_sampling(speculative_options(cache_options(chat.chat_command))))
 app.command("quantize")(quantize.quantize_command)
-app.command("perplexity")(perplexity.perplexity_command)
+app.command("perplexity")(cache_options(perplexity.perplexity_command))
 app.command("pull")(pull.pull_command)
 app.command("rm")(pull.rm_command)
-app.command("serve")(speculative_options(serve.serve_command))
+app.command("serve")(speculative_options(cache_options(serve.serve_command)))
 app.command("show")(manage.show_command)
 app.command("create")(manage.create_command)
 app.command("cp")(manage.cp_command)

@@ -41,6 +41,7 @@ def chat_command(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="details on stderr")] = False,
     sampling=None,
     speculative=None,
+    kv_cache=None,
 ) -> None:
     """Chat with a model in the terminal (streaming, /help for commands)."""
     from .chat_options import parse_reasoning_options
@@ -64,7 +65,7 @@ def chat_command(
         model = reg.chat_default or reg.default
     llm = LLM(  # its own progress bar while the weights load (on a terminal)
         model, device=device, ctx_size=ctx_size, batch_size=batch_size, verbose=verbose,
-        **(speculative or {}))
+        **(speculative or {}), **(kv_cache or {}))
     if sampling is None:
         params = llm.sampling_params()
     elif hasattr(sampling, "overrides"):

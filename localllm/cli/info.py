@@ -38,20 +38,23 @@ def file_type_name(value) -> str:
 INFO_CTX = 4096
 
 
-def memory_line(layout: list, context_length: int) -> str:
-    """A sequence's memory by kind: the KV and latent (MLA) caches at ``INFO_CTX`` tokens in
-    float16 (llama.cpp's default cache type), the recurrent states (fixed: float32 whatever
-    the context)."""
-    from ..memory import LatentSpec, RecurrentSpec
+def memory_line(layout: list, context_length: int, types: tuple | None = None) -> str:
+    """A sequence's memory by kind: the KV caches at ``INFO_CTX`` tokens of the K and V cache
+    ``types`` (:class:`~localllm.memory.CacheType`, ``-ctk`` / ``-ctv``; default float16,
+    llama.cpp's default cache type), the latent (MLA) caches in float16, the recurrent states
+    (fixed: float32 whatever the context)."""
+    from ..memory import CACHE_TYPES, LatentSpec, RecurrentSpec
 
+    types = types or (CACHE_TYPES["f16"], CACHE_TYPES["f16"])
     ctx = min(INFO_CTX, context_length)
     rec = [s for s in layout if isinstance(s, RecurrentSpec)]
     latent = [s for s in layout if isinstance(s, LatentSpec)]
     kv = [s for s in layout if not isinstance(s, (RecurrentSpec, LatentSpec))]
     parts = []
     if kv:
-        mib = sum(s.nbytes(ctx, 2) for s in kv) / 2**20
-        parts.append(f"KV cache {mib:.1f} MiB at {ctx} tokens ({len(kv)} layers, float16)")
+        mib = sum(s.nbytes(ctx, 2, types=types) for s in kv) / 2**20
+        names = types[0].name if types[0] == types[1] else f"K {types[0].name}, V {types[1].name}"
+        parts.append(f"KV cache {mib:.1f} MiB at {ctx} tokens ({len(kv)} layers, {names})")
     if latent:  # MLA: one latent per position instead of every head's keys and values
         per_token = sum(s.nbytes(1, 2) for s in latent)
         parts.append(f"latent cache {per_token * ctx / 2**20:.1f} MiB at {ctx} tokens "
@@ -63,8 +66,10 @@ def memory_line(layout: list, context_length: int) -> str:
     return "memory per sequence: " + ", ".join(parts)
 
 
-def print_info(model: str | None, console: Console | None = None) -> None:
-    """Architecture, hyperparameters, tokenizer, and tensor bytes per quant type."""
+def print_info(model: str | None, console: Console | None = None,
+               types: tuple | None = None) -> None:
+    """Architecture, hyperparameters, tokenizer, a sequence's memory (KV caches of the K and
+    V cache ``types``, default f16) and tensor bytes per quant type."""
     console = console or Console()
     path, _ = load_registry().resolve(model)
     gguf = open_gguf(path)
@@ -88,7 +93,8 @@ def print_info(model: str | None, console: Console | None = None) -> None:
         f"end of generation {sorted(tok.eog_ids)}, add_bos {tok.add_bos}, "
         f"chat template: {'yes' if 'tokenizer.chat_template' in md else 'none'}"
     )
-    console.print(memory_line(arch.memory_layout(args), args.context_length), highlight=False)
+    console.print(memory_line(arch.memory_layout(args), args.context_length, types),
+                  highlight=False)
     per_type: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     for t in gguf.tensors.values():
         row = per_type[t.qtype.name]

@@ -124,3 +124,33 @@ def speculative_options(func: Callable) -> Callable:
     dict of the ``LLM(...)`` keywords the user gave."""
     return option_group("speculative", SPECULATIVE_OPTIONS,
                         lambda values: {k: v for k, v in values.items() if v is not None})(func)
+
+
+_KV = "KV cache"
+
+# llama.cpp's -ctk / -ctv (common/arg.cpp); checked by LLM(type_k=..., type_v=...).
+CACHE_OPTIONS: list[tuple[str, Any, Any]] = [
+    ("cache_type_k", None, Annotated[str | None, typer.Option(
+        "--cache-type-k", "-ctk", rich_help_panel=_KV, show_default=False,
+        help="KV cache type of the keys: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, "
+        "q5_1 (default: f16; f32 on the CPU's torch path)")]),
+    ("cache_type_v", None, Annotated[str | None, typer.Option(
+        "--cache-type-v", "-ctv", rich_help_panel=_KV, show_default=False,
+        help="KV cache type of the values (the same types)")]),
+]
+
+
+def cache_options(func: Callable) -> Callable:
+    """Decorator: ``-ctk/--cache-type-k`` and ``-ctv/--cache-type-v``, handed to ``func`` as
+    ``kv_cache``: a dict of the ``LLM(...)`` keywords the user gave (``type_k``, ``type_v``)."""
+    def build(values: dict[str, Any]) -> dict[str, str]:
+        from ..memory import cache_type
+
+        given = {key: values[name] for key, name in (("type_k", "cache_type_k"),
+                                                     ("type_v", "cache_type_v"))
+                 if values.get(name) is not None}
+        for key, value in given.items():  # refused before any work, in one line
+            cache_type(value, "--cache-type-k" if key == "type_k" else "--cache-type-v")
+        return given
+
+    return option_group("kv_cache", CACHE_OPTIONS, build)(func)

@@ -90,6 +90,7 @@ def perplexity_command(
     plot: Annotated[Path | None, typer.Option(
         "--plot", help="write a PNG of PPL against bits per weight to FILE (with --compare)",
         show_default=False)] = None,
+    kv_cache=None,
 ) -> None:
     """Perplexity of a text with llama-perplexity's method; KL divergence; quant comparison."""
     import numpy as np
@@ -122,7 +123,7 @@ def perplexity_command(
         if kl_base is None:
             raise LocalLLMError("--kl-divergence needs --kl-divergence-base FILE")
         base = K.load_base(kl_base)
-        llm = load_for_eval(model, device, base.n_ctx, batch_size)
+        llm = load_for_eval(model, device, base.n_ctx, batch_size, kv_cache)
         if _vocab_of(llm) != base.vocab:
             raise LocalLLMError(f"{llm.path.name}: its vocabulary differs from the base model's "
                                 f"({base.model}) in {kl_base}")
@@ -138,7 +139,7 @@ def perplexity_command(
     if kl_top_k < 1:
         raise LocalLLMError(f"--kl-top-k {kl_top_k}: must be at least 1")
     text = _read_text(file)
-    llm = load_for_eval(model, device, ctx_size, batch_size)
+    llm = load_for_eval(model, device, ctx_size, batch_size, kv_cache)
     tokens = llm.tokenize(text, add_bos=True)
     n = len(chunk_token_ranges(len(tokens), ctx_size, chunks))
     print(f"perplexity: {len(tokens)} tokens, {n} chunks of {ctx_size}", file=sys.stderr)

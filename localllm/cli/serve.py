@@ -59,6 +59,7 @@ def serve_command(
         "--alias", "-a", help="another name requests may use for MODEL (repeatable)")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="uvicorn's own log")] = False,
     speculative=None,
+    kv_cache=None,
 ) -> None:
     """Serve MODEL over HTTP: OpenAI's /v1/chat/completions, /v1/completions,
     /v1/responses, /v1/embeddings, /v1/models; Anthropic's /v1/messages; llama-server's
@@ -109,7 +110,7 @@ def serve_command(
         loaded.reasoning_budget = reasoning_budget
 
     llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=batch_size, progress=None,
-              **(speculative or {}))
+              **(speculative or {}), **(kv_cache or {}))
     setup(llm)
     if chat_template is not None:
         from ..chat.template import template_for
@@ -128,6 +129,7 @@ def serve_command(
     models = for_server(llm, model, device=device, ctx_size=ctx_size, batch_size=batch_size,
                         max_models=max_models, keep_alive=keep,
                         chat_template=llm.chat_template, options=speculative,
+                        kv_cache=kv_cache,
                         aliases=tuple(alias or ()), setup=setup)
     del llm  # the manager holds the only reference: an eviction frees its memory
     serve(None, host=host, port=port, api_key=api_key, max_queue=max_queue, max_body=max_body,

@@ -135,8 +135,12 @@ def _batch_threads() -> int:
 def llama_cpp_figures(path: Path, prompt: list[int], n_gen: int, repetitions: int, *,
                       device: torch.device, threads: int, ctx_size: int,
                       threads_batch: int | None = None,
-                      on_run: Callable[[int, int], None] | None = None) -> dict | str:
-    """The same protocol through llama-cpp-python, or a one-line reason it was not run."""
+                      on_run: Callable[[int, int], None] | None = None,
+                      cache_types: tuple | None = None) -> dict | str:
+    """The same protocol through llama-cpp-python, or a one-line reason it was not run.
+    ``cache_types``: the K and V :class:`~localllm.memory.CacheType` of our run, given to
+    llama.cpp as ``type_k`` / ``type_v`` (with ``flash_attn``, which its quantized V cache
+    needs)."""
     try:
         import llama_cpp
         import numpy as np
@@ -150,7 +154,7 @@ def llama_cpp_figures(path: Path, prompt: list[int], n_gen: int, repetitions: in
             model_path=str(path), n_ctx=ctx_size, n_batch=len(prompt), n_ubatch=len(prompt),
             n_gpu_layers=-1 if gpu else 0, n_threads=threads,
             n_threads_batch=threads_batch or threads,
-            logits_all=False, verbose=False)
+            logits_all=False, verbose=False, **_llama_cache_args(cache_types))
     except (ValueError, RuntimeError, OSError) as e:  # what llama_cpp's loader raises
         return f"llama.cpp could not load {path.name}: {e}"
 
@@ -189,13 +193,22 @@ def weight_bytes_per_token(loaded) -> int:
                for name, t in tensors.items() if tied or name != "token_embd.weight")
 
 
-def kv_bytes_per_token(args, start: int, n_gen: int, ring_slack: int, itemsize: int) -> int:
+def _llama_cache_args(cache_types: tuple | None) -> dict:
+    """llama-cpp-python's keywords for our KV cache types (none for the float default)."""
+    if cache_types is None:
+        return {}
+    return {"type_k": int(cache_types[0].ggml), "type_v": int(cache_types[1].ggml),
+            "flash_attn": True}
+
+
+def kv_bytes_per_token(args, start: int, n_gen: int, ring_slack: int, itemsize: int,
+                       types: tuple | None = None) -> int:
     """Mean memory bytes a decode step reads over positions ``start .. start+n_gen-1``: per
-    layer its ``memory_layout`` spec's ``step_bytes`` (K and V of ``itemsize``-byte elements
-    over the live cells, sliding-window layers at most their ring of window + slack cells;
-    recurrent layers their state)."""
+    layer its ``memory_layout`` spec's ``step_bytes`` (K and V of ``itemsize``-byte elements,
+    or of the K and V cache ``types``, over the live cells, sliding-window layers at most
+    their ring of window + slack cells; recurrent layers their state)."""
     layout = memory_layout(args)
-    total = sum(spec.step_bytes(pos, itemsize, ring_slack)
+    total = sum(spec.step_bytes(pos, itemsize, ring_slack, types)
                 for pos in range(start, start + n_gen) for spec in layout)
     return total // max(n_gen, 1)
 
@@ -217,7 +230,8 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
               device: str = "auto", synthetic: str | None = None, quant: str = "Q4_K_M",
               threads: int | None = None, threads_batch: int | None = None,
               peak_bandwidth: float | None = None, llama_cpp: bool = True, as_json: bool = False,
-              progress: Callable[..., None] | None = None, print_result: bool = True) -> dict:
+              progress: Callable[..., None] | None = None, print_result: bool = True,
+              kv_cache: dict | None = None) -> dict:
     """Measure pp/tg/TTFT/peak memory/bandwidth (and llama.cpp's, when available); print them
     as text, or as one JSON line with ``as_json``. Returns the figures.
 
@@ -233,6 +247,8 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
         progress: ``progress(step, completed=None, total=None)`` as each step starts and
             goes on (writing the synthetic file, loading, each timed run); the CLI shows it.
         print_result: print the figures (False: only return them).
+        kv_cache: ``LLM(...)``'s ``type_k`` / ``type_v`` (``-ctk`` / ``-ctv``); llama.cpp
+            runs with the same types (and flash attention) when any is given.
     Raises:
         ParameterError: a count or bandwidth out of range, an unknown synthetic name or quant.
         LocalLLMError: model loading errors (see :class:`localllm.LLM`); for ``synthetic``,
@@ -267,7 +283,10 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
                                              total))
     say("loading the model")
     llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=n_prompt,
-              progress=False if progress is not None else None)
+              progress=False if progress is not None else None, **(kv_cache or {}))
+    types = None
+    if kv_cache:  # the session's types (one of them may be the float default)
+        types = llm.session(ctx_size=1).cache_types
     dev = llm.device
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, llm.tokenizer.n_vocab - 100, (n_prompt,), generator=gen).tolist()
@@ -279,7 +298,8 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
                  "threads": torch.get_num_threads(), "threads_batch": _batch_threads(),
                  "n_prompt": n_prompt, "n_gen": n_gen,
                  "repetitions": repetitions, "torch": torch.__version__,
-                 "backend": getattr(llm.loaded, "backend", "torch")}
+                 "backend": getattr(llm.loaded, "backend", "torch"),
+                 "cache_types": [t.name for t in types] if types else None}
     res.update(_ours(llm, prompt, n_gen, repetitions, on_run=lambda i, n: say(
         f"localllm: pp{n_prompt} + tg{n_gen}, " + ("warm-up" if i == 0 else f"run {i}"), i, n)))
     if dev.type == "cuda":
@@ -290,7 +310,7 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
         res["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     w_bytes = weight_bytes_per_token(llm.loaded)
     kv_bytes = kv_bytes_per_token(llm.args, TG_PROMPT, n_gen, RING_SLACK,
-                                  llm.loaded.kv_dtype.itemsize)
+                                  llm.loaded.kv_dtype.itemsize, types)
     res["weight_bytes_per_token"] = w_bytes
     res["kv_bytes_per_token"] = kv_bytes
     res["achieved_gbps"] = (w_bytes + kv_bytes) * res["tg"] / 1e9
@@ -307,7 +327,7 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
         say("llama.cpp: loading")
         ref = llama_cpp_figures(path, prompt, n_gen, repetitions, device=dev,
                                 threads=res["threads"], threads_batch=res["threads_batch"],
-                                ctx_size=ctx_size,
+                                ctx_size=ctx_size, cache_types=types,
                                 on_run=lambda i, n: say(
                                     f"llama.cpp: pp{n_prompt} + tg{n_gen}, "
                                     + ("warm-up" if i == 0 else f"run {i}"), i, n))

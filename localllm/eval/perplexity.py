@@ -185,7 +185,10 @@ def evaluate(llm, tokens, n_ctx: int, *, max_chunks: int = -1, batch_size: int =
     return ev
 
 
-def load_for_eval(model, device: str, n_ctx: int, batch_size: int):
+def load_for_eval(model, device: str, n_ctx: int, batch_size: int,
+                  kv_cache: dict | None = None):
+    """The model for a perplexity run (``kv_cache``: LLM's ``type_k`` / ``type_v``)."""
     from ..api import LLM  # the API imports the runtime: only when a model is loaded
 
-    return LLM(model, device=device, ctx_size=n_ctx, batch_size=min(batch_size, n_ctx))
+    return LLM(model, device=device, ctx_size=n_ctx, batch_size=min(batch_size, n_ctx),
+               **(kv_cache or {}))

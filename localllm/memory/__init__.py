@@ -33,12 +33,16 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .kv import RING_SLACK, KVCache, RingKVCache, attention_mask, query_window
+from .kvtypes import CACHE_TYPES, BlockRows, CacheType, cache_type
 from .latent import LatentCache
 from .recurrent import Checkpoints, RecurrentState
 
 __all__ = [
+    "CACHE_TYPES",
     "DEFAULT_CHECKPOINTS",
     "RING_SLACK",
+    "BlockRows",
+    "CacheType",
     "Checkpoints",
     "KVCache",
     "KVSpec",
@@ -50,6 +54,8 @@ __all__ = [
     "RecurrentState",
     "RingKVCache",
     "attention_mask",
+    "cache_type",
+    "check_cache_types",
     "layout_bytes",
     "make_memory",
     "query_window",
@@ -57,6 +63,10 @@ __all__ = [
 
 # Context checkpoints kept per sequence (llama.cpp's --ctx-checkpoints default).
 DEFAULT_CHECKPOINTS = 8
+
+# The element types of a KV cache's keys and values (None: the float type of the caches'
+# dtype), llama.cpp's -ctk / -ctv.
+KVTypes = tuple[CacheType | None, CacheType | None]
 
 
 @runtime_checkable
@@ -117,7 +127,11 @@ class KVSpec:
     that is smaller than the context). ``head_dim_v``: the value head size when it differs
     from the key's. ``chunked``: chunked local attention in chunks of ``window`` positions
     (Llama 4; a query sees the keys of its own chunk, all within its last ``window``
-    positions, so the same ring holds them)."""
+    positions, so the same ring holds them).
+
+    Byte counts take ``itemsize`` (bytes per element of a float cache) or, where given,
+    ``types``: the K and V :class:`~localllm.memory.kvtypes.CacheType` (a block type counts
+    its block bytes: q8_0 34 bytes per 32 values, llama.cpp's ``ggml_row_size``)."""
 
     n_kv_heads: int
     head_dim: int
@@ -135,25 +149,33 @@ class KVSpec:
             return self.window + slack
         return ctx_size
 
-    def nbytes(self, ctx_size: int, itemsize: int, slack: int = RING_SLACK) -> int:
-        return self._cell_bytes(itemsize) * self.cells(ctx_size, slack)
+    def nbytes(self, ctx_size: int, itemsize: int, slack: int = RING_SLACK,
+               types: KVTypes | None = None) -> int:
+        return self._cell_bytes(itemsize, types) * self.cells(ctx_size, slack)
 
-    def step_bytes(self, pos: int, itemsize: int, slack: int = RING_SLACK) -> int:
+    def step_bytes(self, pos: int, itemsize: int, slack: int = RING_SLACK,
+                   types: KVTypes | None = None) -> int:
         """Bytes a decode step at position ``pos`` reads: the live cells, at most the ring."""
-        return self._cell_bytes(itemsize) * min(pos + 1, self.cells(1 << 62, slack))
+        return self._cell_bytes(itemsize, types) * min(pos + 1, self.cells(1 << 62, slack))
 
-    def _cell_bytes(self, itemsize: int) -> int:
-        return (self.head_dim + (self.head_dim_v or self.head_dim)) * self.n_kv_heads * itemsize
+    def _cell_bytes(self, itemsize: int, types: KVTypes | None) -> int:
+        dk, dv = self.head_dim, self.head_dim_v or self.head_dim
+        tk, tv = types or (None, None)
+        size_k = tk.row_bytes(dk) if tk is not None else dk * itemsize
+        size_v = tv.row_bytes(dv) if tv is not None else dv * itemsize
+        return (size_k + size_v) * self.n_kv_heads
 
     def make(self, ctx_size: int, *, dtype: torch.dtype, device, slack: int,
-             checkpoints: int) -> KVCache | RingKVCache:
+             checkpoints: int, types: KVTypes = (None, None)) -> KVCache | RingKVCache:
+        type_k, type_v = types
         chunk = self.window if self.chunked else None
         if self.window and self.window < ctx_size:
             return RingKVCache(self.window, self.n_kv_heads, self.head_dim, slack=slack,
                                dtype=dtype, device=device, head_dim_v=self.head_dim_v,
-                               checkpoints=checkpoints, chunk=chunk)
+                               checkpoints=checkpoints, chunk=chunk, type_k=type_k,
+                               type_v=type_v)
         return KVCache(ctx_size, self.n_kv_heads, self.head_dim, dtype=dtype, device=device,
-                       head_dim_v=self.head_dim_v, chunk=chunk)
+                       head_dim_v=self.head_dim_v, chunk=chunk, type_k=type_k, type_v=type_v)
 
 
 @dataclass(frozen=True)
@@ -163,14 +185,17 @@ class LatentSpec:
 
     dim: int
 
-    def nbytes(self, ctx_size: int, itemsize: int, slack: int = RING_SLACK) -> int:
+    def nbytes(self, ctx_size: int, itemsize: int, slack: int = RING_SLACK,
+               types: KVTypes | None = None) -> int:
         return self.dim * itemsize * ctx_size
 
-    def step_bytes(self, pos: int, itemsize: int, slack: int = RING_SLACK) -> int:
+    def step_bytes(self, pos: int, itemsize: int, slack: int = RING_SLACK,
+                   types: KVTypes | None = None) -> int:
         return self.dim * itemsize * (pos + 1)
 
     def make(self, ctx_size: int, *, dtype: torch.dtype, device, slack: int,
-             checkpoints: int) -> LatentCache:
+             checkpoints: int, types: KVTypes = (None, None)) -> LatentCache:
+        # The latent vector is not a K/V row: it stays in dtype whatever -ctk/-ctv say.
         return LatentCache(ctx_size, self.dim, dtype=dtype, device=device)
 
 
@@ -182,14 +207,16 @@ class RecurrentSpec:
 
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
 
-    def nbytes(self, ctx_size: int, itemsize: int, slack: int = RING_SLACK) -> int:
+    def nbytes(self, ctx_size: int, itemsize: int, slack: int = RING_SLACK,
+               types: KVTypes | None = None) -> int:
         return sum(4 * _numel(s) for _, s in self.shapes)
 
-    def step_bytes(self, pos: int, itemsize: int, slack: int = RING_SLACK) -> int:
+    def step_bytes(self, pos: int, itemsize: int, slack: int = RING_SLACK,
+                   types: KVTypes | None = None) -> int:
         return self.nbytes(pos + 1, itemsize, slack)  # the whole state, read and written
 
     def make(self, ctx_size: int, *, dtype: torch.dtype, device, slack: int,
-             checkpoints: int) -> RecurrentState:
+             checkpoints: int, types: KVTypes = (None, None)) -> RecurrentState:
         return RecurrentState(dict(self.shapes), device=device, checkpoints=checkpoints)
 
 
@@ -204,10 +231,11 @@ Spec = KVSpec | LatentSpec | RecurrentSpec
 
 
 def layout_bytes(layout: Sequence[Spec], ctx_size: int, itemsize: int,
-                 slack: int = RING_SLACK) -> int:
+                 slack: int = RING_SLACK, types: KVTypes | None = None) -> int:
     """Bytes of the memories of ``layout`` at ``ctx_size`` positions, KV and latent caches of
-    ``itemsize``-byte elements (recurrent states are float32); checkpoints not counted."""
-    return sum(spec.nbytes(ctx_size, itemsize, slack) for spec in layout)
+    ``itemsize``-byte elements, or KV caches of the K and V ``types`` where given (recurrent
+    states are float32); checkpoints not counted."""
+    return sum(spec.nbytes(ctx_size, itemsize, slack, types) for spec in layout)
 
 
 class Memory(Sequence):
@@ -297,11 +325,28 @@ class Memory(Sequence):
             raise ValueError(f"layer {i}: {e}") from None
 
 
+def check_cache_types(layout: Sequence[Spec], types: KVTypes) -> None:
+    """Raises UnsupportedError: a block type of ``types`` (K, V) whose block does not divide
+    the head size of a KV layer of ``layout`` (ggml's blocks run along a row)."""
+    for spec in layout:
+        if isinstance(spec, KVSpec):
+            if types[0] is not None:
+                types[0].check_dim(spec.head_dim, "key")
+            if types[1] is not None:
+                types[1].check_dim(spec.head_dim_v or spec.head_dim, "value")
+
+
 def make_memory(layout: Sequence[Spec], ctx_size: int, *, dtype: torch.dtype, device,
-                slack: int = RING_SLACK, checkpoints: int = DEFAULT_CHECKPOINTS) -> Memory:
+                slack: int = RING_SLACK, checkpoints: int = DEFAULT_CHECKPOINTS,
+                types: KVTypes = (None, None)) -> Memory:
     """The :class:`Memory` of an architecture's ``memory_layout(args)`` at ``ctx_size``
-    positions: KV and latent caches of ``dtype`` elements on ``device``, rings of
+    positions: KV and latent caches of ``dtype`` elements on ``device`` (KV caches of the K
+    and V ``types`` where given: llama.cpp's ``-ctk`` / ``-ctv``), rings of
     ``window + slack`` cells, at most ``checkpoints`` context checkpoints per layer that
-    needs them."""
+    needs them.
+
+    Raises:
+        UnsupportedError: a block type whose block does not divide a head size.
+    """
     return Memory([spec.make(ctx_size, dtype=dtype, device=device, slack=slack,
-                             checkpoints=checkpoints) for spec in layout], ctx_size)
+                             checkpoints=checkpoints, types=types) for spec in layout], ctx_size)

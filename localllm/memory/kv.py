@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from .kvtypes import CACHE_TYPES, BlockRows, CacheType
 from .recurrent import Appendable, Checkpoints
 
 # Extra cells kept by sliding-window caches so that a rollback of up to this many tokens
@@ -69,7 +70,7 @@ def query_window(cache, pos: int) -> int | None:
 
 def _heads(cache) -> str:
     """``{kv heads}x{key size}x{value size}`` of a cache, for :meth:`describe`."""
-    return f"{cache.k.shape[0]}x{cache.k.shape[2]}x{cache.v.shape[2]}"
+    return f"{cache.k.shape[0]}x{cache.dim_k}x{cache.dim_v}"
 
 
 def _chunk(cache) -> str:
@@ -87,26 +88,92 @@ def _check_float(name: str, t: torch.Tensor | None, shape: tuple[int, ...]) -> t
     return t
 
 
-class KVCache(Appendable):
+def _check_rows(name: str, t: torch.Tensor | None, ctype: CacheType, shape: tuple[int, ...],
+                dim: int) -> torch.Tensor:
+    """A state tensor of a cache of ``ctype``: floats (float types), or uint8 blocks whose
+    values are finite (block types); ``shape`` is the stored shape."""
+    if not ctype.quantized:
+        return _check_float(name, t, shape)
+    if t is None:
+        raise ValueError(f"no tensor {name!r}")
+    if t.dtype != torch.uint8 or tuple(t.shape) != shape:
+        raise ValueError(f"{name!r} is {t.dtype} {tuple(t.shape)}, expected {ctype.name} "
+                         f"blocks uint8 {shape}")
+    if not bool(torch.isfinite(ctype.decode(t, dim)).all()):
+        raise ValueError(f"{name!r} holds non-finite values")
+    return t
+
+
+def _types(dtype: torch.dtype, type_k: CacheType | None,
+           type_v: CacheType | None) -> tuple[CacheType, CacheType]:
+    """The K and V types of a cache: those given, else the float type of ``dtype``."""
+    default = next(c for c in CACHE_TYPES.values() if c.dtype == dtype)
+    return type_k or default, type_v or default
+
+
+class _Rows:
+    """What KV caches share: their element types and the conversions between the rows the
+    attention computes (float32) and the cells' storage (see :mod:`.kvtypes`)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def _alloc(self, n_kv_heads: int, size: int, head_dim: int, head_dim_v: int | None, *,
+               dtype: torch.dtype, device, type_k: CacheType | None,
+               type_v: CacheType | None) -> None:
+        self.type_k, self.type_v = _types(dtype, type_k, type_v)
+        self.dim_k, self.dim_v = head_dim, head_dim_v or head_dim
+        self.type_k.check_dim(self.dim_k, "key")
+        self.type_v.check_dim(self.dim_v, "value")
+        self.k = torch.zeros(n_kv_heads, size, self.type_k.storage_dim(self.dim_k),
+                             dtype=self.type_k.dtype, device=device)
+        self.v = torch.zeros(n_kv_heads, size, self.type_v.storage_dim(self.dim_v),
+                             dtype=self.type_v.dtype, device=device)
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k (n_kv_heads, T, head_dim), v (.., head_dim_v) float -> as the cells hold them."""
+        return self.type_k.encode(k), self.type_v.encode(v)
+
+    def view(self, k: torch.Tensor, v: torch.Tensor):
+        """Stored keys and values as the attention reads them: the tensors (float types) or
+        :class:`~localllm.memory.kvtypes.BlockRows` (block types)."""
+        if self.type_k.quantized:
+            k = BlockRows(k, self.type_k, self.dim_k)
+        if self.type_v.quantized:
+            v = BlockRows(v, self.type_v, self.dim_v)
+        return k, v
+
+    @property
+    def quantized(self) -> bool:
+        """Whether keys or values are stored in blocks."""
+        return self.type_k.quantized or self.type_v.quantized
+
+
+
+class KVCache(_Rows, Appendable):
     """Keys and values of positions ``0 .. size-1``.
 
     Args:
         size: context size in tokens.
         n_kv_heads, head_dim: per-layer geometry (``head_dim_v``: the values' head size,
             default ``head_dim``).
-    Tensors ``k`` (n_kv_heads, size, head_dim) and ``v`` (n_kv_heads, size, head_dim_v).
+        type_k, type_v: element types (:mod:`.kvtypes`); default: the float type of ``dtype``.
+    Tensors ``k`` (n_kv_heads, size, head_dim) and ``v`` (n_kv_heads, size, head_dim_v) of
+    the types' dtypes; for a block type, uint8 (n_kv_heads, size, row bytes).
+    Raises:
+        UnsupportedError: a block type whose block does not divide the head size.
     """
 
     window: int | None = None
     positions: torch.Tensor | None = None  # cell j holds position j
 
     def __init__(self, size: int, n_kv_heads: int, head_dim: int, *, dtype: torch.dtype,
-                 device, head_dim_v: int | None = None, chunk: int | None = None) -> None:
+                 device, head_dim_v: int | None = None, chunk: int | None = None,
+                 type_k: CacheType | None = None, type_v: CacheType | None = None) -> None:
         self.size = size
         self.chunk = chunk  # chunked local attention (attention_mask), or None
-        self.k = torch.zeros(n_kv_heads, size, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(n_kv_heads, size, head_dim_v or head_dim, dtype=dtype,
-                             device=device)
+        self._alloc(n_kv_heads, size, head_dim, head_dim_v, dtype=dtype, device=device,
+                    type_k=type_k, type_v=type_v)
         self.n = 0  # positions 0 .. n-1 are valid
 
     # ---- the attention's side -------------------------------------------------------------
@@ -114,19 +181,21 @@ class KVCache(Appendable):
         """Write ``k``/``v`` (n_kv_heads, T, head_dim) at positions ``pos .. pos+T-1``.
 
         Returns (keys, values, None): (n_kv_heads, pos + T, head_dim) views where cell ``j``
-        holds position ``j``.
+        holds position ``j`` (:class:`~localllm.memory.kvtypes.BlockRows` for block types).
         """
         end = pos + k.shape[1]
+        k, v = self.encode(k, v)
         self.k[:, pos:end] = k
         self.v[:, pos:end] = v
         self.n = end
-        return self.k[:, :end], self.v[:, :end], None
+        return *self.view(self.k[:, :end], self.v[:, :end]), None
 
     def update_static(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """:meth:`update` of one token at a (1,) device position: the whole buffers."""
-        self.k.index_copy_(1, pos, k.to(self.k.dtype))
-        self.v.index_copy_(1, pos, v.to(self.v.dtype))
-        return self.k, self.v, None
+        k, v = self.encode(k, v)
+        self.k.index_copy_(1, pos, k)
+        self.v.index_copy_(1, pos, v)
+        return *self.view(self.k, self.v), None
 
     def decode_slot(self, pos: int, t: int = 1) -> tuple[int, int, torch.Tensor | None]:
         """The bookkeeping of an :meth:`update` of ``t`` tokens at ``pos`` whose writes the
@@ -143,11 +212,11 @@ class KVCache(Appendable):
         """After a kernel stored one token's k/v at cell ``pos`` (the Triton decode step):
         the bookkeeping and the return of ``update(pos, k, v)`` for T = 1."""
         self.n = pos + 1
-        return self.k[:, : pos + 1], self.v[:, : pos + 1], None
+        return *self.view(self.k[:, : pos + 1], self.v[:, : pos + 1]), None
 
     def written_static(self):
         """:meth:`written` of a static-shape step: the whole buffers."""
-        return self.k, self.v, None
+        return *self.view(self.k, self.v), None
 
     # ---- the runtime's side (memory.LayerMemory) ------------------------------------------
     @property
@@ -165,33 +234,34 @@ class KVCache(Appendable):
         dv = self.v.shape[2]
         if not 0 <= n <= self.size:
             raise ValueError(f"{n} positions do not fit in {self.size} cells")
-        k = _check_float("k", state.get("k"), (hk, n, dk))
-        v = _check_float("v", state.get("v"), (hk, n, dv))
+        k = _check_rows("k", state.get("k"), self.type_k, (hk, n, dk), self.dim_k)
+        v = _check_rows("v", state.get("v"), self.type_v, (hk, n, dv), self.dim_v)
         self.k[:, :n] = k
         self.v[:, :n] = v
         self.n = n
 
 
-class RingKVCache:
+class RingKVCache(_Rows):
     """Keys and values of the last ``size = window + slack`` positions, in a ring.
 
     ``positions[i]`` is the absolute position held by cell ``i`` (-1 when empty). At most
-    ``checkpoints`` copies of a wrapped ring are kept by :meth:`checkpoint`.
+    ``checkpoints`` copies of a wrapped ring are kept by :meth:`checkpoint`. Element types as
+    :class:`KVCache`'s.
     """
 
     cheap_rewind = True  # see memory.LayerMemory
 
     def __init__(self, window: int, n_kv_heads: int, head_dim: int, *, slack: int,
                  dtype: torch.dtype, device, head_dim_v: int | None = None,
-                 checkpoints: int = 0, chunk: int | None = None) -> None:
+                 checkpoints: int = 0, chunk: int | None = None,
+                 type_k: CacheType | None = None, type_v: CacheType | None = None) -> None:
         self.window = window
         # chunked local attention (attention_mask): a query sees its own chunk only, a
         # subset of the window when window == chunk, so the ring holds what it needs
         self.chunk = chunk
         self.size = window + slack
-        self.k = torch.zeros(n_kv_heads, self.size, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(n_kv_heads, self.size, head_dim_v or head_dim, dtype=dtype,
-                             device=device)
+        self._alloc(n_kv_heads, self.size, head_dim, head_dim_v, dtype=dtype, device=device,
+                    type_k=type_k, type_v=type_v)
         self.positions = torch.full((self.size,), -1, dtype=torch.long, device=device)
         self.n = 0  # next absolute position expected
         # Until the ring wraps, cell j holds position j (or nothing): attention then reads
@@ -212,13 +282,14 @@ class RingKVCache:
         device = self.k.device
         if pos + t > self.size:
             self.linear = False
+        k, v = self.encode(k, v)  # rounded (quantized) as the cells will hold them
         if self.linear:  # before the ring wraps: write in place, attend over the live prefix
             end = pos + t
             self.k[:, pos:end] = k
             self.v[:, pos:end] = v
             self.positions[pos:end] = torch.arange(pos, end, device=device)
             self.n = end
-            return self.k[:, :end], self.v[:, :end], self.positions[:end]
+            return *self.view(self.k[:, :end], self.v[:, :end]), self.positions[:end]
         if t == 1:
             # Decode: write first, then the ring itself holds the window (no concatenation).
             slot = pos % self.size
@@ -226,8 +297,7 @@ class RingKVCache:
             self.v[:, slot] = v[:, 0]
             self.positions[slot] = pos
             self.n = pos + 1
-            return self.k, self.v, self.positions
-        k, v = k.to(self.k.dtype), v.to(self.v.dtype)  # rounded as the cells will hold them
+            return *self.view(self.k, self.v), self.positions
         old_pos = torch.where(self.positions < pos, self.positions, -1)
         new_pos = torch.arange(pos, pos + t, device=device)
         keys = torch.cat([self.k, k], dim=1)
@@ -240,16 +310,17 @@ class RingKVCache:
         self.v[:, slots] = v[:, t - keep :]
         self.positions[slots] = new_pos[t - keep :]
         self.n = pos + t
-        return keys, values, positions
+        return *self.view(keys, values), positions
 
     def update_static(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """:meth:`update` of one token at a (1,) device position: the cell is computed on
         the device; returns the whole ring."""
         slot = pos % self.size
-        self.k.index_copy_(1, slot, k.to(self.k.dtype))
-        self.v.index_copy_(1, slot, v.to(self.v.dtype))
+        k, v = self.encode(k, v)
+        self.k.index_copy_(1, slot, k)
+        self.v.index_copy_(1, slot, v)
         self.positions.index_copy_(0, slot, pos)
-        return self.k, self.v, self.positions
+        return *self.view(self.k, self.v), self.positions
 
     def decode_slot(self, pos: int, t: int = 1) -> tuple[int, int, torch.Tensor] | None:
         """The bookkeeping of an :meth:`update` of ``t`` tokens at ``pos`` whose writes the
@@ -281,12 +352,12 @@ class RingKVCache:
             self.linear = False
         self.n = end
         if self.linear:
-            return self.k[:, :end], self.v[:, :end], self.positions[:end]
-        return self.k, self.v, self.positions
+            return *self.view(self.k[:, :end], self.v[:, :end]), self.positions[:end]
+        return *self.view(self.k, self.v), self.positions
 
     def written_static(self):
         """:meth:`written` of a static-shape step: the whole ring."""
-        return self.k, self.v, self.positions
+        return *self.view(self.k, self.v), self.positions
 
     # ---- the runtime's side (memory.LayerMemory) ------------------------------------------
     @property
@@ -360,8 +431,8 @@ class RingKVCache:
         return {"k": self.k, "v": self.v, "positions": self.positions}
 
     def load_state(self, state: dict[str, torch.Tensor], n: int) -> None:
-        k = _check_float("k", state.get("k"), tuple(self.k.shape))
-        v = _check_float("v", state.get("v"), tuple(self.v.shape))
+        k = _check_rows("k", state.get("k"), self.type_k, tuple(self.k.shape), self.dim_k)
+        v = _check_rows("v", state.get("v"), self.type_v, tuple(self.v.shape), self.dim_v)
         pos = state.get("positions")
         if pos is None or pos.dtype != torch.int64 or tuple(pos.shape) != (self.size,):
             raise ValueError(f"'positions' must be int64 ({self.size},)")

@@ -113,29 +113,32 @@ def kv_dtype(device: torch.device | str, *, half: bool = False) -> torch.dtype:
 
 
 def kv_cache_bytes(args, ctx_size: int, device: torch.device | str = "cpu", *,
-                   half: bool = False) -> int:
+                   half: bool = False, types=None) -> int:
     """Bytes of one session's memories at ``ctx_size`` tokens (capped at the model's context)
     on ``device``, from the architecture's ``memory_layout(args)`` (full layers hold the
     context, sliding-window layers ``window + RING_SLACK`` cells when that is less,
     recurrent layers their fixed state); ``half``: float16 on the CPU too (the native
-    backend's caches).
+    backend's caches); ``types``: the K and V
+    :class:`~localllm.memory.CacheType` (``-ctk`` / ``-ctv``; None: the float default).
 
     ``args``: a model's validated ModelArgs.
     """
     ctx = max(1, min(ctx_size, args.context_length))
-    return layout_bytes(memory_layout(args), ctx, kv_dtype(device, half=half).itemsize)
+    return layout_bytes(memory_layout(args), ctx, kv_dtype(device, half=half).itemsize,
+                        types=types)
 
 
 def estimate_memory(gguf, args, ctx_size: int | None, device: torch.device,
                     dtype: torch.dtype = torch.float16, *,
-                    quantized: bool | None = None) -> MemoryEstimate:
+                    quantized: bool | None = None, types=None) -> MemoryEstimate:
     """Weights and KV cache bytes of loading ``gguf`` on ``device`` (KV 0 if ctx_size is None;
-    0 means the model's context length)."""
+    0 means the model's context length; ``types``: the KV cache's K and V types, see
+    :func:`kv_cache_bytes`)."""
     if ctx_size == 0:
         ctx_size = args.context_length
     # The native backend (quantized on the CPU) keeps float16 caches unless dtype is float32.
     half = bool(quantized) and device.type == "cpu" and dtype != torch.float32
-    kv = kv_cache_bytes(args, ctx_size, device, half=half) if ctx_size else 0
+    kv = kv_cache_bytes(args, ctx_size, device, half=half, types=types) if ctx_size else 0
     return MemoryEstimate(weight_bytes(gguf, device, dtype, quantized), kv, ctx_size,
                           runtime_bytes(gguf, args, bool(quantized)) if device.type == "cpu"
                           else 0)
@@ -246,10 +249,11 @@ def format_bytes(n: int) -> str:
 
 def check_memory(gguf, args, ctx_size: int | None, device: torch.device,
                  dtype: torch.dtype = torch.float16, *,
-                 quantized: bool | None = None) -> MemoryEstimate:
+                 quantized: bool | None = None, types=None) -> MemoryEstimate:
     """Refuse a load that cannot fit in the free memory of ``device``.
 
-    ``quantized``: the load keeps matrices in their file blocks (default: on CUDA).
+    ``quantized``: the load keeps matrices in their file blocks (default: on CUDA);
+    ``types``: the KV cache's K and V types (:func:`kv_cache_bytes`).
 
     Returns the estimate (also when the check is skipped by ``LOCALLLM_SKIP_MEMORY_CHECK=1``
     or the free memory is unknown).
@@ -257,7 +261,8 @@ def check_memory(gguf, args, ctx_size: int | None, device: torch.device,
         InsufficientMemoryError: one line naming the memory needed (weights + KV cache at
             --ctx-size) and the memory free.
     """
-    est = estimate_memory(gguf, args, ctx_size, device, dtype, quantized=quantized)
+    est = estimate_memory(gguf, args, ctx_size, device, dtype, quantized=quantized,
+                          types=types)
     if os.environ.get(SKIP_ENV, "") not in ("", "0"):
         return est
     free = free_memory(device)

@@ -25,7 +25,14 @@ from ..cpu.threads import use_threads_for
 from ..errors import ContextOverflowError, LocalLLMError
 from ..gguf.file import GGUFFile, open_gguf
 from ..gguf.validate import validate_vocab
-from ..memory import DEFAULT_CHECKPOINTS, RING_SLACK, make_memory
+from ..memory import (
+    CACHE_TYPES,
+    DEFAULT_CHECKPOINTS,
+    RING_SLACK,
+    CacheType,
+    check_cache_types,
+    make_memory,
+)
 from ..models import architecture
 from ..models.base import bind, check_tensors
 from ..tokenizer import Tokenizer
@@ -89,6 +96,7 @@ def load_model(
     dtype: torch.dtype = torch.float16,
     ctx_size: int | None = None,
     backend: str = "auto",
+    cache_types: tuple[CacheType | None, CacheType | None] = (None, None),
 ) -> LoadedModel:
     """Open, validate and load a GGUF model.
 
@@ -104,21 +112,26 @@ def load_model(
             when Triton is importable, "native" on the CPU when the kernels load, else "torch".
         progress: show a progress bar on stderr (default: when stderr is a terminal).
         ctx_size: context size the caller will use; its KV cache counts in the memory check.
+        cache_types: the K and V cache types sessions will use (``-ctk`` / ``-ctv``; None:
+            the backend's float type): checked against the model's head sizes and counted in
+            the memory check.
     Raises:
         GGUFError, UnsupportedError: the file is malformed, its hyperparameters are invalid
-            or contradict its tensors, or it uses something unsupported (raised before any
-            weight is read).
+            or contradict its tensors, or it uses something unsupported (a cache type whose
+            block does not divide a head size), raised before any weight is read.
         LocalLLMError: the weights and KV cache do not fit in the device's free memory
             (:func:`localllm.runtime.resources.check_memory`), raised before any weight is read.
     """
     t0 = time.perf_counter()
     return load_gguf(open_gguf(path), device=device, progress=progress, dtype=dtype,
-                     ctx_size=ctx_size, backend=backend, t0=t0)
+                     ctx_size=ctx_size, backend=backend, t0=t0, cache_types=cache_types)
 
 
 def load_gguf(gguf: GGUFFile, *, device: str = "auto", progress: bool | None = None,
               dtype: torch.dtype = torch.float16, ctx_size: int | None = None,
-              backend: str = "auto", t0: float | None = None) -> LoadedModel:
+              backend: str = "auto", t0: float | None = None,
+              cache_types: tuple[CacheType | None, CacheType | None] = (None, None),
+              ) -> LoadedModel:
     """:func:`load_model` of an opened file (the metadata fuzzer feeds it mutated metadata).
 
     Order: architecture, vocabulary, hyperparameters (validated), tensor shapes against the
@@ -133,14 +146,21 @@ def load_gguf(gguf: GGUFFile, *, device: str = "auto", progress: bool | None = N
     check_tensors(specs, gguf.tensors, gguf.path.name)
     dev = resolve_device(device)
     chosen = select_backend(backend, dev, dtype, prefill_bf16=arch.Model.PREFILL_BF16)
-    check_memory(gguf, args, ctx_size, dev, dtype, quantized=chosen.name != "torch")
+    layout = arch.memory_layout(args)
+    types = None
+    if any(t is not None for t in cache_types):
+        check_cache_types(layout, cache_types)
+        default = next(c for c in CACHE_TYPES.values() if c.dtype == chosen.kv_dtype)
+        types = (cache_types[0] or default, cache_types[1] or default)
+    check_memory(gguf, args, ctx_size, dev, dtype, quantized=chosen.name != "torch",
+                 types=types)
     if progress is None:
         progress = _isatty(sys.stderr)
     model = arch.Model(args)
     with _load_progress(gguf, enabled=progress) as advance:
         fallbacks = bind(model, gguf, chosen, specs, progress=advance)
     return LoadedModel(gguf, tokenizer, args, model, dev, time.perf_counter() - t0,
-                       chosen.name, fallbacks, chosen.kv_dtype, arch.memory_layout(args))
+                       chosen.name, fallbacks, chosen.kv_dtype, layout)
 
 
 def _isatty(stream) -> bool:
@@ -186,6 +206,11 @@ class Session:
             (the attention covers the whole cache) and exists for tests.
         checkpoints: context checkpoints kept for memories that cannot be truncated
             (llama.cpp's ``--ctx-checkpoints``); 0 recomputes from the start instead.
+        type_k, type_v: element types of the KV caches' keys and values (llama.cpp's
+            ``-ctk`` / ``-ctv``, :mod:`localllm.memory.kvtypes`); None: the backend's
+            ``kv_dtype``. A block type makes one-token steps dynamic (no CUDA graph).
+    Raises:
+        UnsupportedError: a block type whose block does not divide the model's head size.
     Attributes:
         tokens: the tokens currently held by the memory, in order.
         memory: the :class:`~localllm.memory.Memory` of the sequence.
@@ -193,17 +218,21 @@ class Session:
 
     def __init__(self, loaded: LoadedModel, *, ctx_size: int = 4096, batch_size: int = 512,
                  static_decode: bool | None = None,
-                 checkpoints: int = DEFAULT_CHECKPOINTS) -> None:
+                 checkpoints: int = DEFAULT_CHECKPOINTS, type_k: CacheType | None = None,
+                 type_v: CacheType | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.ctx_size = max(1, min(ctx_size, loaded.args.context_length))
         self.batch_size = max(1, batch_size)
+        default = next(c for c in CACHE_TYPES.values() if c.dtype == loaded.kv_dtype)
+        self.cache_types = (type_k or default, type_v or default)
         self.memory = make_memory(loaded.memory_layout, self.ctx_size, dtype=loaded.kv_dtype,
                                   device=loaded.device, slack=RING_SLACK,
-                                  checkpoints=checkpoints)
+                                  checkpoints=checkpoints, types=self.cache_types)
         self.tokens: list[int] = []
-        if static_decode is None:
-            static_decode = loaded.device.type == "cuda"
+        if static_decode is None:  # a block type's write is not a static-shape step
+            static_decode = loaded.device.type == "cuda" and not any(
+                t.quantized for t in self.cache_types)
         self.decoder = DecodeGraph(self.model, self.memory, loaded.device) \
             if static_decode else None  # fmt: skip
 
@@ -297,7 +326,9 @@ class Session:
         (``{i}.k`` / ``{i}.v`` (n_kv_heads, n, head_dim) for full caches, the whole ring and
         ``{i}.positions`` for sliding-window layers, the state tensors of recurrent layers and
         those of their latest checkpoint, ``{i}.{name}@{position}``).
-        Metadata: the model file's SHA-256, its name, the geometry and ``ctx_size``.
+        Metadata: the model file's SHA-256, its name, the geometry, ``ctx_size`` and the KV
+        cache types (``cache_type_k`` / ``cache_type_v``: llama.cpp's names, ``q8_0`` ...; a
+        block type's ``k`` / ``v`` are its uint8 blocks).
         Raises:
             LocalLLMError: the file cannot be written, or ``path`` is a device, FIFO, socket or
                 a symbolic link out of its directory (``localllm.atomic``).
@@ -312,7 +343,8 @@ class Session:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         meta = {"format": SESSION_FORMAT, "model_sha256": self.loaded.sha256(),
                 "model_name": self.loaded.gguf.path.name, "ctx_size": str(self.ctx_size),
-                **self._geometry()}
+                "cache_type_k": self.cache_types[0].name,
+                "cache_type_v": self.cache_types[1].name, **self._geometry()}
         with atomic_output(path, "prompt cache", errors=(SafetensorError,)) as tmp:
             save_file(tensors, str(tmp), metadata=meta)
 
@@ -321,8 +353,9 @@ class Session:
 
         Raises:
             LocalLLMError: the file is unreadable, not a regular file (a FIFO, a device) or
-                not a session file, or it was saved for another model file (SHA-256) or
-                another geometry (layers, sliding-window sizes, head shapes), or it holds more
+                not a session file, or it was saved for another model file (SHA-256), with
+                other KV cache types where either is a block type (float caches convert;
+                files without the types hold floats), or for another geometry (layers, sliding-window sizes, head shapes), or it holds more
                 tokens than this session's context, token ids that are not int64 ids of the
                 vocabulary, or malformed memory tensors (non-finite values, ring positions
                 that do not fit the ring).
@@ -346,6 +379,7 @@ class Session:
                 f"{where}: saved for another model ({str(meta.get('model_name'))[:80]!r}, "
                 f"sha256 {str(meta.get('model_sha256'))[:12]}...), not "
                 f"{self.loaded.gguf.path.name}")
+        self._check_cache_types(where, meta)
         mine = self._geometry()
         theirs = {k: meta.get(k) for k in mine}
         if theirs != mine:
@@ -367,6 +401,19 @@ class Session:
         except ValueError as e:
             raise LocalLLMError(f"{where}: malformed cache ({e})") from None
         self.tokens = [int(t) for t in tokens.tolist()]
+
+
+    def _check_cache_types(self, where: str, meta: dict[str, str]) -> None:
+        """Raises LocalLLMError: the file's K/V cache types differ from this session's and
+        either side stores blocks (floats of one width load into another's cache)."""
+        mine = tuple(t.name for t in self.cache_types)
+        theirs = (meta.get("cache_type_k", "f32"), meta.get("cache_type_v", "f32"))
+        block = {c.name for c in CACHE_TYPES.values() if c.quantized}
+        if theirs != mine and block & {*mine, *theirs}:
+            raise LocalLLMError(f"{where}: saved with a {str(theirs[0])[:10]}/"
+                                f"{str(theirs[1])[:10]} KV cache, this session's is "
+                                f"{mine[0]}/{mine[1]} (-ctk/--cache-type-k, "
+                                "-ctv/--cache-type-v)")
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

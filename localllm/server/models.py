@@ -304,13 +304,16 @@ def for_server(llm, source: str | None, *, device: str = "auto", ctx_size: int =
                batch_size: int = 512, max_models: int = 3, keep_alive: float | None = 300.0,
                chat_template=None, options: dict | None = None,
                aliases: tuple[str, ...] = (),
-               setup: Callable[[object], None] | None = None) -> ModelManager:
+               setup: Callable[[object], None] | None = None,
+               kv_cache: dict | None = None) -> ModelManager:
     """The manager ``localllm serve`` runs: ``llm`` (started from MODEL ``source``, with
     the compiled ``--chat-template`` ``chat_template`` and the LLM keywords ``options``
     (speculative decoding), both kept if it is reloaded) answers to its name, its file's name and stem, and
     ``aliases``; other models load as :class:`localllm.LLM` with the same device and sizes,
     by registry or store name; ``setup`` is called on each model loaded (the server's
-    reasoning settings).
+    reasoning settings). ``kv_cache``: the LLM keywords ``type_k`` / ``type_v`` (``-ctk`` /
+    ``-ctv``), for every model the manager loads (Ollama's ``OLLAMA_KV_CACHE_TYPE`` does the
+    same).
     """
     from pathlib import Path
 
@@ -326,7 +329,7 @@ def for_server(llm, source: str | None, *, device: str = "auto", ctx_size: int =
     def load(name: str):
         started = name == started_as  # the started model, reloaded after an eviction
         loaded = LLM(name, device=device, ctx_size=ctx_size, batch_size=batch_size,
-                     progress=None, **(options or {} if started else {}))
+                     progress=None, **(options or {} if started else {}), **(kv_cache or {}))
         if chat_template is not None and started:
             loaded.chat_template = chat_template
         if setup is not None:

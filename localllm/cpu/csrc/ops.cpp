@@ -63,23 +63,6 @@ inline float kv_value(at::Half x) { return static_cast<float>(x); }
 inline vf vload_kv(const float* p) { return vload(p); }
 inline vf vload_kv(const at::Half* p) { return vload_f16(p); }
 
-// exp(x), Cephes expf's reduction and polynomial (relative error within 2 ulp), inputs
-// clamped to [-87, 88] (exp(-87) ~ 1.6e-38: the callers only add or divide by it).
-LOCALLLM_INLINE vf vexp(vf x) {
-  x = vmin(vmax(x, vset1(-87.0f)), vset1(88.0f));
-  const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
-  vf r = vfma(n, vset1(-0.693359375f), x);
-  r = vfma(n, vset1(2.12194440e-4f), r);
-  vf p = vset1(1.9875691500e-4f);
-  p = vfma(p, r, vset1(1.3981999507e-3f));
-  p = vfma(p, r, vset1(8.3334519073e-3f));
-  p = vfma(p, r, vset1(4.1665795894e-2f));
-  p = vfma(p, r, vset1(1.6666665459e-1f));
-  p = vfma(p, r, vset1(5.0000001201e-1f));
-  const vf y = vadd(vfma(vmul(p, r), r, r), vset1(1.0f));
-  return vexp2i(y, n);
-}
-
 // Sum of squares of x[0 .. n-1].
 inline float sum_squares(const float* x, int64_t n) {
   int64_t i = 0;

@@ -124,3 +124,18 @@ def test_api_prefix_cache_and_run_prompt_cache(path, tmp_path, monkeypatch, caps
     code, out2, err = run_cli(monkeypatch, capsys, *args)
     n = len(llm.tokenize(text))
     assert code == 0 and f"prompt cache: {n - 1} of {n}" in err and out1 == out2
+
+
+def test_ctx_checkpoints_bounds_what_a_prefix_restores(path, monkeypatch, capsys):
+    """``LLM(ctx_checkpoints=0)`` / ``--ctx-checkpoints 0`` keeps no checkpoint: a shared
+    prefix is recomputed from the start (llama.cpp's ``--ctx-checkpoints``); out of range is
+    one error naming the flag."""
+    prompt = _tokens(300, 8)
+    for n, cached in ((0, lambda c: c == 0), (8, lambda c: c >= CHECKPOINT_INTERVAL)):
+        llm = LLM(path, device="cpu", ctx_size=512, ctx_checkpoints=n)
+        llm.create_completion(prompt, max_tokens=1, temperature=0)
+        warm = llm.create_completion(prompt[:290] + _tokens(5, 9), max_tokens=1, temperature=0)
+        assert cached(warm["usage"]["prompt_tokens_details"]["cached_tokens"]), n
+    code, out, err = run_cli(monkeypatch, capsys, "run", str(path), "hi", "-n", "1",
+                             "--device", "cpu", "--ctx-checkpoints", "-1")
+    assert code == 1 and err.count("\n") == 1 and "--ctx-checkpoints" in err and not out

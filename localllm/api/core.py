@@ -185,6 +185,7 @@ class LLM:
             raise ParameterError(f"model must be a name or a path, got {type(model).__name__}")
         if dtype not in _DTYPES:
             raise ParameterError(f"dtype must be torch.float16, float32 or bfloat16, got {dtype!r}")
+        self.ctx_checkpoints = options.ctx_checkpoints
         self.type_k = cache_type(options.type_k, "type_k (--cache-type-k)")
         self.type_v = cache_type(options.type_v, "type_v (--cache-type-v)")
         path, entry = load_registry().resolve(model)
@@ -286,7 +287,8 @@ class LLM:
         """A fresh sequence with its own KV cache (``eval``, ``truncate``, ``reset``,
         ``save``/``load``, ``tokens``, ``n_past``, ``ctx_size``)."""
         return Session(self.loaded, ctx_size=ctx_size or self.ctx_size, batch_size=self.batch_size,
-                       type_k=self.type_k, type_v=self.type_v)
+                       type_k=self.type_k, type_v=self.type_v,
+                       checkpoints=self.ctx_checkpoints)
 
     def reserve(self) -> None:
         """Allocate the KV cache of the LLM's own session (the one :meth:`prepare` uses by

@@ -491,7 +491,7 @@ _OPTION_FLAGS = {"ctx_size": "--ctx-size", "batch_size": "--batch-size", "device
                  "draft_model": "--model-draft", "spec_ngram": "--spec-ngram",
                  "draft_max": "--draft-max", "draft_min": "--draft-min",
                  "draft_p_min": "--draft-p-min", "type_k": "--cache-type-k",
-                 "type_v": "--cache-type-v"}
+                 "type_v": "--cache-type-v", "ctx_checkpoints": "--ctx-checkpoints"}
 
 
 class LLMOptions(_Model):
@@ -513,6 +513,9 @@ class LLMOptions(_Model):
     # name, checked by localllm.memory.cache_type)
     type_k: int | str | None = None
     type_v: int | str | None = None
+    # context checkpoints of a recurrent state kept per sequence (llama.cpp's
+    # --ctx-checkpoints, default 8: localllm.memory.DEFAULT_CHECKPOINTS)
+    ctx_checkpoints: Annotated[int, Field(ge=0, le=1024)] = 8
 
 
 def parse_options(options: dict[str, Any]) -> LLMOptions:

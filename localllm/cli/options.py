@@ -137,13 +137,19 @@ CACHE_OPTIONS: list[tuple[str, Any, Any]] = [
     ("cache_type_v", None, Annotated[str | None, typer.Option(
         "--cache-type-v", "-ctv", rich_help_panel=_KV, show_default=False,
         help="KV cache type of the values (the same types)")]),
+    ("ctx_checkpoints", None, Annotated[int | None, typer.Option(
+        "--ctx-checkpoints", rich_help_panel=_KV, show_default=False,
+        help="context checkpoints of a recurrent state kept per sequence, 0-1024 (default: "
+        "8): more lets a shared prefix restore closer to its end, each costs one state")]),
 ]
 
 
 def cache_options(func: Callable) -> Callable:
     """Decorator: ``-ctk/--cache-type-k`` and ``-ctv/--cache-type-v``, handed to ``func`` as
-    ``kv_cache``: a dict of the ``LLM(...)`` keywords the user gave (``type_k``, ``type_v``)."""
-    def build(values: dict[str, Any]) -> dict[str, str]:
+    and ``--ctx-checkpoints``, handed to ``func`` as ``kv_cache``: a dict of the ``LLM(...)``
+    keywords the user gave (``type_k``, ``type_v``, ``ctx_checkpoints``)."""
+    def build(values: dict[str, Any]) -> dict[str, Any]:
+        from ..errors import ParameterError
         from ..memory import cache_type
 
         given = {key: values[name] for key, name in (("type_k", "cache_type_k"),
@@ -151,6 +157,11 @@ def cache_options(func: Callable) -> Callable:
                  if values.get(name) is not None}
         for key, value in given.items():  # refused before any work, in one line
             cache_type(value, "--cache-type-k" if key == "type_k" else "--cache-type-v")
+        n = values.get("ctx_checkpoints")
+        if n is not None:
+            if not 0 <= n <= 1024:
+                raise ParameterError(f"--ctx-checkpoints must be in [0, 1024], got {n}")
+            given["ctx_checkpoints"] = n
         return given
 
     return option_group("kv_cache", CACHE_OPTIONS, build)(func)

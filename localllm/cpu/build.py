@@ -87,10 +87,32 @@ def _load() -> None:
     except ImportError:
         pass
     directory.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(directory)
     print("localllm: compiling the native CPU kernels (once)...", file=sys.stderr, flush=True)
     load(name, [str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
          build_directory=str(directory),
          is_python_module=False, verbose=False)
+
+
+# A build takes a minute or two; torch's build lock (a ``lock`` file in the build directory,
+# ``torch.utils.file_baton``) left by a build that was killed is waited on forever.
+STALE_LOCK_SECONDS = 600
+
+
+def _clear_stale_lock(directory: Path) -> None:
+    """Remove the build lock of a killed build (older than :data:`STALE_LOCK_SECONDS`), so
+    that the next build does not wait on it forever."""
+    import time
+
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        print(f"localllm: removing a stale build lock ({lock}, {age / 60:.0f} min old)",
+              file=sys.stderr, flush=True)
+        lock.unlink(missing_ok=True)
 
 
 def load_native() -> bool:

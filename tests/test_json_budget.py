@@ -315,11 +315,11 @@ def test_server_within_max_tokens(tiny_path):
         small = smallest_tokens(ORDER, tokens_of(LLM(tiny_path, device="cpu")))
         fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": ORDER}}
         for seed in range(2):
-            r = client.chat.completions.create(model="m", messages=HI, max_tokens=small + seed,
+            r = client.chat.completions.create(model="tiny", messages=HI, max_tokens=small + seed,
                                                seed=seed, temperature=1.5, response_format=fmt)
             assert r.choices[0].finish_reason == "stop"
             assert check_output(r.choices[0].message.content, ORDER) is None
-            r = client.completions.create(model="m", prompt="order:", max_tokens=small,
+            r = client.completions.create(model="tiny", prompt="order:", max_tokens=small,
                                           seed=seed, temperature=1.5,
                                           extra_body={"response_format": fmt})
             assert check_output(r.choices[0].text, ORDER) is None

@@ -624,7 +624,10 @@ def test_smollm2_sea_haiku_loop_is_stopped():
     from localllm import LLM
 
     llm = LLM(hub.cached_path(source), device="cpu", ctx_size=2048)
-    params = llm.sampling_params(temp=0.2, top_p=0.9, seed=1)
+    # a seed whose sample path loops on the haiku as the report's did (the path moves with
+    # any change of the kernels' rounding; the guard itself is checked deterministically by
+    # test_a_looping_reply_is_stopped_with_a_note)
+    params = llm.sampling_params(temp=0.2, top_p=0.9, seed=2)
     out = io.StringIO()
     repl = ChatREPL(llm, console=Console(file=out, width=200), params=params)
     threads = torch.get_num_threads()

@@ -570,9 +570,9 @@ GEOMETRIES: dict[str, Geometry] = {
         "gpt2", "glm4", specials=("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>",
                                   "<|assistant|>", "<|observation|>"),
         qkv_bias=True, extra=_glm4moe_keys(128, 8, 1408, 1.0, nextn=1)),
-    # GLM-4.5-Air's proportions at ~1B active: 16 layers (the first dense), 32 experts
+    # GLM-4.5-Air's proportions at 1.4B: 12 layers (the first dense), 32 experts
     "glm4moe-1b": Geometry(
-        "glm4moe-1b", "glm4moe", 151552, 16, 1536, 24, 4, 64, 4608, 131072, 1000000.0, 1e-5,
+        "glm4moe-1b", "glm4moe", 151552, 12, 1536, 24, 4, 64, 4608, 131072, 1000000.0, 1e-5,
         "gpt2", "glm4", specials=("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>",
                                   "<|assistant|>", "<|observation|>"),
         qkv_bias=True, extra=_glm4moe_keys(32, 8, 512, 1.0)),

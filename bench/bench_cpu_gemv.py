@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_cpu_gemv.py MODEL.gguf --arch native haswell --rounds 5
 
 Loads MODEL's matrices as the native backend packs them (views of the memory-mapped file)
-and times one-row products ``y = x @ W.T`` (``localllm.cpu.qmatmul``, decode's GEMV) with
+and times products ``y = x @ W.T`` of one activation row (``--rows``: up to 8; ``localllm.cpu.qmatmul``, decode's GEMV) with
 int8 activations (``gemv_q8``) and with float32 activations (``gemv``), on every matrix of
 the file in turn, so that the weights stream from DRAM as in a decode step (the file is
 larger than the L3), after one untimed pass that maps the file's pages. Printed per (type, shape) and for all matrices together: GB/s of
@@ -26,7 +26,7 @@ import sys
 import time
 
 
-def worker(path: str) -> dict:
+def worker(path: str, rows: int = 1) -> dict:
     """One round in this process's build: {mode: {key: (bytes, cpu s, wall s)}}."""
     import torch
 
@@ -59,7 +59,7 @@ def worker(path: str) -> dict:
              "float32": [cpu.PackedWeight.from_bytes(w.data, w.qtype, w.shape) for w in weights]}
     if not modes["int8"][0].q8:
         del modes["int8"]  # no int8 GEMV in this build
-    x = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
+    x = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     out: dict = {}
     for w in modes["float32"]:  # warm-up: maps every page of the file (no page faults timed)
         cpu.qmatmul(x[w.shape[1]], w)
@@ -81,26 +81,30 @@ def main() -> None:
     ap.add_argument("--arch", nargs="+", default=["native", "haswell"],
                     help="-march values to compare (LOCALLLM_CPU_ARCH), each in its own process")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rows", type=int, default=1, choices=range(1, 9), metavar="1..8",
+                    help="activation rows per product (1: decode; 2-8: a speculative "
+                         "verification or a small batch)")
     ap.add_argument("--json", help="write every round and the medians to this file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if not os.path.isfile(a.model):
         sys.exit(f"error: no such file: {a.model}")
     if a.worker:
-        print(json.dumps(worker(a.model)))
+        print(json.dumps(worker(a.model, a.rows)))
         return
     runs: dict = {arch: [] for arch in a.arch}
     for _ in range(a.rounds):
         for arch in a.arch:
             env = dict(os.environ, LOCALLLM_CPU_ARCH=arch)
-            r = subprocess.run([sys.executable, __file__, a.model, "--worker"], env=env,
+            r = subprocess.run([sys.executable, __file__, a.model, "--worker", "--rows",
+                                str(a.rows)], env=env,
                                capture_output=True, text=True, check=False)
             if r.returncode != 0:
                 sys.exit(f"error: the {arch} worker failed: "
                          f"{(r.stderr.strip().splitlines() or ['?'])[-1]}")
             runs[arch].append(json.loads(r.stdout.strip().splitlines()[-1])["res"])
     print(f"load average {os.getloadavg()[0]:.2f}; {a.rounds} rounds; GB/s of weight bytes, "
-          "one activation row, 1 thread: thread CPU time / wall time (medians)")
+          f"{a.rows} activation row(s), 1 thread: thread CPU time / wall time (medians)")
     medians: dict = {}
     for arch, rs in runs.items():
         for mode in rs[0]:

@@ -132,6 +132,21 @@ def test_gemv_int8_activations(qtype):
         assert float(((y.double() - exact).abs() / scale).max()) < 2e-2
 
 
+@pytest.mark.parametrize("q8", [False, pytest.param(True, marks=needs_q8)])
+@pytest.mark.parametrize("qtype", QUANT_TYPES, **IDS)
+def test_gemv_rows_equal_one_row_products(qtype, q8):
+    """Each row of a 2-8 row product is bit for bit that row's one-row product (decode's
+    GEMV): a speculative verification batch scores its tokens exactly as decoding would."""
+    rows, cols = 37, cols_for(qtype)
+    w, _ = packed(qtype, rows, cols, seed=5, q8=q8)
+    gen = torch.Generator().manual_seed(int(qtype) + 100)
+    for t in range(2, cpu.GEMV_MAX_ROWS + 1):
+        x = torch.randn(t, cols, generator=gen) * torch.rand(t, cols, generator=gen) ** 2 * 4
+        y = cpu.qmatmul(x, w)
+        for i in range(t):
+            assert torch.equal(y[i], cpu.qmatmul(x[i:i + 1], w)[0]), (t, i)
+
+
 @needs_q8
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K], **IDS)
 def test_gemv_int8_k4_scale_groups(qtype):

@@ -111,6 +111,54 @@ def caches(kind: str, nkv: int, hd: int, dtype: torch.dtype = torch.float32):
     return make(), make()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kv", ["f32", "f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", ["full", "ring"])
+def test_a_few_tokens_at_once_equal_one_token_steps(kind, kv, threads):
+    """Speculative decoding's verification (issue #30): t tokens attended in one native call
+    give bit for bit what t one-token steps give, on every cache type with a native kernel,
+    with the live cells crossing a multiple of the vector width, and whatever heads the
+    threads group together."""
+    from localllm.memory import CACHE_TYPES
+
+    nh, nkv, hd, prefix = 8, 2, 64, 29
+    ctype = CACHE_TYPES[kv]
+    dtype = torch.float32 if kv == "f32" else torch.float16
+    inv = rope_inv_freq(hd, 10_000.0)
+    g = gen(nh + nkv)
+    qn, kn = torch.randn(hd, generator=g) + 1, torch.randn(hd, generator=g) + 1
+
+    def make():
+        kw = {"dtype": dtype, "device": "cpu", "type_k": ctype, "type_v": ctype}
+        c = (KVCache(64, nkv, hd, **kw) if kind == "full"
+             else RingKVCache(48, nkv, hd, slack=8, **kw))
+        h = gen(1)
+        c.update(0, torch.randn(nkv, prefix, hd, generator=h),
+                 torch.randn(nkv, prefix, hd, generator=h))
+        return c
+
+    kw = {"head_dim": hd, "neox": True, "scale": hd ** -0.5, "softcap": 30.0}
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for t in (2, 5, 8):
+            qkv = torch.randn(t, (nh + 2 * nkv) * hd, generator=g) * 3
+            q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            positions = torch.arange(prefix, prefix + t)
+            cs = TORCH.rope_angles(positions, inv)
+            batch, steps = make(), make()
+            out = NATIVE.self_attention(q, k, v, qn, kn, 1e-6, cs, batch, prefix, positions,
+                                        **kw)
+            for i in range(t):
+                one = NATIVE.self_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], qn, kn, 1e-6,
+                                            (cs[0][i:i + 1], cs[1][i:i + 1]), steps,
+                                            prefix + i, positions[i:i + 1], **kw)
+                assert torch.equal(one[0], out[i]), (t, i)
+            assert torch.equal(batch.k, steps.k) and torch.equal(batch.v, steps.v)
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("kv", [torch.float32, torch.float16])  # float16: the native backend's
 @pytest.mark.parametrize("kind", ["full", "ring"])
 @pytest.mark.parametrize("nh,nkv,hd,neox,qk_norm,softcap,sinks", [

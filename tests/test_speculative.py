@@ -1,11 +1,13 @@
 """Speculative decoding (issue #30 item 1): n-gram and draft-model guesses verified in one
 batched forward by the one decode loop. The sampler sees the same logits and history as in
 plain decoding and draws the same random numbers, so the output is the same token for token —
-checked exactly on float32 models (where a batched forward equals one-token steps bit for
-bit), for greedy and seeded sampling, with good, bad and adversarial guesses."""
+checked exactly on float32 models and on the default model's native int8 path (where a batched
+forward equals one-token steps bit for bit), for greedy and seeded sampling, with good, bad and
+adversarial guesses; and statistically, with independent random numbers on each side."""
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -120,6 +122,47 @@ def test_guesses_stop_at_the_context_end(exact):
     assert steps[-1].finish_reason in ("ctx", "eog") and s.n_past <= 64
 
 
+def test_sampled_tokens_follow_the_plain_distribution(exact):
+    """Distribution preservation measured, not assumed: 400 sampled continuations with
+    guesses (a drafter that is right a third of the time) and 400 without, each side with
+    its own seeds. At each of the first four positions the two samples' token counts pass a
+    two-sample chi-square test (p > 0.001; a verifier that kept wrong guesses, or drew the
+    token after a rejection from the wrong distribution, fails it)."""
+    prompt = [7, 11, 13, 7, 11]
+    # the random model's logits span about 40 nats: a high temperature spreads the top six
+    params = {"temp": 30.0, "top_k": 6, "min_p": 0.0, "top_p": 1.0}
+
+    class Sometimes:  # the plain argmax continuation a third of the time, else a wrong token
+        def __init__(self, seed):
+            self.rng = random.Random(seed)
+
+        def propose(self, context, k):
+            return [self.rng.choice([context[-1], 5, 9]) for _ in range(k)]
+
+    def sample(seed, drafter):
+        s = Session(exact, ctx_size=64)
+        sampler = build_sampler(SamplingParams(seed=seed, **params), exact.tokenizer)
+        return [st.token for st in generate_tokens(s, prompt, sampler, n_predict=4,
+                                                   drafter=drafter, draft_max=3)]
+
+    plain = [sample(seed, None) for seed in range(400)]
+    spec = [sample(10_000 + seed, Sometimes(seed)) for seed in range(400)]
+    for pos in range(4):
+        a = collections.Counter(x[pos] for x in plain if len(x) > pos)
+        b = collections.Counter(x[pos] for x in spec if len(x) > pos)
+        na, nb = sum(a.values()), sum(b.values())
+        assert na > 300 and nb > 300
+        cats = [c for c in a.keys() | b.keys() if a[c] + b[c] >= 10]  # the rest pooled
+        rest = (na - sum(a[c] for c in cats), nb - sum(b[c] for c in cats))
+        pairs = [(a[c], b[c]) for c in cats] + ([rest] if sum(rest) else [])
+        ka, kb = (nb / na) ** 0.5, (na / nb) ** 0.5
+        stat = sum((ka * x - kb * y) ** 2 / (x + y) for x, y in pairs)
+        df = len(pairs) - 1
+        p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                          torch.tensor(stat / 2, dtype=torch.float64)))
+        assert df >= 2 and p > 1e-3, (pos, stat, df, p)
+
+
 # ---- the draft model ------------------------------------------------------------------------------
 def test_draft_model_gives_the_same_tokens(tmp_path):
     target = write_tiny_gguf(tmp_path / "target.gguf", seed=1, context_length=512)
@@ -163,3 +206,43 @@ def test_cli_flags(tmp_path, monkeypatch, capsys):
         code, _, err = run_cli(monkeypatch, capsys, "run", str(path), "hi", "-n", "2", *args)
         assert code == 1 and err.startswith("error:") and message in err, err
         assert len(err.strip().splitlines()) == 1
+
+
+# ---- the default model on the native CPU path (int8 GEMV, native attention) -----------------
+COPY_HEAVY = [
+    ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
+     "fibonacci(n - 2)\n\nThe same function with a loop:\n"),
+    '{"name": "Ada", "age": 36, "langs": ["en", "fr"]}\nThe same JSON, pretty-printed:\n',
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Once upon a time, in a small village by the sea, there lived",
+    "List of prime numbers: 2, 3, 5, 7, 11, 13,",
+    "Paris is the capital of France. Berlin is the capital of",
+    "import numpy as np\nimport torch\n\nx = np.zeros((3, 4))\ny = torch.from_numpy(x)\n",
+    "Q: What is the boiling point of water?\nA:",
+    "The mitochondria is the powerhouse of the cell. It",
+    "1. Preheat the oven.\n2. Mix flour and sugar.\n3.",
+    "SELECT name, age FROM users WHERE age > 30 ORDER BY",
+    "In 1492, Columbus sailed the ocean blue. In",
+    "for i in range(10):\n    print(i)\nfor j in range(10):\n",
+    "Dear Sir or Madam,\n\nI am writing to",
+    "The theory of relativity, proposed by Albert Einstein,",
+    "<html>\n<head>\n<title>Test</title>\n</head>\n<body>\n",
+    "Roses are red, violets are blue,",
+    "A B C D E F G H I J K",
+    "The answer is 42. The answer is",
+    "Photosynthesis converts light energy into",
+]
+
+
+@pytest.mark.parametrize("i", range(len(COPY_HEAVY)))
+def test_default_model_greedy_equals_plain_decoding(llm, i):
+    """Issue #30's check on the default model (Q4_K_M, native CPU backend): greedy output with
+    n-gram guesses (and, every fourth prompt, adversarial ones) is token for token the plain
+    output. A verification batch runs the int8 GEMV and the native attention over 2-8 tokens;
+    both sum each token's products as a one-token step does."""
+    prompt = llm.tokenizer.encode(COPY_HEAVY[i])
+    plain, _, _ = _tokens(llm.loaded, prompt, None, temp=0.0, seed=0, n=32)
+    drafter = Adversary(llm.loaded.tokenizer.n_vocab, i) if i % 4 == 3 else NgramDrafter(3)
+    got, t, _ = _tokens(llm.loaded, prompt, drafter, temp=0.0, seed=0, n=32)
+    assert got == plain
+    assert t.extra["draft_tokens"] > 0 or i % 4 != 3

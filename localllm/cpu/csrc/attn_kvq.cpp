@@ -236,11 +236,12 @@ at::Tensor attn_kvq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   at::parallel_for(0, nt * nkv, grain, [&](int64_t u0, int64_t u1) {
     std::vector<float> row(d), s(group * live), mx(group), total(group);
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t t = u / nkv, g = u % nkv, qpos = pos + t;
+      // query t sees cells up to its own (slot + t), as a one-token step there does
+      const int64_t t = u / nkv, g = u % nkv, qpos = pos + t, lt = live - (nt - 1 - t);
       const uint8_t* kg = kc + g * size * rk;
       const uint8_t* vg = vc + g * size * rv;
       std::fill(mx.begin(), mx.end(), ninf);
-      for (int64_t j = 0; j < live; ++j) {
+      for (int64_t j = 0; j < lt; ++j) {
         const int64_t p = kpos ? kpos[j] : j;
         if (!(p >= 0 && p <= qpos && (window <= 0 || qpos - p < window))) {
           for (int64_t i = 0; i < group; ++i) s[i * live + j] = ninf;
@@ -259,20 +260,20 @@ at::Tensor attn_kvq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         const vf vm = vset1(mx[i]);
         vf acc = vset1(0.0f);
         int64_t j = 0;
-        for (; j + VL <= live; j += VL) {
+        for (; j + VL <= lt; j += VL) {
           const vf e = vexp(vsub(vload(si + j), vm));  // masked: -inf -> exp(-87)
           vstore(si + j, e);
           acc = vadd(acc, e);
         }
         float tot = vsum(acc);
-        for (; j < live; ++j) {
+        for (; j < lt; ++j) {
           si[j] = std::exp(si[j] - mx[i]);
           tot += si[j];
         }
         total[i] = tot;
       }
       float* ot = op + t * nh * d + g * group * d;  // the group's heads, one after another
-      for (int64_t j = 0; j < live; ++j) {
+      for (int64_t j = 0; j < lt; ++j) {
         bool any = false;
         for (int64_t i = 0; i < group; ++i) any |= s[i * live + j] > TINY;
         if (!any) continue;

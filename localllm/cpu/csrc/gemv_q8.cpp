@@ -66,17 +66,10 @@ inline void prefetch_block(const uint8_t* p) {
   }
 }
 
-template <int N>
-inline fvec sum_acc(const fvec* a) {
-  if constexpr (N == 4) return vadd(vadd(a[0], a[1]), vadd(a[2], a[3]));
-  else if constexpr (N == 2) return vadd(a[0], a[1]);
-  else return a[0];
-}
-
-// Independent accumulators per activation row: enough that the fma chain is not the bound,
-// few enough that 8 rows keep theirs in registers.
-template <int NT>
-constexpr int n_acc() { return NT == 1 ? 4 : NT <= 3 ? 2 : 1; }
+// One accumulator per activation row, whatever the row count: a row's sums run in the same
+// order in a one-token step and in a batch of up to 8 (a verified speculative guess equals
+// the decoded token bit for bit). More accumulators for one row were measured no faster
+// (bench/bench_cpu_gemv.py): the product is bound by the weights' bytes.
 
 // ---- K-quants with a scale per 16 weights: Q2_K, Q3_K, Q6_K ------------------------------
 
@@ -157,7 +150,7 @@ using DecodeFn = void (*)(const uint8_t*, KBlock&);
 template <int NT, int BYTES, DecodeFn DECODE, int OFF>
 void gemv_q8_kquant(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float* out,
                     int64_t ldo, int64_t r0, int64_t r1) {
-  constexpr int NACC = n_acc<NT>(), CF = NC / NF;  // CF: registers per scale register
+  constexpr int CF = NC / NF;  // CF: registers per scale register
   // lane j of register c's dot products covers weights Q8W c + 4j .. + 3: group
   // (Q8W c + 4j) / 16, lane (Q8W (c % CF) + 4j) / 16 of scale register c / CF
   ivec perm[CF];
@@ -165,9 +158,8 @@ void gemv_q8_kquant(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float*
   const int64_t nblocks = xa.cols / QK_K;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * row_bytes;
-    fvec acc[NT][NACC];
-    for (int t = 0; t < NT; ++t)
-      for (int k = 0; k < NACC; ++k) acc[t][k] = vzero<fvec>();
+    fvec acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = vzero<fvec>();
     for (int64_t s = 0; s < nblocks; ++s) {
       KBlock blk;
       prefetch_block<BYTES>(row + s * BYTES);
@@ -180,14 +172,14 @@ void gemv_q8_kquant(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float*
         for (int h = 0; h < NF; ++h) av[h] = vmul(blk.a[h], vload<fvec>(xa.dx16.data() + g0 + FL * h));
         if constexpr (!OFF)
           for (int h = 0; h < NF; ++h)
-            acc[t][0] = vfnma(blk.b[h], vload<fvec>(xa.xsum16.data() + g0 + FL * h), acc[t][0]);
+            acc[t] = vfnma(blk.b[h], vload<fvec>(xa.xsum16.data() + g0 + FL * h), acc[t]);
         for (int c = 0; c < NC; ++c) {
           const ivec p = dot4(OFF ? iload(corr + FL * c) : izero(), blk.u[c], iload(xq + Q8W * c));
-          acc[t][c % NACC] = vfma(vcvt(p), vperm(av[c / CF], perm[c % CF]), acc[t][c % NACC]);
+          acc[t] = vfma(vcvt(p), vperm(av[c / CF], perm[c % CF]), acc[t]);
         }
       }
     }
-    for (int t = 0; t < NT; ++t) out[t * ldo + r] = vsum(sum_acc<NACC>(acc[t]));
+    for (int t = 0; t < NT; ++t) out[t * ldo + r] = vsum(acc[t]);
   }
 }
 
@@ -242,7 +234,6 @@ LOCALLLM_INLINE void k4_runs(const uint8_t* p, ivec* u) {
 template <int NT, int BYTES>
 void gemv_q8_k4(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float* out,
                 int64_t ldo, int64_t r0, int64_t r1) {
-  constexpr int NACC = n_acc<NT>();
   // register c's int32 lane j: sub-block 2 ((Q8W (c / 2) + 4j) / 32) + c % 2 (k4_runs)
   ivec perm[NC];
   for (int c = 0; c < NC; ++c)
@@ -254,10 +245,10 @@ void gemv_q8_k4(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float* out
   const int64_t nblocks = xa.cols / QK_K;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * row_bytes;
-    fvec acc[NT][NACC], bacc[NT];  // bacc: the minimums' lanes sum dmin * m * xsum
+    fvec acc[NT], bacc[NT];  // bacc: the minimums' lanes sum dmin * m * xsum
     for (int t = 0; t < NT; ++t) {
       bacc[t] = vzero<fvec>();
-      for (int k = 0; k < NACC; ++k) acc[t][k] = vzero<fvec>();
+      acc[t] = vzero<fvec>();
     }
     for (int64_t s0 = 0; s0 < nblocks; s0 += KB) {
       const int n = int(std::min<int64_t>(KB, nblocks - s0));
@@ -283,7 +274,7 @@ void gemv_q8_k4(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float* out
           bacc[t] = vadd_last8(bacc[t], sc[NF - 1]);
           for (int c = 0; c < NC; ++c) {
             const ivec d = dot4(izero(), u[c], iload(xq + Q8W * c));
-            acc[t][c % NACC] = vfma(vcvt(d), vperm(sc[0], perm[c]), acc[t][c % NACC]);
+            acc[t] = vfma(vcvt(d), vperm(sc[0], perm[c]), acc[t]);
           }
         }
       };
@@ -294,7 +285,7 @@ void gemv_q8_k4(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float* out
         if (n > 3) block(std::integral_constant<int, 3>{});
       }
     }
-    for (int t = 0; t < NT; ++t) out[t * ldo + r] = vsum(vsub(sum_acc<NACC>(acc[t]), bacc[t]));
+    for (int t = 0; t < NT; ++t) out[t * ldo + r] = vsum(vsub(acc[t], bacc[t]));
   }
 }
 

@@ -77,20 +77,6 @@ inline float sum_squares(const float* x, int64_t n) {
   return s;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float s = 0.0f;
-  vf acc0 = vset1(0.0f), acc1 = vset1(0.0f);
-  for (; i + 2 * VL <= n; i += 2 * VL) {
-    acc0 = vfma(vload(a + i), vload(b + i), acc0);
-    acc1 = vfma(vload(a + i + VL), vload(b + i + VL), acc1);
-  }
-  for (; i + VL <= n; i += VL) acc0 = vfma(vload(a + i), vload(b + i), acc0);
-  s = vsum(vadd(acc0, acc1));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // 1 / rms(x) as torch's x.pow(2).mean(-1) + eps, then rsqrt (= 1 / sqrt).
 inline float inv_rms(const float* x, int64_t n, float eps) {
   return 1.0f / std::sqrt(sum_squares(x, n) / float(n) + eps);
@@ -174,18 +160,20 @@ inline void head_dots(const float* const* q, const KT* k, int64_t d, float* out)
     for (int i = 0; i < NB; ++i) out[i] += q[i][c] * kv_value(k[c]);
 }
 
-// o[i][c0 .. c0 + B*VL) = sum_j w[i * live + j] * v[j * d + c0 ..] for NB heads, the
-// NB * B sums held in registers over all cells j (each value vector loaded once).
+// o[i][c0 .. c0 + B*VL) = sum_j w[i * ld + j] * v[j * d + c0 ..] for NB heads and cells
+// j < live, the NB * B sums held in registers over all cells j (each value vector loaded
+// once). Each sum runs over j in order whatever NB and B are: a head's output does not depend
+// on which heads share its call.
 template <int NB, int B, typename KT>
-inline void weighted_block(const float* w, int64_t live, const KT* v, int64_t d, int64_t c0,
-                           float* const* o) {
+inline void weighted_block(const float* w, int64_t ld, int64_t live, const KT* v, int64_t d,
+                           int64_t c0, float* const* o) {
   vf acc[NB][B];
   for (int i = 0; i < NB; ++i)
     for (int b = 0; b < B; ++b) acc[i][b] = vset1(0.0f);
   for (int64_t j = 0; j < live; ++j) {
     const KT* vj = v + j * d + c0;
     for (int i = 0; i < NB; ++i) {
-      const float wij = w[i * live + j];
+      const float wij = w[i * ld + j];
       if (wij <= TINY) continue;
       const vf p = vset1(wij);
       for (int b = 0; b < B; ++b) acc[i][b] = vfma(p, vload_kv(vj + b * VL), acc[i][b]);
@@ -195,21 +183,21 @@ inline void weighted_block(const float* w, int64_t live, const KT* v, int64_t d,
     for (int b = 0; b < B; ++b) vstore(o[i] + c0 + b * VL, acc[i][b]);
 }
 
-// o[i][0 .. d) = sum_j w[i * live + j] * v[j * d ..] for NB heads.
+// o[i][0 .. d) = sum_j w[i * ld + j] * v[j * d ..] for NB heads and cells j < live.
 template <int NB, typename KT>
-inline void weighted_values(const float* w, int64_t live, const KT* v, int64_t d,
+inline void weighted_values(const float* w, int64_t ld, int64_t live, const KT* v, int64_t d,
                             float* const* o) {
   int64_t c0 = 0;
   constexpr int ACC = VF_REGS / 2;  // accumulators: half the register file
   constexpr int B = ACC / NB;
-  for (; c0 + B * VL <= d; c0 += B * VL) weighted_block<NB, B, KT>(w, live, v, d, c0, o);
-  for (; c0 + VL <= d; c0 += VL) weighted_block<NB, 1, KT>(w, live, v, d, c0, o);
+  for (; c0 + B * VL <= d; c0 += B * VL) weighted_block<NB, B, KT>(w, ld, live, v, d, c0, o);
+  for (; c0 + VL <= d; c0 += VL) weighted_block<NB, 1, KT>(w, ld, live, v, d, c0, o);
   for (int i = 0; i < NB; ++i)
     for (int64_t c = c0; c < d; ++c) o[i][c] = 0.0f;
   if (c0 < d)
     for (int64_t j = 0; j < live; ++j)
       for (int i = 0; i < NB; ++i) {
-        const float wij = w[i * live + j];
+        const float wij = w[i * ld + j];
         if (wij > TINY)
           for (int64_t c = c0; c < d; ++c) o[i][c] += wij * kv_value(v[j * d + c]);
       }
@@ -444,14 +432,17 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   };
   // Threads take ranges of (token, query head) pairs; the heads of a range that share a
   // token and a KV head go together, so each key and value row is read once for all of
-  // them (GQA).
+  // them (GQA). Query t sees cells up to its own, slot + t: the batch's later cells are
+  // left out rather than masked, so each query's sums run over the cells a one-token step
+  // at its position has, in the same order (a verified guess equals a decoded token bit
+  // for bit: speculative decoding).
   const int64_t grain = std::max<int64_t>(1, GRAIN / std::max<int64_t>(live * d, 1));
   at::parallel_for(0, nt * nh, grain, [&](int64_t u0, int64_t u1) {
     std::vector<float> s((u1 - u0) * live), mx(u1 - u0), total(u1 - u0);
     for (int64_t ua = u0; ua < u1;) {
       const int64_t t = ua / nh, ha = ua % nh, g = ha / group;
       const int64_t hb = std::min({u1 - t * nh, (g + 1) * group, nh}), n = hb - ha;
-      const int64_t qpos = pos + t;
+      const int64_t qpos = pos + t, lt = live - (nt - 1 - t);  // lt: the cells query t sees
       const KT* kg = kc + g * size * d;
       const KT* vg = vc + g * size * d;
       float* sa = s.data() + (ua - u0) * live;  // scores of head ha + i at sa[i * live + j]
@@ -463,19 +454,17 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
         const float* qs[4];
         for (int i = 0; i < nb; ++i) qs[i] = qa + (i0 + i) * d;
         float x[4];
-        for (int64_t j = 0; j < live; ++j) {
+        for (int64_t j = 0; j < lt; ++j) {
           if (!visible(j, qpos)) {
             for (int i = 0; i < nb; ++i) sa[(i0 + i) * live + j] = ninf;
             continue;
           }
           const KT* kj = kg + j * d;
-          switch (nb) {
+          switch (nb) {  // the same sums in the same order for any nb
             case 4: head_dots<4>(qs, kj, d, x); break;
             case 3: head_dots<3>(qs, kj, d, x); break;
             case 2: head_dots<2>(qs, kj, d, x); break;
-            default:
-              if constexpr (std::is_same_v<KT, float>) x[0] = dot(qs[0], kj, d);
-              else head_dots<1>(qs, kj, d, x);
+            default: head_dots<1>(qs, kj, d, x);
           }
           for (int i = 0; i < nb; ++i) {
             float xi = x[i] * sc;
@@ -493,13 +482,13 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
         float tot = 0.0f;
         const vf vm = vset1(mx[i]);
         vf acc = vset1(0.0f);
-        for (; j + VL <= live; j += VL) {
+        for (; j + VL <= lt; j += VL) {
           const vf ej = vexp(vsub(vload(si + j), vm));  // masked: -inf -> exp(-87)
           vstore(si + j, ej);
           acc = vadd(acc, ej);
         }
         tot = vsum(acc);
-        for (; j < live; ++j) {
+        for (; j < lt; ++j) {
           si[j] = std::exp(si[j] - mx[i]);
           tot += si[j];
         }
@@ -511,10 +500,10 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
         for (int i = 0; i < nb; ++i) os[i] = oa + (i0 + i) * d;
         const float* w = sa + i0 * live;
         switch (nb) {
-          case 4: weighted_values<4>(w, live, vg, d, os); break;
-          case 3: weighted_values<3>(w, live, vg, d, os); break;
-          case 2: weighted_values<2>(w, live, vg, d, os); break;
-          default: weighted_values<1>(w, live, vg, d, os);
+          case 4: weighted_values<4>(w, live, lt, vg, d, os); break;
+          case 3: weighted_values<3>(w, live, lt, vg, d, os); break;
+          case 2: weighted_values<2>(w, live, lt, vg, d, os); break;
+          default: weighted_values<1>(w, live, lt, vg, d, os);
         }
       }
       for (int64_t i = 0; i < n; ++i) scale_rows(oa + i * d, 1.0f / total[i], nullptr, oa + i * d, d);

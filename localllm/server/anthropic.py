@@ -32,11 +32,19 @@ from typing import Any, Literal
 from fastapi import Request
 from pydantic import Field
 
-from ..api.chat import TurnRun, prepare_chat, render_chat, with_default_system
+from ..api.chat import TurnRun, render_chat, with_default_system
 from ..api.completions import timings_dict
 from ..api.schema import InvalidRequest
 from ..chat.events import Event
-from .mapped import Lenient, Mapped, MappedRequest, parse_mapped, texts_of, type_of
+from .mapped import (
+    Lenient,
+    Mapped,
+    MappedRequest,
+    parse_mapped,
+    run_mapped,
+    texts_of,
+    type_of,
+)
 from .protocol import Failure, Style, dumps
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -247,23 +255,21 @@ def _tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def create_message(llm, parsed: Mapped[MessagesRequest], *, n_predict: int = -1,
-                   time_limit: float | None = None, cancel=None) -> dict | Iterator[dict]:
-    """Run a Messages request: the ``message`` object, or its stream events."""
-    turn = prepare_chat(llm, parsed.params, n_predict=n_predict, time_limit=time_limit,
-                        cancel=cancel)
-    run = TurnRun(llm, turn)
+def create_message(llm, parsed: Mapped[MessagesRequest], **limits: Any
+                   ) -> dict | Iterator[dict]:
+    """Run a Messages request: the ``message`` object, or its stream events (``limits``: see
+    :func:`~localllm.server.mapped.run_mapped`)."""
     head = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
             "model": parsed.req.model or llm.model_name}
-    if parsed.stream:
-        return _events(run, head)
-    for _ in run:
-        pass
+    return run_mapped(llm, parsed, head, _events, _message, **limits)
+
+
+def _message(run: TurnRun, head: dict) -> dict:
     message = run.message
     content: list[dict] = []
     if message.reasoning:
         content.append({"type": "thinking", "thinking": message.reasoning, "signature": ""})
-    text = message.content.strip() if message.calls else message.content
+    text = message.text
     if text or not message.calls:
         content.append({"type": "text", "text": text})
     for call in message.calls:

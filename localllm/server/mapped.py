@@ -12,12 +12,13 @@ for are ignored, as clients send many), then the chat request it maps to validat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from ..api.chat import TurnRun, prepare_chat
 from ..api.schema import ChatParams, InvalidRequest, parse
 from .protocol import read_json
 
@@ -66,6 +67,28 @@ def parse_mapped(body: bytes, model: type[R], to_chat: Callable[[R], dict[str, A
     return Mapped(req, parse(ChatParams, to_chat(req)))
 
 
+def run_mapped(llm, parsed: Mapped, head: dict,
+               events: Callable[[TurnRun, dict], Iterator[dict]],
+               reply: Callable[[TurnRun, dict], dict], *, n_predict: int = -1,
+               time_limit: float | None = None, cancel=None) -> dict | Iterator[dict]:
+    """Run a mapped request's chat turn: ``events(run, head)`` (the family's stream events)
+    when it streams, else ``reply(run, head)`` once the whole reply is in ``run.message``
+    (``head``: the fields the family's reply starts with, its id and model ...).
+
+    Args:
+        n_predict, time_limit, cancel: see :func:`~localllm.api.chat.prepare_chat`.
+    Raises:
+        see :func:`~localllm.api.chat.prepare_chat`.
+    """
+    run = TurnRun(llm, prepare_chat(llm, parsed.params, n_predict=n_predict,
+                                    time_limit=time_limit, cancel=cancel))
+    if parsed.stream:
+        return events(run, head)
+    for _ in run:
+        pass
+    return reply(run, head)
+
+
 def type_of(item: Any) -> Any:
     """An item's ``type`` (a content block, part or input item), None when it is no object."""
     return item.get("type") if isinstance(item, dict) else None
@@ -92,4 +115,4 @@ def texts_of(content: Any, where: str, kinds: Collection[str],
     return texts
 
 
-__all__ = ["Lenient", "Mapped", "MappedRequest", "parse_mapped", "texts_of", "type_of"]
+__all__ = ["Lenient", "Mapped", "MappedRequest", "parse_mapped", "run_mapped", "texts_of", "type_of"]

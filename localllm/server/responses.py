@@ -28,11 +28,11 @@ from typing import Any, Literal
 from fastapi import Request
 from pydantic import Field
 
-from ..api.chat import TurnRun, prepare_chat
+from ..api.chat import TurnRun
 from ..api.completions import timings_dict
 from ..api.schema import InvalidRequest
 from ..chat.events import Event
-from .mapped import Lenient, Mapped, MappedRequest, parse_mapped, texts_of
+from .mapped import Lenient, Mapped, MappedRequest, parse_mapped, run_mapped, texts_of
 from .protocol import OPENAI, Style, dumps
 
 
@@ -214,12 +214,10 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def create_response(llm, parsed: Mapped[ResponsesRequest], *, n_predict: int = -1,
-                    time_limit: float | None = None, cancel=None) -> dict | Iterator[dict]:
-    """Run a Responses request: the ``response`` object, or its stream events."""
-    turn = prepare_chat(llm, parsed.params, n_predict=n_predict, time_limit=time_limit,
-                        cancel=cancel)
-    run = TurnRun(llm, turn)
+def create_response(llm, parsed: Mapped[ResponsesRequest], **limits: Any
+                    ) -> dict | Iterator[dict]:
+    """Run a Responses request: the ``response`` object, or its stream events (``limits``: see
+    :func:`~localllm.server.mapped.run_mapped`)."""
     req = parsed.req
     shell = {"id": _new_id("resp"), "object": "response", "created_at": int(time.time()),
              "model": req.model or llm.model_name, "status": "in_progress", "output": [],
@@ -228,16 +226,16 @@ def create_response(llm, parsed: Mapped[ResponsesRequest], *, n_predict: int = -
              "tools": req.tools or [], "instructions": req.instructions, "error": None,
              "incomplete_details": None, "metadata": {}, "temperature": req.temperature,
              "top_p": req.top_p, "max_output_tokens": req.max_output_tokens, "usage": None}
-    if parsed.stream:
-        return _events(run, shell)
-    for _ in run:
-        pass
+    return run_mapped(llm, parsed, shell, _events, _response, **limits)
+
+
+def _response(run: TurnRun, shell: dict) -> dict:
     message = run.message
     output: list[dict] = []
     if message.reasoning:
         output.append({"type": "reasoning", "id": _new_id("rs"), "summary": [],
                        "content": [{"type": "reasoning_text", "text": message.reasoning}]})
-    text = message.content.strip() if message.calls else message.content
+    text = message.text
     if text:
         output.append({"type": "message", "id": _new_id("msg"), "status": "completed",
                        "role": "assistant",

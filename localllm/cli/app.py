@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 import typer.main
 
+from ..atomic import read_bounded
 from ..errors import LocalLLMError, ParameterError
 from . import chat, manage, perplexity, pull, quantize, serve
 from .chat_options import ReasoningBudgetOpt, ReasoningFormatOpt, TemplateKwargsOpt
@@ -66,12 +67,7 @@ def read_prompt(prompt: str | None, file: Path | None, name: str = "PROMPT") -> 
     """
     if file is not None:
         where = f"-f {file}"
-        try:
-            with open(file, "rb") as f:
-                data = f.read(MAX_PROMPT_BYTES + 1)
-        except OSError as e:
-            raise LocalLLMError(f"{where}: cannot read prompt file: {e.strerror or e}") from None
-        text = _decode_prompt(data, where)
+        text = _decode_prompt(read_bounded(file, MAX_PROMPT_BYTES, where, "prompt file"), where)
     elif prompt == "-":
         stdin = sys.stdin
         if stdin is None:

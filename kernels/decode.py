@@ -747,3 +747,18 @@ def decode_words_planes(wp, nblk, blk, gb, t, QTYPE: tl.constexpr):
         wq = t
         scale = tl.zeros_like(blk).to(tl.float32)
     return wq, scale, tl.zeros_like(scale)
+
+
+@device_fn
+def decode_tile(w, row, rn, rk, mask, N, K, BS: tl.constexpr, TS: tl.constexpr,
+                QTYPE: tl.constexpr, PLANES: tl.constexpr):
+    """The (len(rn), len(rk)) tile W[rn, rk] of a ``QTYPE`` matrix W (N, K) at byte pointer
+    ``w``, as float32: from its planes (``PLANES``, :func:`decode_planes`) or its blocks of BS
+    weights in TS bytes, row by row (:func:`decode`; ``row``: the first byte of each row rn,
+    ``w + rn * (K // BS) * TS``, computed once by the caller, outside its K loop)."""
+    if PLANES:
+        blk = rn.to(tl.int64)[:, None] * (K // BS) + (rk // BS)[None, :]
+        tile = decode_planes(w, N * (K // BS), blk, (rk % BS)[None, :], mask, QTYPE)
+    else:
+        tile = decode(row[:, None] + ((rk // BS) * TS)[None, :], (rk % BS)[None, :], mask, QTYPE)
+    return tile

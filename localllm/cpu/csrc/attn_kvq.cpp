@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "checks.h"
 #include "simd.h"
 
 namespace {
@@ -205,19 +206,11 @@ at::Tensor attn_kvq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
               "localllm_cpu.attn_kvq: the caches must be contiguous uint8 (n_kv, size, row "
               "bytes) of their types");
   const int64_t size = k_cache.size(1);
-  const bool has_pos = k_pos.numel() > 0;
-  TORCH_CHECK(!has_pos || (k_pos.scalar_type() == at::kLong && k_pos.is_contiguous() &&
-                           k_pos.numel() == size),
-              "localllm_cpu.attn_kvq: k_pos must be empty or (size,) int64");
-  TORCH_CHECK(nt >= 1 && slot >= 0 && slot + nt <= size && live >= slot + nt && live <= size &&
-                  pos >= 0,
-              "localllm_cpu.attn_kvq: cells ", slot, "..", slot + nt - 1, " / live ", live,
-              " outside the cache of ", size, " cells");
+  int64_t* const kpos = check_cells(k_pos, size, nt, slot, live, pos, "attn_kvq");
 
   uint8_t *kc = k_cache.data_ptr<uint8_t>(), *vc = v_cache.data_ptr<uint8_t>();
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *qp = q.data_ptr<float>();
   const int64_t ldv = v.stride(0);
-  int64_t* kpos = has_pos ? k_pos.data_ptr<int64_t>() : nullptr;
   for (int64_t t = 0; t < nt; ++t) {
     for (int64_t g = 0; g < nkv; ++g) {
       quantize_row(tk, kp + (g * nt + t) * d, kc + (g * size + slot + t) * rk, d);

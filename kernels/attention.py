@@ -22,6 +22,10 @@ Which slots are read: a full cache (slot j holds position j) only the visible ra
 :class:`localllm.models.cache.RingKVCache`, slot ``p % S`` holds position p) only the
 ``window`` slots ending at slot ``q_pos % S`` (the live window), never the whole ring.
 
+Attention sinks (gpt-oss: one logit per query head in the softmax's denominator, llama.cpp's
+``ggml_soft_max_add_sinks``) join where a head's result is normalized: in the program with
+one split, else in the merge (:func:`.flash.add_sink`).
+
 Nothing is read on the host: the query position is a device tensor loaded inside the kernel,
 grid and shapes depend on shapes only, so a decode step can be captured in a CUDA graph and
 replayed at every position.
@@ -35,7 +39,13 @@ import triton.language as tl
 
 from . import _sync
 from ._jit import device_fn, kernel
-from .flash import block_scores, check_attention, online_softmax_start, online_softmax_step
+from .flash import (
+    add_sink,
+    block_scores,
+    check_attention,
+    online_softmax_start,
+    online_softmax_step,
+)
 from .gemv import attach_q8, q8_buffers, store_q8
 
 LOG2E = 1.4426950408889634
@@ -94,6 +104,7 @@ def _decode_attention_kernel(
     v_cache,
     q_pos_ptr,
     k_pos,
+    sinks,
     out,
     xq,
     xd,
@@ -122,6 +133,7 @@ def _decode_attention_kernel(
     RING: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     SINGLE: tl.constexpr,
     IEEE: tl.constexpr,
     BH: tl.constexpr,
@@ -190,6 +202,11 @@ def _decode_attention_kernel(
     head0 = kvh * GROUP + hc * BH  # the first query head of this program row
     n_valid = GROUP - hc * BH  # its heads past that belong to the next KV head
     if SINGLE:
+        if SINKS:
+            sink = tl.load(sinks + heads, mask=h_mask, other=0.0).to(tl.float32)
+            # in log2 units, as the scores
+            sink = sink * 1.4426950408889634
+            l_i, acc = add_sink(m_i, l_i, acc, sink)
         res = tl.where(l_i[:, None] > 0.0, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], 0.0)
         _store_out(out, xq, xd, xs, res, head0, n_valid, BH, D, D_PAD, Q8)
     else:
@@ -228,6 +245,9 @@ def _decode_attention_kernel(
                 ll = ll * alpha + tl.sum(w * l_c, axis=0)
                 aa = aa * alpha[:, None] + tl.sum(w[:, :, None] * a_c, axis=0)
                 mm = m_new
+            if SINKS:  # in log2 units, as the scores
+                sink = tl.load(sinks + kvh * GROUP + g_in, mask=g_mask, other=0.0).to(tl.float32)
+                ll, aa = add_sink(mm, ll, aa, sink * 1.4426950408889634)
             # No visible key at all (not a real decode state): zeros rather than NaN.
             res = tl.where(ll[:, None] > 0.0, aa / tl.where(ll > 0.0, ll, 1.0)[:, None], 0.0)
             _store_out(out, xq, xd, xs, res, head0, n_valid, GP, D, D_PAD, Q8)
@@ -265,6 +285,7 @@ def decode_attention(
     window: int | None = None,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     n_splits: int | None = None,
     block_s: int | None = None,
 ) -> torch.Tensor:
@@ -274,7 +295,8 @@ def decode_attention(
     (query head h reads KV head h // (n_heads // n_kv_heads)), scores ``q . k * scale``
     (then ``softcap * tanh(score / softcap)`` with ``softcap``), key j visible iff
     ``0 <= k_pos[j] <= q_pos`` and, with a window, ``q_pos - k_pos[j] < window``; softmax over
-    the visible keys, then the weighted sum of the values. The products run in the cache's
+    the visible keys (and with ``sinks``, the head's sink logit in the denominator), then the
+    weighted sum of the values. The products run in the cache's
     dtype (float16 on CUDA: q and the softmax weights rounded to float16, as llama.cpp's
     ``fattn`` kernels do), accumulation and softmax in float32. Design after Dao et al. 2023,
     "Flash-Decoding for long-context inference", and llama.cpp's ggml-cuda ``fattn`` kernels.
@@ -297,6 +319,10 @@ def decode_attention(
         window: sliding-window size in positions, or None.
         scale: score scale (usually 1/sqrt(head_dim)).
         softcap: Gemma 2's attention logit soft-capping, or None.
+        sinks: (n_heads,) float32/float16 on q's device, or None: attention sinks (gpt-oss),
+            one logit per query head that joins the softmax's denominator and attends to
+            nothing, neither scaled nor capped (llama.cpp's ``ggml_soft_max_add_sinks``;
+            :func:`~localllm.backends.dense.attend`).
         n_splits: splits of the live range (default :func:`split_plan`, from shapes).
         block_s: slots per loop step, a power of two >= 16 (default :func:`default_block_s`).
 
@@ -308,7 +334,7 @@ def decode_attention(
         output projection's GEMV reads.
 
     Raises:
-        ValueError: bad shapes, dtypes, head_dim, window, softcap, n_splits or block_s.
+        ValueError: bad shapes, dtypes, head_dim, window, softcap, sinks, n_splits or block_s.
     """
     if q.ndim != 2 or k_cache.ndim != 3 or v_cache.shape != k_cache.shape:
         raise ValueError(
@@ -320,6 +346,13 @@ def decode_attention(
     n_heads, d = q.shape
     n_kv, seq_len, _ = k_cache.shape
     group = n_heads // n_kv
+    if sinks is not None:
+        if (sinks.shape != (n_heads,) or sinks.dtype not in (torch.float32, torch.float16)
+                or sinks.device != q.device):
+            raise ValueError(f"decode_attention: sinks must be ({n_heads},) float32 on "
+                             f"{q.device}, got {tuple(sinks.shape)} {sinks.dtype} "
+                             f"on {sinks.device}")
+        sinks = sinks.contiguous()  # a no-op for a model's weight: graph capture unharmed
     if block_s is None:
         block_s = default_block_s(d)
     elif block_s < 16 or block_s & (block_s - 1):
@@ -359,12 +392,14 @@ def decode_attention(
     q8 = q8_buffers(n_heads * d, dev) if q8_output(group, d) else None
     try:
         _decode_attention_kernel[(n_rows, n_splits)](
-            q, k_cache, v_cache, q_pos, k_positions if ring else q_pos, out,
+            q, k_cache, v_cache, q_pos, k_positions if ring else q_pos,
+            sinks if sinks is not None else q, out,
             *(q8 if q8 is not None else (out, out, out)), ws_m, ws_l, ws_acc, tickets, seq_len,
             window if window is not None else 0, split_len, n_splits, n_hchunks, q.stride(0),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), qk_scale, softcap if softcap is not None else 1.0,
             GROUP=group, GP=gp, D=d, D_PAD=d_pad, BLOCK_S=block_s, RING=ring,
-            HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, SINGLE=single,
+            HAS_WINDOW=window is not None, SOFTCAP=softcap is not None,
+            SINKS=sinks is not None, SINGLE=single,
             IEEE=k_cache.dtype == torch.float32, BH=BLOCK_H, CHUNK=chunk, Q8=q8 is not None,
             num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )  # fmt: skip
@@ -378,25 +413,27 @@ def decode_attention(
 
 
 def attention_case(group: int, d: int, *, ring: bool, kv: str = "*fp16", arch: int = 90,
-                   single: bool = False, softcap: bool = False, q8: bool = True):
+                   single: bool = False, softcap: bool = False, sinks: bool = False,
+                   q8: bool = True):
     """The kernel's specialization as :func:`decode_attention` launches it, for ahead-of-time
     compilation without a GPU (:mod:`._aot`; tests/test_kernel_compile.py,
     bench/kernel_profile.py): ``group`` query heads per KV head, head_dim ``d``, a ring
-    cache with a window or a full one, K/V of Triton type ``kv``, for ``sm_<arch>``; ``q8``
+    cache with a window or a full one, K/V of Triton type ``kv``, for ``sm_<arch>``, with
+    attention sinks (float32) or without; ``q8``
     (the launcher's choice where :func:`q8_output` allows it): the output's 8-bit copy too."""
     from ._aot import Case
 
     d_pad = max(16, triton.next_power_of_2(d))
     gp = min(BLOCK_H, triton.next_power_of_2(group))
     types = {"q": "*fp32", "k_cache": kv, "v_cache": kv, "q_pos_ptr": "*i64", "k_pos": "*i64",
-             "out": "*fp32", "xq": "*i8", "xd": "*fp32", "xs": "*i32", "ws_m": "*fp32",
+             "sinks": "*fp32", "out": "*fp32", "xq": "*i8", "xd": "*fp32", "xs": "*i32", "ws_m": "*fp32",
              "ws_l": "*fp32", "ws_acc": "*fp32", "tickets": "*i32", "S": "i32", "window": "i32",
              "split_len": "i32", "n_splits": "i32", "n_hchunks": "i32", "stride_qh": "i32", "stride_kh": "i32",
              "stride_ks": "i32", "stride_vh": "i32", "stride_vs": "i32", "qk_scale": "fp32",
              "softcap": "fp32"}  # fmt: skip
     constexprs = {"GROUP": group, "GP": gp, "D": d, "D_PAD": d_pad,
                   "BLOCK_S": default_block_s(d), "RING": ring, "HAS_WINDOW": ring,
-                  "SOFTCAP": softcap, "SINGLE": single, "IEEE": kv == "*fp32", "BH": BLOCK_H,
+                  "SOFTCAP": softcap, "SINKS": sinks, "SINGLE": single, "IEEE": kv == "*fp32", "BH": BLOCK_H,
                   "CHUNK": max(1, _pow2_at_most(MERGE_ELEMENTS // (gp * d_pad))),
                   "Q8": q8 and q8_output(group, d)}  # fmt: skip
     # Pointers and model dimensions are 16-byte multiples; positions, splits and windows

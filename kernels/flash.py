@@ -59,6 +59,20 @@ def online_softmax_step(s, vb, m_i, l_i, acc, IEEE: tl.constexpr):
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
+@device_fn
+def add_sink(m_i, l_i, acc, sink):
+    """The running (max ``m_i`` (R,), sum ``l_i`` (R,), output ``acc`` (R, D)) of R query
+    rows with one more logit per row, ``sink`` (R,) in log2 units, joined to the softmax's
+    denominator only (attention sinks: gpt-oss, llama.cpp's ``ggml_soft_max_add_sinks``);
+    returns the (sum, output) pair, still to be divided. A row with no visible key keeps
+    ``acc`` zero: its result is zeros, as :func:`localllm.backends.dense.attend` gives."""
+    m_new = tl.maximum(m_i, sink)
+    # m_i = -inf (nothing visible): alpha = 0; a -inf sink (none) leaves the row unchanged
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    return l_i * alpha + tl.exp2(sink - m_safe), acc * alpha[:, None]
+
+
 def check_attention(op: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     q_positions: torch.Tensor, k_positions: torch.Tensor | None,
                     window: int | None, softcap: float | None,

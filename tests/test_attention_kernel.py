@@ -35,13 +35,14 @@ def random_qkv(n_heads, n_kv, s, d, *, seed=0, dtype=torch.float32):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def reference(q, k, v, q_pos: int, k_positions=None, window=None, scale=0.125, softcap=None):
+def reference(q, k, v, q_pos: int, k_positions=None, window=None, scale=0.125, softcap=None,
+              sinks=None):
     """``attend`` for one query, (1, n_heads * d) float32, on the CPU."""
     s = k.shape[1]
     kp = torch.arange(s) if k_positions is None else k_positions.cpu()
     return attend(q.float().cpu()[:, None], k.float().cpu(), v.float().cpu(),
-                  torch.tensor([q_pos]), kp, window=window, scale=scale,
-                  softcap=softcap)  # fmt: skip
+                  torch.tensor([q_pos]), kp, window=window, scale=scale, softcap=softcap,
+                  sinks=None if sinks is None else sinks.cpu())  # fmt: skip
 
 
 def run(q, k, v, q_pos: int, device, **kw):
@@ -244,6 +245,60 @@ def test_softcap(softcap, device):
         assert rel_err(y, want) < 1e-5
 
 
+@pytest.mark.parametrize("n_splits", [1, 3])
+@pytest.mark.parametrize("group", [1, 4, 20])
+def test_sinks_match_attend(group, n_splits, device):
+    """gpt-oss's attention sinks (one logit per query head in the softmax's denominator):
+    a full cache and a ring with a window (gpt-oss's sliding layers), GQA, one split (the
+    program normalizes) and several (the merge does); sinks of both signs, one far above the
+    scores (it takes nearly everything) and one far below (it takes nothing)."""
+    n_kv, s, d = 2, 70, 64
+    n_heads = n_kv * group
+    q, k0, v0 = random_qkv(n_heads, n_kv, s, d, seed=group + n_splits)
+    g = torch.Generator().manual_seed(group)
+    sinks = torch.randn(n_heads, generator=g) * 2
+    sinks[0], sinks[-1] = 30.0, -30.0
+    kp = ring_positions(s, 100, empty=(5,))
+    for q_pos, kw in ((0, {}), (45, {}), (99, {"k_positions": kp, "window": 33})):
+        k, v = k0.clone(), v0.clone()  # poisoned where the query must not look
+        hidden = kp < 0 if kw else torch.arange(s) > q_pos
+        k[:, hidden] = POISON
+        v[:, hidden] = POISON
+        y = run(q, k, v, q_pos, device, scale=0.125, sinks=sinks.to(device),
+                n_splits=n_splits, block_s=16, **kw)  # fmt: skip
+        want = reference(q, k, v, q_pos, kw.get("k_positions"), kw.get("window"), sinks=sinks)
+        assert rel_err(y, want) < 1e-5
+        # the sinks take a share: without them the result differs
+        assert rel_err(y, reference(q, k, v, q_pos, kw.get("k_positions"),
+                                    kw.get("window"))) > 1e-3  # fmt: skip
+
+
+def test_sinks_float16_cache_and_no_visible_key(device):
+    """A float16 cache (the Triton backend's) with float32 sinks; a query with no visible
+    key gives zeros, as ``attend`` with sinks does (the sink takes everything)."""
+    s, d = 40, 64
+    q, k, v = random_qkv(4, 2, s, d, seed=21, dtype=torch.float16)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    y = run(q, k, v, 30, device, scale=0.125, sinks=sinks.to(device))
+    assert rel_err(y, reference(q, k, v, 30, sinks=sinks)) < 2e-3
+    kp = torch.full((s,), -1, dtype=torch.int64)
+    for n_splits in (1, 3):
+        y = run(q, k, v, 5, device, k_positions=kp, scale=0.125, sinks=sinks.to(device),
+                n_splits=n_splits)  # fmt: skip
+        assert torch.equal(y, torch.zeros_like(y))
+        want = reference(q, k, v, 5, kp, sinks=sinks)
+        assert torch.equal(want, torch.zeros_like(want))
+
+
+def test_sinks_with_softcap(device):
+    """Soft-capping bends the scores, never the sink (as ``attend``)."""
+    s, d = 50, 64
+    q, k, v = random_qkv(4, 2, s, d, seed=22)
+    sinks = torch.tensor([1.0, 3.0, -2.0, 0.0])
+    y = run(q * 3, k, v, 49, device, scale=0.125, softcap=2.0, sinks=sinks.to(device))
+    assert rel_err(y, reference(q * 3, k, v, 49, softcap=2.0, sinks=sinks)) < 1e-5
+
+
 def test_tickets_are_reset_for_the_next_launch():
     """The program that merges the splits leaves its ticket counter at zero, so the next
     launch (a CUDA-graph replay) merges again; many launches in a row stay right."""
@@ -325,6 +380,8 @@ def test_default_sizes_are_functions_of_shapes():
         ((4, 64), (2, 10, 64), {"block_s": 8}, "block_s"),
         ((4, 64), (2, 10, 64), {"softcap": 0.0}, "softcap"),
         ((4, 64), (2, 10, 64), {"k_positions": torch.arange(9)}, "k_positions"),
+        ((4, 64), (2, 10, 64), {"sinks": torch.zeros(2)}, "sinks"),
+        ((4, 64), (2, 10, 64), {"sinks": torch.zeros(4, dtype=torch.int64)}, "sinks"),
     ],
 )
 def test_bad_arguments(q_shape, kv_shape, kwargs, match):
@@ -436,3 +493,49 @@ def test_static_profile(model):
     assert 128 in fig["load_widths_bits"]
     assert fig["spill_instructions"] == 0 and fig["local_bytes"] == 0
     assert fig["warp_instructions_per_byte"] < 0.1
+
+
+@pytest.mark.parametrize("kind", ["full-chunk", "ring-chunk", "ring-sinks", "full-sinks"])
+def test_kernel_ops_decode_matches_torch_ops(kind, device, monkeypatch):
+    """The Triton backend's decode step (``KernelOps.self_attention``: the fused RoPE and
+    cache write, then this kernel) against the torch ops, token by token past two chunk
+    boundaries and a ring's wrap: Llama 4's chunked layers (the window ``pos % chunk + 1``
+    from the host position, ``query_window``) on a full cache and on a ring of the chunk,
+    and gpt-oss's attention sinks on a sliding-window ring and a full cache. Every step
+    runs the kernel (no torch fallback)."""
+    from localllm.backends.dense import TorchOps
+    from localllm.backends.triton import KernelOps
+    from localllm.memory.kv import KVCache, RingKVCache
+
+    n_heads, n_kv, hd, chunk = 4, 2, 16, 8
+    g = torch.Generator().manual_seed(len(kind))
+    sinks = (torch.randn(n_heads, generator=g) * 2).to(device) if "sinks" in kind else None
+    chunked = chunk if "chunk" in kind else None
+
+    def make():
+        if kind.startswith("full"):
+            return KVCache(40, n_kv, hd, dtype=torch.float32, device=device, chunk=chunked)
+        return RingKVCache(chunk, n_kv, hd, slack=3, dtype=torch.float32, device=device,
+                           chunk=chunked)  # fmt: skip
+
+    launched = []
+    real = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention",
+                        lambda *a, **kw: launched.append(kw["window"]) or real(*a, **kw))
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, hd, 2, device=device) / hd)
+    ref_cache, cache = make(), make()
+    n_steps = 2 * chunk + 5
+    for pos in range(n_steps):
+        q = torch.randn(1, n_heads * hd, generator=g).to(device)
+        k = torch.randn(1, n_kv * hd, generator=g).to(device)
+        v = torch.randn(1, n_kv * hd, generator=g).to(device)
+        positions = torch.tensor([pos], device=device)
+        out = []
+        for ops, c in ((TorchOps(), ref_cache), (KernelOps(), cache)):
+            out.append(ops.self_attention(
+                q, k, v, None, None, 1e-6, ops.rope_angles(positions, inv_freq), c, pos,
+                positions, head_dim=hd, neox=True, scale=hd**-0.5, sinks=sinks).cpu())
+        assert rel_err(out[1], out[0]) < 1e-5, pos
+    want = [p % chunk + 1 if chunked else (None if kind.startswith("full") else chunk)
+            for p in range(n_steps)]
+    assert launched == want

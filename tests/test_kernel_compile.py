@@ -249,6 +249,11 @@ CASES = {
     "attention-g32-d128": attention_case(32, 128, ring=False),
     "attention-g7-d128-sm86": attention_case(7, 128, ring=True, arch=86),
     "attention-g2-d48-no-q8": attention_case(2, 48, ring=False),  # chunks would span heads
+    # gpt-oss-20b's attention sinks: its sliding layers (ring, the split merge adds the
+    # sinks) and its full layers at one split (the program adds them)
+    "attention-gptoss-sinks-ring-g8-d64": attention_case(8, 64, ring=True, sinks=True),
+    "attention-gptoss-sinks-g8-d64-1split": attention_case(8, 64, ring=False, sinks=True,
+                                                           single=True),
     **{f"gemv-{q.name}-b1": _gemv(q, 1) for q in KERNEL_TYPES if q not in GROUP_SIZES},
     **{f"gemv-{q.name}-b8": _gemv(q, 8) for q in KERNEL_TYPES},
     "gemv-Q4_K-b3": _gemv(T.Q4_K, 3),
@@ -349,9 +354,10 @@ def test_every_kernel_type_is_covered():
 
 def test_both_epilogues_are_compiled():
     """The GEMVs with and without the split-K epilogue, attention with and without its
-    output's 8-bit copy."""
+    output's 8-bit copy and with and without attention sinks."""
     for kernel, flag in ((_mmvq_kernel, "SPLITK"), (_mmvq32_kernel, "SPLITK"),
-                         (_mmvq64_kernel, "SPLITK"), (_decode_attention_kernel, "Q8")):  # fmt: skip
+                         (_mmvq64_kernel, "SPLITK"), (_decode_attention_kernel, "Q8"),
+                         (_decode_attention_kernel, "SINKS")):  # fmt: skip
         seen = {c.constexprs[flag] for c in CASES.values() if c.kernel is kernel}
         assert seen == {False, True}, (kernel.fn.__name__, flag)
 

@@ -134,13 +134,13 @@ class KernelOps(TorchOps):
     def self_attention(self, q, k, v, q_norm, k_norm, eps, angles, cache, pos, positions, *,
                        head_dim, neox, scale, softcap=None, norm_after_rope=False, sinks=None):
         """One token: two launches, :func:`localllm.kernels.norm_rope_kv` (QK-norm, RoPE and
-        the cache write) then :func:`localllm.kernels.decode_attention`. Attention sinks
-        (gpt-oss) go the torch way (:meth:`attention`): the decode kernel has none yet."""
+        the cache write) then :func:`localllm.kernels.decode_attention` (attention sinks,
+        gpt-oss's, included)."""
         rope_pos, inv_freq, rope_scale, magnitude = angles
         # a chunked layer's window depends on the position, read on the host; a quantized
         # cache (-ctk/-ctv) has no Triton kernel yet: the torch attention, which dequantizes
         # it a block of heads at a time
-        if (q.shape[0] != 1 or magnitude is not None or norm_after_rope or sinks is not None
+        if (q.shape[0] != 1 or magnitude is not None or norm_after_rope
                 or (cache.chunk is not None and isinstance(pos, torch.Tensor))
                 or cache.quantized):
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
@@ -156,7 +156,7 @@ class KernelOps(TorchOps):
                                else cache.written(pos))
         return kernels.decode_attention(q1, keys, values, positions, k_positions=k_pos,
                                 window=query_window(cache, pos) if cache.chunk else cache.window,
-                                scale=scale, softcap=softcap)
+                                scale=scale, softcap=softcap, sinks=sinks)
 
     def mla_attention(self, q_nope, q_pe, latent, k_b, v_b, cache, pos, positions, *, scale):
         """One token: the latent written, then one :func:`localllm.kernels.mla_decode`
@@ -188,22 +188,20 @@ class KernelOps(TorchOps):
                   softcap: float | None = None, sinks: torch.Tensor | None = None
                   ) -> torch.Tensor:
         """Prefill: SDPA (sinks as one more key, see :func:`prefill_attention`); a decode
-        token: the flash-decoding kernel, or :func:`~localllm.backends.dense.attend` with
-        sinks; a quantized cache: :func:`~localllm.backends.dense.attend`."""
+        token: the flash-decoding kernel (sinks included); a quantized cache:
+        :func:`~localllm.backends.dense.attend`."""
         # SDPA has no soft-capping; a chunked step at a device position has no host window
-        if cache.quantized or (softcap is not None and (q.shape[1] != 1 or sinks is not None)) or (
+        if cache.quantized or (softcap is not None and q.shape[1] != 1) or (
                 cache.chunk is not None and q.shape[1] == 1 and isinstance(pos, torch.Tensor)):
             return super().attention(q, k, v, cache, pos, positions, scale=scale,
                                      softcap=softcap, sinks=sinks)
-        if q.shape[1] == 1 and sinks is not None:
-            return super().attention(q, k, v, cache, pos, positions, scale=scale, sinks=sinks)
         keys, values, k_pos = store_kv(cache, pos, k, v)
         if q.shape[1] != 1:
             return prefill_attention(q, keys, values, positions, k_pos, window=cache.window,
                                      scale=scale, sinks=sinks, chunk=cache.chunk)
         return kernels.decode_attention(q[:, 0], keys, values, positions, k_positions=k_pos,
                                 window=query_window(cache, pos) if cache.chunk else cache.window,
-                                scale=scale, softcap=softcap)
+                                scale=scale, softcap=softcap, sinks=sinks)
 
 
 def _magnified(x: torch.Tensor, magnitude: torch.Tensor | None, neox: bool) -> torch.Tensor:

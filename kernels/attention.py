@@ -20,7 +20,8 @@ projection's integer-dot GEMV needs no quantizing launch.
 Which slots are read: a full cache (slot j holds position j) only the visible range
 ``max(0, q_pos - window + 1) .. q_pos``; a ring cache (sliding-window layers,
 :class:`localllm.models.cache.RingKVCache`, slot ``p % S`` holds position p) only the
-``window`` slots ending at slot ``q_pos % S`` (the live window), never the whole ring.
+``window`` slots ending at slot ``q_pos % S`` (the live window), never the whole ring. A
+chunked layer (Llama 4) narrows the window to the query's chunk in the kernel.
 
 Attention sinks (gpt-oss: one logit per query head in the softmax's denominator, llama.cpp's
 ``ggml_soft_max_add_sinks``) join where a head's result is normalized: in the program with
@@ -115,6 +116,7 @@ def _decode_attention_kernel(
     tickets,
     S,
     window,
+    attn_chunk,
     split_len,
     n_splits,
     n_hchunks,
@@ -132,6 +134,7 @@ def _decode_attention_kernel(
     BLOCK_S: tl.constexpr,
     RING: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    CHUNKED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
     SINGLE: tl.constexpr,
@@ -156,6 +159,10 @@ def _decode_attention_kernel(
     # The scale (and log2(e) without soft-capping) folded into q once: the softmax runs on exp2.
     qv = (qv.to(tl.float32) * qk_scale).to(k_cache.dtype.element_ty)
     q_pos = tl.load(q_pos_ptr).to(tl.int32)
+    if CHUNKED:
+        # Llama 4's chunked layers: the keys from the start of the query's chunk, a window
+        # of ``q_pos % chunk + 1`` (memory.query_window's, from the device position)
+        window = tl.minimum(window, q_pos % attn_chunk + 1)
 
     # The live range as `n_live` logical slots from slot `start`, wrapping at S.
     if RING:
@@ -283,6 +290,7 @@ def decode_attention(
     *,
     k_positions: torch.Tensor | None = None,
     window: int | None = None,
+    chunk: int | None = None,
     scale: float,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
@@ -294,7 +302,8 @@ def decode_attention(
     Same result as :func:`localllm.models.common.attend` for T=1: grouped-query attention
     (query head h reads KV head h // (n_heads // n_kv_heads)), scores ``q . k * scale``
     (then ``softcap * tanh(score / softcap)`` with ``softcap``), key j visible iff
-    ``0 <= k_pos[j] <= q_pos`` and, with a window, ``q_pos - k_pos[j] < window``; softmax over
+    ``0 <= k_pos[j] <= q_pos`` and, with a window, ``q_pos - k_pos[j] < window`` (with a
+    ``chunk``, also ``k_pos[j] >= q_pos - q_pos % chunk``); softmax over
     the visible keys (and with ``sinks``, the head's sink logit in the denominator), then the
     weighted sum of the values. The products run in the cache's
     dtype (float16 on CUDA: q and the softmax weights rounded to float16, as llama.cpp's
@@ -317,6 +326,11 @@ def decode_attention(
             position p can only be in slot ``p % S`` (:class:`~localllm.models.cache.RingKVCache`),
             and only the ``window`` slots ending at ``q_pos % S`` are read.
         window: sliding-window size in positions, or None.
+        chunk: chunked local attention's chunk size in positions (Llama 4, llama.cpp's
+            ``LLAMA_SWA_TYPE_CHUNKED``; :func:`localllm.memory.attention_mask`), or None: a
+            window of ``q_pos % chunk + 1`` (within ``window``), computed in the kernel
+            from the device position, so a chunked layer's step is graph-capturable too. A
+            ring cache's layout is assumed as with a ``window``.
         scale: score scale (usually 1/sqrt(head_dim)).
         softcap: Gemma 2's attention logit soft-capping, or None.
         sinks: (n_heads,) float32/float16 on q's device, or None: attention sinks (gpt-oss),
@@ -334,7 +348,8 @@ def decode_attention(
         output projection's GEMV reads.
 
     Raises:
-        ValueError: bad shapes, dtypes, head_dim, window, softcap, sinks, n_splits or block_s.
+        ValueError: bad shapes, dtypes, head_dim, window, chunk, softcap, sinks, n_splits or
+            block_s.
     """
     if q.ndim != 2 or k_cache.ndim != 3 or v_cache.shape != k_cache.shape:
         raise ValueError(
@@ -353,6 +368,10 @@ def decode_attention(
                              f"{q.device}, got {tuple(sinks.shape)} {sinks.dtype} "
                              f"on {sinks.device}")
         sinks = sinks.contiguous()  # a no-op for a model's weight: graph capture unharmed
+    if chunk is not None:
+        if chunk < 1:
+            raise ValueError(f"decode_attention: chunk must be >= 1, got {chunk}")
+        window = chunk if window is None else min(window, chunk)  # the kernel narrows it
     if block_s is None:
         block_s = default_block_s(d)
     elif block_s < 16 or block_s & (block_s - 1):
@@ -386,7 +405,7 @@ def decode_attention(
         ws_acc = torch.empty((n_heads, n_splits, d_pad), dtype=torch.float32, device=dev)
         tickets = _sync.tickets(dev, n_rows)
     gp = min(BLOCK_H, triton.next_power_of_2(group))
-    chunk = max(1, _pow2_at_most(MERGE_ELEMENTS // (gp * d_pad)))
+    merge_chunk = max(1, _pow2_at_most(MERGE_ELEMENTS // (gp * d_pad)))
     ring = k_positions is not None
     qk_scale = scale if softcap is not None else scale * LOG2E
     q8 = q8_buffers(n_heads * d, dev) if q8_output(group, d) else None
@@ -395,12 +414,14 @@ def decode_attention(
             q, k_cache, v_cache, q_pos, k_positions if ring else q_pos,
             sinks if sinks is not None else q, out,
             *(q8 if q8 is not None else (out, out, out)), ws_m, ws_l, ws_acc, tickets, seq_len,
-            window if window is not None else 0, split_len, n_splits, n_hchunks, q.stride(0),
+            window if window is not None else 0, chunk if chunk is not None else 1, split_len,
+            n_splits, n_hchunks, q.stride(0),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), qk_scale, softcap if softcap is not None else 1.0,
             GROUP=group, GP=gp, D=d, D_PAD=d_pad, BLOCK_S=block_s, RING=ring,
-            HAS_WINDOW=window is not None, SOFTCAP=softcap is not None,
+            HAS_WINDOW=window is not None, CHUNKED=chunk is not None,
+            SOFTCAP=softcap is not None,
             SINKS=sinks is not None, SINGLE=single,
-            IEEE=k_cache.dtype == torch.float32, BH=BLOCK_H, CHUNK=chunk, Q8=q8 is not None,
+            IEEE=k_cache.dtype == torch.float32, BH=BLOCK_H, CHUNK=merge_chunk, Q8=q8 is not None,
             num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )  # fmt: skip
     except BaseException:
@@ -414,12 +435,12 @@ def decode_attention(
 
 def attention_case(group: int, d: int, *, ring: bool, kv: str = "*fp16", arch: int = 90,
                    single: bool = False, softcap: bool = False, sinks: bool = False,
-                   q8: bool = True):
+                   chunked: bool = False, q8: bool = True):
     """The kernel's specialization as :func:`decode_attention` launches it, for ahead-of-time
     compilation without a GPU (:mod:`._aot`; tests/test_kernel_compile.py,
     bench/kernel_profile.py): ``group`` query heads per KV head, head_dim ``d``, a ring
     cache with a window or a full one, K/V of Triton type ``kv``, for ``sm_<arch>``, with
-    attention sinks (float32) or without; ``q8``
+    attention sinks (float32) or without, chunked (Llama 4) or not; ``q8``
     (the launcher's choice where :func:`q8_output` allows it): the output's 8-bit copy too."""
     from ._aot import Case
 
@@ -428,11 +449,13 @@ def attention_case(group: int, d: int, *, ring: bool, kv: str = "*fp16", arch: i
     types = {"q": "*fp32", "k_cache": kv, "v_cache": kv, "q_pos_ptr": "*i64", "k_pos": "*i64",
              "sinks": "*fp32", "out": "*fp32", "xq": "*i8", "xd": "*fp32", "xs": "*i32", "ws_m": "*fp32",
              "ws_l": "*fp32", "ws_acc": "*fp32", "tickets": "*i32", "S": "i32", "window": "i32",
+             "attn_chunk": "i32",
              "split_len": "i32", "n_splits": "i32", "n_hchunks": "i32", "stride_qh": "i32", "stride_kh": "i32",
              "stride_ks": "i32", "stride_vh": "i32", "stride_vs": "i32", "qk_scale": "fp32",
              "softcap": "fp32"}  # fmt: skip
     constexprs = {"GROUP": group, "GP": gp, "D": d, "D_PAD": d_pad,
-                  "BLOCK_S": default_block_s(d), "RING": ring, "HAS_WINDOW": ring,
+                  "BLOCK_S": default_block_s(d), "RING": ring,
+                  "HAS_WINDOW": ring or chunked, "CHUNKED": chunked,
                   "SOFTCAP": softcap, "SINKS": sinks, "SINGLE": single, "IEEE": kv == "*fp32", "BH": BLOCK_H,
                   "CHUNK": max(1, _pow2_at_most(MERGE_ELEMENTS // (gp * d_pad))),
                   "Q8": q8 and q8_output(group, d)}  # fmt: skip

@@ -36,13 +36,13 @@ def random_qkv(n_heads, n_kv, s, d, *, seed=0, dtype=torch.float32):
 
 
 def reference(q, k, v, q_pos: int, k_positions=None, window=None, scale=0.125, softcap=None,
-              sinks=None):
+              sinks=None, chunk=None):
     """``attend`` for one query, (1, n_heads * d) float32, on the CPU."""
     s = k.shape[1]
     kp = torch.arange(s) if k_positions is None else k_positions.cpu()
     return attend(q.float().cpu()[:, None], k.float().cpu(), v.float().cpu(),
                   torch.tensor([q_pos]), kp, window=window, scale=scale, softcap=softcap,
-                  sinks=None if sinks is None else sinks.cpu())  # fmt: skip
+                  sinks=None if sinks is None else sinks.cpu(), chunk=chunk)  # fmt: skip
 
 
 def run(q, k, v, q_pos: int, device, **kw):
@@ -299,6 +299,29 @@ def test_sinks_with_softcap(device):
     assert rel_err(y, reference(q * 3, k, v, 49, softcap=2.0, sinks=sinks)) < 1e-5
 
 
+@pytest.mark.parametrize("n_splits", [1, 3])
+def test_chunked_window(n_splits, device):
+    """Llama 4's chunked layers: a query sees the keys of its own chunk only (the window
+    ``q_pos % chunk + 1`` computed in the kernel from the device position), on a full cache
+    and on a ring of the chunk (what the model allocates), also with a narrower window;
+    keys outside the chunk poisoned."""
+    s, d, chunk = 60, 64, 16
+    q, k0, v0 = random_qkv(4, 2, s, d, seed=30 + n_splits)
+    ring = ring_positions(20, 45)  # a ring of chunk + 4 slots after 45 positions
+    for q_pos, kp, window in ((0, None, None), (15, None, None), (16, None, None),
+                              (37, None, None), (59, None, 5), (44, ring, 16), (41, ring, None),
+                              (44, ring, 3)):  # fmt: skip
+        n = s if kp is None else 20
+        pos = torch.arange(n) if kp is None else kp
+        k, v = k0[:, :n].clone(), v0[:, :n].clone()
+        hidden = (pos > q_pos) | (pos < q_pos - q_pos % chunk) | (pos < 0)
+        k[:, hidden] = POISON
+        v[:, hidden] = POISON
+        y = run(q, k, v, q_pos, device, k_positions=kp, window=window, chunk=chunk,
+                scale=0.125, n_splits=n_splits, block_s=16)  # fmt: skip
+        assert rel_err(y, reference(q, k, v, q_pos, kp, window, chunk=chunk)) < 1e-5, q_pos
+
+
 def test_tickets_are_reset_for_the_next_launch():
     """The program that merges the splits leaves its ticket counter at zero, so the next
     launch (a CUDA-graph replay) merges again; many launches in a row stay right."""
@@ -381,6 +404,7 @@ def test_default_sizes_are_functions_of_shapes():
         ((4, 64), (2, 10, 64), {"softcap": 0.0}, "softcap"),
         ((4, 64), (2, 10, 64), {"k_positions": torch.arange(9)}, "k_positions"),
         ((4, 64), (2, 10, 64), {"sinks": torch.zeros(2)}, "sinks"),
+        ((4, 64), (2, 10, 64), {"chunk": 0}, "chunk"),
         ((4, 64), (2, 10, 64), {"sinks": torch.zeros(4, dtype=torch.int64)}, "sinks"),
     ],
 )
@@ -495,14 +519,17 @@ def test_static_profile(model):
     assert fig["warp_instructions_per_byte"] < 0.1
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("kind", ["full-chunk", "ring-chunk", "ring-sinks", "full-sinks"])
-def test_kernel_ops_decode_matches_torch_ops(kind, device, monkeypatch):
+def test_kernel_ops_decode_matches_torch_ops(kind, static, device, monkeypatch):
     """The Triton backend's decode step (``KernelOps.self_attention``: the fused RoPE and
     cache write, then this kernel) against the torch ops, token by token past two chunk
     boundaries and a ring's wrap: Llama 4's chunked layers (the window ``pos % chunk + 1``
     from the host position, ``query_window``) on a full cache and on a ring of the chunk,
     and gpt-oss's attention sinks on a sliding-window ring and a full cache. Every step
-    runs the kernel (no torch fallback)."""
+    runs the kernel (no torch fallback), with the position an int (eager) or a device tensor
+    (``static``: the step CUDA graphs capture, whole buffers, the chunk's window found in
+    the kernel)."""
     from localllm.backends.dense import TorchOps
     from localllm.backends.triton import KernelOps
     from localllm.memory.kv import KVCache, RingKVCache
@@ -521,7 +548,7 @@ def test_kernel_ops_decode_matches_torch_ops(kind, device, monkeypatch):
     launched = []
     real = kernels.decode_attention
     monkeypatch.setattr(kernels, "decode_attention",
-                        lambda *a, **kw: launched.append(kw["window"]) or real(*a, **kw))
+                        lambda *a, **kw: launched.append(kw["chunk"]) or real(*a, **kw))
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, hd, 2, device=device) / hd)
     ref_cache, cache = make(), make()
     n_steps = 2 * chunk + 5
@@ -533,9 +560,7 @@ def test_kernel_ops_decode_matches_torch_ops(kind, device, monkeypatch):
         out = []
         for ops, c in ((TorchOps(), ref_cache), (KernelOps(), cache)):
             out.append(ops.self_attention(
-                q, k, v, None, None, 1e-6, ops.rope_angles(positions, inv_freq), c, pos,
-                positions, head_dim=hd, neox=True, scale=hd**-0.5, sinks=sinks).cpu())
+                q, k, v, None, None, 1e-6, ops.rope_angles(positions, inv_freq), c,
+                positions if static else pos, positions, head_dim=hd, neox=True, scale=hd**-0.5, sinks=sinks).cpu())
         assert rel_err(out[1], out[0]) < 1e-5, pos
-    want = [p % chunk + 1 if chunked else (None if kind.startswith("full") else chunk)
-            for p in range(n_steps)]
-    assert launched == want
+    assert launched == [chunked] * n_steps

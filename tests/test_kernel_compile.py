@@ -254,6 +254,8 @@ CASES = {
     "attention-gptoss-sinks-ring-g8-d64": attention_case(8, 64, ring=True, sinks=True),
     "attention-gptoss-sinks-g8-d64-1split": attention_case(8, 64, ring=False, sinks=True,
                                                            single=True),
+    # Llama 4 Scout's chunked layers (a ring of the chunk, the window found in the kernel)
+    "attention-llama4-chunked-ring-g5-d128": attention_case(5, 128, ring=True, chunked=True),
     **{f"gemv-{q.name}-b1": _gemv(q, 1) for q in KERNEL_TYPES if q not in GROUP_SIZES},
     **{f"gemv-{q.name}-b8": _gemv(q, 8) for q in KERNEL_TYPES},
     "gemv-Q4_K-b3": _gemv(T.Q4_K, 3),
@@ -354,10 +356,11 @@ def test_every_kernel_type_is_covered():
 
 def test_both_epilogues_are_compiled():
     """The GEMVs with and without the split-K epilogue, attention with and without its
-    output's 8-bit copy and with and without attention sinks."""
+    output's 8-bit copy, with and without attention sinks and chunking."""
     for kernel, flag in ((_mmvq_kernel, "SPLITK"), (_mmvq32_kernel, "SPLITK"),
                          (_mmvq64_kernel, "SPLITK"), (_decode_attention_kernel, "Q8"),
-                         (_decode_attention_kernel, "SINKS")):  # fmt: skip
+                         (_decode_attention_kernel, "SINKS"),
+                         (_decode_attention_kernel, "CHUNKED")):  # fmt: skip
         seen = {c.constexprs[flag] for c in CASES.values() if c.kernel is kernel}
         assert seen == {False, True}, (kernel.fn.__name__, flag)
 

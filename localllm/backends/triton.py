@@ -12,7 +12,6 @@ from collections.abc import Sequence
 import torch
 
 from .. import kernels
-from ..memory import query_window
 from .base import ExpertList
 from .dense import GATED, TorchOps, prefill_attention, store_kv
 from .dense import Backend as _Backend
@@ -137,12 +136,9 @@ class KernelOps(TorchOps):
         the cache write) then :func:`localllm.kernels.decode_attention` (attention sinks,
         gpt-oss's, included)."""
         rope_pos, inv_freq, rope_scale, magnitude = angles
-        # a chunked layer's window depends on the position, read on the host; a quantized
-        # cache (-ctk/-ctv) has no Triton kernel yet: the torch attention, which dequantizes
-        # it a block of heads at a time
-        if (q.shape[0] != 1 or magnitude is not None or norm_after_rope
-                or (cache.chunk is not None and isinstance(pos, torch.Tensor))
-                or cache.quantized):
+        # a quantized cache (-ctk/-ctv) has no Triton kernel yet: the torch attention, which
+        # dequantizes it a block of heads at a time
+        if q.shape[0] != 1 or magnitude is not None or norm_after_rope or cache.quantized:
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
                                           positions, head_dim=head_dim, neox=neox, scale=scale,
                                           softcap=softcap, norm_after_rope=norm_after_rope,
@@ -155,8 +151,8 @@ class KernelOps(TorchOps):
         keys, values, k_pos = (cache.written_static() if isinstance(pos, torch.Tensor)
                                else cache.written(pos))
         return kernels.decode_attention(q1, keys, values, positions, k_positions=k_pos,
-                                window=query_window(cache, pos) if cache.chunk else cache.window,
-                                scale=scale, softcap=softcap, sinks=sinks)
+                                window=cache.window, chunk=cache.chunk, scale=scale,
+                                softcap=softcap, sinks=sinks)
 
     def mla_attention(self, q_nope, q_pe, latent, k_b, v_b, cache, pos, positions, *, scale):
         """One token: the latent written, then one :func:`localllm.kernels.mla_decode`
@@ -190,9 +186,8 @@ class KernelOps(TorchOps):
         """Prefill: SDPA (sinks as one more key, see :func:`prefill_attention`); a decode
         token: the flash-decoding kernel (sinks included); a quantized cache:
         :func:`~localllm.backends.dense.attend`."""
-        # SDPA has no soft-capping; a chunked step at a device position has no host window
-        if cache.quantized or (softcap is not None and q.shape[1] != 1) or (
-                cache.chunk is not None and q.shape[1] == 1 and isinstance(pos, torch.Tensor)):
+        # SDPA has no soft-capping
+        if cache.quantized or (softcap is not None and q.shape[1] != 1):
             return super().attention(q, k, v, cache, pos, positions, scale=scale,
                                      softcap=softcap, sinks=sinks)
         keys, values, k_pos = store_kv(cache, pos, k, v)
@@ -200,8 +195,8 @@ class KernelOps(TorchOps):
             return prefill_attention(q, keys, values, positions, k_pos, window=cache.window,
                                      scale=scale, sinks=sinks, chunk=cache.chunk)
         return kernels.decode_attention(q[:, 0], keys, values, positions, k_positions=k_pos,
-                                window=query_window(cache, pos) if cache.chunk else cache.window,
-                                scale=scale, softcap=softcap, sinks=sinks)
+                                window=cache.window, chunk=cache.chunk, scale=scale,
+                                softcap=softcap, sinks=sinks)
 
 
 def _magnified(x: torch.Tensor, magnitude: torch.Tensor | None, neox: bool) -> torch.Tensor:

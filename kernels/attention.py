@@ -62,6 +62,10 @@ MAX_SPLITS = 256
 TILE_ELEMENTS = 8192
 # Elements of the (splits, heads, head_dim) float32 tile the merge loads per step.
 MERGE_ELEMENTS = 4096
+# ggml's block_q8_0 (a float16 scale, then 32 int8): values and bytes per block, the KV
+# cache type (-ctk/-ctv q8_0) the kernel reads directly.
+Q8_0_VALUES = 32
+Q8_0_BYTES = 34
 # Launch options. Two stages: a program does one or two steps, so a deeper pipeline only
 # costs shared memory (sm_90, head_dim 128: 38 KB with 2 stages, 70 KB with 3).
 NUM_WARPS = 4
@@ -88,6 +92,29 @@ def _store_out(out, xq, xd, xs, res, head0, n_valid, R: tl.constexpr, D: tl.cons
         c = i % D_PAD
         store_q8(tl.reshape(res, (R * D_PAD,)), ((head0 + r) * D + c) // 32,
                  (r < n_valid) & (c < D), xq, xd, xs, R * D_PAD // 32)  # fmt: skip
+
+
+@device_fn
+def _load_rows(base, slot, stride_s, rd, mask, Q8_0: tl.constexpr, IEEE: tl.constexpr):
+    """(BLOCK_S, D_PAD) rows of one KV head at cells ``slot`` (int64), in the products'
+    dtype (float32 with ``IEEE``, else float16): a float cache's elements, or with ``Q8_0``
+    ggml's ``block_q8_0`` rows (34 bytes per 32 values: a float16 scale, then 32 int8;
+    ``stride_s`` in bytes) dequantized here, as llama.cpp's ``dequantize_row_q8_0``."""
+    row = base + slot[:, None] * stride_s
+    if Q8_0:
+        blk = (rd // 32) * 34  # the byte where value rd's block starts
+        lo = tl.load(row + blk[None, :], mask=mask, other=0).to(tl.uint16)
+        hi = tl.load(row + blk[None, :] + 1, mask=mask, other=0).to(tl.uint16)
+        scale = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        qs = tl.load(row + (blk + 2 + rd % 32)[None, :], mask=mask, other=0)
+        x = scale * qs.to(tl.int8, bitcast=True).to(tl.float32)
+    else:
+        x = tl.load(row + rd[None, :], mask=mask, other=0.0)
+    if IEEE:
+        x = x.to(tl.float32)
+    else:
+        x = x.to(tl.float16)
+    return x
 
 
 def q8_output(group: int, d: int) -> bool:
@@ -139,6 +166,8 @@ def _decode_attention_kernel(
     SINKS: tl.constexpr,
     SINGLE: tl.constexpr,
     IEEE: tl.constexpr,
+    K_Q8_0: tl.constexpr,
+    V_Q8_0: tl.constexpr,
     BH: tl.constexpr,
     CHUNK: tl.constexpr,
     Q8: tl.constexpr,
@@ -157,7 +186,9 @@ def _decode_attention_kernel(
     qv = tl.load(q + heads[:, None] * stride_qh + rd[None, :],
                  mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
     # The scale (and log2(e) without soft-capping) folded into q once: the softmax runs on exp2.
-    qv = (qv.to(tl.float32) * qk_scale).to(k_cache.dtype.element_ty)
+    qv = qv.to(tl.float32) * qk_scale
+    if not IEEE:
+        qv = qv.to(tl.float16)
     q_pos = tl.load(q_pos_ptr).to(tl.int32)
     if CHUNKED:
         # Llama 4's chunked layers: the keys from the start of the query's chunk, a window
@@ -200,8 +231,8 @@ def _decode_attention_kernel(
             visible = in_range
         kv_off = slot.to(tl.int64)
         ld_mask = visible[:, None] & d_mask[None, :]
-        kb = tl.load(k_base + kv_off[:, None] * stride_ks + rd[None, :], mask=ld_mask, other=0.0)
-        vb = tl.load(v_base + kv_off[:, None] * stride_vs + rd[None, :], mask=ld_mask, other=0.0)
+        kb = _load_rows(k_base, kv_off, stride_ks, rd, ld_mask, K_Q8_0, IEEE)
+        vb = _load_rows(v_base, kv_off, stride_vs, rd, ld_mask, V_Q8_0, IEEE)
         s = block_scores(qv, kb, softcap, SOFTCAP, IEEE)  # (BH, BLOCK_S)
         s = tl.where(visible[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, vb, m_i, l_i, acc, IEEE)
@@ -318,7 +349,11 @@ def decode_attention(
         q: (n_heads, head_dim) float32/float16; head_dim 1..256.
         k_cache, v_cache: (n_kv_heads, S, head_dim) float32/float16, one dtype, on q's
             device; the last dimension contiguous (other strides free, e.g. one layer of a
-            larger cache).
+            larger cache). Either or both may instead be a cache of q8_0 blocks (``-ctk``/
+            ``-ctv q8_0``, :mod:`localllm.memory.kvtypes`): uint8 (n_kv_heads, S,
+            head_dim / 32 * 34), ggml's ``block_q8_0`` rows, dequantized tile by tile in the
+            kernel (no float copy of the cache; products in float16 unless the other cache
+            is float32).
         q_pos: (1,) int64 on q's device: the query's absolute position.
         k_positions: (S,) int64, absolute position held by each slot (-1: empty) for a ring
             cache; None means slot j holds position j (only slots ``q_pos - window + 1 ..
@@ -351,13 +386,15 @@ def decode_attention(
         ValueError: bad shapes, dtypes, head_dim, window, chunk, softcap, sinks, n_splits or
             block_s.
     """
-    if q.ndim != 2 or k_cache.ndim != 3 or v_cache.shape != k_cache.shape:
+    if (q.ndim != 2 or k_cache.ndim != 3 or v_cache.ndim != 3
+            or v_cache.shape[:2] != k_cache.shape[:2]):
         raise ValueError(
             f"decode_attention: want q (H, D) and K/V (Hkv, S, D), got {tuple(q.shape)}, "
             f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
         )
-    check_attention("decode_attention", q, k_cache, v_cache, q_pos, k_positions, window, softcap,
-                    ("q", "k_cache", "v_cache", "q_pos"))
+    k_q8, v_q8 = k_cache.dtype == torch.uint8, v_cache.dtype == torch.uint8
+    check_attention("decode_attention", q, *_dense_views(q, k_cache, v_cache), q_pos,
+                    k_positions, window, softcap, ("q", "k_cache", "v_cache", "q_pos"))
     n_heads, d = q.shape
     n_kv, seq_len, _ = k_cache.shape
     group = n_heads // n_kv
@@ -421,7 +458,8 @@ def decode_attention(
             HAS_WINDOW=window is not None, CHUNKED=chunk is not None,
             SOFTCAP=softcap is not None,
             SINKS=sinks is not None, SINGLE=single,
-            IEEE=k_cache.dtype == torch.float32, BH=BLOCK_H, CHUNK=merge_chunk, Q8=q8 is not None,
+            IEEE=torch.float32 in (k_cache.dtype, v_cache.dtype), K_Q8_0=k_q8, V_Q8_0=v_q8,
+            BH=BLOCK_H, CHUNK=merge_chunk, Q8=q8 is not None,
             num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )  # fmt: skip
     except BaseException:
@@ -433,13 +471,34 @@ def decode_attention(
     return out
 
 
+def _dense_views(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """The caches as :func:`.flash.check_attention` checks them: a cache of q8_0 blocks
+    (uint8, ``head_dim / 32 * 34`` bytes a row) stands in as a float tensor of its
+    dequantized shape (the other cache's float dtype, else float16), after its row size is
+    checked. Raises ValueError for a wrong row size or a head_dim not a multiple of 32."""
+    d = q.shape[-1]
+    dense = next((c.dtype for c in (k_cache, v_cache) if c.dtype != torch.uint8),
+                 torch.float16)  # fmt: skip
+    views = []
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype == torch.uint8:
+            if d % Q8_0_VALUES or c.shape[2] != d // Q8_0_VALUES * Q8_0_BYTES:
+                raise ValueError(f"decode_attention: {name} of q8_0 blocks: want head_dim a "
+                                 f"multiple of 32 and {d // 32 * 34} bytes a row, got head_dim "
+                                 f"{d} and {c.shape[2]} bytes")  # fmt: skip
+            c = torch.empty(*c.shape[:2], d, dtype=dense, device="meta")
+        views.append(c)
+    return views
+
+
 def attention_case(group: int, d: int, *, ring: bool, kv: str = "*fp16", arch: int = 90,
                    single: bool = False, softcap: bool = False, sinks: bool = False,
                    chunked: bool = False, q8: bool = True):
     """The kernel's specialization as :func:`decode_attention` launches it, for ahead-of-time
     compilation without a GPU (:mod:`._aot`; tests/test_kernel_compile.py,
     bench/kernel_profile.py): ``group`` query heads per KV head, head_dim ``d``, a ring
-    cache with a window or a full one, K/V of Triton type ``kv``, for ``sm_<arch>``, with
+    cache with a window or a full one, K/V of Triton type ``kv`` (``"*u8"``: q8_0 blocks),
+    for ``sm_<arch>``, with
     attention sinks (float32) or without, chunked (Llama 4) or not; ``q8``
     (the launcher's choice where :func:`q8_output` allows it): the output's 8-bit copy too."""
     from ._aot import Case
@@ -456,7 +515,8 @@ def attention_case(group: int, d: int, *, ring: bool, kv: str = "*fp16", arch: i
     constexprs = {"GROUP": group, "GP": gp, "D": d, "D_PAD": d_pad,
                   "BLOCK_S": default_block_s(d), "RING": ring,
                   "HAS_WINDOW": ring or chunked, "CHUNKED": chunked,
-                  "SOFTCAP": softcap, "SINKS": sinks, "SINGLE": single, "IEEE": kv == "*fp32", "BH": BLOCK_H,
+                  "SOFTCAP": softcap, "SINKS": sinks, "SINGLE": single, "IEEE": kv == "*fp32",
+                  "K_Q8_0": kv == "*u8", "V_Q8_0": kv == "*u8", "BH": BLOCK_H,
                   "CHUNK": max(1, _pow2_at_most(MERGE_ELEMENTS // (gp * d_pad))),
                   "Q8": q8 and q8_output(group, d)}  # fmt: skip
     # Pointers and model dimensions are 16-byte multiples; positions, splits and windows

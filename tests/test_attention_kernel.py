@@ -322,6 +322,41 @@ def test_chunked_window(n_splits, device):
         assert rel_err(y, reference(q, k, v, q_pos, kp, window, chunk=chunk)) < 1e-5, q_pos
 
 
+@pytest.mark.parametrize(("k_type", "v_type"), [("q8_0", "q8_0"), ("q8_0", torch.float16),
+                                                ("q8_0", torch.float32),
+                                                (torch.float16, "q8_0")])  # fmt: skip
+def test_q8_0_cache_matches_attend(k_type, v_type, device):
+    """A KV cache of q8_0 blocks (``-ctk/-ctv q8_0``: uint8 rows of ggml's ``block_q8_0``,
+    written by localllm's quantizer, ggml's rounding), K, V or both, read by the kernel
+    directly: against ``attend`` on the blocks dequantized by the reference dequantizer
+    (gguf-py's), on a full cache and a ring, one split and several. Products in float16
+    (float32 where the other cache is float32)."""
+    from localllm.memory.kvtypes import CACHE_TYPES
+
+    q8 = CACHE_TYPES["q8_0"]
+    s, d = 70, 128
+    q, k, v = random_qkv(8, 2, s, d, seed=40)
+    stored, dense = [], []
+    for x, t in ((k, k_type), (v, v_type)):
+        if t == "q8_0":
+            blocks = q8.encode(x)
+            assert blocks.dtype == torch.uint8 and blocks.shape == (2, s, d // 32 * 34)
+            stored.append(blocks)
+            dense.append(q8.decode(blocks, d))
+        else:
+            stored.append(x.to(t))
+            dense.append(x.to(t).float())
+    tol = 1e-5 if torch.float32 in (k_type, v_type) else 3e-3
+    kp = ring_positions(s, 100, empty=(7,))
+    for q_pos, kw in ((0, {}), (50, {}), (99, {"k_positions": kp, "window": 40})):
+        for n_splits in (1, 3):
+            y = run(q, *stored, q_pos, device, scale=d**-0.5, n_splits=n_splits, block_s=16,
+                    **kw)  # fmt: skip
+            want = reference(q, *dense, q_pos, kw.get("k_positions"), kw.get("window"),
+                             scale=d**-0.5)  # fmt: skip
+            assert rel_err(y, want) < tol, (q_pos, n_splits)
+
+
 def test_tickets_are_reset_for_the_next_launch():
     """The program that merges the splits leaves its ticket counter at zero, so the next
     launch (a CUDA-graph replay) merges again; many launches in a row stay right."""
@@ -405,13 +440,22 @@ def test_default_sizes_are_functions_of_shapes():
         ((4, 64), (2, 10, 64), {"k_positions": torch.arange(9)}, "k_positions"),
         ((4, 64), (2, 10, 64), {"sinks": torch.zeros(2)}, "sinks"),
         ((4, 64), (2, 10, 64), {"chunk": 0}, "chunk"),
+        ((4, 64), (2, 10, 64), {"v_cache": torch.zeros(2, 10, 64, dtype=torch.uint8)},
+         "q8_0 blocks"),
+        ((4, 48), (2, 10, 48), {"k_cache": torch.zeros(2, 10, 51, dtype=torch.uint8)},
+         "q8_0 blocks"),
         ((4, 64), (2, 10, 64), {"sinks": torch.zeros(4, dtype=torch.int64)}, "sinks"),
     ],
 )
 def test_bad_arguments(q_shape, kv_shape, kwargs, match):
     q, kv = torch.zeros(q_shape), torch.zeros(kv_shape)
+    caches = {"k_cache": kv, "v_cache": kv}
+    for name in caches:
+        if name in kwargs:
+            caches[name] = kwargs.pop(name)
     with pytest.raises(ValueError, match=match):
-        decode_attention(q, kv, kv, torch.tensor([0]), scale=1.0, **kwargs)
+        decode_attention(q, caches["k_cache"], caches["v_cache"], torch.tensor([0]), scale=1.0,
+                         **kwargs)
     with pytest.raises(ValueError, match="q_pos"):
         decode_attention(torch.zeros(4, 64), torch.zeros(2, 5, 64), torch.zeros(2, 5, 64),
                          torch.tensor([0], dtype=torch.int32), scale=1.0)  # fmt: skip
@@ -520,30 +564,37 @@ def test_static_profile(model):
 
 
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("kind", ["full-chunk", "ring-chunk", "ring-sinks", "full-sinks"])
+@pytest.mark.parametrize("kind", ["full-chunk", "ring-chunk", "ring-sinks", "full-sinks",
+                                  "full-q8_0", "ring-sinks-q8_0"])
 def test_kernel_ops_decode_matches_torch_ops(kind, static, device, monkeypatch):
     """The Triton backend's decode step (``KernelOps.self_attention``: the fused RoPE and
     cache write, then this kernel) against the torch ops, token by token past two chunk
     boundaries and a ring's wrap: Llama 4's chunked layers (the window ``pos % chunk + 1``
     from the host position, ``query_window``) on a full cache and on a ring of the chunk,
-    and gpt-oss's attention sinks on a sliding-window ring and a full cache. Every step
+    and gpt-oss's attention sinks on a sliding-window ring and a full cache; caches of q8_0
+    blocks (``-ctk/-ctv q8_0``, the torch QK-norm/RoPE and block writes, then the kernel
+    reading the blocks; products in float16, hence the looser bound). Every step
     runs the kernel (no torch fallback), with the position an int (eager) or a device tensor
     (``static``: the step CUDA graphs capture, whole buffers, the chunk's window found in
     the kernel)."""
     from localllm.backends.dense import TorchOps
     from localllm.backends.triton import KernelOps
     from localllm.memory.kv import KVCache, RingKVCache
+    from localllm.memory.kvtypes import CACHE_TYPES
 
     n_heads, n_kv, hd, chunk = 4, 2, 16, 8
     g = torch.Generator().manual_seed(len(kind))
     sinks = (torch.randn(n_heads, generator=g) * 2).to(device) if "sinks" in kind else None
     chunked = chunk if "chunk" in kind else None
+    q8 = CACHE_TYPES["q8_0"] if "q8_0" in kind else None
+    hd = 32 if q8 else hd  # whole blocks of 32 values
 
     def make():
+        kw = {"dtype": torch.float32, "device": device, "chunk": chunked, "type_k": q8,
+              "type_v": q8}
         if kind.startswith("full"):
-            return KVCache(40, n_kv, hd, dtype=torch.float32, device=device, chunk=chunked)
-        return RingKVCache(chunk, n_kv, hd, slack=3, dtype=torch.float32, device=device,
-                           chunk=chunked)  # fmt: skip
+            return KVCache(40, n_kv, hd, **kw)
+        return RingKVCache(chunk, n_kv, hd, slack=3, **kw)
 
     launched = []
     real = kernels.decode_attention
@@ -562,5 +613,5 @@ def test_kernel_ops_decode_matches_torch_ops(kind, static, device, monkeypatch):
             out.append(ops.self_attention(
                 q, k, v, None, None, 1e-6, ops.rope_angles(positions, inv_freq), c,
                 positions if static else pos, positions, head_dim=hd, neox=True, scale=hd**-0.5, sinks=sinks).cpu())
-        assert rel_err(out[1], out[0]) < 1e-5, pos
+        assert rel_err(out[1], out[0]) < (3e-3 if q8 else 1e-5), pos
     assert launched == [chunked] * n_steps

@@ -256,6 +256,10 @@ CASES = {
                                                            single=True),
     # Llama 4 Scout's chunked layers (a ring of the chunk, the window found in the kernel)
     "attention-llama4-chunked-ring-g5-d128": attention_case(5, 128, ring=True, chunked=True),
+    # a KV cache of q8_0 blocks (-ctk/-ctv q8_0) dequantized in the kernel: Llama-3-8B's
+    # shapes, and a ring of Gemma 3's head_dim
+    "attention-llama-q8_0-g4-d128": attention_case(4, 128, ring=False, kv="*u8"),
+    "attention-gemma-ring-q8_0-g4-d256": attention_case(4, 256, ring=True, kv="*u8"),
     **{f"gemv-{q.name}-b1": _gemv(q, 1) for q in KERNEL_TYPES if q not in GROUP_SIZES},
     **{f"gemv-{q.name}-b8": _gemv(q, 8) for q in KERNEL_TYPES},
     "gemv-Q4_K-b3": _gemv(T.Q4_K, 3),

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import kernels
+from ..memory import BlockRows
 from .base import ExpertList
 from .dense import GATED, TorchOps, prefill_attention, store_kv
 from .dense import Backend as _Backend
@@ -136,8 +137,8 @@ class KernelOps(TorchOps):
         the cache write) then :func:`localllm.kernels.decode_attention` (attention sinks,
         gpt-oss's, included)."""
         rope_pos, inv_freq, rope_scale, magnitude = angles
-        # a quantized cache (-ctk/-ctv) has no Triton kernel yet: the torch attention, which
-        # dequantizes it a block of heads at a time
+        # a quantized cache (-ctk/-ctv): its rows are written by the block quantizers, so
+        # the torch QK-norm and RoPE, then :meth:`attention` (the kernel reads q8_0 blocks)
         if q.shape[0] != 1 or magnitude is not None or norm_after_rope or cache.quantized:
             return super().self_attention(q, k, v, q_norm, k_norm, eps, angles, cache, pos,
                                           positions, head_dim=head_dim, neox=neox, scale=scale,
@@ -184,19 +185,41 @@ class KernelOps(TorchOps):
                   softcap: float | None = None, sinks: torch.Tensor | None = None
                   ) -> torch.Tensor:
         """Prefill: SDPA (sinks as one more key, see :func:`prefill_attention`); a decode
-        token: the flash-decoding kernel (sinks included); a quantized cache:
+        token: the flash-decoding kernel (sinks included), which reads q8_0 cache blocks
+        directly; other quantized caches and quantized prefill:
         :func:`~localllm.backends.dense.attend`."""
         # SDPA has no soft-capping
-        if cache.quantized or (softcap is not None and q.shape[1] != 1):
+        if ((cache.quantized and not (q.shape[1] == 1 and kernel_reads(cache)))
+                or (softcap is not None and q.shape[1] != 1)):
             return super().attention(q, k, v, cache, pos, positions, scale=scale,
                                      softcap=softcap, sinks=sinks)
         keys, values, k_pos = store_kv(cache, pos, k, v)
         if q.shape[1] != 1:
             return prefill_attention(q, keys, values, positions, k_pos, window=cache.window,
                                      scale=scale, sinks=sinks, chunk=cache.chunk)
-        return kernels.decode_attention(q[:, 0], keys, values, positions, k_positions=k_pos,
-                                window=cache.window, chunk=cache.chunk, scale=scale,
-                                softcap=softcap, sinks=sinks)
+        return kernels.decode_attention(q[:, 0], _stored(keys), _stored(values), positions,
+                                        k_positions=k_pos, window=cache.window,
+                                        chunk=cache.chunk, scale=scale, softcap=softcap,
+                                        sinks=sinks)
+
+
+# The cache types the decode kernel reads (llama.cpp's names): q8_0 blocks dequantized in
+# the kernel, and the float types.
+KERNEL_CACHE_TYPES = ("f32", "f16", "q8_0")
+
+
+def kernel_reads(cache) -> bool:
+    """Whether :func:`localllm.kernels.decode_attention` reads ``cache``'s K and V as
+    stored: each of :data:`KERNEL_CACHE_TYPES`, and not float32 with float16."""
+    types = (cache.type_k, cache.type_v)
+    return (all(t.name in KERNEL_CACHE_TYPES for t in types)
+            and len({t.name for t in types if not t.quantized}) <= 1)
+
+
+def _stored(x):
+    """A cache view as the kernel takes it: a float tensor, or the uint8 blocks of
+    :class:`~localllm.memory.BlockRows`."""
+    return x.data if isinstance(x, BlockRows) else x
 
 
 def _magnified(x: torch.Tensor, magnitude: torch.Tensor | None, neox: bool) -> torch.Tensor:

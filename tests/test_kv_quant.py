@@ -315,8 +315,8 @@ def test_info_memory_line_counts_the_cache_type():
 
 def test_triton_backend_attends_over_a_quantized_cache(tiny_model_path):
     """The Triton backend (its interpreter on the CPU) with q8_0 caches: the torch attention
-    over the blocks (no Triton kernel reads them yet), dynamic and static-shape decode, gives
-    the torch backend's logits with the same caches."""
+    over the blocks in prefill, the decode kernel reading the blocks directly in dynamic and
+    static-shape decode, gives the torch backend's logits with the same caches."""
     pytest.importorskip("triton")
     import gguf
 

@@ -129,18 +129,21 @@ def test_counter_counts_torch_kernels_and_skips_views():
 
 
 @pytest.mark.parametrize(("arch", "kv"), [("gemma3", torch.float32), ("llama", torch.float32),
-                                          ("gemma2", torch.float16)])
+                                          ("gemma2", torch.float16),
+                                          ("gpt-oss", torch.float16)])
 def test_kernel_ops_match_torch_ops_across_ring_wrap(tiny_model_path, monkeypatch, arch, kv,
                                                      device):
     """Decode on the Triton ops (the fused QKV epilogue, tensor-core attention, fused norms)
     against the torch ops (``rms_norm``, ``rotate``, the caches' ``update``, ``attend``) on
     the same float32 weights, token by token, in the static step (what CUDA graphs capture)
     and eagerly, while gemma's rings (12 cells, window 8) wrap; gemma2 adds soft-capping and
-    float16 caches (CUDA's KV type)."""
+    float16 caches (CUDA's KV type); gpt-oss its attention sinks (in the decode kernel)."""
     from localllm.backends.dense import TorchOps
     from localllm.backends.triton import KernelOps
     monkeypatch.setattr(runtime, "RING_SLACK", 4)
-    path = tiny_model_path(arch, n_layers=2)
+    extra = (("gpt-oss.expert_count", 4), ("gpt-oss.expert_used_count", 2),
+             ("gpt-oss.expert_feed_forward_length", 64)) if arch == "gpt-oss" else None
+    path = tiny_model_path(arch, n_layers=2, extra=extra)
     ref = load_model(path, device=device.type, progress=False, dtype=torch.float32,
                      backend="torch")
     ref.kv_dtype = kv  # the sessions' caches

@@ -80,6 +80,32 @@ class TensorSpec:
     unless: str | None = None
 
 
+def qkv_specs(prefix: str, d_model: int, n_heads: int, n_kv: int, head_dim: int, *,
+              bias: str = "optional") -> list[TensorSpec]:
+    """The separate Q/K/V projections of an attention block (llama.cpp's
+    ``create_tensor_qkv``), (heads * head_dim, d_model) each, then their biases unless
+    ``bias`` is ``"none"`` (``"optional"``: a file may omit them, ``"required"``)."""
+    p, nq, nkv = prefix, n_heads * head_dim, n_kv * head_dim
+    specs = [TensorSpec(p + "attn_q.weight", (nq, d_model)),
+             TensorSpec(p + "attn_k.weight", (nkv, d_model)),
+             TensorSpec(p + "attn_v.weight", (nkv, d_model))]
+    if bias != "none":
+        optional = bias == "optional"
+        specs += [TensorSpec(p + "attn_q.bias", (nq,), optional),
+                  TensorSpec(p + "attn_k.bias", (nkv,), optional),
+                  TensorSpec(p + "attn_v.bias", (nkv,), optional)]
+    return specs
+
+
+def ffn_specs(prefix: str, d_model: int, ffn_dim: int, suffix: str = "") -> list[TensorSpec]:
+    """A gated FFN's ``ffn_gate``, ``ffn_up`` (ffn_dim, d_model) and ``ffn_down``
+    (d_model, ffn_dim); ``suffix`` ``"_shexp"``: a MoE layer's shared expert."""
+    p, f, d = prefix, ffn_dim, d_model
+    return [TensorSpec(f"{p}ffn_gate{suffix}.weight", (f, d)),
+            TensorSpec(f"{p}ffn_up{suffix}.weight", (f, d)),
+            TensorSpec(f"{p}ffn_down{suffix}.weight", (d, f))]
+
+
 @dataclass(kw_only=True)
 class DecoderArgs:
     """The hyperparameters every decoder here has (``common_hparams`` reads them); a
@@ -408,6 +434,7 @@ class BaseModel:
     FUSE: ClassVar[dict[str, tuple[str, ...]]] = {
         "attn_qkv": ("attn_q", "attn_k", "attn_v"),
         "ffn_gate_up": ("ffn_gate", "ffn_up"),
+        "ffn_gate_up_shexp": ("ffn_gate_shexp", "ffn_up_shexp"),  # a MoE's shared expert
     }
     # Products over many rows in bfloat16 where the backend has the choice (Triton's GEMM):
     # models whose activations outgrow float16's 65504 (Gemma's unnormalized FFN product).

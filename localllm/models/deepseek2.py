@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import ClassVar
 
 import torch
 
@@ -317,9 +316,6 @@ class Model(BaseModel):
 
     LAYER = Layer
     WEIGHTS = Weights
-    FUSE: ClassVar[dict[str, tuple[str, ...]]] = {
-        "ffn_gate_up": ("ffn_gate", "ffn_up"),
-        "ffn_gate_up_shexp": ("ffn_gate_shexp", "ffn_up_shexp")}
 
     def prepare(self) -> None:
         # The magnitude of cos and sin multiplies the rotated part only (q_pe, k_pe), never

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -178,8 +177,6 @@ class Model(BaseModel):
     """A Granite hybrid decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    FUSE: ClassVar[dict[str, tuple[str, ...]]] = {
-        **BaseModel.FUSE, "ffn_gate_up_shexp": ("ffn_gate_shexp", "ffn_up_shexp")}
 
     def prepare(self) -> None:
         a = self.args

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -217,8 +216,6 @@ class Model(BaseModel):
     LAYER = Layer
     WEIGHTS = RopeWeights
     weights: RopeWeights
-    FUSE: ClassVar[dict[str, tuple[str, ...]]] = {
-        **BaseModel.FUSE, "ffn_gate_up_shexp": ("ffn_gate_shexp", "ffn_up_shexp")}
 
     def prepare(self) -> None:
         a = self.args

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import ClassVar
 
 import torch
 
@@ -270,7 +269,6 @@ class Model(BaseModel):
     :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    FUSE: ClassVar[dict[str, tuple[str, ...]]] = {**BaseModel.FUSE, "ffn_gate_up_shexp": ("ffn_gate_shexp", "ffn_up_shexp")}
 
     def prepare(self) -> None:
         a, dev = self.args, self.device

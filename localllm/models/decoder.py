@@ -1,0 +1,116 @@
+"""The forward pass shared by the pre-norm attention decoders (llama.cpp's graph of
+``src/models/llama.cpp`` and the families built like it): embed the tokens, run each block
+on its pre-normed input, read the logits of the last (or every) position.
+
+Each block ends with the next block's pre-norm (``attn_norm``; the output norm after the
+last), fused with its residual add (``ops.residual_norm``), so a block takes the residual
+stream and its normed copy and returns both for the next. A family's ``Model`` sets its
+:class:`~localllm.models.rope.Rope`, its layers' RoPE kinds and attention scales in
+``prepare`` (:meth:`Decoder.set_rope`) and writes :meth:`Decoder.block`; it overrides
+:meth:`Decoder.embed`, :meth:`Decoder.temperature` or :meth:`Decoder.head` where it scales
+them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..memory import KVSpec
+from .base import BaseModel
+from .common import positions_of
+from .rope import GLOBAL, Rope
+
+
+@dataclass
+class Step:
+    """What every block of one forward pass shares: the first position ``pos`` (int or a
+    (1,) device tensor), ``positions`` (T,) int64, the RoPE angles of each layer kind, and
+    Llama 4's attention temperature (T, 1) float32 or None."""
+
+    pos: int | torch.Tensor
+    positions: torch.Tensor
+    angles: dict
+    temperature: torch.Tensor | None = None
+
+
+def kv_layout(a, window: int | None = None) -> list[KVSpec]:
+    """One KV cache per layer of ``a.n_kv_heads`` heads of ``a.head_dim`` (a sliding
+    window of ``window`` positions on every layer where given)."""
+    return [KVSpec(a.n_kv_heads, a.head_dim, window)] * a.n_layers
+
+
+class Decoder(BaseModel):
+    """A pre-norm decoder whose blocks chain their norms (module docstring).
+
+    Attributes set by :meth:`set_rope` in ``prepare``: ``rope``, ``kinds`` (each layer's
+    RoPE kind, :data:`~localllm.models.rope.GLOBAL` ...), ``scales`` (kind -> attention
+    scale, the RoPE magnitude folded in).
+    """
+
+    rope: Rope
+    kinds: list[str]
+    scales: dict[str, float]
+
+    def set_rope(self, rope: Rope, scale: float, kinds: list[str] | None = None) -> None:
+        """The model's RoPE, each layer's kind (default: every layer global) and each
+        kind's attention scale, ``scale`` times the RoPE's :meth:`~Rope.score_scale`."""
+        self.rope = rope
+        self.kinds = kinds if kinds is not None else [GLOBAL] * self.args.n_layers
+        self.scales = {k: scale * rope.score_scale(k) for k in dict.fromkeys(self.kinds)}
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (T,) int64 -> the residual stream (T, d) float32."""
+        return self.token_embd(tokens)
+
+    def temperature(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """The attention temperature of each position (T, 1) float32, None without one."""
+        return None
+
+    def head(self, n: torch.Tensor) -> torch.Tensor:
+        """The output-normed positions n (R, d) -> logits (R, n_vocab) float32."""
+        return self.output(n)
+
+    def block(self, i: int, b, cache, x: torch.Tensor, n: torch.Tensor,
+              next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i`` (tensors ``b``, memory ``cache``): x (T, d) residual stream, n its
+        ``attn_norm`` -> (x', next_norm(x'))."""
+        raise NotImplementedError
+
+    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
+                all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
+        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
+        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits.
+        ``memory``: the sequence's :class:`~localllm.memory.Memory` (one cache per layer).
+
+        ``pos`` may be a (1,) int64 tensor on the model's device for a one-token step with
+        static shapes and no host reads (CUDA graphs, :mod:`localllm.runtime.graphs`)."""
+        ops = self.ops
+        positions = positions_of(pos, tokens.shape[0], self.device)
+        x = self.embed(tokens)  # (T, d)
+        # the angles per kind of layer, shared by all layers of that kind
+        step = Step(pos, positions,
+                    self.rope.angles(ops, positions, memory.ctx_size, tuple(self.scales)),
+                    self.temperature(positions))
+        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
+        n = ops.rms_norm(x, self.layers[0].attn_norm, self.args.norm_eps)
+        for i, (b, cache, next_norm) in enumerate(zip(self.layers, memory, nexts)):
+            x, n = self.block(i, b, cache, x, n, next_norm, step)
+        return self.head(n[logits_start:] if all_logits else n[-1:])
+
+    def attention(self, b, n: torch.Tensor, cache, step: Step, kind: str = GLOBAL, *,
+                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                  **kw) -> torch.Tensor:
+        """The attention sublayer of block ``b`` (``attn_qkv``, ``attn_output``) on its
+        normed input n (T, d) -> (T, d) float32: queries and keys in the RoPE's order,
+        the per-head QK-norm ``q_norm`` / ``k_norm`` where given, the layer kind's angles
+        and scale, ``ops.self_attention``'s other options ``kw``."""
+        a = self.args
+        q, k, v = b.attn_qkv(n)
+        q, k = self.rope.arrange(q), self.rope.arrange(k)
+        attn = self.ops.self_attention(q, k, v, q_norm, k_norm, a.norm_eps, step.angles[kind],
+                                       cache, step.pos, step.positions, head_dim=a.head_dim,
+                                       neox=a.rope.neox, scale=self.scales[kind], **kw)
+        del q, k, v
+        return b.attn_output(attn)

@@ -101,14 +101,17 @@ class Decoder(BaseModel):
 
     def attention(self, b, n: torch.Tensor, cache, step: Step, kind: str = GLOBAL, *,
                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                  **kw) -> torch.Tensor:
+                  temperature: torch.Tensor | None = None, **kw) -> torch.Tensor:
         """The attention sublayer of block ``b`` (``attn_qkv``, ``attn_output``) on its
         normed input n (T, d) -> (T, d) float32: queries and keys in the RoPE's order,
-        the per-head QK-norm ``q_norm`` / ``k_norm`` where given, the layer kind's angles
-        and scale, ``ops.self_attention``'s other options ``kw``."""
+        queries times ``temperature`` (T, 1) where given (RoPE is linear: scaling before
+        it is scaling after), the per-head QK-norm ``q_norm`` / ``k_norm`` where given, the
+        layer kind's angles and scale, ``ops.self_attention``'s other options ``kw``."""
         a = self.args
         q, k, v = b.attn_qkv(n)
         q, k = self.rope.arrange(q), self.rope.arrange(k)
+        if temperature is not None:
+            q = q * temperature
         attn = self.ops.self_attention(q, k, v, q_norm, k_norm, a.norm_eps, step.angles[kind],
                                        cache, step.pos, step.positions, head_dim=a.head_dim,
                                        neox=a.rope.neox, scale=self.scales[kind], **kw)

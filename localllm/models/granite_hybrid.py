@@ -20,9 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends import ExpertMatrix
 from ..memory import KVSpec
-from . import llama
 from .base import (
     MAX_CONTEXT,
     MAX_EXPERTS,
@@ -32,8 +30,9 @@ from .base import (
     HParams,
     TensorSpec,
     check_vocab,
+    ffn_specs,
 )
-from .common import Linear, Split, positions_of
+from .common import Linear, Split, positions_of, swiglu
 from .hybrid import (
     AttentionWeights,
     HeadArgs,
@@ -44,7 +43,10 @@ from .hybrid import (
     whole_head_rope,
 )
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
+from .moe import ExpertWeights, Routing, expert_specs, moe_ffn
 from .rope import GLOBAL, NOPE, Rope, RopeSpec, read_rope
+
+ROUTING = Routing(norm=True)  # softmax, the chosen probabilities renormalised
 
 
 @dataclass
@@ -130,20 +132,9 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                                      out_bias=True)
         f = a.ffn_dim
         if a.n_expert:
-            e = a.n_expert
-            specs += [TensorSpec(p + "ffn_gate_inp.weight", (e, d)),
-                      TensorSpec(p + "ffn_gate_exps.weight", (e, f, d)),
-                      TensorSpec(p + "ffn_up_exps.weight", (e, f, d)),
-                      TensorSpec(p + "ffn_down_exps.weight", (e, d, f))]
-            if a.shared_ffn_dim:
-                s = a.shared_ffn_dim
-                specs += [TensorSpec(p + "ffn_gate_shexp.weight", (s, d)),
-                          TensorSpec(p + "ffn_up_shexp.weight", (s, d)),
-                          TensorSpec(p + "ffn_down_shexp.weight", (d, s))]
+            specs += expert_specs(p, d, a.n_expert, f, shared_dim=a.shared_ffn_dim)
         else:
-            specs += [TensorSpec(p + "ffn_gate.weight", (f, d)),
-                      TensorSpec(p + "ffn_up.weight", (f, d)),
-                      TensorSpec(p + "ffn_down.weight", (d, f)),
+            specs += [*ffn_specs(p, d, f),
                       TensorSpec(p + "ffn_gate.bias", (f,), optional=True),
                       TensorSpec(p + "ffn_up.bias", (f,), optional=True),
                       TensorSpec(p + "ffn_down.bias", (d,), optional=True)]
@@ -158,19 +149,13 @@ def memory_layout(a: ModelArgs) -> list:
 
 
 @dataclass
-class Layer(MixerWeights, AttentionWeights):
+class Layer(MixerWeights, AttentionWeights, ExpertWeights):
     """The tensors of one block: norms, a mixer or an attention, and the FFN."""
 
     attn_norm: torch.Tensor | None = None
     ffn_norm: torch.Tensor | None = None
     ffn_gate_up: Linear | Split | None = None  # dense: fused ffn_gate, ffn_up
     ffn_down: Linear | None = None
-    ffn_gate_inp: Linear | None = None  # MoE: router, experts, shared expert
-    ffn_gate_exps: ExpertMatrix | None = None
-    ffn_up_exps: ExpertMatrix | None = None
-    ffn_down_exps: ExpertMatrix | None = None
-    ffn_gate_up_shexp: Linear | Split | None = None
-    ffn_down_shexp: Linear | None = None
 
 
 class Model(BaseModel):
@@ -188,13 +173,8 @@ class Model(BaseModel):
     def ffn(self, b: Layer, n: torch.Tensor) -> torch.Tensor:
         a, ops = self.args, self.ops
         if not a.n_expert:
-            gate, up = b.ffn_gate_up(n)
-            return b.ffn_down(ops.gated(gate, up, "silu", overwrite=True))
-        f = llama.moe_ffn(b, n, a.n_expert_used, True, ops)
-        if b.ffn_gate_up_shexp is not None:
-            gate, up = b.ffn_gate_up_shexp(n)
-            f = f + b.ffn_down_shexp(ops.gated(gate, up, "silu", overwrite=True))
-        return f
+            return swiglu(ops, b.ffn_gate_up, b.ffn_down, n)
+        return moe_ffn(ops, b, n, a.n_expert_used, ROUTING)
 
     def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
                 all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:

@@ -110,17 +110,24 @@ class ExpertWeights:
     ffn_down_shexp: Linear | None = None
 
 
-def moe_ffn(ops, b: ExpertWeights, x: torch.Tensor, n_used: int, routing: Routing
-            ) -> torch.Tensor:
-    """A MoE layer on its normed input x (T, d) float32 -> (T, d) float32: :func:`route`
-    the router's logits (with the layer's selection bias), the chosen experts' weighted
-    sum (``ops.experts``), plus the shared experts' SwiGLU where the layer has them
-    (llama.cpp's ``build_moe_ffn`` and the families' ``ffn_shexp``)."""
+def routed_experts(ops, b: ExpertWeights, x: torch.Tensor, n_used: int, routing: Routing
+                   ) -> torch.Tensor:
+    """The routed part of a MoE layer on x (T, d) float32 -> (T, d) float32: :func:`route`
+    the router's logits (with the layer's selection bias), then the chosen experts'
+    weighted sum (``ops.experts``)."""
     weights, chosen = route(b.ffn_gate_inp(x), n_used, gating=routing.gating,
                             norm=routing.norm, selection_bias=b.exp_probs_b_bias,
                             scale=routing.scale)
-    f = ops.experts(x, chosen, weights, b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps,
-                    routing.act)
+    return ops.experts(x, chosen, weights, b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps,
+                       routing.act)
+
+
+def moe_ffn(ops, b: ExpertWeights, x: torch.Tensor, n_used: int, routing: Routing
+            ) -> torch.Tensor:
+    """A MoE layer on its normed input x (T, d) float32 -> (T, d) float32: the
+    :func:`routed_experts` plus the shared experts' SwiGLU where the layer has them
+    (llama.cpp's ``build_moe_ffn`` and the families' ``ffn_shexp``)."""
+    f = routed_experts(ops, b, x, n_used, routing)
     if b.ffn_gate_up_shexp is not None:
         f = f + swiglu(ops, b.ffn_gate_up_shexp, b.ffn_down_shexp, x)
     return f

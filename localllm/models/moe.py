@@ -28,8 +28,17 @@ from dataclasses import dataclass
 import torch
 
 from ..backends import ExpertMatrix
-from .base import MAX_EXPERTS, REQUIRED, HParams, TensorSpec, ffn_specs
-from .common import Linear, Split, swiglu
+from .base import (
+    MAX_EXPERTS,
+    REQUIRED,
+    DecoderArgs,
+    HParams,
+    TensorSpec,
+    common_hparams,
+    ffn_specs,
+)
+from .common import Linear, Split, default_attention_scale, swiglu
+from .rope import read_rope
 
 GATINGS = ("softmax", "sigmoid", "softmax_weight")
 # expert_gating_func values (llama.cpp's enum; 0 "none" means the family's default)
@@ -94,6 +103,30 @@ class ExpertArgs:
 
     n_expert: int = 0  # expert_count
     n_expert_used: int = 0  # expert_used_count
+
+
+@dataclass(kw_only=True)
+class AllExpertsArgs(DecoderArgs, ExpertArgs):
+    """Hyperparameters of a decoder whose every layer routes over experts
+    ``feed_forward_length`` wide, RoPE over halves (NEOX): OLMoE, Phi-3.5-MoE."""
+
+    ffn_dim: int  # feed_forward_length: each expert's width
+    attention_scale: float = 0.0  # 1/sqrt(head_dim)
+
+    @classmethod
+    def from_gguf(cls, md: dict, n_vocab: int, source: str = ""):
+        """Validated hyperparameters (see :class:`~localllm.models.base.HParams`).
+
+        Raises:
+            GGUFError: a key missing, mistyped, out of range or inconsistent (named): no
+                experts, more used experts than experts.
+        """
+        hp = HParams(md, source)
+        c = common_hparams(hp, n_vocab)
+        rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
+                         neox=True)
+        return cls(**c, rope=rope, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
+                   **expert_counts(hp), attention_scale=default_attention_scale(c["head_dim"]))
 
 
 @dataclass(kw_only=True)

@@ -21,36 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import REQUIRED, BaseModel, DecoderArgs, HParams, TensorSpec, common_hparams, qkv_specs
-from .common import Linear, Split, default_attention_scale, positions_of
+from .base import BaseModel, TensorSpec, qkv_specs
+from .common import Linear, Split, positions_of
 from .decoder import kv_layout
-from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
-from .rope import Rope, RopeWeights, factor_specs, read_rope
+from .moe import AllExpertsArgs, ExpertWeights, Routing, expert_specs, moe_ffn
+from .rope import Rope, RopeWeights, factor_specs
 
 ROUTING = Routing(norm=True)  # softmax, the chosen probabilities renormalised
 
 
-@dataclass(kw_only=True)
-class ModelArgs(DecoderArgs, ExpertArgs):
+class ModelArgs(AllExpertsArgs):
     """Hyperparameters from ``phimoe.*`` metadata keys."""
-
-    ffn_dim: int  # feed_forward_length: each expert's width
-    attention_scale: float = 0.0
-
-    @classmethod
-    def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
-        """Validated hyperparameters (see :class:`~localllm.models.base.HParams`).
-
-        Raises:
-            GGUFError: a key missing, mistyped, out of range or inconsistent (named): no
-                experts, more used experts than experts.
-        """
-        hp = HParams(md, source)
-        c = common_hparams(hp, n_vocab)
-        rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
-                         neox=True)
-        return cls(**c, rope=rope, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
-                   **expert_counts(hp), attention_scale=default_attention_scale(c["head_dim"]))
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:

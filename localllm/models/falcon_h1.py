@@ -17,34 +17,27 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import MAX_CONTEXT, MAX_LAYERS, REQUIRED, BaseModel, HParams, TensorSpec, check_vocab
+from .base import REQUIRED, BaseModel, HParams, TensorSpec
 from .common import Linear, Split, positions_of
 from .hybrid import (
+    AttendingArgs,
     AttentionWeights,
-    HeadArgs,
     attention,
     attention_specs,
-    head_args,
-    layer_heads,
+    hybrid_hparams,
+    read_heads,
     whole_head_rope,
 )
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
 from .rope import GLOBAL, Rope, RopeSpec
 
 
-@dataclass
-class ModelArgs:
-    """Hyperparameters from ``falcon-h1.*`` metadata keys."""
+@dataclass(kw_only=True)
+class ModelArgs(AttendingArgs):
+    """Hyperparameters from ``falcon-h1.*`` metadata keys (every layer attends)."""
 
-    arch: str
-    n_vocab: int
-    n_layers: int
-    d_model: int
-    heads: HeadArgs
     ffn_dim: int
-    context_length: int
     ssm: SSMArgs
-    norm_eps: float = 1e-5
     rope: RopeSpec | None = None
 
     @classmethod
@@ -57,18 +50,11 @@ class ModelArgs:
         """
 
         hp = HParams(md, source)
-        n_layers = hp.int("block_count", REQUIRED, hi=MAX_LAYERS)
-        d = hp.int("embedding_length", REQUIRED)
-        heads, kv = layer_heads(hp, n_layers)
-        ha = head_args(hp, heads, kv, [True] * n_layers, d)
-        ctx = hp.int("context_length", 4096, hi=MAX_CONTEXT)
-        return cls(arch=hp.arch, n_vocab=check_vocab(hp, n_vocab), n_layers=n_layers,
-                   d_model=d, heads=ha,
-                   ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
-                   context_length=ctx,
+        c = hybrid_hparams(hp, n_vocab, context_length=4096)
+        ha = read_heads(hp, c, lambda kv: [True] * len(kv))
+        return cls(**c, heads=ha, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
                    ssm=ssm_hparams(hp),
-                   norm_eps=hp.float("attention.layer_norm_rms_epsilon", REQUIRED, hi=1.0),
-                   rope=whole_head_rope(hp, ha.head_dim, ctx, neox=True))
+                   rope=whole_head_rope(hp, ha.head_dim, c["context_length"], neox=True))
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:

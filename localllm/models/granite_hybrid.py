@@ -21,60 +21,38 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import (
-    MAX_CONTEXT,
-    MAX_EXPERTS,
-    MAX_LAYERS,
-    REQUIRED,
-    BaseModel,
-    HParams,
-    TensorSpec,
-    check_vocab,
-    ffn_specs,
-)
+from .base import REQUIRED, BaseModel, HParams, TensorSpec, ffn_specs
 from .common import Linear, Split, positions_of, swiglu
 from .hybrid import (
+    AttendingArgs,
     AttentionWeights,
-    HeadArgs,
     attention,
     attention_specs,
-    head_args,
-    layer_heads,
+    hybrid_hparams,
+    read_heads,
     whole_head_rope,
 )
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
-from .moe import ExpertWeights, Routing, expert_specs, moe_ffn
+from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
 from .rope import GLOBAL, NOPE, Rope, RopeSpec, read_rope
 
 ROUTING = Routing(norm=True)  # softmax, the chosen probabilities renormalised
 
 
-@dataclass
-class ModelArgs:
-    """Hyperparameters from ``granitehybrid.*`` metadata keys."""
+@dataclass(kw_only=True)
+class ModelArgs(AttendingArgs, ExpertArgs):
+    """Hyperparameters from ``granitehybrid.*`` metadata keys (0 KV heads: a Mamba2
+    layer)."""
 
-    arch: str
-    n_vocab: int
-    n_layers: int  # block_count
-    d_model: int  # embedding_length
-    heads: HeadArgs  # per layer; 0 KV heads: a Mamba2 layer
     ffn_dim: int  # feed_forward_length (the expert size with experts)
-    context_length: int
     ssm: SSMArgs
-    norm_eps: float = 1e-5
     rope: RopeSpec | None = None
     use_rope: bool = False  # rope.scaling.finetuned
-    n_expert: int = 0
-    n_expert_used: int = 0
     shared_ffn_dim: int = 0  # expert_shared_feed_forward_length
     embedding_scale: float = 1.0
     residual_scale: float = 1.0
     logit_scale: float = 1.0
     attention_scale: float = 0.0
-
-    @property
-    def recurrent(self) -> tuple[bool, ...]:
-        return tuple(k == 0 for k in self.heads.n_kv_heads)
 
     @classmethod
     def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
@@ -85,27 +63,17 @@ class ModelArgs:
             UnsupportedError: partial RoPE.
         """
         hp = HParams(md, source)
-        n_layers = hp.int("block_count", REQUIRED, hi=MAX_LAYERS)
-        d = hp.int("embedding_length", REQUIRED)
-        heads, kv = layer_heads(hp, n_layers)
-        ha = head_args(hp, heads, kv, [k > 0 for k in kv], d)
+        c = hybrid_hparams(hp, n_vocab, context_length=1 << 20)
+        ha, ctx = read_heads(hp, c), c["context_length"]
         use_rope = hp.bool("rope.scaling.finetuned", True)
-        ctx = hp.int("context_length", 1 << 20, hi=MAX_CONTEXT)
         rope = (whole_head_rope(hp, ha.head_dim, ctx, neox=False) if use_rope
                 else read_rope(hp, head_dim=ha.head_dim, context_length=ctx, neox=False))
-        n_expert = hp.int("expert_count", 0, lo=0, hi=MAX_EXPERTS)
-        kw = {}
-        if n_expert:
-            kw = {"n_expert": n_expert,
-                  "n_expert_used": hp.int("expert_used_count", REQUIRED, hi=n_expert),
-                  "shared_ffn_dim": hp.int("expert_shared_feed_forward_length", 0, lo=0)}
+        kw = expert_counts(hp, 0, lo=0)
+        if kw["n_expert"]:
+            kw["shared_ffn_dim"] = hp.int("expert_shared_feed_forward_length", 0, lo=0)
         return cls(
-            arch=hp.arch, n_vocab=check_vocab(hp, n_vocab), n_layers=n_layers, d_model=d,
-            heads=ha, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
-            context_length=ctx,
-            ssm=ssm_hparams(hp), norm_eps=hp.float("attention.layer_norm_rms_epsilon",
-                                                   REQUIRED, hi=1.0),
-            rope=rope, use_rope=use_rope,
+            **c, heads=ha, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
+            ssm=ssm_hparams(hp), rope=rope, use_rope=use_rope,
             embedding_scale=unset_is_one(hp, "embedding_scale"),
             residual_scale=unset_is_one(hp, "residual_scale"),
             logit_scale=unset_is_one(hp, "logit_scale"),

@@ -21,48 +21,29 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec, RecurrentSpec
-from .base import (
-    MAX_CONTEXT,
-    MAX_LAYERS,
-    REQUIRED,
-    BaseModel,
-    HParams,
-    TensorSpec,
-    check_vocab,
-)
+from .base import MAX_CONTEXT, REQUIRED, BaseModel, HParams, TensorSpec
 from .common import Embedding, Linear, Split, positions_of
 from .hybrid import (
+    AttendingArgs,
     AttentionWeights,
-    HeadArgs,
     attention,
     attention_specs,
-    head_args,
-    layer_heads,
+    hybrid_hparams,
+    read_heads,
     whole_head_rope,
 )
 from .mamba import MAX_CONV
 from .rope import GLOBAL, Rope, RopeSpec
 
 
-@dataclass
-class ModelArgs:
-    """Hyperparameters from ``lfm2.*`` metadata keys."""
+@dataclass(kw_only=True)
+class ModelArgs(AttendingArgs):
+    """Hyperparameters from ``lfm2.*`` metadata keys (0 KV heads: a convolution layer)."""
 
-    arch: str
-    n_vocab: int
-    n_layers: int
-    d_model: int
-    heads: HeadArgs  # 0 KV heads: a convolution layer
     ffn_dim: int
-    context_length: int
     l_cache: int  # shortconv.l_cache: taps of the convolution
-    norm_eps: float = 1e-5
     rope: RopeSpec | None = None
     sliding_window: int | None = None
-
-    @property
-    def recurrent(self) -> tuple[bool, ...]:
-        return tuple(k == 0 for k in self.heads.n_kv_heads)
 
     @classmethod
     def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
@@ -74,23 +55,16 @@ class ModelArgs:
         """
 
         hp = HParams(md, source)
-        n_layers = hp.int("block_count", REQUIRED, hi=MAX_LAYERS)
-        d = hp.int("embedding_length", REQUIRED)
-        heads, kv = layer_heads(hp, n_layers)
-        ha = head_args(hp, heads, kv, [k > 0 for k in kv], d)
-        for i, k in enumerate(kv):
-            hp.require(k == 0 or heads[i] * ha.head_dim == d, "attention.head_count",
-                       f"layer {i}: {heads[i]} heads of {ha.head_dim} differ from "
+        c = hybrid_hparams(hp, n_vocab)
+        ha, d = read_heads(hp, c), c["d_model"]
+        for i, (h, k) in enumerate(zip(ha.n_heads, ha.n_kv_heads)):
+            hp.require(k == 0 or h * ha.head_dim == d, "attention.head_count",
+                       f"layer {i}: {h} heads of {ha.head_dim} differ from "
                        f"embedding_length {d} (LFM2's attention keeps the width)")
-        ctx = hp.int("context_length", REQUIRED, hi=MAX_CONTEXT)
         window = hp.int("attention.sliding_window", 0, lo=0, hi=MAX_CONTEXT)
-        return cls(arch=hp.arch, n_vocab=check_vocab(hp, n_vocab), n_layers=n_layers,
-                   d_model=d, heads=ha,
-                   ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
-                   context_length=ctx,
+        return cls(**c, heads=ha, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
                    l_cache=hp.int("shortconv.l_cache", REQUIRED, lo=2, hi=MAX_CONV),
-                   norm_eps=hp.float("attention.layer_norm_rms_epsilon", REQUIRED, hi=1.0),
-                   rope=whole_head_rope(hp, ha.head_dim, ctx, neox=True),
+                   rope=whole_head_rope(hp, ha.head_dim, c["context_length"], neox=True),
                    sliding_window=window or None)
 
 

@@ -28,15 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backends import ExpertMatrix
-from .base import (
-    MAX_EXPERTS,
-    REQUIRED,
-    DecoderArgs,
-    HParams,
-    TensorSpec,
-    common_hparams,
-    ffn_specs,
-)
+from .base import MAX_EXPERTS, REQUIRED, DecoderArgs, HParams, TensorSpec, common_hparams, ffn_specs
 from .common import Linear, Split, default_attention_scale, swiglu
 from .rope import read_rope
 

@@ -22,15 +22,7 @@ from typing import ClassVar
 import torch
 
 from ..memory import KVSpec
-from .base import (
-    MAX_CONTEXT,
-    REQUIRED,
-    BaseModel,
-    DecoderArgs,
-    HParams,
-    TensorSpec,
-    common_hparams,
-)
+from .base import MAX_CONTEXT, REQUIRED, BaseModel, DecoderArgs, HParams, TensorSpec, common_hparams
 from .common import Linear, positions_of
 from .rope import Rope, RopeWeights, read_rope
 

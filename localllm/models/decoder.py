@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import BaseModel
-from .common import positions_of
+from .base import BaseModel, TensorSpec, ffn_specs, qkv_specs
+from .common import Linear, Split, positions_of, swiglu
 from .rope import GLOBAL, Rope
 
 
@@ -86,34 +86,93 @@ class Decoder(BaseModel):
 
         ``pos`` may be a (1,) int64 tensor on the model's device for a one-token step with
         static shapes and no host reads (CUDA graphs, :mod:`localllm.runtime.graphs`)."""
-        ops = self.ops
         positions = positions_of(pos, tokens.shape[0], self.device)
         x = self.embed(tokens)  # (T, d)
         # the angles per kind of layer, shared by all layers of that kind
         step = Step(pos, positions,
-                    self.rope.angles(ops, positions, memory.ctx_size, tuple(self.scales)),
+                    self.rope.angles(self.ops, positions, memory.ctx_size, tuple(self.scales)),
                     self.temperature(positions))
+        n = self.run_layers(x, memory, step)
+        return self.head(n[logits_start:] if all_logits else n[-1:])
+
+    def run_layers(self, x: torch.Tensor, memory, step: Step) -> torch.Tensor:
+        """The blocks on the residual stream x (T, d) -> the output-normed stream (T, d)."""
         nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
-        n = ops.rms_norm(x, self.layers[0].attn_norm, self.args.norm_eps)
+        n = self.ops.rms_norm(x, self.layers[0].attn_norm, self.args.norm_eps)
         for i, (b, cache, next_norm) in enumerate(zip(self.layers, memory, nexts)):
             x, n = self.block(i, b, cache, x, n, next_norm, step)
-        return self.head(n[logits_start:] if all_logits else n[-1:])
+        return n
 
     def attention(self, b, n: torch.Tensor, cache, step: Step, kind: str = GLOBAL, *,
                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                  temperature: torch.Tensor | None = None, **kw) -> torch.Tensor:
+                  temperature: torch.Tensor | None = None, whole_qk_norm: bool = False,
+                  **kw) -> torch.Tensor:
         """The attention sublayer of block ``b`` (``attn_qkv``, ``attn_output``) on its
         normed input n (T, d) -> (T, d) float32: queries and keys in the RoPE's order,
         queries times ``temperature`` (T, 1) where given (RoPE is linear: scaling before
-        it is scaling after), the per-head QK-norm ``q_norm`` / ``k_norm`` where given, the
-        layer kind's angles and scale, ``ops.self_attention``'s other options ``kw``."""
-        a = self.args
+        it is scaling after), the per-head QK-norm ``q_norm`` / ``k_norm`` where given (with
+        ``whole_qk_norm``: one RMSNorm over all heads together, before the per-head RoPE:
+        OLMo 2, OLMoE), the layer kind's angles and scale, ``ops.self_attention``'s other
+        options ``kw``."""
+        a, ops = self.args, self.ops
         q, k, v = b.attn_qkv(n)
         q, k = self.rope.arrange(q), self.rope.arrange(k)
+        if whole_qk_norm:
+            q, k = ops.rms_norm(q, q_norm, a.norm_eps), ops.rms_norm(k, k_norm, a.norm_eps)
+            q_norm = k_norm = None
         if temperature is not None:
             q = q * temperature
-        attn = self.ops.self_attention(q, k, v, q_norm, k_norm, a.norm_eps, step.angles[kind],
+        attn = ops.self_attention(q, k, v, q_norm, k_norm, a.norm_eps, step.angles[kind],
                                        cache, step.pos, step.positions, head_dim=a.head_dim,
                                        neox=a.rope.neox, scale=self.scales[kind], **kw)
         del q, k, v
         return b.attn_output(attn)
+
+
+class PostNormDecoder(Decoder):
+    """A decoder whose sublayers norm their outputs before the residual add and take the
+    stream itself (OLMo 2, EXAONE 4): :meth:`post_norm_block` per layer, the output norm
+    after the last."""
+
+    def run_layers(self, x: torch.Tensor, memory, step: Step) -> torch.Tensor:
+        for i, (b, cache) in enumerate(zip(self.layers, memory)):
+            x = self.post_norm_block(i, b, cache, x, step)
+        return self.ops.rms_norm(x, self.output_norm, self.args.norm_eps)
+
+    def post_norm_block(self, i: int, b: PostNormLayer, cache, x: torch.Tensor, step: Step,
+                        **kw) -> torch.Tensor:
+        """Layer ``i``: x (T, d) -> x + post_attention_norm(attention(x)) = h, then
+        h + post_ffw_norm(swiglu(h)); ``kw``: :meth:`Decoder.attention`'s options."""
+        ops, eps = self.ops, self.args.norm_eps
+        h = x + ops.rms_norm(self.attention(b, x, cache, step, self.kinds[i], **kw),
+                             b.post_attention_norm, eps)
+        del x
+        return h + ops.rms_norm(swiglu(ops, b.ffn_gate_up, b.ffn_down, h), b.post_ffw_norm, eps)
+
+
+@dataclass
+class PostNormLayer:
+    """The tensors of a post-norm block (``blk.{i}.*``): no pre-norms."""
+
+    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v (with their biases)
+    attn_q_norm: torch.Tensor  # QK-norm: per head (head_dim,) or over all heads
+    attn_k_norm: torch.Tensor
+    attn_output: Linear
+    post_attention_norm: torch.Tensor
+    ffn_gate_up: Linear | Split  # fused ffn_gate, ffn_up
+    ffn_down: Linear
+    post_ffw_norm: torch.Tensor
+
+
+def post_norm_specs(p: str, a, *, qkv_bias: str, qk_norm: tuple[int, int]) -> list[TensorSpec]:
+    """A :class:`PostNormLayer`'s tensors (prefix ``p``): Q/K/V (``qkv_bias``: see
+    :func:`~localllm.models.base.qkv_specs`), QK-norm weights of ``qk_norm`` sizes (per head
+    or over all heads), the output projection, the post-norms around a SwiGLU FFN."""
+    d = a.d_model
+    return [*qkv_specs(p, d, a.n_heads, a.n_kv_heads, a.head_dim, bias=qkv_bias),
+            TensorSpec(p + "attn_q_norm.weight", (qk_norm[0],)),
+            TensorSpec(p + "attn_k_norm.weight", (qk_norm[1],)),
+            TensorSpec(p + "attn_output.weight", (d, a.n_heads * a.head_dim)),
+            TensorSpec(p + "post_attention_norm.weight", (d,)),
+            *ffn_specs(p, d, a.ffn_dim),
+            TensorSpec(p + "post_ffw_norm.weight", (d,))]

@@ -78,20 +78,11 @@ class Model(Decoder):
     def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
               next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         a, ops = self.args, self.ops
-        eps = a.norm_eps
-        q, k, v = b.attn_qkv(n)
-        del n
-        # the QK-norm spans all heads: applied here, before the per-head RoPE
-        q = ops.rms_norm(self.rope.arrange(q), b.attn_q_norm, eps)
-        k = ops.rms_norm(self.rope.arrange(k), b.attn_k_norm, eps)
-        attn = ops.self_attention(q, k, v, None, None, eps, step.angles["global"], cache,
-                                  step.pos, step.positions, head_dim=a.head_dim, neox=True,
-                                  scale=self.scales["global"])
-        del q, k, v
-        o = b.attn_output(attn)
-        del attn
-        h, n = ops.residual_norm(x, o, None, b.ffn_norm, eps)
+        # the QK-norm spans all heads: applied before the per-head RoPE
+        o = self.attention(b, n, cache, step, q_norm=b.attn_q_norm, k_norm=b.attn_k_norm,
+                           whole_qk_norm=True)
+        h, n = ops.residual_norm(x, o, None, b.ffn_norm, a.norm_eps)
         del o, x
         f = moe_ffn(ops, b, n, a.n_expert_used, ROUTING)
         del n
-        return ops.residual_norm(h, f, None, next_norm, eps)
+        return ops.residual_norm(h, f, None, next_norm, a.norm_eps)

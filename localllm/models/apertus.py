@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import REQUIRED, DecoderArgs, HParams, TensorSpec, common_hparams, qkv_specs
+from .base import REQUIRED, DecoderArgs, TensorSpec, qkv_specs
 from .common import Linear, Split
 from .decoder import Decoder, Step, kv_layout
 from .rope import Rope, RopeWeights, factor_specs, read_rope
@@ -42,8 +42,7 @@ class ModelArgs(DecoderArgs):
             GGUFError: a key missing, mistyped, out of range or inconsistent (named; an
                 ``xielu.*`` array of another length than block_count).
         """
-        hp = HParams(md, source)
-        c = common_hparams(hp, n_vocab)
+        hp, c = cls.read(md, n_vocab, source)
         ffn = hp.int("feed_forward_length", REQUIRED, per_layer=True)
         rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
                          neox=True)

@@ -122,6 +122,18 @@ class DecoderArgs:
     rope: RopeSpec  # rope.* (models/rope.py)
     norm_eps: float = 1e-5  # attention.layer_norm_rms_epsilon
 
+    @classmethod
+    def read(cls, md: dict, n_vocab: int, source: str = "", **defaults) -> tuple[HParams, dict]:
+        """The validated reader of a file's metadata ``md`` and the fields above but the
+        RoPE (:func:`common_hparams`, ``defaults`` its keyword arguments): what a family's
+        ``from_gguf`` starts from.
+
+        Raises:
+            GGUFError: a key missing, mistyped or out of range (named), an absurd vocabulary.
+        """
+        hp = HParams(md, source)
+        return hp, common_hparams(hp, n_vocab, **defaults)
+
 
 @dataclass
 class Weights:

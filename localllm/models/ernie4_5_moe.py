@@ -22,16 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import (
-    MAX_LAYERS,
-    REQUIRED,
-    DecoderArgs,
-    HParams,
-    TensorSpec,
-    common_hparams,
-    ffn_specs,
-    qkv_specs,
-)
+from .base import MAX_LAYERS, REQUIRED, DecoderArgs, TensorSpec, ffn_specs, qkv_specs
 from .common import Linear, Split, default_attention_scale, swiglu
 from .decoder import Decoder, Step, kv_layout
 from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
@@ -59,8 +50,7 @@ class ModelArgs(DecoderArgs, ExpertArgs):
                 experts, more used experts than experts, more leading dense layers than
                 layers, a MoE layer step other than 1.
         """
-        hp = HParams(md, source)
-        c = common_hparams(hp, n_vocab)
+        hp, c = cls.read(md, n_vocab, source)
         dense = hp.int("leading_dense_block_count", 0, lo=0, hi=MAX_LAYERS)
         hp.require(dense <= c["n_layers"], "leading_dense_block_count",
                    f"{dense} exceeds the {c['n_layers']} layers")

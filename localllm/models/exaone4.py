@@ -21,15 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import (
-    MAX_CONTEXT,
-    REQUIRED,
-    DecoderArgs,
-    HParams,
-    TensorSpec,
-    common_hparams,
-    swa_layers,
-)
+from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, swa_layers
 from .decoder import PostNormDecoder, PostNormLayer, Step, post_norm_specs
 from .rope import GLOBAL, NOPE, Rope, RopeWeights, factor_specs, read_rope
 
@@ -52,8 +44,7 @@ class ModelArgs(DecoderArgs):
             GGUFError: a key missing, mistyped, out of range or inconsistent (named; a
                 sliding-window pattern of another length than block_count).
         """
-        hp = HParams(md, source)
-        c = common_hparams(hp, n_vocab)
+        hp, c = cls.read(md, n_vocab, source)
         ffn = hp.int("feed_forward_length", REQUIRED, per_layer=True)
         rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
                          neox=True)

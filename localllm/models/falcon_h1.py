@@ -17,17 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import REQUIRED, BaseModel, HParams, TensorSpec
+from .base import REQUIRED, BaseModel, TensorSpec
 from .common import Linear, Split, positions_of
-from .hybrid import (
-    AttendingArgs,
-    AttentionWeights,
-    attention,
-    attention_specs,
-    hybrid_hparams,
-    read_heads,
-    whole_head_rope,
-)
+from .hybrid import AttendingArgs, AttentionWeights, attention, attention_specs, whole_head_rope
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
 from .rope import GLOBAL, Rope, RopeSpec
 
@@ -49,9 +41,8 @@ class ModelArgs(AttendingArgs):
             UnsupportedError: partial RoPE.
         """
 
-        hp = HParams(md, source)
-        c = hybrid_hparams(hp, n_vocab, context_length=4096)
-        ha = read_heads(hp, c, lambda kv: [True] * len(kv))
+        hp, c = cls.read(md, n_vocab, source, context_length=4096)
+        ha = cls.read_heads(hp, c, lambda kv: [True] * len(kv))
         return cls(**c, heads=ha, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
                    ssm=ssm_hparams(hp),
                    rope=whole_head_rope(hp, ha.head_dim, c["context_length"], neox=True))

@@ -34,17 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import (
-    MAX_CONTEXT,
-    REQUIRED,
-    DecoderArgs,
-    HParams,
-    TensorSpec,
-    common_hparams,
-    ffn_specs,
-    qkv_specs,
-    swa_layers,
-)
+from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, ffn_specs, qkv_specs, swa_layers
 from .common import Linear, Split
 from .decoder import Decoder, Step
 from .rope import GLOBAL, SWA, Rope, read_rope
@@ -72,9 +62,8 @@ class ModelArgs(DecoderArgs):
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
         """
-        hp = HParams(md, source)
+        hp, c = cls.read(md, n_vocab, source, eps=1e-6, context_length=8192)
         arch = hp.arch
-        c = common_hparams(hp, n_vocab, eps=1e-6, context_length=8192)
         ffn = hp.int("feed_forward_length", REQUIRED, per_layer=True)
         # llama.cpp: gemma2 slides by default (window 4096), gemma3 where the file says so
         window = None

@@ -26,17 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .base import (
-    MAX_EXPERTS,
-    MAX_LAYERS,
-    REQUIRED,
-    DecoderArgs,
-    HParams,
-    TensorSpec,
-    common_hparams,
-    ffn_specs,
-    qkv_specs,
-)
+from .base import MAX_EXPERTS, MAX_LAYERS, REQUIRED, DecoderArgs, TensorSpec, ffn_specs, qkv_specs
 from .common import Linear, Split, default_attention_scale, swiglu
 from .decoder import Decoder, Step, kv_layout
 from .moe import (
@@ -73,8 +63,7 @@ class ModelArgs(DecoderArgs, ExpertArgs):
                 experts, more used experts than experts, more leading dense or
                 next-token-prediction blocks than blocks, an unknown gating function.
         """
-        hp = HParams(md, source)
-        c = common_hparams(hp, n_vocab)
+        hp, c = cls.read(md, n_vocab, source)
         n_blocks = c["n_layers"]
         nextn = hp.int("nextn_predict_layers", 0, lo=0, hi=MAX_LAYERS)
         hp.require(nextn < n_blocks, "nextn_predict_layers",

@@ -32,16 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import (
-    MAX_CONTEXT,
-    REQUIRED,
-    DecoderArgs,
-    HParams,
-    TensorSpec,
-    common_hparams,
-    qkv_specs,
-    swa_layers,
-)
+from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, qkv_specs, swa_layers
 from .common import Linear, Split, default_attention_scale
 from .decoder import Decoder, Step
 from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
@@ -70,8 +61,7 @@ class ModelArgs(DecoderArgs, ExpertArgs):
                 experts, more used experts than experts, a sliding-window pattern whose
                 length is not ``block_count``, a YaRN factor <= 0 or a base <= 1.
         """
-        hp = HParams(md, source)
-        c = common_hparams(hp, n_vocab)
+        hp, c = cls.read(md, n_vocab, source)
         experts = expert_counts(hp)
         expert_ffn = hp.int("expert_feed_forward_length", REQUIRED, per_layer=True)
         window = hp.int("attention.sliding_window", REQUIRED, hi=MAX_CONTEXT)

@@ -23,15 +23,7 @@ import torch
 from ..memory import KVSpec
 from .base import REQUIRED, BaseModel, HParams, TensorSpec, ffn_specs
 from .common import Linear, Split, positions_of, swiglu
-from .hybrid import (
-    AttendingArgs,
-    AttentionWeights,
-    attention,
-    attention_specs,
-    hybrid_hparams,
-    read_heads,
-    whole_head_rope,
-)
+from .hybrid import AttendingArgs, AttentionWeights, attention, attention_specs, whole_head_rope
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
 from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
 from .rope import GLOBAL, NOPE, Rope, RopeSpec, read_rope
@@ -62,9 +54,8 @@ class ModelArgs(AttendingArgs, ExpertArgs):
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
             UnsupportedError: partial RoPE.
         """
-        hp = HParams(md, source)
-        c = hybrid_hparams(hp, n_vocab, context_length=1 << 20)
-        ha, ctx = read_heads(hp, c), c["context_length"]
+        hp, c = cls.read(md, n_vocab, source, context_length=1 << 20)
+        ha, ctx = cls.read_heads(hp, c), c["context_length"]
         use_rope = hp.bool("rope.scaling.finetuned", True)
         rope = (whole_head_rope(hp, ha.head_dim, ctx, neox=False) if use_rope
                 else read_rope(hp, head_dim=ha.head_dim, context_length=ctx, neox=False))

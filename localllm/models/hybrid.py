@@ -63,6 +63,17 @@ class HybridArgs:
     context_length: int
     norm_eps: float = 1e-5  # attention.layer_norm_rms_epsilon
 
+    @classmethod
+    def read(cls, md: dict, n_vocab: int, source: str = "", **defaults) -> tuple[HParams, dict]:
+        """The validated reader of a file's metadata ``md`` and the fields above
+        (:func:`hybrid_hparams`, ``defaults`` its keyword arguments).
+
+        Raises:
+            GGUFError: a key missing, mistyped or out of range (named), an absurd vocabulary.
+        """
+        hp = HParams(md, source)
+        return hp, hybrid_hparams(hp, n_vocab, **defaults)
+
 
 def hybrid_hparams(hp: HParams, n_vocab: int, *, context_length=REQUIRED,
                    eps=REQUIRED) -> dict:
@@ -140,18 +151,18 @@ class AttendingArgs(HybridArgs):
         """Per layer: it does not attend (0 KV heads, llama.cpp's ``hparams.is_recr``)."""
         return tuple(k == 0 for k in self.heads.n_kv_heads)
 
+    @staticmethod
+    def read_heads(hp: HParams, c: dict, attends=None) -> HeadArgs:
+        """The heads of a hybrid's layers (:func:`layer_heads`, :func:`head_args`) for the
+        :func:`hybrid_hparams` ``c``; ``attends``: a function of the KV heads per layer
+        saying which layers attend (default: those with KV heads).
 
-def read_heads(hp: HParams, c: dict, attends=None) -> HeadArgs:
-    """The heads of a hybrid's layers (:func:`layer_heads`, :func:`head_args`) for the
-    :func:`hybrid_hparams` ``c``; ``attends``: a function of the KV heads per layer saying
-    which layers attend (default: those with KV heads).
-
-    Raises:
-        GGUFError: naming the key that contradicts the others.
-    """
-    heads, kv = layer_heads(hp, c["n_layers"])
-    which = attends(kv) if attends is not None else [k > 0 for k in kv]
-    return head_args(hp, heads, kv, which, c["d_model"])
+        Raises:
+            GGUFError: naming the key that contradicts the others.
+        """
+        heads, kv = layer_heads(hp, c["n_layers"])
+        which = attends(kv) if attends is not None else [k > 0 for k in kv]
+        return head_args(hp, heads, kv, which, c["d_model"])
 
 
 def attention_specs(prefix: str, d_model: int, n_heads: int, n_kv: int, head_dim: int, *,

@@ -21,17 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec, RecurrentSpec
-from .base import MAX_CONTEXT, REQUIRED, BaseModel, HParams, TensorSpec
+from .base import MAX_CONTEXT, REQUIRED, BaseModel, TensorSpec
 from .common import Embedding, Linear, Split, positions_of
-from .hybrid import (
-    AttendingArgs,
-    AttentionWeights,
-    attention,
-    attention_specs,
-    hybrid_hparams,
-    read_heads,
-    whole_head_rope,
-)
+from .hybrid import AttendingArgs, AttentionWeights, attention, attention_specs, whole_head_rope
 from .mamba import MAX_CONV
 from .rope import GLOBAL, Rope, RopeSpec
 
@@ -54,9 +46,8 @@ class ModelArgs(AttendingArgs):
             UnsupportedError: partial RoPE.
         """
 
-        hp = HParams(md, source)
-        c = hybrid_hparams(hp, n_vocab)
-        ha, d = read_heads(hp, c), c["d_model"]
+        hp, c = cls.read(md, n_vocab, source)
+        ha, d = cls.read_heads(hp, c), c["d_model"]
         for i, (h, k) in enumerate(zip(ha.n_heads, ha.n_kv_heads)):
             hp.require(k == 0 or h * ha.head_dim == d, "attention.head_count",
                        f"layer {i}: {h} heads of {ha.head_dim} differ from "

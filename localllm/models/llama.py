@@ -42,16 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import (
-    MAX_CONTEXT,
-    REQUIRED,
-    DecoderArgs,
-    HParams,
-    TensorSpec,
-    common_hparams,
-    ffn_specs,
-    qkv_specs,
-)
+from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, ffn_specs, qkv_specs
 from .common import Linear, Split, swiglu
 from .decoder import Decoder, Step, kv_layout
 from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
@@ -121,9 +112,8 @@ class ModelArgs(DecoderArgs, ExpertArgs):
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
         """
-        hp = HParams(md, source)
+        hp, c = cls.read(md, n_vocab, source)
         var = VARIANTS[hp.arch]
-        c = common_hparams(hp, n_vocab)
         experts = {} if var.moe == "none" else expert_counts(hp, 0, lo=0)
         n_expert = experts.get("n_expert", 0)
         hp.require(n_expert > 0 or var.moe != "required", "expert_count",

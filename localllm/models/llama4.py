@@ -41,9 +41,7 @@ from .base import (
     MAX_LAYERS,
     REQUIRED,
     DecoderArgs,
-    HParams,
     TensorSpec,
-    common_hparams,
     ffn_specs,
     qkv_specs,
     swa_layers,
@@ -85,8 +83,7 @@ class ModelArgs(DecoderArgs, ExpertArgs):
                 experts, more experts used than there are, a sliding-window pattern of
                 another length than block_count, a RoPE over part of the head.
         """
-        hp = HParams(md, source)
-        c = common_hparams(hp, n_vocab)
+        hp, c = cls.read(md, n_vocab, source)
         n = c["n_layers"]
         experts = expert_counts(hp)
         expert_ffn = hp.int("expert_feed_forward_length", REQUIRED, per_layer=True)

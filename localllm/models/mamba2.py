@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BaseModel, HParams, TensorSpec
-from .hybrid import HybridArgs, hybrid_hparams
+from .base import BaseModel, TensorSpec
+from .hybrid import HybridArgs
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
 
 
@@ -31,9 +31,9 @@ class ModelArgs(HybridArgs):
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
         """
-        hp = HParams(md, source)
         # the converter writes a context of 2**20: a recurrence has no limit of its own
-        return cls(**hybrid_hparams(hp, n_vocab, context_length=1 << 20), ssm=ssm_hparams(hp))
+        hp, c = cls.read(md, n_vocab, source, context_length=1 << 20)
+        return cls(**c, ssm=ssm_hparams(hp))
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backends import ExpertMatrix
-from .base import MAX_EXPERTS, REQUIRED, DecoderArgs, HParams, TensorSpec, common_hparams, ffn_specs
+from .base import MAX_EXPERTS, REQUIRED, DecoderArgs, HParams, TensorSpec, ffn_specs
 from .common import Linear, Split, default_attention_scale, swiglu
 from .rope import read_rope
 
@@ -113,8 +113,7 @@ class AllExpertsArgs(DecoderArgs, ExpertArgs):
             GGUFError: a key missing, mistyped, out of range or inconsistent (named): no
                 experts, more used experts than experts.
         """
-        hp = HParams(md, source)
-        c = common_hparams(hp, n_vocab)
+        hp, c = cls.read(md, n_vocab, source)
         rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
                          neox=True)
         return cls(**c, rope=rope, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),

@@ -21,14 +21,7 @@ from ..errors import UnsupportedError
 from ..memory import KVSpec
 from .base import REQUIRED, BaseModel, HParams, TensorSpec
 from .common import Linear, positions_of
-from .hybrid import (
-    AttendingArgs,
-    AttentionWeights,
-    attention,
-    attention_specs,
-    hybrid_hparams,
-    read_heads,
-)
+from .hybrid import AttendingArgs, AttentionWeights, attention, attention_specs, hybrid_hparams
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
 
 MAMBA, ATTENTION, FFN = "mamba", "attention", "ffn"
@@ -63,7 +56,7 @@ class ModelArgs(AttendingArgs):
         c = hybrid_hparams(hp, n_vocab,
                            eps=hp.float("attention.layer_norm_epsilon", REQUIRED, hi=1.0))
         ffn = hp.int_layers("feed_forward_length", c["n_layers"], REQUIRED)
-        heads = read_heads(hp, c, lambda kv: [f == 0 and k > 0 for f, k in zip(ffn, kv)])
+        heads = cls.read_heads(hp, c, lambda kv: [f == 0 and k > 0 for f, k in zip(ffn, kv)])
         return cls(**c, heads=heads, ffn_dims=ffn, ssm=ssm_hparams(hp))
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import REQUIRED, DecoderArgs, HParams, TensorSpec, common_hparams
+from .base import REQUIRED, DecoderArgs, TensorSpec
 from .decoder import PostNormDecoder, PostNormLayer, Step, kv_layout, post_norm_specs
 from .rope import Rope, read_rope
 
@@ -34,8 +34,7 @@ class ModelArgs(DecoderArgs):
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
         """
-        hp = HParams(md, source)
-        c = common_hparams(hp, n_vocab, eps=1e-6)
+        hp, c = cls.read(md, n_vocab, source, eps=1e-6)
         ffn = hp.int("feed_forward_length", REQUIRED, per_layer=True)
         rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
                          neox=True)

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, HParams, TensorSpec, common_hparams
+from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec
 from .common import Linear, swiglu
 from .decoder import Decoder, Step, kv_layout
 from .rope import Rope, RopeWeights, read_rope
@@ -41,8 +41,7 @@ class ModelArgs(DecoderArgs):
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
         """
-        hp = HParams(md, source)
-        c = common_hparams(hp, n_vocab)
+        hp, c = cls.read(md, n_vocab, source)
         ffn = hp.int("feed_forward_length", REQUIRED, per_layer=True)
         rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
                          neox=True)

@@ -74,8 +74,8 @@ class Decoder(BaseModel):
 
     def block(self, i: int, b, cache, x: torch.Tensor, n: torch.Tensor,
               next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i`` (tensors ``b``, memory ``cache``): x (T, d) residual stream, n its
-        ``attn_norm`` -> (x', next_norm(x'))."""
+        """Layer ``i`` (tensors ``b``, memory ``cache`` of :meth:`layer_memories`): x (T, d)
+        residual stream, n its ``attn_norm`` -> (x', next_norm(x'))."""
         raise NotImplementedError
 
     def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
@@ -99,9 +99,15 @@ class Decoder(BaseModel):
         """The blocks on the residual stream x (T, d) -> the output-normed stream (T, d)."""
         nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
         n = self.ops.rms_norm(x, self.layers[0].attn_norm, self.args.norm_eps)
-        for i, (b, cache, next_norm) in enumerate(zip(self.layers, memory, nexts)):
+        caches = self.layer_memories(memory)
+        for i, (b, cache, next_norm) in enumerate(zip(self.layers, caches, nexts)):
             x, n = self.block(i, b, cache, x, n, next_norm, step)
         return n
+
+    def layer_memories(self, memory):
+        """What each layer remembers, in layer order: the memory's caches, one per layer
+        (a hybrid whose layers hold two pairs them)."""
+        return memory
 
     def attention(self, b, n: torch.Tensor, cache, step: Step, kind: str = GLOBAL, *,
                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,

@@ -17,11 +17,18 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import REQUIRED, BaseModel, TensorSpec
-from .common import Linear, Split, positions_of
-from .hybrid import AttendingArgs, AttentionWeights, attention, attention_specs, whole_head_rope
+from .base import REQUIRED, TensorSpec
+from .common import Linear, Split, swiglu
+from .decoder import Step
+from .hybrid import (
+    AttendingArgs,
+    AttentionWeights,
+    HybridDecoder,
+    attention_specs,
+    whole_head_rope,
+)
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
-from .rope import GLOBAL, Rope, RopeSpec
+from .rope import Rope, RopeSpec
 
 
 @dataclass(kw_only=True)
@@ -83,37 +90,26 @@ class Layer(MixerWeights, AttentionWeights):
     ffn_down: Linear | None = None
 
 
-class Model(BaseModel):
+class Model(HybridDecoder):
     """A Falcon-H1 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
 
     def prepare(self) -> None:
         a = self.args
-        self.rope = Rope(a.rope, self.device)
+        self.set_rope(Rope(a.rope, self.device), a.heads.head_dim ** -0.5)
 
-    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
-                all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
-        """tokens (T,) int64 at positions pos .. pos+T-1 -> logits float32, (1, n_vocab) for
-        the last position or (T - logits_start, n_vocab) with ``all_logits``; ``memory``:
-        per layer a KV cache and a recurrent state (:func:`memory_layout`)."""
+    def layer_memories(self, memory):
+        """Per layer: its KV cache and its Mamba2 state (:func:`memory_layout`)."""
+        caches = iter(memory)
+        return zip(caches, caches)
+
+    def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
+              next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         a, ops = self.args, self.ops
-        t, eps = tokens.shape[0], a.norm_eps
-        positions = positions_of(pos, t, self.device)
-        rope = self.rope.angles(ops, positions, memory.ctx_size)[GLOBAL]
-        x = self.token_embd(tokens)
-        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
-        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
-        mems = iter(memory)
-        for b, next_norm in zip(self.layers, nexts):
-            f = attention(b, n, next(mems), ops, rope, pos, positions,
-                          head_dim=a.heads.head_dim, neox=True,
-                          scale=a.heads.head_dim ** -0.5 * self.rope.score_scale(),
-                          eps=eps)
-            f += mamba2_mixer(b, n, next(mems), a.ssm, eps, ops)
-            h, n = ops.residual_norm(x, f, None, b.ffn_norm, eps)
-            gate, up = b.ffn_gate_up(n)
-            f = b.ffn_down(ops.gated(gate, up, "silu", overwrite=True))
-            x, n = ops.residual_norm(h, f, None, next_norm, eps)
-            del h, f, gate, up
-        return self.output(n[logits_start:] if all_logits else n[-1:])
+        kv, state = cache
+        f = self.attend(b, n, kv, step)
+        f += mamba2_mixer(b, n, state, a.ssm, a.norm_eps, ops)
+        h, n = ops.residual_norm(x, f, None, b.ffn_norm, a.norm_eps)
+        f = swiglu(ops, b.ffn_gate_up, b.ffn_down, n)
+        return ops.residual_norm(h, f, None, next_norm, a.norm_eps)

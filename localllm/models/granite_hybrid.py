@@ -21,9 +21,16 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import REQUIRED, BaseModel, HParams, TensorSpec, ffn_specs
-from .common import Linear, Split, positions_of, swiglu
-from .hybrid import AttendingArgs, AttentionWeights, attention, attention_specs, whole_head_rope
+from .base import REQUIRED, HParams, TensorSpec, ffn_specs
+from .common import Linear, Split, swiglu
+from .decoder import Step
+from .hybrid import (
+    AttendingArgs,
+    AttentionWeights,
+    HybridDecoder,
+    attention_specs,
+    whole_head_rope,
+)
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
 from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
 from .rope import GLOBAL, NOPE, Rope, RopeSpec, read_rope
@@ -117,7 +124,7 @@ class Layer(MixerWeights, AttentionWeights, ExpertWeights):
     ffn_down: Linear | None = None
 
 
-class Model(BaseModel):
+class Model(HybridDecoder):
     """A Granite hybrid decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
@@ -126,8 +133,16 @@ class Model(BaseModel):
         a = self.args
         # Without RoPE, the NOPE tables (zero frequencies: cos 1, sin 0 rotate nothing,
         # exactly), and the backends' fused attention paths stay usable.
-        self.rope = Rope(a.rope, self.device)
-        self.rope_kind = GLOBAL if a.use_rope else NOPE
+        self.set_rope(Rope(a.rope, self.device), a.attention_scale,
+                      [GLOBAL if a.use_rope else NOPE] * a.n_layers)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.token_embd(tokens)
+        return x * self.args.embedding_scale if self.args.embedding_scale != 1.0 else x
+
+    def head(self, n: torch.Tensor) -> torch.Tensor:
+        logits = self.output(n)
+        return logits / self.args.logit_scale if self.args.logit_scale != 1.0 else logits
 
     def ffn(self, b: Layer, n: torch.Tensor) -> torch.Tensor:
         a, ops = self.args, self.ops
@@ -135,31 +150,15 @@ class Model(BaseModel):
             return swiglu(ops, b.ffn_gate_up, b.ffn_down, n)
         return moe_ffn(ops, b, n, a.n_expert_used, ROUTING)
 
-    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
-                all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
-        """tokens (T,) int64 at positions pos .. pos+T-1 -> logits float32, (1, n_vocab) for
-        the last position or (T - logits_start, n_vocab) with ``all_logits``; ``memory``:
-        per layer a recurrent state or a KV cache (:func:`memory_layout`)."""
+    def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
+              next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         a, ops = self.args, self.ops
-        t, eps, rs = tokens.shape[0], a.norm_eps, a.residual_scale
-        positions = positions_of(pos, t, self.device)
-        rope = self.rope.angles(ops, positions, memory.ctx_size, (self.rope_kind,))[self.rope_kind]
-        x = self.token_embd(tokens)
-        if a.embedding_scale != 1.0:
-            x = x * a.embedding_scale
-        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
-        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
-        for b, mem, recurrent, next_norm in zip(self.layers, memory, a.recurrent, nexts):
-            if recurrent:
-                f = mamba2_mixer(b, n, mem, a.ssm, eps, ops)
-            else:
-                f = attention(b, n, mem, ops, rope, pos, positions, head_dim=a.heads.head_dim,
-                              neox=False,
-                              scale=a.attention_scale * self.rope.score_scale(self.rope_kind),
-                              eps=eps)
-            h, n = ops.residual_norm(x, f * rs if rs != 1.0 else f, None, b.ffn_norm, eps)
-            f = self.ffn(b, n)
-            x, n = ops.residual_norm(h, f * rs if rs != 1.0 else f, None, next_norm, eps)
-            del h, f
-        logits = self.output(n[logits_start:] if all_logits else n[-1:])
-        return logits / a.logit_scale if a.logit_scale != 1.0 else logits
+        eps, rs = a.norm_eps, a.residual_scale
+        if a.recurrent[i]:
+            f = mamba2_mixer(b, n, cache, a.ssm, eps, ops)
+        else:
+            f = self.attend(b, n, cache, step, self.kinds[i])
+        h, n = ops.residual_norm(x, f * rs if rs != 1.0 else f, None, b.ffn_norm, eps)
+        f = self.ffn(b, n)
+        x, n = ops.residual_norm(h, f * rs if rs != 1.0 else f, None, next_norm, eps)
+        return x, n

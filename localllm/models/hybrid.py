@@ -29,7 +29,8 @@ from .base import (
     qkv_specs,
 )
 from .common import Linear, Split
-from .rope import RopeSpec, read_rope
+from .decoder import Decoder, Step
+from .rope import GLOBAL, RopeSpec, read_rope
 
 
 def whole_head_rope(hp: HParams, head_dim: int, context_length: int, *, neox: bool) -> RopeSpec:
@@ -189,6 +190,21 @@ class AttentionWeights:
     attn_output: Linear | None = None
     attn_q_norm: torch.Tensor | None = None
     attn_k_norm: torch.Tensor | None = None
+
+
+class HybridDecoder(Decoder):
+    """A hybrid of the :class:`~localllm.models.decoder.Decoder` loop: its attention
+    layers rotate whole heads (:func:`whole_head_rope`) as they come, with the heads of
+    ``args.heads``."""
+
+    def attend(self, b: AttentionWeights, n: torch.Tensor, cache, step: Step,
+               kind: str = GLOBAL) -> torch.Tensor:
+        """:func:`attention` of layer ``b`` on its normed input n (T, d) -> (T, d) with the
+        layer kind's angles and scale."""
+        a = self.args
+        return attention(b, n, cache, self.ops, step.angles[kind], step.pos, step.positions,
+                         head_dim=a.heads.head_dim, neox=a.rope.neox, scale=self.scales[kind],
+                         eps=a.norm_eps)
 
 
 def attention(w: AttentionWeights, x: torch.Tensor, cache, ops, rope, pos, positions, *,

@@ -21,11 +21,18 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec, RecurrentSpec
-from .base import MAX_CONTEXT, REQUIRED, BaseModel, TensorSpec
-from .common import Embedding, Linear, Split, positions_of
-from .hybrid import AttendingArgs, AttentionWeights, attention, attention_specs, whole_head_rope
+from .base import MAX_CONTEXT, REQUIRED, TensorSpec
+from .common import Embedding, Linear, Split, swiglu
+from .decoder import Step
+from .hybrid import (
+    AttendingArgs,
+    AttentionWeights,
+    HybridDecoder,
+    attention_specs,
+    whole_head_rope,
+)
 from .mamba import MAX_CONV
-from .rope import GLOBAL, Rope, RopeSpec
+from .rope import Rope, RopeSpec
 
 
 @dataclass(kw_only=True)
@@ -121,7 +128,7 @@ def short_conv_block(b: Layer, x: torch.Tensor, state, ops) -> torch.Tensor:
     return b.shortconv_out_proj(c * y)
 
 
-class Model(BaseModel):
+class Model(HybridDecoder):
     """An LFM2 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
@@ -131,30 +138,15 @@ class Model(BaseModel):
     def prepare(self) -> None:
         a = self.args
         self.output_norm = self.token_embd_norm
-        self.rope = Rope(a.rope, self.device)
+        self.set_rope(Rope(a.rope, self.device), a.heads.head_dim ** -0.5)
 
-    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
-                all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
-        """tokens (T,) int64 at positions pos .. pos+T-1 -> logits float32, (1, n_vocab) for
-        the last position or (T - logits_start, n_vocab) with ``all_logits``; ``memory``:
-        per layer a convolution state or a KV cache (:func:`memory_layout`)."""
+    def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
+              next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         a, ops = self.args, self.ops
-        t, eps = tokens.shape[0], a.norm_eps
-        positions = positions_of(pos, t, self.device)
-        rope = self.rope.angles(ops, positions, memory.ctx_size)[GLOBAL]
-        x = self.token_embd(tokens)
-        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
-        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
-        for b, mem, recurrent, next_norm in zip(self.layers, memory, a.recurrent, nexts):
-            if recurrent:
-                f = short_conv_block(b, n, mem, ops)
-            else:
-                f = attention(b, n, mem, ops, rope, pos, positions, head_dim=a.heads.head_dim,
-                              neox=True, scale=a.heads.head_dim ** -0.5 * self.rope.score_scale(),
-                              eps=eps)
-            h, n = ops.residual_norm(x, f, None, b.ffn_norm, eps)
-            gate, up = b.ffn_gate_up(n)
-            f = b.ffn_down(ops.gated(gate, up, "silu", overwrite=True))
-            x, n = ops.residual_norm(h, f, None, next_norm, eps)
-            del h, f, gate, up
-        return self.output(n[logits_start:] if all_logits else n[-1:])
+        if a.recurrent[i]:
+            f = short_conv_block(b, n, cache, ops)
+        else:
+            f = self.attend(b, n, cache, step)
+        h, n = ops.residual_norm(x, f, None, b.ffn_norm, a.norm_eps)
+        f = swiglu(ops, b.ffn_gate_up, b.ffn_down, n)
+        return ops.residual_norm(h, f, None, next_norm, a.norm_eps)

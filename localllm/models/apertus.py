@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import REQUIRED, DecoderArgs, TensorSpec, qkv_specs
+from .base import REQUIRED, DecoderArgs, TensorSpec, head_specs, qkv_specs
 from .common import Linear, Split
 from .decoder import Decoder, Step, kv_layout
-from .rope import Rope, RopeWeights, factor_specs, read_rope
+from .rope import factor_specs, read_rope
 
 XIELU_KEYS = ("alpha_n", "alpha_p", "beta", "eps")
 
@@ -69,8 +69,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                   TensorSpec(p + "ffn_norm.weight", (d,)),
                   TensorSpec(p + "ffn_up.weight", (a.ffn_dim, d)),
                   TensorSpec(p + "ffn_down.weight", (d, a.ffn_dim))]
-    specs += [TensorSpec("output_norm.weight", (d,)),
-              TensorSpec("output.weight", (v, d))]  # required: llama.cpp ties no head
+    specs += head_specs(d, v, tied=False)  # required: llama.cpp ties no head
     return specs
 
 
@@ -100,12 +99,10 @@ class Model(Decoder):
     """An Apertus decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    WEIGHTS = RopeWeights
-    weights: RopeWeights
 
     def prepare(self) -> None:
         a = self.args
-        self.set_rope(Rope.of(a.rope, self.weights, self.device), a.head_dim ** -0.5)
+        self.set_rope(a.head_dim ** -0.5)
         # ggml_xielu's effective parameters: (alpha_n, alpha_p, beta, eps) per layer
         self.act = [(beta + softplus(an), softplus(ap), beta, eps)
                     for an, ap, beta, eps in a.xielu]

@@ -97,13 +97,27 @@ def qkv_specs(prefix: str, d_model: int, n_heads: int, n_kv: int, head_dim: int,
     return specs
 
 
-def ffn_specs(prefix: str, d_model: int, ffn_dim: int, suffix: str = "") -> list[TensorSpec]:
+def ffn_specs(prefix: str, d_model: int, ffn_dim: int, suffix: str = "", *,
+              bias: bool = False) -> list[TensorSpec]:
     """A gated FFN's ``ffn_gate``, ``ffn_up`` (ffn_dim, d_model) and ``ffn_down``
-    (d_model, ffn_dim); ``suffix`` ``"_shexp"``: a MoE layer's shared expert."""
+    (d_model, ffn_dim), then their optional biases with ``bias``; ``suffix`` ``"_shexp"``:
+    a MoE layer's shared expert."""
     p, f, d = prefix, ffn_dim, d_model
-    return [TensorSpec(f"{p}ffn_gate{suffix}.weight", (f, d)),
-            TensorSpec(f"{p}ffn_up{suffix}.weight", (f, d)),
-            TensorSpec(f"{p}ffn_down{suffix}.weight", (d, f))]
+    specs = [TensorSpec(f"{p}ffn_gate{suffix}.weight", (f, d)),
+             TensorSpec(f"{p}ffn_up{suffix}.weight", (f, d)),
+             TensorSpec(f"{p}ffn_down{suffix}.weight", (d, f))]
+    if bias:
+        specs += [TensorSpec(f"{p}ffn_gate{suffix}.bias", (f,), optional=True),
+                  TensorSpec(f"{p}ffn_up{suffix}.bias", (f,), optional=True),
+                  TensorSpec(f"{p}ffn_down{suffix}.bias", (d,), optional=True)]
+    return specs
+
+
+def head_specs(d_model: int, n_vocab: int, *, tied: bool = True) -> list[TensorSpec]:
+    """The output norm and projection; ``tied``: a file may omit ``output.weight``, the
+    embedding then serves (llama.cpp's ``TENSOR_DUPLICATED`` fallback)."""
+    return [TensorSpec("output_norm.weight", (d_model,)),
+            TensorSpec("output.weight", (n_vocab, d_model), optional=tied)]
 
 
 @dataclass(kw_only=True)

@@ -20,7 +20,7 @@ import torch
 from ..memory import KVSpec
 from .base import BaseModel, TensorSpec, ffn_specs, qkv_specs
 from .common import Linear, Split, positions_of, swiglu
-from .rope import GLOBAL, Rope
+from .rope import GLOBAL, Rope, RopeWeights
 
 
 @dataclass
@@ -49,13 +49,20 @@ class Decoder(BaseModel):
     scale, the RoPE magnitude folded in).
     """
 
+    WEIGHTS = RopeWeights  # the frequency factors where the family declares them
+    weights: RopeWeights
     rope: Rope
     kinds: list[str]
     scales: dict[str, float]
 
-    def set_rope(self, rope: Rope, scale: float, kinds: list[str] | None = None) -> None:
-        """The model's RoPE, each layer's kind (default: every layer global) and each
-        kind's attention scale, ``scale`` times the RoPE's :meth:`~Rope.score_scale`."""
+    def set_rope(self, scale: float, kinds: list[str] | None = None, *, rope: Rope | None = None,
+                 norm_after: bool = False) -> None:
+        """The model's RoPE (``rope``, default: ``args.rope`` with the file's frequency
+        factors; ``norm_after``: see :class:`~localllm.models.rope.Rope`), each layer's kind
+        (default: every layer global) and each kind's attention scale, ``scale`` times the
+        RoPE's :meth:`~Rope.score_scale`."""
+        if rope is None:
+            rope = Rope.of(self.args.rope, self.weights, self.device, norm_after=norm_after)
         self.rope = rope
         self.kinds = kinds if kinds is not None else [GLOBAL] * self.args.n_layers
         self.scales = {k: scale * rope.score_scale(k) for k in dict.fromkeys(self.kinds)}

@@ -58,15 +58,15 @@ from .base import (
     DecoderArgs,
     HParams,
     TensorSpec,
-    Weights,
     check_vocab,
     ffn_specs,
+    head_specs,
 )
 from .common import Linear, Split, swiglu
 from .decoder import Decoder, Step
 from .llama import attention_temperature
 from .moe import GATING_FUNCS, ExpertArgs, ExpertWeights, expert_counts, expert_specs
-from .rope import GLOBAL, Rope, read_rope
+from .rope import GLOBAL, read_rope
 
 
 @dataclass(kw_only=True)
@@ -226,8 +226,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
         specs += (ffn_specs(p, d, a.ffn_dim) if i < a.n_dense_lead else
                   expert_specs(p, d, a.n_expert, a.expert_ffn_dim, selection_bias="optional",
                                shared_dim=a.expert_ffn_dim * a.n_expert_shared))
-    specs += [TensorSpec("output_norm.weight", (d,)),
-              TensorSpec("output.weight", (v, d), optional=True)]
+    specs += head_specs(d, v)
     return specs
 
 
@@ -292,13 +291,12 @@ class Model(Decoder):
     """A DeepSeek-V2/V3 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    WEIGHTS = Weights
 
     def prepare(self) -> None:
         # The magnitude of cos and sin multiplies the rotated part only (q_pe, k_pe), never
         # the scale the nope part shares: not folded into the scores (norm_after).
         a = self.args
-        self.set_rope(Rope(a.rope, self.device, norm_after=True), a.kq_scale)
+        self.set_rope(a.kq_scale, norm_after=True)
         for b in self.layers:
             if b.attn_kv_b is not None:  # split as llama.cpp's converter does now
                 eye = torch.eye(a.kv_lora_rank, dtype=torch.float32, device=self.device)

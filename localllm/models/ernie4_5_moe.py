@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import MAX_LAYERS, REQUIRED, DecoderArgs, TensorSpec, ffn_specs, qkv_specs
+from .base import MAX_LAYERS, REQUIRED, DecoderArgs, TensorSpec, ffn_specs, head_specs, qkv_specs
 from .common import Linear, Split, default_attention_scale, swiglu
 from .decoder import Decoder, Step, kv_layout
 from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
-from .rope import Rope, RopeWeights, factor_specs, read_rope
+from .rope import factor_specs, read_rope
 
 ROUTING = Routing(norm=True)  # softmax, the chosen probabilities renormalised
 
@@ -85,8 +85,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
         specs += (ffn_specs(p, d, a.ffn_dim) if i < a.n_dense_lead else
                   expert_specs(p, d, a.n_expert, a.expert_ffn_dim, selection_bias="optional",
                                shared_dim=a.shared_ffn_dim))
-    return specs + [TensorSpec("output_norm.weight", (d,)),
-                    TensorSpec("output.weight", (v, d), optional=True), *factor_specs(a.rope)]
+    return specs + [*head_specs(d, v), *factor_specs(a.rope)]
 
 
 memory_layout = kv_layout
@@ -109,12 +108,9 @@ class Model(Decoder):
     """An ERNIE 4.5 MoE decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    WEIGHTS = RopeWeights
-    weights: RopeWeights
 
     def prepare(self) -> None:
-        self.set_rope(Rope.of(self.args.rope, self.weights, self.device),
-                      self.args.attention_scale)
+        self.set_rope(self.args.attention_scale)
 
     def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
               next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, swa_layers
+from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, head_specs, swa_layers
 from .decoder import PostNormDecoder, PostNormLayer, Step, post_norm_specs
-from .rope import GLOBAL, NOPE, Rope, RopeWeights, factor_specs, read_rope
+from .rope import GLOBAL, NOPE, factor_specs, read_rope
 
 LAYERS_SWA = 64  # llama.cpp's exaone4 slides only with the 32B model's layer count
 
@@ -72,8 +72,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
     for i in range(a.n_layers):
         specs += post_norm_specs(f"blk.{i}.", a, qkv_bias="optional",
                                  qk_norm=(a.head_dim, a.head_dim))
-    specs += [TensorSpec("output_norm.weight", (d,)),
-              TensorSpec("output.weight", (v, d), optional=True)]
+    specs += head_specs(d, v)
     return specs
 
 
@@ -86,12 +85,10 @@ class Model(PostNormDecoder):
     """An EXAONE 4 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = PostNormLayer  # per-head QK-norms (head_dim,)
-    WEIGHTS = RopeWeights
-    weights: RopeWeights
 
     def prepare(self) -> None:
         a = self.args
-        self.set_rope(Rope.of(a.rope, self.weights, self.device), a.head_dim ** -0.5,
+        self.set_rope(a.head_dim ** -0.5,
                       [a.rope_kind(i) for i in range(a.n_layers)])
         for b in self.layers:
             b.attn_q_norm = self.rope.arrange_weight(b.attn_q_norm)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import REQUIRED, TensorSpec
+from .base import REQUIRED, TensorSpec, ffn_specs, head_specs
 from .common import Linear, Split, swiglu
 from .decoder import Step
 from .hybrid import (
@@ -28,7 +28,7 @@ from .hybrid import (
     whole_head_rope,
 )
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
-from .rope import Rope, RopeSpec
+from .rope import RopeSpec
 
 
 @dataclass(kw_only=True)
@@ -64,14 +64,8 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
         specs += ssm_specs(p, a.ssm, d, conv_bias=False, norm=False)
         specs += attention_specs(p, d, a.heads.n_heads[i], a.heads.n_kv_heads[i], hd)
         specs += [TensorSpec(p + "attn_norm.weight", (d,)), TensorSpec(p + "ffn_norm", (d,)),
-                  TensorSpec(p + "ffn_gate.weight", (f, d)),
-                  TensorSpec(p + "ffn_up.weight", (f, d)),
-                  TensorSpec(p + "ffn_down.weight", (d, f)),
-                  TensorSpec(p + "ffn_gate.bias", (f,), optional=True),
-                  TensorSpec(p + "ffn_up.bias", (f,), optional=True),
-                  TensorSpec(p + "ffn_down.bias", (d,), optional=True)]
-    return specs + [TensorSpec("output_norm.weight", (d,)),
-                    TensorSpec("output.weight", (v, d), optional=True)]
+                  *ffn_specs(p, d, f, bias=True)]
+    return specs + head_specs(d, v)
 
 
 def memory_layout(a: ModelArgs) -> list:
@@ -97,7 +91,7 @@ class Model(HybridDecoder):
 
     def prepare(self) -> None:
         a = self.args
-        self.set_rope(Rope(a.rope, self.device), a.heads.head_dim ** -0.5)
+        self.set_rope(a.heads.head_dim ** -0.5)
 
     def layer_memories(self, memory):
         """Per layer: its KV cache and its Mamba2 state (:func:`memory_layout`)."""

@@ -37,7 +37,7 @@ from ..memory import KVSpec
 from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, ffn_specs, qkv_specs, swa_layers
 from .common import Linear, Split
 from .decoder import Decoder, Step
-from .rope import GLOBAL, SWA, Rope, read_rope
+from .rope import GLOBAL, SWA, read_rope
 
 SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # every n-th layer global (gemma: no SWA)
 LAYERS_27B = {"gemma2": 46, "gemma3": 62}
@@ -147,7 +147,7 @@ class Model(Decoder):
 
     def prepare(self) -> None:
         a = self.args
-        self.set_rope(Rope(a.rope, self.device), a.attention_scale,
+        self.set_rope(a.attention_scale,
                       [SWA if a.is_sliding(i) else GLOBAL for i in range(a.n_layers)])
         for b in self.layers:
             b.attn_q_norm = self.rope.arrange_weight(b.attn_q_norm)

@@ -26,7 +26,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .base import MAX_EXPERTS, MAX_LAYERS, REQUIRED, DecoderArgs, TensorSpec, ffn_specs, qkv_specs
+from .base import (
+    MAX_EXPERTS,
+    MAX_LAYERS,
+    REQUIRED,
+    DecoderArgs,
+    TensorSpec,
+    ffn_specs,
+    head_specs,
+    qkv_specs,
+)
 from .common import Linear, Split, default_attention_scale, swiglu
 from .decoder import Decoder, Step, kv_layout
 from .moe import (
@@ -38,7 +47,7 @@ from .moe import (
     expert_specs,
     moe_ffn,
 )
-from .rope import Rope, RopeWeights, factor_specs, read_rope
+from .rope import factor_specs, read_rope
 
 
 @dataclass(kw_only=True)
@@ -126,8 +135,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
     specs = [TensorSpec("token_embd.weight", (v, d))]
     for i in range(a.n_layers + a.n_nextn):
         specs += _block_specs(a, i, skip=i >= a.n_layers)
-    return specs + [TensorSpec("output_norm.weight", (d,)),
-                    TensorSpec("output.weight", (v, d), optional=True), *factor_specs(a.rope)]
+    return specs + [*head_specs(d, v), *factor_specs(a.rope)]
 
 
 memory_layout = kv_layout
@@ -152,12 +160,10 @@ class Model(Decoder):
     """A GLM-4.5 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    WEIGHTS = RopeWeights
-    weights: RopeWeights
 
     def prepare(self) -> None:
         a = self.args
-        self.set_rope(Rope.of(a.rope, self.weights, self.device), a.attention_scale)
+        self.set_rope(a.attention_scale)
         for b in self.layers:
             b.attn_q_norm = self.rope.arrange_weight(b.attn_q_norm)
             b.attn_k_norm = self.rope.arrange_weight(b.attn_k_norm)

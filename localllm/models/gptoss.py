@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, qkv_specs, swa_layers
+from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, head_specs, qkv_specs, swa_layers
 from .common import Linear, Split, default_attention_scale
 from .decoder import Decoder, Step
 from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
-from .rope import GLOBAL, SWA, Rope, read_rope
+from .rope import GLOBAL, SWA, read_rope
 
 SWA_PERIOD = 2  # llama.cpp's load_swa_pattern(ml, 2): even layers slide
 # the top experts by logit, weighted by the softmax of those logits; clamped SwiGLU experts
@@ -96,8 +96,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                   gate_inp, TensorSpec(p + "ffn_gate_inp.bias", (e,))]
         for w in experts:  # each expert matrix, then its bias (n_expert, rows)
             specs += [w, TensorSpec(w.name.replace(".weight", ".bias"), w.shape[:2])]
-    specs += [TensorSpec("output_norm.weight", (d,)),
-              TensorSpec("output.weight", (v, d))]
+    specs += head_specs(d, v, tied=False)
     return specs
 
 
@@ -125,7 +124,7 @@ class Model(Decoder):
 
     def prepare(self) -> None:
         a = self.args
-        self.set_rope(Rope(a.rope, self.device), a.attention_scale,
+        self.set_rope(a.attention_scale,
                       [SWA if sliding else GLOBAL for sliding in a.swa])
 
     def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,

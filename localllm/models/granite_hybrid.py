@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import REQUIRED, HParams, TensorSpec, ffn_specs
+from .base import REQUIRED, HParams, TensorSpec, ffn_specs, head_specs
 from .common import Linear, Split, swiglu
 from .decoder import Step
 from .hybrid import (
@@ -33,7 +33,7 @@ from .hybrid import (
 )
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
 from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
-from .rope import GLOBAL, NOPE, Rope, RopeSpec, read_rope
+from .rope import GLOBAL, NOPE, RopeSpec, read_rope
 
 ROUTING = Routing(norm=True)  # softmax, the chosen probabilities renormalised
 
@@ -100,12 +100,8 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
         if a.n_expert:
             specs += expert_specs(p, d, a.n_expert, f, shared_dim=a.shared_ffn_dim)
         else:
-            specs += [*ffn_specs(p, d, f),
-                      TensorSpec(p + "ffn_gate.bias", (f,), optional=True),
-                      TensorSpec(p + "ffn_up.bias", (f,), optional=True),
-                      TensorSpec(p + "ffn_down.bias", (d,), optional=True)]
-    return specs + [TensorSpec("output_norm.weight", (d,)),
-                    TensorSpec("output.weight", (v, d), optional=True)]
+            specs += ffn_specs(p, d, f, bias=True)
+    return specs + head_specs(d, v)
 
 
 def memory_layout(a: ModelArgs) -> list:
@@ -133,7 +129,7 @@ class Model(HybridDecoder):
         a = self.args
         # Without RoPE, the NOPE tables (zero frequencies: cos 1, sin 0 rotate nothing,
         # exactly), and the backends' fused attention paths stay usable.
-        self.set_rope(Rope(a.rope, self.device), a.attention_scale,
+        self.set_rope(a.attention_scale,
                       [GLOBAL if a.use_rope else NOPE] * a.n_layers)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

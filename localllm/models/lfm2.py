@@ -138,7 +138,7 @@ class Model(HybridDecoder):
     def prepare(self) -> None:
         a = self.args
         self.output_norm = self.token_embd_norm
-        self.set_rope(Rope(a.rope, self.device), a.heads.head_dim ** -0.5)
+        self.set_rope(a.heads.head_dim ** -0.5, rope=Rope(a.rope, self.device))
 
     def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
               next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:

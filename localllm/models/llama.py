@@ -42,11 +42,11 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, ffn_specs, qkv_specs
+from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, ffn_specs, head_specs, qkv_specs
 from .common import Linear, Split, swiglu
 from .decoder import Decoder, Step, kv_layout
 from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
-from .rope import GLOBAL, NOPE, Rope, RopeWeights, factor_specs, read_rope
+from .rope import GLOBAL, NOPE, factor_specs, read_rope
 
 
 @dataclass(frozen=True)
@@ -174,13 +174,8 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
         if a.n_expert:
             specs += expert_specs(p, d, a.n_expert, a.expert_ffn_dim)
         else:
-            specs += ffn_specs(p, d, a.ffn_dim)
-            if var.ffn_bias:
-                specs += [TensorSpec(p + "ffn_gate.bias", (a.ffn_dim,), optional=True),
-                          TensorSpec(p + "ffn_up.bias", (a.ffn_dim,), optional=True),
-                          TensorSpec(p + "ffn_down.bias", (d,), optional=True)]
-    specs += [TensorSpec("output_norm.weight", (d,)),
-              TensorSpec("output.weight", (v, d), optional=True)]
+            specs += ffn_specs(p, d, a.ffn_dim, bias=var.ffn_bias)
+    specs += head_specs(d, v)
     return specs
 
 
@@ -216,14 +211,11 @@ class Model(Decoder):
     """A Llama-family decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    WEIGHTS = RopeWeights
-    weights: RopeWeights
 
     def prepare(self) -> None:
         a, var = self.args, self.args.variant
-        self.set_rope(Rope.of(a.rope, self.weights, self.device,
-                              norm_after=var.qk_norm == "after"),
-                      a.attention_scale, [a.rope_kind(i) for i in range(a.n_layers)])
+        self.set_rope(a.attention_scale, [a.rope_kind(i) for i in range(a.n_layers)],
+                      norm_after=var.qk_norm == "after")
         # softmax over the experts, the chosen probabilities renormalised where declared
         self.routing = Routing(norm=a.expert_weights_norm)
         for b in self.layers:

@@ -43,6 +43,7 @@ from .base import (
     DecoderArgs,
     TensorSpec,
     ffn_specs,
+    head_specs,
     qkv_specs,
     swa_layers,
 )
@@ -50,7 +51,7 @@ from .common import Linear, Split, swiglu
 from .decoder import Decoder, Step
 from .llama import attention_temperature
 from .moe import ExpertArgs, ExpertWeights, expert_counts, expert_specs
-from .rope import GLOBAL, NOPE, SWA, Rope, RopeWeights, read_rope
+from .rope import GLOBAL, NOPE, SWA, read_rope
 
 CHUNK = 8192  # llama.cpp's n_swa for Llama 4 (the file's value is not read)
 TEMPERATURE_SCALE = 0.1  # f_attn_temp_scale
@@ -133,8 +134,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                   TensorSpec(p + "ffn_norm.weight", (d,))]
         specs += (expert_specs(p, d, a.n_expert, a.expert_ffn_dim, shared_dim=a.expert_ffn_dim)
                   if a.is_moe(i) else ffn_specs(p, d, a.ffn_dim))
-    specs += [TensorSpec("output_norm.weight", (d,)),
-              TensorSpec("output.weight", (v, d), optional=True)]
+    specs += head_specs(d, v)
     return specs
 
 
@@ -185,19 +185,16 @@ class Model(Decoder):
     """A Llama 4 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    WEIGHTS = RopeWeights
-    weights: RopeWeights
 
     def prepare(self) -> None:
         a = self.args
-        self.rope = Rope.of(a.rope, self.weights, self.device)
-        self.kinds = [a.rope_kind(i) for i in range(a.n_layers)]
         base = 1.0 / math.sqrt(a.head_dim)
+        self.set_rope(base, [a.rope_kind(i) for i in range(a.n_layers)])
         # The L2 norm after the rotation cancels the RoPE magnitude (folded into the scale
         # otherwise); a weightless RMSNorm commutes with the rotation, so it runs before it
         # as a QK-norm of unit weight (the backends' fused path).
-        self.scales = {k: base * (1.0 if a.qk_norm and k != NOPE else self.rope.score_scale(k))
-                       for k in set(self.kinds)}
+        if a.qk_norm:
+            self.scales.update({k: base for k in self.scales if k != NOPE})
         self.unit = torch.ones(a.head_dim, dtype=torch.float32, device=self.device)
 
     def temperature(self, positions: torch.Tensor) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BaseModel, TensorSpec
+from .base import BaseModel, TensorSpec, head_specs
 from .hybrid import HybridArgs
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
 
@@ -44,8 +44,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
         p = f"blk.{i}."
         specs.append(TensorSpec(p + "attn_norm.weight", (d,)))
         specs += ssm_specs(p, a.ssm, d)
-    return specs + [TensorSpec("output_norm.weight", (d,)),
-                    TensorSpec("output.weight", (v, d), optional=True)]
+    return specs + head_specs(d, v)
 
 
 def memory_layout(a: ModelArgs) -> list:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedError
 from ..memory import KVSpec
-from .base import REQUIRED, BaseModel, HParams, TensorSpec
+from .base import REQUIRED, BaseModel, HParams, TensorSpec, head_specs
 from .common import Linear, positions_of
 from .hybrid import AttendingArgs, AttentionWeights, attention, attention_specs, hybrid_hparams
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
@@ -78,8 +78,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                       TensorSpec(p + "ffn_down.weight", (d, f)),
                       TensorSpec(p + "ffn_up.bias", (f,), optional=True),
                       TensorSpec(p + "ffn_down.bias", (d,), optional=True)]
-    return specs + [TensorSpec("output_norm.weight", (d,)),
-                    TensorSpec("output.weight", (v, d), optional=True)]
+    return specs + head_specs(d, v)
 
 
 def memory_layout(a: ModelArgs) -> list:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import REQUIRED, DecoderArgs, TensorSpec
+from .base import REQUIRED, DecoderArgs, TensorSpec, head_specs
 from .decoder import PostNormDecoder, PostNormLayer, Step, kv_layout, post_norm_specs
-from .rope import Rope, read_rope
+from .rope import read_rope
 
 
 @dataclass(kw_only=True)
@@ -48,8 +48,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
     for i in range(a.n_layers):
         specs += post_norm_specs(f"blk.{i}.", a, qkv_bias="none",
                                  qk_norm=(a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim))
-    specs += [TensorSpec("output_norm.weight", (d,)),
-              TensorSpec("output.weight", (v, d), optional=True)]
+    specs += head_specs(d, v)
     return specs
 
 
@@ -63,7 +62,7 @@ class Model(PostNormDecoder):
 
     def prepare(self) -> None:
         a = self.args
-        self.set_rope(Rope(a.rope, self.device), a.head_dim ** -0.5)
+        self.set_rope(a.head_dim ** -0.5)
         for b in self.layers:  # QK-norm over all heads, in the rotation's order
             b.attn_q_norm = self.rope.arrange_weight(b.attn_q_norm)
             b.attn_k_norm = self.rope.arrange_weight(b.attn_k_norm)

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import TensorSpec, qkv_specs
+from .base import TensorSpec, head_specs, qkv_specs
 from .common import Linear, Split
 from .decoder import Decoder, Step, kv_layout
 from .moe import AllExpertsArgs, ExpertWeights, Routing, expert_specs, moe_ffn
-from .rope import Rope
 
 ROUTING = Routing()  # softmax, the chosen probabilities as they are
 
@@ -45,7 +44,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                   TensorSpec(p + "attn_output.weight", (d, a.n_heads * hd)),
                   TensorSpec(p + "ffn_norm.weight", (d,)),
                   *expert_specs(p, d, a.n_expert, a.ffn_dim)]
-    return specs + [TensorSpec("output_norm.weight", (d,)), TensorSpec("output.weight", (v, d))]
+    return specs + head_specs(d, v, tied=False)
 
 
 memory_layout = kv_layout
@@ -70,7 +69,7 @@ class Model(Decoder):
 
     def prepare(self) -> None:
         a = self.args
-        self.set_rope(Rope(a.rope, self.device), a.attention_scale)
+        self.set_rope(a.attention_scale)
         for b in self.layers:  # QK-norm over all heads, in the rotation's order
             b.attn_q_norm = self.rope.arrange_weight(b.attn_q_norm)
             b.attn_k_norm = self.rope.arrange_weight(b.attn_k_norm)

@@ -21,10 +21,10 @@ from typing import ClassVar
 
 import torch
 
-from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec
+from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, head_specs
 from .common import Linear, swiglu
 from .decoder import Decoder, Step, kv_layout
-from .rope import Rope, RopeWeights, read_rope
+from .rope import read_rope
 
 
 @dataclass(kw_only=True)
@@ -66,8 +66,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                   TensorSpec(p + "ffn_up.weight", (2 * a.ffn_dim, d),
                              parts=(a.ffn_dim, a.ffn_dim)),
                   TensorSpec(p + "ffn_down.weight", (d, a.ffn_dim))]
-    specs += [TensorSpec("output_norm.weight", (d,)),
-              TensorSpec("output.weight", (v, d), optional=True)]
+    specs += head_specs(d, v)
     return specs
 
 
@@ -90,14 +89,11 @@ class Model(Decoder):
     """A Phi-3 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    WEIGHTS = RopeWeights
     FUSE: ClassVar[dict] = {}  # the file's tensors are fused already
-    weights: RopeWeights
 
     def prepare(self) -> None:
         # the long or short factors by the sequence's context (a per-session choice)
-        self.set_rope(Rope.of(self.args.rope, self.weights, self.device),
-                      self.args.attention_scale)
+        self.set_rope(self.args.attention_scale)
 
     def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
               next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:

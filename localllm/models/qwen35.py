@@ -51,6 +51,7 @@ from .base import (
     attention_heads,
     check_vocab,
     ffn_specs,
+    head_specs,
 )
 from .common import Linear, Split, positions_of, swiglu
 from .deltanet import DeltaNetArgs
@@ -185,8 +186,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                       TensorSpec(p + "nextn.shared_head_norm.weight", (d,))]
             block = [replace(s, optional=True, unused=True, unless=None) for s in block]
         specs += block
-    specs += [TensorSpec("output_norm.weight", (d,)),
-              TensorSpec("output.weight", (v, d), optional=True)]
+    specs += head_specs(d, v)
     return specs
 
 

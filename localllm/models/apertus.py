@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from .base import REQUIRED, DecoderArgs, TensorSpec, head_specs, qkv_specs
-from .common import Linear, Split
-from .decoder import Decoder, Step, kv_layout
+from .common import Linear
+from .decoder import Block, Decoder, Step, kv_layout
 from .rope import factor_specs, read_rope
 
 XIELU_KEYS = ("alpha_n", "alpha_p", "beta", "eps")
@@ -77,14 +77,11 @@ memory_layout = kv_layout
 
 
 @dataclass
-class Layer:
+class Layer(Block):
     """The tensors of one block (``blk.{i}.*``)."""
 
-    attn_norm: torch.Tensor
-    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v (with their biases)
     attn_q_norm: torch.Tensor
     attn_k_norm: torch.Tensor
-    attn_output: Linear
     ffn_norm: torch.Tensor
     ffn_up: Linear
     ffn_down: Linear

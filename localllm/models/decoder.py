@@ -35,6 +35,24 @@ class Step:
     temperature: torch.Tensor | None = None
 
 
+@dataclass
+class Block:
+    """The tensors every pre-norm attention block has (``blk.{i}.*``); a family's
+    ``Layer`` extends it."""
+
+    attn_norm: torch.Tensor
+    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v (with their biases, if any)
+    attn_output: Linear  # (with its bias, if any)
+
+
+@dataclass(kw_only=True)
+class DenseFFN:
+    """A SwiGLU FFN in the layers that have one (the others route over experts)."""
+
+    ffn_gate_up: Linear | Split | None = None  # fused ffn_gate, ffn_up
+    ffn_down: Linear | None = None
+
+
 def kv_layout(a, window: int | None = None) -> list[KVSpec]:
     """One KV cache per layer of ``a.n_kv_heads`` heads of ``a.head_dim`` (a sliding
     window of ``window`` positions on every layer where given)."""

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from .base import MAX_LAYERS, REQUIRED, DecoderArgs, TensorSpec, ffn_specs, head_specs, qkv_specs
-from .common import Linear, Split, default_attention_scale, swiglu
-from .decoder import Decoder, Step, kv_layout
+from .common import default_attention_scale, swiglu
+from .decoder import Block, Decoder, DenseFFN, Step, kv_layout
 from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
 from .rope import factor_specs, read_rope
 
@@ -92,16 +92,11 @@ memory_layout = kv_layout
 
 
 @dataclass
-class Layer(ExpertWeights):
+class Layer(Block, DenseFFN, ExpertWeights):
     """The tensors of one block (``blk.{i}.*``); the MoE ones in the layers past the
     leading dense ones."""
 
-    attn_norm: torch.Tensor
-    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v (with their biases, if any)
-    attn_output: Linear
     ffn_norm: torch.Tensor
-    ffn_gate_up: Linear | Split | None = None  # the leading dense layers
-    ffn_down: Linear | None = None
 
 
 class Model(Decoder):

@@ -36,7 +36,7 @@ import torch
 from ..memory import KVSpec
 from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, ffn_specs, qkv_specs, swa_layers
 from .common import Linear, Split
-from .decoder import Decoder, Step
+from .decoder import Block, Decoder, Step
 from .rope import GLOBAL, SWA, read_rope
 
 SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # every n-th layer global (gemma: no SWA)
@@ -124,12 +124,9 @@ def memory_layout(a: ModelArgs) -> list[KVSpec]:
 
 
 @dataclass
-class Layer:
+class Layer(Block):
     """The tensors of one block (``blk.{i}.*``)."""
 
-    attn_norm: torch.Tensor
-    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v
-    attn_output: Linear
     ffn_norm: torch.Tensor
     ffn_gate_up: Linear | Split  # fused ffn_gate, ffn_up
     ffn_down: Linear

@@ -36,8 +36,8 @@ from .base import (
     head_specs,
     qkv_specs,
 )
-from .common import Linear, Split, default_attention_scale, swiglu
-from .decoder import Decoder, Step, kv_layout
+from .common import default_attention_scale, swiglu
+from .decoder import Block, Decoder, DenseFFN, Step, kv_layout
 from .moe import (
     GATING_FUNCS,
     ExpertArgs,
@@ -142,18 +142,13 @@ memory_layout = kv_layout
 
 
 @dataclass
-class Layer(ExpertWeights):
+class Layer(Block, DenseFFN, ExpertWeights):
     """The tensors of one block (``blk.{i}.*``); the MoE ones in the layers past the
     leading dense ones."""
 
-    attn_norm: torch.Tensor
-    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v with their biases
-    attn_output: Linear
     post_attention_norm: torch.Tensor
     attn_q_norm: torch.Tensor | None = None  # per head (head_dim,)
     attn_k_norm: torch.Tensor | None = None
-    ffn_gate_up: Linear | Split | None = None  # the leading dense layers
-    ffn_down: Linear | None = None
 
 
 class Model(Decoder):

@@ -33,8 +33,8 @@ import torch
 
 from ..memory import KVSpec
 from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, head_specs, qkv_specs, swa_layers
-from .common import Linear, Split, default_attention_scale
-from .decoder import Decoder, Step
+from .common import default_attention_scale
+from .decoder import Block, Decoder, Step
 from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
 from .rope import GLOBAL, SWA, read_rope
 
@@ -106,13 +106,10 @@ def memory_layout(a: ModelArgs) -> list[KVSpec]:
 
 
 @dataclass
-class Layer(ExpertWeights):
+class Layer(Block, ExpertWeights):
     """The tensors of one block (``blk.{i}.*``); the router and the experts with their
     biases."""
 
-    attn_norm: torch.Tensor
-    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v with their biases
-    attn_output: Linear  # with its bias
     attn_sinks: torch.Tensor  # (n_heads,) float32
     post_attention_norm: torch.Tensor
 

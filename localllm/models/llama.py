@@ -43,8 +43,8 @@ import torch
 
 from ..memory import KVSpec
 from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, ffn_specs, head_specs, qkv_specs
-from .common import Linear, Split, swiglu
-from .decoder import Decoder, Step, kv_layout
+from .common import swiglu
+from .decoder import Block, Decoder, DenseFFN, Step, kv_layout
 from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
 from .rope import GLOBAL, NOPE, factor_specs, read_rope
 
@@ -184,18 +184,13 @@ def memory_layout(a: ModelArgs) -> list[KVSpec]:
 
 
 @dataclass
-class Layer(ExpertWeights):
+class Layer(Block, DenseFFN, ExpertWeights):
     """The tensors of one block (``blk.{i}.*``); the experts where ``expert_count`` > 0."""
 
-    attn_norm: torch.Tensor
-    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v (with their biases)
-    attn_output: Linear
     ffn_norm: torch.Tensor | None = None  # None where the file calls it post_attention_norm
     post_attention_norm: torch.Tensor | None = None  # seed_oss: the FFN's pre-norm
     attn_q_norm: torch.Tensor | None = None  # per-head QK-norm
     attn_k_norm: torch.Tensor | None = None
-    ffn_gate_up: Linear | Split | None = None  # dense FFN: fused ffn_gate, ffn_up
-    ffn_down: Linear | None = None
 
 
 def attention_temperature(positions: torch.Tensor, scale: float, length: int,

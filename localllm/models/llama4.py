@@ -47,8 +47,8 @@ from .base import (
     qkv_specs,
     swa_layers,
 )
-from .common import Linear, Split, swiglu
-from .decoder import Decoder, Step
+from .common import swiglu
+from .decoder import Block, Decoder, DenseFFN, Step
 from .llama import attention_temperature
 from .moe import ExpertArgs, ExpertWeights, expert_counts, expert_specs
 from .rope import GLOBAL, NOPE, SWA, read_rope
@@ -146,16 +146,11 @@ def memory_layout(a: ModelArgs) -> list[KVSpec]:
 
 
 @dataclass
-class Layer(ExpertWeights):
+class Layer(Block, DenseFFN, ExpertWeights):
     """The tensors of one block (``blk.{i}.*``); the MoE ones (with a shared expert) in
     the MoE layers."""
 
-    attn_norm: torch.Tensor
-    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v (with their biases)
-    attn_output: Linear
     ffn_norm: torch.Tensor
-    ffn_gate_up: Linear | Split | None = None  # dense layers: fused ffn_gate, ffn_up
-    ffn_down: Linear | None = None
 
 
 def route(layer: Layer, x: torch.Tensor, n_used: int) -> tuple[torch.Tensor, torch.Tensor]:

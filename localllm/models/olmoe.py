@@ -19,8 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import TensorSpec, head_specs, qkv_specs
-from .common import Linear, Split
-from .decoder import Decoder, Step, kv_layout
+from .decoder import Block, Decoder, Step, kv_layout
 from .moe import AllExpertsArgs, ExpertWeights, Routing, expert_specs, moe_ffn
 
 ROUTING = Routing()  # softmax, the chosen probabilities as they are
@@ -51,14 +50,11 @@ memory_layout = kv_layout
 
 
 @dataclass
-class Layer(ExpertWeights):
+class Layer(Block, ExpertWeights):
     """The tensors of one block (``blk.{i}.*``)."""
 
-    attn_norm: torch.Tensor
-    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v (with their biases, if any)
     attn_q_norm: torch.Tensor  # over all heads (n_heads * head_dim,)
     attn_k_norm: torch.Tensor
-    attn_output: Linear
     ffn_norm: torch.Tensor
 
 

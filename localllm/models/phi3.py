@@ -23,7 +23,7 @@ import torch
 
 from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, head_specs
 from .common import Linear, swiglu
-from .decoder import Decoder, Step, kv_layout
+from .decoder import Block, Decoder, Step, kv_layout
 from .rope import read_rope
 
 
@@ -74,12 +74,9 @@ memory_layout = kv_layout
 
 
 @dataclass
-class Layer:
+class Layer(Block):
     """The tensors of one block (``blk.{i}.*``)."""
 
-    attn_norm: torch.Tensor
-    attn_qkv: Linear  # the file's fused Q/K/V: returns (q, k, v)
-    attn_output: Linear
     ffn_norm: torch.Tensor
     ffn_up: Linear  # gate and up stacked: returns (gate, up)
     ffn_down: Linear

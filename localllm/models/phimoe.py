@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from .base import BaseModel, TensorSpec, qkv_specs
-from .common import Linear, Split, positions_of
-from .decoder import kv_layout
+from .common import positions_of
+from .decoder import Block, kv_layout
 from .moe import AllExpertsArgs, ExpertWeights, Routing, expert_specs, moe_ffn
 from .rope import Rope, RopeWeights, factor_specs
 
@@ -57,13 +57,10 @@ memory_layout = kv_layout
 
 
 @dataclass
-class Layer(ExpertWeights):
-    """The tensors of one block (``blk.{i}.*``)."""
+class Layer(Block, ExpertWeights):
+    """The tensors of one block (``blk.{i}.*``); the output projection with its bias."""
 
-    attn_norm: torch.Tensor
     attn_norm_bias: torch.Tensor
-    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v (with their biases, if any)
-    attn_output: Linear  # with its bias
     ffn_norm: torch.Tensor
     ffn_norm_bias: torch.Tensor
 

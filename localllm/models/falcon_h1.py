@@ -20,15 +20,8 @@ from ..memory import KVSpec
 from .base import REQUIRED, TensorSpec, ffn_specs, head_specs
 from .common import Linear, Split, swiglu
 from .decoder import Step
-from .hybrid import (
-    AttendingArgs,
-    AttentionWeights,
-    HybridDecoder,
-    attention_specs,
-    whole_head_rope,
-)
+from .hybrid import AttendingArgs, AttentionWeights, HybridDecoder, attention_specs
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
-from .rope import RopeSpec
 
 
 @dataclass(kw_only=True)
@@ -37,7 +30,6 @@ class ModelArgs(AttendingArgs):
 
     ffn_dim: int
     ssm: SSMArgs
-    rope: RopeSpec | None = None
 
     @classmethod
     def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
@@ -52,7 +44,7 @@ class ModelArgs(AttendingArgs):
         ha = cls.read_heads(hp, c, lambda kv: [True] * len(kv))
         return cls(**c, heads=ha, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
                    ssm=ssm_hparams(hp),
-                   rope=whole_head_rope(hp, ha.head_dim, c["context_length"], neox=True))
+                   rope=cls.whole_head_rope(hp, ha.head_dim, c["context_length"], neox=True))
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:

@@ -24,16 +24,10 @@ from ..memory import KVSpec
 from .base import REQUIRED, HParams, TensorSpec, ffn_specs, head_specs
 from .common import Linear, Split, swiglu
 from .decoder import Step
-from .hybrid import (
-    AttendingArgs,
-    AttentionWeights,
-    HybridDecoder,
-    attention_specs,
-    whole_head_rope,
-)
+from .hybrid import AttendingArgs, AttentionWeights, HybridDecoder, attention_specs
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
 from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
-from .rope import GLOBAL, NOPE, RopeSpec, read_rope
+from .rope import GLOBAL, NOPE, read_rope
 
 ROUTING = Routing(norm=True)  # softmax, the chosen probabilities renormalised
 
@@ -45,7 +39,6 @@ class ModelArgs(AttendingArgs, ExpertArgs):
 
     ffn_dim: int  # feed_forward_length (the expert size with experts)
     ssm: SSMArgs
-    rope: RopeSpec | None = None
     use_rope: bool = False  # rope.scaling.finetuned
     shared_ffn_dim: int = 0  # expert_shared_feed_forward_length
     embedding_scale: float = 1.0
@@ -64,7 +57,7 @@ class ModelArgs(AttendingArgs, ExpertArgs):
         hp, c = cls.read(md, n_vocab, source, context_length=1 << 20)
         ha, ctx = cls.read_heads(hp, c), c["context_length"]
         use_rope = hp.bool("rope.scaling.finetuned", True)
-        rope = (whole_head_rope(hp, ha.head_dim, ctx, neox=False) if use_rope
+        rope = (cls.whole_head_rope(hp, ha.head_dim, ctx, neox=False) if use_rope
                 else read_rope(hp, head_dim=ha.head_dim, context_length=ctx, neox=False))
         kw = expert_counts(hp, 0, lo=0)
         if kw["n_expert"]:

@@ -33,25 +33,6 @@ from .decoder import Decoder, Step
 from .rope import GLOBAL, RopeSpec, read_rope
 
 
-def whole_head_rope(hp: HParams, head_dim: int, context_length: int, *, neox: bool) -> RopeSpec:
-    """The file's RoPE (:func:`~localllm.models.rope.read_rope`: every scaling type), which
-    must rotate whole heads: the hybrids' attention sublayer rotates queries and keys as
-    they are, without :class:`~localllm.models.rope.Rope`'s partial-RoPE arrangement.
-
-    Raises:
-        GGUFError: a RoPE key out of range (named).
-        UnsupportedError: ``rope.dimension_count`` below the head size (partial RoPE).
-    """
-    from ..errors import UnsupportedError
-
-    spec = read_rope(hp, head_dim=head_dim, context_length=context_length, neox=neox)
-    if spec.n_rot != head_dim:
-        raise UnsupportedError(f"{hp.pre}metadata {hp.key('rope.dimension_count')} = "
-                               f"{spec.n_rot}: partial RoPE (head size {head_dim}) is not "
-                               "supported")
-    return spec
-
-
 @dataclass(kw_only=True)
 class HybridArgs:
     """What every recurrent and hybrid family's ``ModelArgs`` has (:func:`hybrid_hparams`
@@ -146,11 +127,32 @@ class AttendingArgs(HybridArgs):
     """A hybrid whose layers may attend: their heads (:func:`layer_heads`)."""
 
     heads: HeadArgs  # per layer; 0 KV heads: a layer without attention
+    rope: RopeSpec | None = None  # rope.* (None: no positions, nemotron_h)
 
     @property
     def recurrent(self) -> tuple[bool, ...]:
         """Per layer: it does not attend (0 KV heads, llama.cpp's ``hparams.is_recr``)."""
         return tuple(k == 0 for k in self.heads.n_kv_heads)
+
+    @staticmethod
+    def whole_head_rope(hp: HParams, head_dim: int, context_length: int, *, neox: bool
+                        ) -> RopeSpec:
+        """The file's RoPE (:func:`~localllm.models.rope.read_rope`: every scaling type), which
+        must rotate whole heads: the hybrids' attention sublayer rotates queries and keys as
+        they are, without :class:`~localllm.models.rope.Rope`'s partial-RoPE arrangement.
+
+        Raises:
+            GGUFError: a RoPE key out of range (named).
+            UnsupportedError: ``rope.dimension_count`` below the head size (partial RoPE).
+        """
+        from ..errors import UnsupportedError
+
+        spec = read_rope(hp, head_dim=head_dim, context_length=context_length, neox=neox)
+        if spec.n_rot != head_dim:
+            raise UnsupportedError(f"{hp.pre}metadata {hp.key('rope.dimension_count')} = "
+                                   f"{spec.n_rot}: partial RoPE (head size {head_dim}) is not "
+                                   "supported")
+        return spec
 
     @staticmethod
     def read_heads(hp: HParams, c: dict, attends=None) -> HeadArgs:
@@ -194,7 +196,7 @@ class AttentionWeights:
 
 class HybridDecoder(Decoder):
     """A hybrid of the :class:`~localllm.models.decoder.Decoder` loop: its attention
-    layers rotate whole heads (:func:`whole_head_rope`) as they come, with the heads of
+    layers rotate whole heads (:meth:`AttendingArgs.whole_head_rope`) as they come, with the heads of
     ``args.heads``."""
 
     def attend(self, b: AttentionWeights, n: torch.Tensor, cache, step: Step,

@@ -24,15 +24,9 @@ from ..memory import KVSpec, RecurrentSpec
 from .base import MAX_CONTEXT, REQUIRED, TensorSpec
 from .common import Embedding, Linear, Split, swiglu
 from .decoder import Step
-from .hybrid import (
-    AttendingArgs,
-    AttentionWeights,
-    HybridDecoder,
-    attention_specs,
-    whole_head_rope,
-)
+from .hybrid import AttendingArgs, AttentionWeights, HybridDecoder, attention_specs
 from .mamba import MAX_CONV
-from .rope import Rope, RopeSpec
+from .rope import Rope
 
 
 @dataclass(kw_only=True)
@@ -41,7 +35,6 @@ class ModelArgs(AttendingArgs):
 
     ffn_dim: int
     l_cache: int  # shortconv.l_cache: taps of the convolution
-    rope: RopeSpec | None = None
     sliding_window: int | None = None
 
     @classmethod
@@ -62,7 +55,7 @@ class ModelArgs(AttendingArgs):
         window = hp.int("attention.sliding_window", 0, lo=0, hi=MAX_CONTEXT)
         return cls(**c, heads=ha, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
                    l_cache=hp.int("shortconv.l_cache", REQUIRED, lo=2, hi=MAX_CONV),
-                   rope=whole_head_rope(hp, ha.head_dim, c["context_length"], neox=True),
+                   rope=cls.whole_head_rope(hp, ha.head_dim, c["context_length"], neox=True),
                    sliding_window=window or None)
 
 

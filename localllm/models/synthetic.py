@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +59,19 @@ class Geometry:
     n_pad_tokens: int = 0  # [PAD] tokens after the specials (rows of the embedding past the vocab)
     extra: dict = field(default_factory=dict)  # other ``{arch}.*`` keys
     optional: tuple[str, ...] = ()  # optional tensors to write (``rope_freqs.weight`` ...)
+
+
+@dataclass(frozen=True)
+class _Like:
+    """A geometry of the table written as another's (``base``, an entry written out in
+    full) with ``changes``: the 0.5-1B geometries keep their model's vocabulary and keys."""
+
+    base: str
+    changes: dict
+
+
+def _like(base: str, **changes) -> _Like:
+    return _Like(base, changes)
 
 
 _LLAMA3_SPECIALS = tuple(
@@ -178,7 +191,7 @@ def _gemma4(n_layers: int, shared: int, per_layer: int, period: int, ffn: int) -
                                            for i in range(n_layers)]}
 
 
-GEOMETRIES: dict[str, Geometry] = {
+_TABLE: dict[str, Geometry | _Like] = {
     # Meta-Llama-3-8B (config.json of the HF release)
     "llama3-8b": Geometry(
         "llama3-8b", "llama", 128256, 32, 4096, 32, 8, 128, 14336, 8192, 500000.0, 1e-5,
@@ -333,17 +346,12 @@ GEOMETRIES: dict[str, Geometry] = {
         extra=_gemma4(60, 0, 0, 6, 21504)),
     # ---- 0.5-1B geometries of every family (bench/bench_families.py) ----------------------
     # Gemma-4-E2B's layers at 9 of its 35 (the last 4 sharing KV)
-    "gemma4-1b": Geometry(
-        "gemma4-1b", "gemma4", 262144, 9, 1536, 8, 1, 512, 6144, 131072, 1000000.0, 1e-6,
-        "llama", "default", specials=_GEMMA_SPECIALS, tied_output=True, sliding_window=512,
-        extra=_gemma4(9, 4, 256, 5, 6144)),
+    "gemma4-1b": _like("gemma4-e2b", n_layers=9, extra=_gemma4(9, 4, 256, 5, 6144)),
     # Llama-4-Scout's vocabulary, head size and routing at 1B active (16 experts of 1024)
-    "llama4-1b": Geometry(
-        "llama4-1b", "llama4", 202048, 8, 1536, 12, 4, 128, 4096, 10485760, 500000.0, 1e-5,
-        "gpt2", "llama4", specials=_LLAMA4_SPECIALS, optional=("rope_freqs.weight",),
-        extra={"llama4.expert_count": 16, "llama4.expert_used_count": 1,
-               "llama4.expert_feed_forward_length": 1024,
-               "llama4.interleave_moe_layer_step": 1}),
+    "llama4-1b": _like("llama4-scout", n_layers=8, d_model=1536, n_heads=12, n_kv_heads=4, ffn_dim=4096,
+                       extra={"llama4.expert_count": 16, "llama4.expert_used_count": 1,
+                              "llama4.expert_feed_forward_length": 1024,
+                              "llama4.interleave_moe_layer_step": 1}),
     # Gemma-3-1B: 5 of 6 layers sliding (512), MQA, head size 256
     "gemma3-1b": Geometry(
         "gemma3-1b", "gemma3", 262144, 26, 1152, 4, 1, 256, 6912, 32768, 1000000.0, 1e-6,
@@ -351,61 +359,35 @@ GEOMETRIES: dict[str, Geometry] = {
                                       "<end_of_turn>"),
         tied_output=True, sliding_window=512),
     # Gemma-2-2B's layers and vocabulary, 8 of its 26 layers (Gemma 2 has no model this small)
-    "gemma2-1b": Geometry(
-        "gemma2-1b", "gemma2", 256000, 8, 2304, 8, 4, 256, 9216, 8192, 10000.0, 1e-6,
-        "llama", "default", specials=("<pad>", "<eos>", "<bos>", "<unk>"), tied_output=True,
-        sliding_window=4096, extra={"gemma2.attn_logit_softcapping": 50.0,
-                                    "gemma2.final_logit_softcapping": 30.0}),
+    "gemma2-1b": _like("gemma2-2b", n_layers=8),
     # Gemma-2B (Gemma 1)'s layers and vocabulary, 6 of its 18 layers
-    "gemma-1b": Geometry(
-        "gemma-1b", "gemma", 256000, 6, 2048, 8, 1, 256, 16384, 8192, 10000.0, 1e-6,
-        "llama", "default", specials=("<pad>", "<eos>", "<bos>", "<unk>"), tied_output=True),
+    "gemma-1b": _like("gemma-2b", n_layers=6),
     # Mistral-7B-v0.3's vocabulary, head size and GQA ratio at 1B (GGUF architecture "llama")
-    "mistral-1b": Geometry(
-        "mistral-1b", "llama", 32768, 16, 2048, 16, 4, 128, 7168, 32768, 1000000.0, 1e-5,
-        "llama", "default", specials=("<unk>", "<s>", "</s>")),
+    "mistral-1b": _like("mistral-7b", n_layers=16, d_model=2048, n_heads=16, n_kv_heads=4, ffn_dim=7168),
     # Phi-3-mini's vocabulary, fused QKV / gate-up and MHA at 1B
-    "phi3-1b": Geometry(
-        "phi3-1b", "phi3", 32064, 16, 2048, 32, 32, 64, 8192, 4096, 10000.0, 1e-5,
-        "llama", "default", specials=("<unk>", "<s>", "</s>", "<|endoftext|>", "<|end|>")),
+    "phi3-1b": _like("phi3-mini", n_layers=16, d_model=2048, head_dim=64),
     # OLMo-2-0425-1B
-    "olmo2-1b": Geometry(
-        "olmo2-1b", "olmo2", 100352, 16, 2048, 16, 16, 128, 8192, 4096, 500000.0, 1e-6,
-        "gpt2", "llama-bpe", specials=("<|endoftext|>", "<|pad|>")),
+    "olmo2-1b": _like("olmo2-7b", n_layers=16, d_model=2048, n_heads=16, n_kv_heads=16, ffn_dim=8192),
     # Granite-3.0-2B's layers and vocabulary, 16 of its 40 layers
-    "granite3-1b": Geometry(
-        "granite3-1b", "granite", 49155, 16, 2048, 32, 8, 64, 8192, 4096, 10000.0, 1e-5,
-        "gpt2", "llama-bpe", specials=("<|endoftext|>", "<fim_prefix>"), tied_output=True,
-        extra={"granite.embedding_scale": 12.0, "granite.residual_scale": 0.22,
-               "granite.attention.scale": 0.015625, "granite.logit_scale": 8.0}),
+    "granite3-1b": _like("granite3-8b", n_layers=16, d_model=2048, head_dim=64, ffn_dim=8192,
+                         extra={"granite.embedding_scale": 12.0, "granite.residual_scale": 0.22,
+                                "granite.attention.scale": 0.015625, "granite.logit_scale": 8.0}),
     # Ministral-3-3B's layers and vocabulary, 8 of its 26 layers
-    "ministral3-1b": Geometry(
-        "ministral3-1b", "mistral3", 131072, 8, 3072, 32, 8, 128, 9216, 262144, 1000000.0,
-        1e-5, "gpt2", "tekken", specials=_MISTRAL_SPECIALS, tied_output=True,
-        extra=_MINISTRAL3_ROPE),
+    "ministral3-1b": _like("ministral3-3b", n_layers=8),
     # SmolLM3-3B's layers and vocabulary, 12 of its 36 layers
-    "smollm3-1b": Geometry(
-        "smollm3-1b", "smollm3", 128256, 12, 2048, 16, 4, 128, 11008, 65536, 5000000.0, 1e-6,
-        "gpt2", "llama-bpe", specials=_LLAMA3_SPECIALS, tied_output=True),
+    "smollm3-1b": _like("smollm3-3b", n_layers=12),
     # Apertus-8B's proportions at 1B (head size, GQA ratio, xIELU FFN of 5.25x)
-    "apertus-1b": Geometry(
-        "apertus-1b", "apertus", 131072, 12, 2048, 16, 4, 128, 10752, 65536, 12000000.0, 1e-5,
-        "gpt2", "tekken", specials=_MISTRAL_SPECIALS, optional=("rope_freqs.weight",),
-        extra=_xielu(12)),
+    "apertus-1b": _like("apertus-8b", n_layers=12, d_model=2048, n_heads=16, n_kv_heads=4, ffn_dim=10752,
+                        extra=_xielu(12)),
     # Seed-OSS-36B's vocabulary, head size and GQA ratio at 1B
-    "seed-oss-1b": Geometry(
-        "seed-oss-1b", "seed_oss", 155136, 12, 2048, 32, 4, 64, 5632, 524288, 10000000.0,
-        1e-6, "gpt2", "seed-coder", specials=("<seed:bos>", "<seed:eos>", "<seed:pad>"),
-        qkv_bias=True),
+    "seed-oss-1b": _like("seed-oss-36b", n_layers=12, d_model=2048, n_heads=32, n_kv_heads=4, head_dim=64,
+                         ffn_dim=5632),
     # Hunyuan-1.8B's layers and vocabulary, 16 of its 32 layers
-    "hunyuan-1b": Geometry(
-        "hunyuan-1b", "hunyuan-dense", 120818, 16, 2048, 16, 4, 128, 6144, 262144, 10000.0,
-        1e-5, "gpt2", "hunyuan-dense", specials=_HUNYUAN_SPECIALS, tied_output=True,
-        extra={"hunyuan-dense.rope.scaling.alpha": 1000.0}),
+    "hunyuan-1b": _like("hunyuan-7b", n_vocab=120818, n_layers=16, d_model=2048, n_heads=16, n_kv_heads=4,
+                        ffn_dim=6144, tied_output=True),
     # ERNIE-4.5-0.3B's vocabulary, head size and GQA ratio at 1B
-    "ernie4.5-1b": Geometry(
-        "ernie4.5-1b", "ernie4_5", 103424, 16, 2048, 32, 4, 64, 6144, 131072, 500000.0,
-        1e-5, "llama", "default", specials=("<unk>", "<s>", "</s>", "<pad>"), tied_output=True),
+    "ernie4.5-1b": _like("ernie4.5-0.3b", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=4,
+                         ffn_dim=6144),
     # gpt-oss-20b: 24 layers alternating sliding-window (128) and full attention, 32 experts
     # (4 used, 2880 wide, MXFP4 in the released files) with biases, attention sinks, YaRN
     # (x32 over 4096), the o200k_harmony vocabulary (pre-tokenizer gpt-4o)
@@ -608,6 +590,10 @@ GEOMETRIES: dict[str, Geometry] = {
         "gpt2", "gpt-4o", specials=_HARMONY_SPECIALS, qkv_bias=True, sliding_window=128,
         extra=_gpt_oss_keys(16, 4, 768)),
 }
+# every geometry by name, in the table's order
+GEOMETRIES: dict[str, Geometry] = {
+    name: replace(_TABLE[g.base], name=name, **g.changes) if isinstance(g, _Like) else g
+    for name, g in _TABLE.items()}
 
 
 def geometry_args(g: Geometry):

@@ -422,10 +422,8 @@ _TABLE: dict[str, Geometry | _Like] = {
                    yarn=(40.0, 4096, 1.0))),
     # DeepSeek-V3's layout at 1.4B (0.7B active with the embeddings): 12 layers of 1536,
     # q_lora_rank 512, 32 experts of 512 in 4 groups (2 used), 6 routed + 1 shared
-    "deepseek-v3-1b": Geometry(
-        "deepseek-v3-1b", "deepseek2", 129280, 12, 1536, 16, 1, 192, 4096, 163840, 10000.0,
-        1e-6, "gpt2", "deepseek-v3", specials=_DEEPSEEK_SPECIALS,
-        optional=("exp_probs_b.bias",),
+    "deepseek-v3-1b": _like(
+        "deepseek-v3", n_layers=12, d_model=1536, n_heads=16, ffn_dim=4096,
         extra=mla_keys("deepseek2", q_lora_rank=512, kv_lora_rank=512, rope=64, key_mla=192,
                        value_mla=128, experts=32, used=6, shared=1, expert_ffn=512,
                        dense_lead=1, groups=(4, 2), sigmoid=True, scale=2.5,
@@ -553,11 +551,8 @@ _TABLE: dict[str, Geometry | _Like] = {
                                   "<|assistant|>", "<|observation|>"),
         qkv_bias=True, extra=_glm4moe_keys(128, 8, 1408, 1.0, nextn=1)),
     # GLM-4.5-Air's proportions at 1.4B: 12 layers (the first dense), 32 experts
-    "glm4moe-1b": Geometry(
-        "glm4moe-1b", "glm4moe", 151552, 12, 1536, 24, 4, 64, 4608, 131072, 1000000.0, 1e-5,
-        "gpt2", "glm4", specials=("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>",
-                                  "<|assistant|>", "<|observation|>"),
-        qkv_bias=True, extra=_glm4moe_keys(32, 8, 512, 1.0)),
+    "glm4moe-1b": _like("glm4.5-air", n_layers=12, d_model=1536, n_heads=24, n_kv_heads=4, head_dim=64,
+                        ffn_dim=4608, extra=_glm4moe_keys(32, 8, 512, 1.0)),
     # OLMoE-1B-7B: 16 layers, 64 experts (8 used, softmax, not renormalised) 1024 wide,
     # QK-norm over all heads
     "olmoe-1b-7b": Geometry(
@@ -585,10 +580,8 @@ _TABLE: dict[str, Geometry | _Like] = {
                "phimoe.rope.scaling.attn_factor": 1.19}),
     # gpt-oss-20b's layer kinds, vocabulary and expert proportions at 1.4B: 12 layers,
     # 16 experts (4 used, 768 wide; 0.55B active with the output projection)
-    "gpt-oss-1b": Geometry(
-        "gpt-oss-1b", "gpt-oss", 201088, 12, 1536, 24, 8, 64, 768, 131072, 150000.0, 1e-5,
-        "gpt2", "gpt-4o", specials=_HARMONY_SPECIALS, qkv_bias=True, sliding_window=128,
-        extra=_gpt_oss_keys(16, 4, 768)),
+    "gpt-oss-1b": _like("gpt-oss-20b", n_layers=12, d_model=1536, n_heads=24, ffn_dim=768,
+                        extra=_gpt_oss_keys(16, 4, 768)),
 }
 # every geometry by name, in the table's order
 GEOMETRIES: dict[str, Geometry] = {

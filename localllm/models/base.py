@@ -291,19 +291,19 @@ class HParams:
         return out
 
     def str(self, name: str, default: Any = None) -> Any:
-        key, v = self._get(name, default)
-        if v is default and key not in self.md:
-            return v
-        if not isinstance(v, str):
-            raise self._fail(key, f"must be a string, got {_show(v)}")
-        return v
+        """A string; ``default`` when absent."""
+        return self._of_type(name, default, str, "a string")
 
     def bool(self, name: str, default: Any = None) -> Any:
+        """A boolean (an integer is refused); ``default`` when absent."""
+        return self._of_type(name, default, bool, "a boolean")
+
+    def _of_type(self, name: str, default: Any, kind: type, what: str) -> Any:
         key, v = self._get(name, default)
         if v is default and key not in self.md:
             return v
-        if not isinstance(v, bool):
-            raise self._fail(key, f"must be a boolean, got {_show(v)}")
+        if not isinstance(v, kind):
+            raise self._fail(key, f"must be {what}, got {_show(v)}")
         return v
 
     def require(self, cond: bool, name: str, what: str) -> None:

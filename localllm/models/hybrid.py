@@ -196,8 +196,8 @@ class AttentionWeights:
 
 class HybridDecoder(Decoder):
     """A hybrid of the :class:`~localllm.models.decoder.Decoder` loop: its attention
-    layers rotate whole heads (:meth:`AttendingArgs.whole_head_rope`) as they come, with the heads of
-    ``args.heads``."""
+    layers rotate whole heads (:meth:`AttendingArgs.whole_head_rope`) as they come, with the
+    heads of ``args.heads``."""
 
     def attend(self, b: AttentionWeights, n: torch.Tensor, cache, step: Step,
                kind: str = GLOBAL) -> torch.Tensor:

@@ -176,6 +176,23 @@ def _glm4moe_keys(n_expert: int, n_used: int, expert_ffn: int, scale: float, *,
 _GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
 
 
+def _deltanet_moe_keys(arch: str, n_expert: int, n_used: int, expert_ffn: int, inner: int,
+                       dt_rank: int, groups: int, *, sections: tuple[int, ...] = ()) -> dict:
+    """``{arch}.*`` keys of a Qwen3.5-MoE / Qwen3-Next geometry: experts and a shared one
+    as wide, gated delta-nets (kernel 4, state 128, ``inner`` wide, ``dt_rank`` value heads
+    in ``groups`` key heads), one attention layer in four, RoPE on 64 dimensions
+    (``sections``: Qwen3.5's M-RoPE sections)."""
+    keys = {"expert_count": n_expert, "expert_used_count": n_used,
+            "expert_feed_forward_length": expert_ffn,
+            "expert_shared_feed_forward_length": expert_ffn, "ssm.conv_kernel": 4,
+            "ssm.inner_size": inner, "ssm.state_size": 128, "ssm.time_step_rank": dt_rank,
+            "ssm.group_count": groups, "full_attention_interval": 4,
+            "rope.dimension_count": 64}
+    if sections:
+        keys["rope.dimension_sections"] = list(sections)
+    return {f"{arch}.{k}": v for k, v in keys.items()}
+
+
 def _gemma4(n_layers: int, shared: int, per_layer: int, period: int, ffn: int) -> dict:
     """Gemma 4's keys: every ``period``-th layer global (head 512), the others sliding
     (head 256, RoPE base 10,000), the last ``shared`` layers sharing KV with an FFN twice
@@ -348,8 +365,8 @@ _TABLE: dict[str, Geometry | _Like] = {
     # Gemma-4-E2B's layers at 9 of its 35 (the last 4 sharing KV)
     "gemma4-1b": _like("gemma4-e2b", n_layers=9, extra=_gemma4(9, 4, 256, 5, 6144)),
     # Llama-4-Scout's vocabulary, head size and routing at 1B active (16 experts of 1024)
-    "llama4-1b": _like("llama4-scout", n_layers=8, d_model=1536, n_heads=12, n_kv_heads=4, ffn_dim=4096,
-                       extra={"llama4.expert_count": 16, "llama4.expert_used_count": 1,
+    "llama4-1b": _like("llama4-scout", n_layers=8, d_model=1536, n_heads=12, n_kv_heads=4,
+                       ffn_dim=4096, extra={"llama4.expert_count": 16, "llama4.expert_used_count": 1,
                               "llama4.expert_feed_forward_length": 1024,
                               "llama4.interleave_moe_layer_step": 1}),
     # Gemma-3-1B: 5 of 6 layers sliding (512), MQA, head size 256
@@ -363,11 +380,13 @@ _TABLE: dict[str, Geometry | _Like] = {
     # Gemma-2B (Gemma 1)'s layers and vocabulary, 6 of its 18 layers
     "gemma-1b": _like("gemma-2b", n_layers=6),
     # Mistral-7B-v0.3's vocabulary, head size and GQA ratio at 1B (GGUF architecture "llama")
-    "mistral-1b": _like("mistral-7b", n_layers=16, d_model=2048, n_heads=16, n_kv_heads=4, ffn_dim=7168),
+    "mistral-1b": _like("mistral-7b", n_layers=16, d_model=2048, n_heads=16, n_kv_heads=4,
+                        ffn_dim=7168),
     # Phi-3-mini's vocabulary, fused QKV / gate-up and MHA at 1B
     "phi3-1b": _like("phi3-mini", n_layers=16, d_model=2048, head_dim=64),
     # OLMo-2-0425-1B
-    "olmo2-1b": _like("olmo2-7b", n_layers=16, d_model=2048, n_heads=16, n_kv_heads=16, ffn_dim=8192),
+    "olmo2-1b": _like("olmo2-7b", n_layers=16, d_model=2048, n_heads=16, n_kv_heads=16,
+                      ffn_dim=8192),
     # Granite-3.0-2B's layers and vocabulary, 16 of its 40 layers
     "granite3-1b": _like("granite3-8b", n_layers=16, d_model=2048, head_dim=64, ffn_dim=8192,
                          extra={"granite.embedding_scale": 12.0, "granite.residual_scale": 0.22,
@@ -377,14 +396,14 @@ _TABLE: dict[str, Geometry | _Like] = {
     # SmolLM3-3B's layers and vocabulary, 12 of its 36 layers
     "smollm3-1b": _like("smollm3-3b", n_layers=12),
     # Apertus-8B's proportions at 1B (head size, GQA ratio, xIELU FFN of 5.25x)
-    "apertus-1b": _like("apertus-8b", n_layers=12, d_model=2048, n_heads=16, n_kv_heads=4, ffn_dim=10752,
-                        extra=_xielu(12)),
+    "apertus-1b": _like("apertus-8b", n_layers=12, d_model=2048, n_heads=16, n_kv_heads=4,
+                        ffn_dim=10752, extra=_xielu(12)),
     # Seed-OSS-36B's vocabulary, head size and GQA ratio at 1B
-    "seed-oss-1b": _like("seed-oss-36b", n_layers=12, d_model=2048, n_heads=32, n_kv_heads=4, head_dim=64,
-                         ffn_dim=5632),
+    "seed-oss-1b": _like("seed-oss-36b", n_layers=12, d_model=2048, n_heads=32, n_kv_heads=4,
+                         head_dim=64, ffn_dim=5632),
     # Hunyuan-1.8B's layers and vocabulary, 16 of its 32 layers
-    "hunyuan-1b": _like("hunyuan-7b", n_vocab=120818, n_layers=16, d_model=2048, n_heads=16, n_kv_heads=4,
-                        ffn_dim=6144, tied_output=True),
+    "hunyuan-1b": _like("hunyuan-7b", n_vocab=120818, n_layers=16, d_model=2048, n_heads=16,
+                        n_kv_heads=4, ffn_dim=6144, tied_output=True),
     # ERNIE-4.5-0.3B's vocabulary, head size and GQA ratio at 1B
     "ernie4.5-1b": _like("ernie4.5-0.3b", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=4,
                          ffn_dim=6144),
@@ -496,52 +515,24 @@ _TABLE: dict[str, Geometry | _Like] = {
     "qwen35moe-35b-a3b": Geometry(
         "qwen35moe-35b-a3b", "qwen35moe", 248320, 40, 2048, 16, 2, 256, 512, 262144,
         10000000.0, 1e-6, "gpt2", "qwen35",
-        specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), n_pad_tokens=271, extra={
-            "qwen35moe.expert_count": 256, "qwen35moe.expert_used_count": 8,
-            "qwen35moe.expert_feed_forward_length": 512,
-            "qwen35moe.expert_shared_feed_forward_length": 512,
-            "qwen35moe.ssm.conv_kernel": 4, "qwen35moe.ssm.inner_size": 4096,
-            "qwen35moe.ssm.state_size": 128, "qwen35moe.ssm.time_step_rank": 32,
-            "qwen35moe.ssm.group_count": 16, "qwen35moe.full_attention_interval": 4,
-            "qwen35moe.rope.dimension_count": 64,
-            "qwen35moe.rope.dimension_sections": [11, 11, 10, 0]}),
+        specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), n_pad_tokens=271,
+        extra=_deltanet_moe_keys("qwen35moe", 256, 8, 512, 4096, 32, 16,
+                                 sections=(11, 11, 10, 0))),
     # Qwen3-Next-80B-A3B: 48 layers, 512 experts (10 used, 512 wide) and a shared expert
     "qwen3next-80b-a3b": Geometry(
         "qwen3next-80b-a3b", "qwen3next", 151936, 48, 2048, 16, 2, 256, 5120, 262144,
         10000000.0, 1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>",
-                                                     "<|im_end|>"), n_pad_tokens=290, extra={
-            "qwen3next.expert_count": 512, "qwen3next.expert_used_count": 10,
-            "qwen3next.expert_feed_forward_length": 512,
-            "qwen3next.expert_shared_feed_forward_length": 512,
-            "qwen3next.ssm.conv_kernel": 4, "qwen3next.ssm.inner_size": 4096,
-            "qwen3next.ssm.state_size": 128, "qwen3next.ssm.time_step_rank": 32,
-            "qwen3next.ssm.group_count": 16, "qwen3next.full_attention_interval": 4,
-            "qwen3next.rope.dimension_count": 64}),
+                                                     "<|im_end|>"), n_pad_tokens=290,
+        extra=_deltanet_moe_keys("qwen3next", 512, 10, 512, 4096, 32, 16)),
     # Qwen3.5-35B-A3B's proportions at 1B: 16 layers, 64 experts (8 used, 256 wide)
-    "qwen35moe-1b": Geometry(
-        "qwen35moe-1b", "qwen35moe", 248320, 16, 1024, 8, 2, 256, 256, 262144, 10000000.0,
-        1e-6, "gpt2", "qwen35", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        n_pad_tokens=271, extra={
-            "qwen35moe.expert_count": 64, "qwen35moe.expert_used_count": 8,
-            "qwen35moe.expert_feed_forward_length": 256,
-            "qwen35moe.expert_shared_feed_forward_length": 256,
-            "qwen35moe.ssm.conv_kernel": 4, "qwen35moe.ssm.inner_size": 2048,
-            "qwen35moe.ssm.state_size": 128, "qwen35moe.ssm.time_step_rank": 16,
-            "qwen35moe.ssm.group_count": 8, "qwen35moe.full_attention_interval": 4,
-            "qwen35moe.rope.dimension_count": 64,
-            "qwen35moe.rope.dimension_sections": [11, 11, 10, 0]}),
+    "qwen35moe-1b": _like(
+        "qwen35moe-35b-a3b", n_layers=16, d_model=1024, n_heads=8, ffn_dim=256,
+        extra=_deltanet_moe_keys("qwen35moe", 64, 8, 256, 2048, 16, 8,
+                                 sections=(11, 11, 10, 0))),
     # Qwen3-Next-80B-A3B's proportions at 1B: 16 layers, 64 experts (8 used, 256 wide)
-    "qwen3next-1b": Geometry(
-        "qwen3next-1b", "qwen3next", 151936, 16, 1024, 8, 2, 256, 256, 262144, 10000000.0,
-        1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        n_pad_tokens=290, extra={
-            "qwen3next.expert_count": 64, "qwen3next.expert_used_count": 8,
-            "qwen3next.expert_feed_forward_length": 256,
-            "qwen3next.expert_shared_feed_forward_length": 256,
-            "qwen3next.ssm.conv_kernel": 4, "qwen3next.ssm.inner_size": 2048,
-            "qwen3next.ssm.state_size": 128, "qwen3next.ssm.time_step_rank": 16,
-            "qwen3next.ssm.group_count": 8, "qwen3next.full_attention_interval": 4,
-            "qwen3next.rope.dimension_count": 64}),
+    "qwen3next-1b": _like(
+        "qwen3next-80b-a3b", n_layers=16, d_model=1024, n_heads=8, ffn_dim=256,
+        extra=_deltanet_moe_keys("qwen3next", 64, 8, 256, 2048, 16, 8)),
     # GLM-4.5-Air: 46 decoder layers (the first dense) and its next-token-prediction block,
     # 128 experts (8 used, sigmoid scores with a selection bias, normalised) and a shared one,
     # Q/K/V biases, RoPE on half of each head
@@ -551,8 +542,8 @@ _TABLE: dict[str, Geometry | _Like] = {
                                   "<|assistant|>", "<|observation|>"),
         qkv_bias=True, extra=_glm4moe_keys(128, 8, 1408, 1.0, nextn=1)),
     # GLM-4.5-Air's proportions at 1.4B: 12 layers (the first dense), 32 experts
-    "glm4moe-1b": _like("glm4.5-air", n_layers=12, d_model=1536, n_heads=24, n_kv_heads=4, head_dim=64,
-                        ffn_dim=4608, extra=_glm4moe_keys(32, 8, 512, 1.0)),
+    "glm4moe-1b": _like("glm4.5-air", n_layers=12, d_model=1536, n_heads=24, n_kv_heads=4,
+                        head_dim=64, ffn_dim=4608, extra=_glm4moe_keys(32, 8, 512, 1.0)),
     # OLMoE-1B-7B: 16 layers, 64 experts (8 used, softmax, not renormalised) 1024 wide,
     # QK-norm over all heads
     "olmoe-1b-7b": Geometry(

@@ -12,6 +12,13 @@
    questions after it. Time to first token of the second question with the cache
    (``cache_prompt``, the default) against the same request with ``cache_prompt: false``
    (the whole prompt prefilled), both through the server.
+3. Streaming cost per token (issue #29): ``--stream-tokens`` greedy tokens (``ignore_eos``)
+   streamed in-process (``LLM.create_completion(stream=True)``) and through the server with
+   the ``openai`` client; the time from the first chunk to the last over the tokens after
+   the first, medians over ``--repeats``; the difference is what the server adds per token.
+4. The lazy tool-call grammar before its trigger (issue #29): the same chat request with a
+   tool and ``tool_choice="auto"`` and without tools, in-process, time per generated token
+   (a trigger would end the measurement: the run reports whether one fired).
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--prefix", type=int, default=500, help="shared prefix tokens")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--stream-tokens", type=int, default=64)
     args = ap.parse_args()
 
     import openai
@@ -77,6 +85,11 @@ def main() -> None:
         llm.create_completion(prompt, max_tokens=1)
     local = [first_chunk_seconds(lambda m=llm: m.create_completion(prompt, max_tokens=1, stream=True))
              for _ in range(args.repeats)]
+    n_stream = args.stream_tokens
+    stream_kw = {"max_tokens": n_stream, "temperature": 0.0}
+    local_stream = [per_token_seconds(llm.create_completion(
+        prompt, stream=True, ignore_eos=True, **stream_kw)) for _ in range(args.repeats)]
+    lazy, plain, fired = lazy_grammar_seconds(llm, n_stream, args.repeats)
 
     port = free_port()
     cmd = [sys.executable, "-c", "from localllm.cli import main; main()", "serve", args.model,
@@ -106,6 +119,9 @@ def main() -> None:
         for _ in range(3):
             first_chunk_seconds(remote(prompt))
         served = [first_chunk_seconds(remote(prompt)) for _ in range(args.repeats)]
+        served_stream = [per_token_seconds(client.completions.create(
+            model=served_id, prompt=prompt, stream=True, extra_body={"ignore_eos": True},
+            **stream_kw)) for _ in range(args.repeats)]
 
         prefix = shared_prefix(_Tok(args.model), args.prefix)
         questions = [f"\nQuestion {i}: what does the runtime reuse?"
@@ -127,11 +143,54 @@ def main() -> None:
         f"ttft_{args.prefix}_prefix_cold_ms": med(cold) * 1e3,
         f"ttft_{args.prefix}_prefix_cached_ms": med(warm) * 1e3,
         "cached_over_cold": med(warm) / med(cold),
+        "stream_in_process_ms_per_token": med(local_stream) * 1e3,
+        "stream_server_ms_per_token": med(served_stream) * 1e3,
+        "stream_overhead_ms_per_token": (med(served_stream) - med(local_stream)) * 1e3,
+        "chat_no_tools_ms_per_token": med(plain) * 1e3,
+        "chat_lazy_tool_grammar_ms_per_token": med(lazy) * 1e3,
+        "lazy_grammar_cost_ms_per_token": (med(lazy) - med(plain)) * 1e3,
     }
     for k, v in rows.items():
         print(f"{k:>32}  {v:9.3f}")
+    if fired:
+        print(f"note: the tool-call trigger fired in {fired} of the lazy-grammar runs")
     print(json.dumps({"model": args.model, "device": args.device, "repeats": args.repeats,
                       **{k: round(v, 4) for k, v in rows.items()}}))
+
+
+def per_token_seconds(stream) -> float:
+    """Seconds per streamed chunk after the first (each chunk carries one token)."""
+    stamps = [time.perf_counter() for _ in stream]
+    if len(stamps) < 3:
+        raise SystemExit("error: the stream ended after fewer than 3 chunks")
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+def lazy_grammar_seconds(llm, n: int, repeats: int) -> tuple[list, list, int]:
+    """Per-token seconds of a streamed chat reply with a tool offered (``tool_choice="auto"``:
+    the family's lazy call grammar waits for its trigger) and without, from the first chunk
+    with a token to the last; how many runs opened a call (the trigger fired)."""
+    messages = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+    lazy, plain, fired = [], [], 0
+    for _ in range(repeats):
+        for tools, out in ((None, plain), ([TOOL], lazy)):
+            chunks = llm.create_chat_completion(messages, tools=tools, max_tokens=n,
+                                                temperature=0.0, stream=True, ignore_eos=True)
+            stamps, called = [], False
+            for c in chunks:  # chunks with a token (not the role's, sent before the prefill)
+                delta = c["choices"][0]["delta"] if c["choices"] else {}
+                if delta.get("content") or delta.get("tool_calls"):
+                    stamps.append(time.perf_counter())
+                called |= bool(delta.get("tool_calls"))
+            fired += called and tools is not None
+            out.append((stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1))
+    return lazy, plain, fired
 
 
 class _Tok:

@@ -32,7 +32,8 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     # "7 2 3" and "4 7 ..." never occurred; "2 3" did, latest at 7 (followed by 4, 7, 2 ...)
     assert d.propose(ctx, 3) == [4, 7, 2]
     assert d.propose([5, 6, 7], 3) == []  # a new context: the index is rebuilt, no match
-    assert NgramDrafter(1).propose([8, 1, 8], 2) == [1, 8]
+    assert NgramDrafter(1).propose([8, 1, 8], 2) == [1]  # a 1-token match: 1 guess
+    assert NgramDrafter(2, 1).propose([4, 8, 1, 5, 6, 7, 8, 1], 5) == [5, 6, 7]  # 2: 3 guesses
     assert NgramDrafter(3).propose([8, 1, 8], 2) == []  # n_min 2: single tokens do not count
     with pytest.raises(ParameterError):
         NgramDrafter(0)
@@ -46,7 +47,7 @@ def test_ngram_index_matches_a_scan_on_random_contexts():
             key = ctx[-n:]
             for j in range(len(ctx) - n - 1, -1, -1):  # latest earlier occurrence
                 if ctx[j:j + n] == key:
-                    return ctx[j + n:j + n + k]
+                    return ctx[j + n:j + n + min(k, 2 ** n - 1)]
         return []
 
     for _ in range(200):

@@ -337,9 +337,8 @@ _TABLE: dict[str, Geometry | _Like] = {
                "llama4.expert_feed_forward_length": 8192,
                "llama4.interleave_moe_layer_step": 1}),
     # Llama-4-Maverick-17B-128E: MoE every other layer (128 experts), no QK-norm
-    "llama4-maverick": Geometry(
-        "llama4-maverick", "llama4", 202048, 48, 5120, 40, 8, 128, 16384, 1048576, 500000.0,
-        1e-5, "gpt2", "llama4", specials=_LLAMA4_SPECIALS, optional=("rope_freqs.weight",),
+    "llama4-maverick": _like(
+        "llama4-scout", context_length=1048576,
         extra={"llama4.expert_count": 128, "llama4.expert_used_count": 1,
                "llama4.expert_feed_forward_length": 8192,
                "llama4.interleave_moe_layer_step": 2}),

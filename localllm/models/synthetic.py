@@ -234,10 +234,7 @@ _TABLE: dict[str, Geometry | _Like] = {
         "mistral-7b", "llama", 32768, 32, 4096, 32, 8, 128, 14336, 32768, 1000000.0, 1e-5,
         "llama", "default", specials=("<unk>", "<s>", "</s>")),
     # Qwen2.5-7B / 0.5B: QKV biases (0.5B: tied output)
-    "qwen2.5-7b": Geometry(
-        "qwen2.5-7b", "qwen2", 152064, 28, 3584, 28, 4, 128, 18944, 32768, 1000000.0, 1e-6,
-        "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        qkv_bias=True, n_pad_tokens=418),
+    "qwen2.5-7b": _like("qwen2-7b"),  # Qwen2-7B's geometry
     "qwen2.5-0.5b": Geometry(
         "qwen2.5-0.5b", "qwen2", 151936, 24, 896, 14, 2, 64, 4864, 32768, 1000000.0, 1e-6,
         "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),

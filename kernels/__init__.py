@@ -15,6 +15,7 @@ decode them on the fly:
 - :mod:`.ssm`: the short convolution and Mamba2's selective scan of state-space models.
 - :mod:`.recurrent`: the gated delta rule of Qwen3.5 / Qwen3-Next's delta-net layers.
 - :mod:`.flash_attention`: prefill attention over the KV cache (flash attention).
+- :mod:`.flash`: what both attention kernels share (argument checks, the online-softmax step).
 
 Every kernel also runs on CPU tensors through Triton's interpreter (slowly: for tests);
 :mod:`._aot` compiles them for NVIDIA GPUs without one (``bench/kernel_profile.py``).

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from . import _sync
 from ._jit import device_fn, kernel
+from .flash import block_scores, check_attention, online_softmax_start, online_softmax_step
 from .gemv import attach_q8, q8_buffers, store_q8
 
 LOG2E = 1.4426950408889634
@@ -163,9 +164,7 @@ def _decode_attention_kernel(
 
     j0 = split * split_len
     j1 = tl.minimum(j0 + split_len, n_live)
-    m_i = tl.full((BH,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BH,), tl.float32)
-    acc = tl.zeros((BH, D_PAD), tl.float32)
+    m_i, l_i, acc = online_softmax_start(BH, D_PAD)
     k_base = k_cache + kvh.to(tl.int64) * stride_kh
     v_base = v_cache + kvh.to(tl.int64) * stride_vh
     for j in range(j0, j1, BLOCK_S):
@@ -184,27 +183,9 @@ def _decode_attention_kernel(
         ld_mask = visible[:, None] & d_mask[None, :]
         kb = tl.load(k_base + kv_off[:, None] * stride_ks + rd[None, :], mask=ld_mask, other=0.0)
         vb = tl.load(v_base + kv_off[:, None] * stride_vs + rd[None, :], mask=ld_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(qv, tl.trans(kb), input_precision="ieee")  # (16, BLOCK_S)
-        else:
-            s = tl.dot(qv, tl.trans(kb))
-        if SOFTCAP:
-            # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1); then to log2 units.
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0)) * 1.4426950408889634
+        s = block_scores(qv, kb, softcap, SOFTCAP, IEEE)  # (BH, BLOCK_S)
         s = tl.where(visible[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids
-        # exp2(-inf - -inf) = NaN, and exp2(-inf) = 0 leaves it empty.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p, vb.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(vb.dtype), vb)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, vb, m_i, l_i, acc, IEEE)
 
     head0 = kvh * GROUP + hc * BH  # the first query head of this program row
     n_valid = GROUP - hc * BH  # its heads past that belong to the next KV head
@@ -334,28 +315,10 @@ def decode_attention(
             f"decode_attention: want q (H, D) and K/V (Hkv, S, D), got {tuple(q.shape)}, "
             f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
         )
+    check_attention("decode_attention", q, k_cache, v_cache, q_pos, k_positions, window, softcap,
+                    ("q", "k_cache", "v_cache", "q_pos"))
     n_heads, d = q.shape
-    n_kv, seq_len, d_kv = k_cache.shape
-    if d != d_kv:
-        raise ValueError(f"decode_attention: q head_dim {d} != cache head_dim {d_kv}")
-    if not 1 <= d <= 256:
-        raise ValueError(f"decode_attention: head_dim {d} is not in 1..256")
-    if n_kv == 0 or n_heads % n_kv:
-        raise ValueError(f"decode_attention: {n_heads} heads do not split into {n_kv} KV heads")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype not in (torch.float32, torch.float16):
-            raise ValueError(f"decode_attention: {name} is {t.dtype}, want float32 or float16")
-    if v_cache.dtype != k_cache.dtype:
-        raise ValueError("decode_attention: k_cache and v_cache differ in dtype")
-    if q_pos.shape != (1,) or q_pos.dtype != torch.int64:
-        raise ValueError(f"decode_attention: q_pos must be (1,) int64, got {q_pos.dtype}")
-    if k_positions is not None and (k_positions.shape != (seq_len,)
-                                    or k_positions.dtype != torch.int64):  # fmt: skip
-        raise ValueError(f"decode_attention: k_positions must be ({seq_len},) int64")
-    if window is not None and window < 1:
-        raise ValueError(f"decode_attention: window must be >= 1, got {window}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"decode_attention: softcap must be > 0, got {softcap}")
+    n_kv, seq_len, _ = k_cache.shape
     group = n_heads // n_kv
     if block_s is None:
         block_s = default_block_s(d)

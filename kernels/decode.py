@@ -383,19 +383,25 @@ def iq4nl_word(q, ASM: tl.constexpr):
 
 
 @device_fn
-def _kquant_scale_min_words(wp, blk, s):
-    """Q4_K / Q5_K: (d * scale, dmin * min) of sub-block ``s`` (0..7), read as words: word 0
-    holds d|dmin (two halves), words 1-3 the 12 packed 6-bit scales and mins (llama.cpp's
-    ``get_scale_min_k4``)."""
-    h0 = tl.load(wp + blk)
+def kq_scale_min(h0, b1, b2, b3, s):
+    """Q4_K / Q5_K: (d * scale, dmin * min) of sub-block ``s`` (0..7) from the block's words
+    0-3 (int32): d|dmin (two halves), then the 12 bytes of packed 6-bit scales and mins
+    (llama.cpp's ``get_scale_min_k4``)."""
     sh = (s % 4) * 8
-    b1 = (tl.load(wp + blk + 1) >> sh) & 255
-    b2 = (tl.load(wp + blk + 2) >> sh) & 255
-    b3 = (tl.load(wp + blk + 3) >> sh) & 255
+    b1 = (b1 >> sh) & 255
+    b2 = (b2 >> sh) & 255
+    b3 = (b3 >> sh) & 255
     lo = s < 4
     sc = tl.where(lo, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4))
     mn = tl.where(lo, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4))
     return _h2f(h0) * sc.to(tl.float32), _h2f(h0 >> 16) * mn.to(tl.float32)
+
+
+@device_fn
+def _kquant_scale_min_words(wp, blk, s):
+    """:func:`kq_scale_min` of the block whose words start at ``wp + blk``."""
+    return kq_scale_min(tl.load(wp + blk), tl.load(wp + blk + 1), tl.load(wp + blk + 2),
+                        tl.load(wp + blk + 3), s)
 
 
 @device_fn
@@ -741,3 +747,18 @@ def decode_words_planes(wp, nblk, blk, gb, t, QTYPE: tl.constexpr):
         wq = t
         scale = tl.zeros_like(blk).to(tl.float32)
     return wq, scale, tl.zeros_like(scale)
+
+
+@device_fn
+def decode_tile(w, row, rn, rk, mask, N, K, BS: tl.constexpr, TS: tl.constexpr,
+                QTYPE: tl.constexpr, PLANES: tl.constexpr):
+    """The (len(rn), len(rk)) tile W[rn, rk] of a ``QTYPE`` matrix W (N, K) at byte pointer
+    ``w``, as float32: from its planes (``PLANES``, :func:`decode_planes`) or its blocks of BS
+    weights in TS bytes, row by row (:func:`decode`; ``row``: the first byte of each row rn,
+    ``w + rn * (K // BS) * TS``, computed once by the caller, outside its K loop)."""
+    if PLANES:
+        blk = rn.to(tl.int64)[:, None] * (K // BS) + (rk // BS)[None, :]
+        tile = decode_planes(w, N * (K // BS), blk, (rk % BS)[None, :], mask, QTYPE)
+    else:
+        tile = decode(row[:, None] + ((rk // BS) * TS)[None, :], (rk % BS)[None, :], mask, QTYPE)
+    return tile

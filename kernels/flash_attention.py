@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ._jit import kernel
+from .flash import block_scores, check_attention, online_softmax_start, online_softmax_step
 
 LOG2E = 1.4426950408889634
 NUM_STAGES = 2
@@ -95,9 +96,7 @@ def _prefill_attention_kernel(
         if HAS_WINDOW:
             u_lo = tl.maximum(tl.minimum(tl.cdiv(p_hi - window + 1, BLOCK_N) * BLOCK_N, u_hi),
                               lo)  # fmt: skip
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
+    m_i, l_i, acc = online_softmax_start(BLOCK_M, D_PAD)
     k_base = k_cache + kvh.to(tl.int64) * stride_kh
     v_base = v_cache + kvh.to(tl.int64) * stride_vh
     for j in range(lo, hi, BLOCK_N):
@@ -115,31 +114,13 @@ def _prefill_attention_kernel(
         ld_mask = seen[:, None] & d_ok[None, :]
         kb = tl.load(k_base + kv_off * stride_ks + rd[None, :], mask=ld_mask, other=0.0)
         vb = tl.load(v_base + kv_off * stride_vs + rd[None, :], mask=ld_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(qv, tl.trans(kb), input_precision="ieee")
-        else:
-            s = tl.dot(qv, tl.trans(kb))
-        if SOFTCAP:
-            # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1); then to log2 units.
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0)) * 1.4426950408889634
+        s = block_scores(qv, kb, softcap, SOFTCAP, IEEE)
         if (j < u_lo) | (j + BLOCK_N > u_hi):  # a block some row does not see in full
             visible = seen[None, :] & (kp[None, :] <= qp[:, None])
             if HAS_WINDOW:
                 visible = visible & (qp[:, None] - kp[None, :] < window)
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids
-        # exp2(-inf - -inf) = NaN, and exp2(-inf) = 0 leaves it empty.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p, vb.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(vb.dtype), vb)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, vb, m_i, l_i, acc, IEEE)
     res = tl.where(l_i[:, None] > 0.0, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], 0.0)
     o_ptrs = out + t.to(tl.int64)[:, None] * stride_ot + (head * D)[:, None] + rd[None, :]
     tl.store(o_ptrs, res, mask=row_ok[:, None] & d_ok[None, :])
@@ -208,25 +189,10 @@ def prefill_attention(
             f"prefill_attention: want q (H, T, D) and K/V (Hkv, S, D), got {tuple(q.shape)}, "
             f"{tuple(keys.shape)}, {tuple(values.shape)}"
         )
+    check_attention("prefill_attention", q, keys, values, q_positions, k_positions, window,
+                    softcap, ("q", "keys", "values", "q_positions"))
     n_heads, t, d = q.shape
-    n_kv, s, d_kv = keys.shape
-    if d != d_kv or not 1 <= d <= 256:
-        raise ValueError(f"prefill_attention: head_dim {d} (cache {d_kv}) is not in 1..256")
-    if n_kv == 0 or n_heads % n_kv:
-        raise ValueError(f"prefill_attention: {n_heads} heads do not split into {n_kv} KV heads")
-    for name, x in (("q", q), ("keys", keys), ("values", values)):
-        if x.dtype not in (torch.float32, torch.float16):
-            raise ValueError(f"prefill_attention: {name} is {x.dtype}, want float32 or float16")
-    if values.dtype != keys.dtype:
-        raise ValueError("prefill_attention: keys and values differ in dtype")
-    if q_positions.shape != (t,) or q_positions.dtype != torch.int64:
-        raise ValueError(f"prefill_attention: q_positions must be ({t},) int64")
-    if k_positions is not None and (k_positions.shape != (s,) or k_positions.dtype != torch.int64):
-        raise ValueError(f"prefill_attention: k_positions must be ({s},) int64")
-    if window is not None and window < 1:
-        raise ValueError(f"prefill_attention: window must be >= 1, got {window}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"prefill_attention: softcap must be > 0, got {softcap}")
+    n_kv, s, _ = keys.shape
     cfg = prefill_config(d, keys.dtype)
     for name, b in (("block_m", block_m), ("block_n", block_n)):
         if b is not None and (b < 16 or b & (b - 1)):

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._jit import device_fn, kernel
-from .decode import decode, decode_planes
+from .decode import decode_tile
 from .gemm_decode import MAX_STEP, MIN_STEP, chunks_tile, has_chunks, step_shared
 from .gemv import TARGET_SMS, check_operands
 
@@ -116,12 +116,7 @@ def _gemm_kernel(
             rk = k0 + tl.arange(0, BLOCK_K)
             k_mask = rk < K
             wmask = n_mask[:, None] & k_mask[None, :]
-            if PLANES:
-                bi = rn.to(tl.int64)[:, None] * (K // BS) + (rk // BS)[None, :]
-                wt = decode_planes(w, N * (K // BS), bi, (rk % BS)[None, :], wmask, QTYPE)
-            else:
-                wt = decode(row[:, None] + ((rk // BS) * TS)[None, :], (rk % BS)[None, :], wmask,
-                            QTYPE)  # fmt: skip
+            wt = decode_tile(w, row, rn, rk, wmask, N, K, BS, TS, QTYPE, PLANES)
             xt = tl.load(x_rows[:, None] + rk[None, :], mask=m_mask[:, None] & k_mask[None, :],
                          other=0.0)  # fmt: skip
             acc = _mma(acc, wt, tl.trans(xt), BF16, EMULATE)

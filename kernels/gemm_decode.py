@@ -37,6 +37,7 @@ from .decode import (
     _h2f,
     _half_at,
     _spread4,
+    kq_scale_min,
     plane,
     prmt,
 )
@@ -90,20 +91,6 @@ def _words4(wp, off):
     w0, w2 = tl.split(a)
     w1, w3 = tl.split(b)
     return w0[:, None], w1[:, None], w2[:, None], w3[:, None]
-
-
-@device_fn
-def _kq_scale_min(h0, b1, b2, b3, s):
-    """Q4_K / Q5_K: (d * scale, dmin * min) of sub-block ``s`` from the block's words 0-3
-    (d|dmin, then the 12 bytes of 6-bit scales and mins: ``get_scale_min_k4``)."""
-    sh = (s % 4) * 8
-    b1 = (b1 >> sh) & 255
-    b2 = (b2 >> sh) & 255
-    b3 = (b3 >> sh) & 255
-    lo = s < 4
-    sc = tl.where(lo, b1 & 63, (b3 & 15) | ((b1 >> 6) << 4))
-    mn = tl.where(lo, b2 & 63, (b3 >> 4) | ((b2 >> 6) << 4))
-    return _h2f(h0) * sc.to(tl.float32), _h2f(h0 >> 16) * mn.to(tl.float32)
 
 
 @device_fn
@@ -162,7 +149,7 @@ def chunk(wp, nblk, blk0, jstep, shared, C: tl.constexpr, BK: tl.constexpr,
         v = (q >> ((C % 2) * 4)) & 0x0F0F0F0F
         if QTYPE == 13:  # fifth bit of weight b of sub-block s: bit s of qh byte b
             v = v | (((tl.load(wp + wb + 4 + w) >> (pair * 2 + C % 2)) & 0x01010101) << 4)
-        sa, ma = _kq_scale_min(h0, b1, b2, b3, pair * 2 + C % 2)
+        sa, ma = kq_scale_min(h0, b1, b2, b3, pair * 2 + C % 2)
         sb = sa
         mb = ma
     elif QTYPE == 3 or QTYPE == 7:  # Q4_1 (5 words: d|m, qs), Q5_1 (6: d|m, qh, qs)

@@ -39,9 +39,8 @@ from .decode import (
     IQ4_XS,
     MMVQ32_TYPES,
     MMVQ_TYPES,
-    decode,
     decode_grouped,
-    decode_planes,
+    decode_tile,
     decode_unit32,
     decode_word16,
     decode_words,
@@ -581,12 +580,7 @@ def _gemv_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         k_mask = rk < K
         wmask = n_mask[:, None] & k_mask[None, :]
-        if PLANES:
-            blk = rn.to(tl.int64)[:, None] * (K // BS) + (rk // BS)[None, :]
-            wv = decode_planes(w, N * (K // BS), blk, (rk % BS)[None, :], wmask, QTYPE)
-        else:
-            wv = decode(row[:, None] + ((rk // BS) * TS)[None, :], (rk % BS)[None, :], wmask,
-                        QTYPE)  # fmt: skip
+        wv = decode_tile(w, row, rn, rk, wmask, N, K, BS, TS, QTYPE, PLANES)
         xv = tl.load(
             x + rb[:, None] * stride_xb + rk[None, :],
             mask=b_mask[:, None] & k_mask[None, :],

@@ -112,13 +112,29 @@ def read_input_file(path: str | os.PathLike, limit: int, label: str = "") -> byt
     size = check_input_file(path, label)
     if size > limit:
         raise LocalLLMError(f"{where}: {size} bytes, more than the {limit} allowed")
+    return read_bounded(path, limit, where)
+
+
+def read_bounded(path: str | os.PathLike, limit: int, where: str, what: str = "") -> bytes:
+    """At most ``limit`` bytes of ``path``, whatever it is: a size is not trusted, so a file
+    that grows, a pipe or ``-f /dev/zero`` stop at the limit instead of filling memory.
+
+    Args:
+        where: how messages name the file (``-f prompt.txt``); what: what it is, after
+            "cannot read" ("prompt file"), or empty.
+    Raises:
+        LocalLLMError: "<where>: cannot read[ <what>]: <reason>", or "<where>: longer than
+            <limit>" (in MiB where ``limit`` is a whole number of them, else in bytes).
+    """
     try:
         with open(path, "rb") as f:
             data = f.read(limit + 1)
     except OSError as e:
-        raise LocalLLMError(f"{where}: cannot read: {e.strerror or e}") from None
+        reading = f"cannot read {what}" if what else "cannot read"
+        raise LocalLLMError(f"{where}: {reading}: {e.strerror or e}") from None
     if len(data) > limit:
-        raise LocalLLMError(f"{where}: more than the {limit} bytes allowed")
+        amount = f"{limit >> 20} MiB" if limit and limit % (1 << 20) == 0 else f"{limit} bytes"
+        raise LocalLLMError(f"{where}: longer than {amount}")
     return data
 
 

@@ -10,6 +10,7 @@ width, strided views (column slices, transposed heads) and several-token batches
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -237,6 +238,35 @@ def test_decode_attention_after_truncate_before_wrap():
         close(NATIVE.self_attention(q, k, v, None, None, 1e-6, cs, c_nat, pos, p, **kw),
               TORCH.self_attention(q, k, v, None, None, 1e-6, cs, c_ref, pos, p, **kw),
               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["attn_decode", "attn_kvq"])
+@pytest.mark.parametrize(("slot", "live", "k_pos", "message"), [
+    (7, 9, 0, "cells 7..8 / live 9 outside the cache of 8 cells"),  # past the end
+    (2, 3, 0, "cells 2..3 / live 3 outside"),  # live ends before the new cells
+    (-1, 4, 0, "cells -1..0"),
+    (0, 2, 5, "k_pos must be empty or (size,) int64"),  # positions of another cache size
+])
+def test_attention_ops_refuse_cells_outside_the_cache(op, slot, live, k_pos, message):
+    """Both attention steps (csrc/checks.h's check_cells) refuse cells outside the cache with
+    an error naming the op, before writing anything."""
+    nkv, nh, nt, d, size = 1, 2, 2, 32, 8
+    g = gen(3)
+    k_positions = torch.full((k_pos,), -1, dtype=torch.int64)
+    if op == "attn_decode":
+        caches = [torch.zeros(nkv, size, d) for _ in range(2)]
+        args = (torch.randn(nt, nh * d, generator=g), torch.randn(nt, nkv * d, generator=g),
+                torch.randn(nt, nkv * d, generator=g), None, None, 1e-6,
+                torch.ones(nt, d // 2), torch.zeros(nt, d // 2), True, *caches, k_positions)
+    else:
+        q8_0 = 8  # GGML_TYPE_Q8_0: 34 bytes per 32 values
+        caches = [torch.zeros(nkv, size, 34, dtype=torch.uint8) for _ in range(2)]
+        args = (torch.randn(nh, nt, d, generator=g), torch.randn(nkv, nt, d, generator=g),
+                torch.randn(nt, nkv * d, generator=g), caches[0], q8_0, caches[1], q8_0,
+                k_positions)
+    with pytest.raises(RuntimeError, match=re.escape(f"localllm_cpu.{op}: {message}")):
+        getattr(torch.ops.localllm_cpu, op)(*args, slot, live, 4, 0, 0.125, 0.0)
+    assert all(not c.any() for c in caches) and (k_positions == -1).all()
 
 
 # ---- whole models: one-token steps (the fused attention step) against llama.cpp ----------

@@ -220,6 +220,7 @@ def test_anthropic_unknown_blocks_are_named(thinker, block, named):
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search"),
     ({"thinking": {"type": "enabled", "budget_tokens": -5}}, "budget_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}, 5]}, "messages[1]: "),  # path, not .1
 ])
 def test_anthropic_bad_requests(thinker, extra, named):
     body = {"model": "thinker", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
@@ -302,6 +303,7 @@ def test_responses_tool_round_trip(thinker):
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": 3}}]},
      "tools"),
     ({"input": "hi", "max_output_tokens": -1}, "max_output_tokens"),
+    ({"input": [{"role": "user", "content": "x"}, 3]}, "input[1]: "),  # no union member named
 ])
 def test_responses_bad_requests(thinker, body, named):
     status, _, reply = raw(thinker, "POST", "/v1/responses", {"model": "thinker", **body})

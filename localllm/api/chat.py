@@ -336,13 +336,10 @@ def create_chat_completion(llm: LLM, body: ChatParams, *, n_predict: int = -1,
 
 def message_dict(message: ReplyMessage) -> dict:
     """OpenAI's assistant message of a reply (content None when it is only calls)."""
-    out: dict[str, Any] = {"role": "assistant"}
+    out: dict[str, Any] = {"role": "assistant",
+                           "content": (message.text or None) if message.calls else message.text}
     if message.calls:
-        content = message.content.strip()
-        out["content"] = content or None
         out["tool_calls"] = message.calls
-    else:
-        out["content"] = message.content
     if message.reasoning:
         out["reasoning_content"] = message.reasoning
     return out

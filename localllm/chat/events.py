@@ -57,6 +57,12 @@ class ReplyMessage:
     calls: list[dict] = field(default_factory=list)
     _by_index: dict[int, dict] = field(default_factory=dict, repr=False)
 
+    @property
+    def text(self) -> str:
+        """The content to show: trimmed where calls follow it (the whitespace a model writes
+        before a call is no answer), as it came otherwise."""
+        return self.content.strip() if self.calls else self.content
+
     def add(self, event: Event) -> None:
         if event.kind == "content":
             self.content += event.text

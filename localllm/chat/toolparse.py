@@ -32,6 +32,7 @@ The text is read once, in linear time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Generator
 from typing import Any
@@ -564,12 +565,21 @@ def _header_state(tokens: list[str]) -> str | bool | None:
     return None
 
 
+_NOT_JSON = object()
+
+
+def _decoded(text: str) -> Any:
+    """The JSON value of ``text``, or ``_NOT_JSON`` where it is not JSON (NaN and infinities
+    included) or nests past Python's recursion limit."""
+    try:
+        return _DECODER.decode(text)
+    except (ValueError, RecursionError):
+        return _NOT_JSON
+
+
 def _decoded_call(text: str, names: set[str]) -> tuple[str, str] | None:
     """(name, canonical arguments) of a call object of another shape, or None."""
-    try:
-        obj = _DECODER.decode(text)
-    except (ValueError, RecursionError):
-        return None
+    obj = _decoded(text)
     if not isinstance(obj, dict):
         return None
     fn = obj.get("function") if isinstance(obj.get("function"), dict) else obj
@@ -578,10 +588,7 @@ def _decoded_call(text: str, names: set[str]) -> tuple[str, str] | None:
         return None
     args = fn.get("arguments", fn.get("parameters", {}))
     if isinstance(args, str):
-        try:
-            args = _DECODER.decode(args)
-        except (ValueError, RecursionError):
-            return None
+        args = _decoded(args)
     if not isinstance(args, dict):
         return None
     try:
@@ -613,11 +620,10 @@ def _is_string(schema: Any) -> bool:
 def _typed(text: str, schema: Any) -> str:
     """A raw XML/GLM value as JSON: parsed as JSON when the parameter is not a string (and
     the text is JSON), else a JSON string."""
-    if not _is_string(schema):
-        try:
-            return _dumps(_DECODER.decode(text.strip()))
-        except (ValueError, RecursionError):
-            pass
+    value = _NOT_JSON if _is_string(schema) else _decoded(text.strip())
+    if value is not _NOT_JSON:
+        with contextlib.suppress(ValueError, RecursionError):  # nested deeper on the way out
+            return _dumps(value)
     return _dumps(text)
 
 

@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 import typer.main
 
+from ..atomic import read_bounded
 from ..errors import LocalLLMError, ParameterError
 from . import chat, manage, perplexity, pull, quantize, serve
 from .chat_options import ReasoningBudgetOpt, ReasoningFormatOpt, TemplateKwargsOpt
@@ -66,12 +67,7 @@ def read_prompt(prompt: str | None, file: Path | None, name: str = "PROMPT") -> 
     """
     if file is not None:
         where = f"-f {file}"
-        try:
-            with open(file, "rb") as f:
-                data = f.read(MAX_PROMPT_BYTES + 1)
-        except OSError as e:
-            raise LocalLLMError(f"{where}: cannot read prompt file: {e.strerror or e}") from None
-        text = _decode_prompt(data, where)
+        text = _decode_prompt(read_bounded(file, MAX_PROMPT_BYTES, where, "prompt file"), where)
     elif prompt == "-":
         stdin = sys.stdin
         if stdin is None:
@@ -460,6 +456,7 @@ def models() -> None:
 
 
 @app.command()
+@speculative_options
 @cache_options
 def bench(
     model: ModelArg = None,
@@ -482,8 +479,10 @@ def bench(
     json_out: Annotated[bool, typer.Option(
         "--json", help="print the figures as one JSON line")] = False,
     kv_cache=None,
+    speculative=None,
 ) -> None:
-    """Prefill (pp) and decode (tg) speed, time to first token, peak memory and bandwidth."""
+    """Prefill (pp) and decode (tg) speed, time to first token, peak memory and bandwidth;
+    with a speculative-decoding flag, the decode speed with guessing too."""
     from .progress import step_progress
 
     threads = apply_threads(threads, threads_batch)
@@ -495,7 +494,8 @@ def bench(
                             device=device, synthetic=synthetic, quant=quant, threads=threads,
                             threads_batch=threads_batch,
                             peak_bandwidth=peak_bandwidth, llama_cpp=llama_cpp, as_json=True,
-                            progress=report, print_result=False, kv_cache=kv_cache)
+                            progress=report, print_result=False, kv_cache=kv_cache,
+                            speculative=speculative)
     from ..eval.bench import print_figures
 
     if json_out:

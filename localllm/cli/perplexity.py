@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from ..atomic import read_bounded
 from ..errors import LocalLLMError
 
 if TYPE_CHECKING:  # the evaluation imports torch: only when the command runs
@@ -42,13 +43,7 @@ def _read_text(file: Path | None) -> str:
     """
     if file is None:
         raise LocalLLMError("no text: give -f FILE")
-    try:
-        with open(file, "rb") as f:
-            data = f.read(MAX_TEXT_BYTES + 1)
-    except OSError as e:
-        raise LocalLLMError(f"-f {file}: cannot read: {e.strerror or e}") from None
-    if len(data) > MAX_TEXT_BYTES:
-        raise LocalLLMError(f"-f {file}: longer than {MAX_TEXT_BYTES >> 20} MiB")
+    data = read_bounded(file, MAX_TEXT_BYTES, f"-f {file}")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -15,12 +15,12 @@ import contextlib
 import dataclasses
 import json
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ..atomic import atomic_output
 from ..chat.conversation import Conversation, TurnStats
-from ..chat.template import ChatTemplate
 from ..errors import LocalLLMError, ParameterError
 
 # A reply's default cap (``-n``): small models that loop are stopped by the loop guard long
@@ -85,44 +85,24 @@ class ChatREPL(Conversation):
     """A :class:`~localllm.chat.conversation.Conversation` driven line by line, printing.
 
     Args:
-        llm, template, params, system, keep, context_shift, stop, session, loop_guard,
-            make_sampler: see :class:`~localllm.chat.conversation.Conversation`.
+        llm, options: see :class:`~localllm.chat.conversation.Conversation` (its keywords).
         n_predict: most tokens per reply (default :data:`DEFAULT_REPLY_TOKENS`; -1: no
             limit).
         console: rich Console for all output (default: stdout).
+    Raises:
+        ParameterError: see :class:`~localllm.chat.conversation.Conversation`.
     """
 
-    def __init__(
-        self,
-        llm,
-        *,
-        console=None,
-        template: ChatTemplate | None = None,
-        params=None,
-        make_sampler: Callable | None = None,
-        system: str | None = None,
-        keep: int = 0,
-        context_shift: bool = True,
-        stop: Sequence[str] = (),
-        n_predict: int = DEFAULT_REPLY_TOKENS,
-        session=None,
-        loop_guard: bool = True,
-        reasoning_format: str = "auto",
-        reasoning_budget: int = -1,
-        variables: dict | None = None,
-    ) -> None:
+    def __init__(self, llm, *, console=None, n_predict: int = DEFAULT_REPLY_TOKENS,
+                 **options: Any) -> None:
         if console is None:
             from rich.console import Console
 
             console = Console(highlight=False)
-        super().__init__(llm, make_sampler=make_sampler, template=template, params=params,
-                         system=system, keep=keep, context_shift=context_shift, stop=stop,
-                         n_predict=n_predict, session=session, loop_guard=loop_guard,
-                         reasoning_format=reasoning_format, reasoning_budget=reasoning_budget,
-                         variables=variables)
+        super().__init__(llm, n_predict=n_predict, **options)
         self.console = console
         self.show_thinking = True
-        self._budget = reasoning_budget  # what /think on restores
+        self._budget = self.reasoning_budget  # what /think on restores
         self._thought = None  # characters of reasoning shown in this reply (None: none yet)
         self._pending: list[str] = []
         self._in_block = False

@@ -72,6 +72,7 @@ _SCALARS: dict[int, tuple[str, str, int]] = {
     _INT64: ("int64", "<q", 8),
     _FLOAT64: ("float64", "<d", 8),
 }
+_STRUCTS = {code: struct.Struct(code) for _, code, _ in _SCALARS.values()}
 TYPE_NAMES = {t: spec[0] for t, spec in _SCALARS.items()} | {_STRING: "string", _ARRAY: "array"}
 _NP_DTYPES = {
     _UINT8: "<u1",
@@ -176,23 +177,21 @@ class _Reader:
                 f"(at byte {self.pos}, {self.size - self.pos} bytes left; truncated file?)",
             )
 
-    def u32(self, where: str, what: str) -> int:
-        self.need(4, where, what)
-        (v,) = _U32.unpack_from(self.buf, self.pos)
-        self.pos += 4
+    def number(self, fmt: struct.Struct, where: str, what: str) -> Any:
+        """The one value of ``fmt`` at the position, which moves past it."""
+        self.need(fmt.size, where, what)
+        (v,) = fmt.unpack_from(self.buf, self.pos)
+        self.pos += fmt.size
         return v
+
+    def u32(self, where: str, what: str) -> int:
+        return self.number(_U32, where, what)
 
     def u64(self, where: str, what: str) -> int:
-        self.need(8, where, what)
-        (v,) = _U64.unpack_from(self.buf, self.pos)
-        self.pos += 8
-        return v
+        return self.number(_U64, where, what)
 
     def i64(self, where: str, what: str) -> int:
-        self.need(8, where, what)
-        (v,) = _I64.unpack_from(self.buf, self.pos)
-        self.pos += 8
-        return v
+        return self.number(_I64, where, what)
 
     def raw_string(self, where: str, what: str) -> bytes:
         n = self.u64(where, f"{what} length")
@@ -226,10 +225,8 @@ def _value_type(r: _Reader, where: str, what: str) -> int:
 
 
 def _read_scalar(r: _Reader, t: int, where: str) -> Any:
-    name, code, size = _SCALARS[t]
-    r.need(size, where, f"{name} value")
-    (v,) = struct.unpack_from(code, r.buf, r.pos)
-    r.pos += size
+    name, code, _ = _SCALARS[t]
+    v = r.number(_STRUCTS[code], where, f"{name} value")
     return bool(v) if t == _BOOL else v
 
 

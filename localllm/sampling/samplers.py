@@ -552,7 +552,27 @@ class Dist:
         pass
 
 
-class Mirostat:
+class _Mirostat:
+    """What both Mirostats share (Basu et al. 2021, arXiv:2007.14966): the target surprise τ,
+    the learning rate η, and μ, which starts at 2τ and follows each draw's surprise."""
+
+    def __init__(self, tau: float, eta: float, rng: Uniform) -> None:
+        self.tau, self.eta, self.rng = tau, eta, rng
+        self.mu = 2.0 * tau
+
+    def reset(self) -> None:
+        self.mu = 2.0 * self.tau
+
+    def _draw_and_learn(self, ids: torch.Tensor, vals: torch.Tensor) -> int:
+        """Draw one of the kept candidates ``ids`` (logits ``vals``) by their renormalized
+        probabilities, then μ -= η (surprise - τ), the surprise being -log2 p of the draw."""
+        probs = torch.softmax(vals, 0)
+        j = _draw(probs, self.rng)
+        self.mu -= self.eta * (-math.log2(float(probs[j])) - self.tau)
+        return int(ids[j])
+
+
+class Mirostat(_Mirostat):
     """Mirostat v1 (Basu et al. 2021, arXiv:2007.14966, Algorithm 1).
 
     Estimates the Zipf exponent s from the ``m`` most probable tokens, keeps the top
@@ -562,11 +582,8 @@ class Mirostat:
 
     def __init__(self, n_vocab: int | None, tau: float, eta: float, rng: Uniform,
                  m: int = 100) -> None:
-        self.n_vocab, self.tau, self.eta, self.rng, self.m = n_vocab, tau, eta, rng, m
-        self.mu = 2.0 * tau
-
-    def reset(self) -> None:
-        self.mu = 2.0 * self.tau
+        super().__init__(tau, eta, rng)
+        self.n_vocab, self.m = n_vocab, m
 
     def estimate_k(self, sorted_probs: np.ndarray, n_vocab: int) -> int:
         """k from the top probabilities sorted descending (float64 (n,), n >= 2).
@@ -603,25 +620,15 @@ class Mirostat:
             keep = torch.topk(vals, k).indices
             ids, vals = ids[keep], vals[keep]
             _keep_only(logits, ids)
-        probs = torch.softmax(vals, 0)
-        j = _draw(probs, self.rng)
-        self.mu -= self.eta * (-math.log2(float(probs[j])) - self.tau)
-        return int(ids[j])
+        return self._draw_and_learn(ids, vals)
 
 
-class MirostatV2:
+class MirostatV2(_Mirostat):
     """Mirostat v2 (Basu et al. 2021, arXiv:2007.14966, Algorithm 2 as in llama.cpp).
 
     Drops tokens whose surprise -log2 p exceeds μ (keeps at least the top one), renormalizes,
     draws, then μ -= η (surprise - τ). μ starts at 2τ.
     """
-
-    def __init__(self, tau: float, eta: float, rng: Uniform) -> None:
-        self.tau, self.eta, self.rng = tau, eta, rng
-        self.mu = 2.0 * tau
-
-    def reset(self) -> None:
-        self.mu = 2.0 * self.tau
 
     def select(self, logits: torch.Tensor, support: Support = None) -> int:
         ids, vals = candidates(logits, support)
@@ -633,7 +640,4 @@ class MirostatV2:
             keep = probs.argmax().reshape(1)
         ids, vals = ids[keep], vals[keep]
         _keep_only(logits, ids)
-        probs = torch.softmax(vals, 0)
-        j = _draw(probs, self.rng)
-        self.mu -= self.eta * (-math.log2(float(probs[j])) - self.tau)
-        return int(ids[j])
+        return self._draw_and_learn(ids, vals)

@@ -30,13 +30,22 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
-from ..api.chat import TurnRun, prepare_chat, render_chat, with_default_system
+from ..api.chat import TurnRun, render_chat, with_default_system
 from ..api.completions import timings_dict
-from ..api.schema import ChatParams, InvalidRequest, check_json, parse
+from ..api.schema import InvalidRequest
 from ..chat.events import Event
-from .protocol import Failure, Style, dumps, read_json
+from .mapped import (
+    Lenient,
+    Mapped,
+    MappedRequest,
+    parse_mapped,
+    run_mapped,
+    texts_of,
+    type_of,
+)
+from .protocol import Failure, Style, dumps
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
@@ -69,31 +78,25 @@ ANTHROPIC = AnthropicStyle()
 
 
 # ---- the request ---------------------------------------------------------------------------------
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class ThinkingConfig(_Lenient):
+class ThinkingConfig(Lenient):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=0)
 
 
-class ToolChoice(_Lenient):
+class ToolChoice(Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class MessagesRequest(_Lenient):
+class MessagesRequest(MappedRequest):
     """The fields of ``POST /v1/messages`` read here (content blocks are checked by hand,
     so that an error names the block)."""
 
-    model: str | None = None
     max_tokens: int = Field(ge=1)
     messages: list[dict[str, Any]] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
-    stream: bool = False
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = None
     top_k: int | None = None
@@ -106,20 +109,14 @@ class CountRequest(MessagesRequest):
     max_tokens: int = 1
 
 
+def _text_only(kind: Any, where: str) -> InvalidRequest:
+    return InvalidRequest(f"{where}: unsupported content block {kind!r} here (text blocks "
+                          "only)", where)
+
+
 def _text_of(blocks: Any, where: str) -> str:
     """Text of a string or of text blocks (``tool_result`` content, ``system``)."""
-    if isinstance(blocks, str):
-        return blocks
-    if not isinstance(blocks, list):
-        raise InvalidRequest(f"{where}: must be a string or a list of text blocks", where)
-    parts = []
-    for i, block in enumerate(blocks):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind != "text" or not isinstance(block.get("text"), str):
-            raise InvalidRequest(f"{where}[{i}]: unsupported content block {kind!r} here (text "
-                                 "blocks only)", f"{where}[{i}]")
-        parts.append(block["text"])
-    return "\n".join(parts)
+    return "\n".join(texts_of(blocks, where, ("text",), _text_only, "text blocks"))
 
 
 def _unsupported(kind: Any, where: str) -> InvalidRequest:
@@ -157,7 +154,7 @@ def to_chat(req: MessagesRequest) -> dict:
         texts, calls, results, reasoning = [], [], [], []
         for b, block in enumerate(content):
             at = f"{where}.content[{b}]"
-            kind = block.get("type") if isinstance(block, dict) else None
+            kind = type_of(block)
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
             elif kind == "tool_use" and role == "assistant":
@@ -243,31 +240,14 @@ def _tool(tool: dict, i: int) -> dict:
     return {"type": "function", "function": fn}
 
 
-def parse_messages(body: bytes, model: type[MessagesRequest] = MessagesRequest) -> Any:
-    """A Messages request: (the request, the chat parameters it maps to).
+def parse_messages(body: bytes, model: type[MessagesRequest] = MessagesRequest
+                   ) -> Mapped[MessagesRequest]:
+    """A Messages request and the chat parameters it maps to.
 
     Raises:
-        InvalidRequest: see :func:`to_chat`; a field of the wrong type or range (named).
+        InvalidRequest: see :func:`to_chat` and :func:`~localllm.server.mapped.parse_mapped`.
     """
-    data = read_json(body)
-    if not isinstance(data, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    check_json(data)
-    try:
-        req = model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise InvalidRequest(f"{where}: {err['msg']}" if where else err["msg"],
-                             where or None) from None
-    params = parse(ChatParams, to_chat(req))
-    return _Parsed(req, params)
-
-
-class _Parsed:
-    def __init__(self, req: MessagesRequest, params: ChatParams) -> None:
-        self.req, self.params = req, params
-        self.model, self.stream = req.model, req.stream
+    return parse_mapped(body, model, to_chat)
 
 
 # ---- the reply ---------------------------------------------------------------------------------
@@ -275,23 +255,21 @@ def _tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def create_message(llm, parsed: _Parsed, *, n_predict: int = -1,
-                   time_limit: float | None = None, cancel=None) -> dict | Iterator[dict]:
-    """Run a Messages request: the ``message`` object, or its stream events."""
-    turn = prepare_chat(llm, parsed.params, n_predict=n_predict, time_limit=time_limit,
-                        cancel=cancel)
-    run = TurnRun(llm, turn)
+def create_message(llm, parsed: Mapped[MessagesRequest], **limits: Any
+                   ) -> dict | Iterator[dict]:
+    """Run a Messages request: the ``message`` object, or its stream events (``limits``: see
+    :func:`~localllm.server.mapped.run_mapped`)."""
     head = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
             "model": parsed.req.model or llm.model_name}
-    if parsed.stream:
-        return _events(run, head)
-    for _ in run:
-        pass
+    return run_mapped(llm, parsed, head, _events, _message, **limits)
+
+
+def _message(run: TurnRun, head: dict) -> dict:
     message = run.message
     content: list[dict] = []
     if message.reasoning:
         content.append({"type": "thinking", "thinking": message.reasoning, "signature": ""})
-    text = message.content.strip() if message.calls else message.content
+    text = message.text
     if text or not message.calls:
         content.append({"type": "text", "text": text})
     for call in message.calls:
@@ -374,7 +352,7 @@ class _Blocks:
                    "delta": {"type": "input_json_delta", "partial_json": e.text}}
 
 
-def count_tokens(llm, parsed: _Parsed) -> dict:
+def count_tokens(llm, parsed: Mapped[MessagesRequest]) -> dict:
     """``/v1/messages/count_tokens``: the prompt's tokens."""
     params = parsed.params
     tools = params.tool_dicts() if params.tool_choice != "none" else []

@@ -26,13 +26,14 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
-from ..api.chat import TurnRun, prepare_chat
+from ..api.chat import TurnRun
 from ..api.completions import timings_dict
-from ..api.schema import ChatParams, InvalidRequest, check_json, parse
+from ..api.schema import InvalidRequest
 from ..chat.events import Event
-from .protocol import OPENAI, Style, dumps, read_json
+from .mapped import Lenient, Mapped, MappedRequest, parse_mapped, run_mapped, texts_of
+from .protocol import OPENAI, Style, dumps
 
 
 class ResponsesStyle(Style):
@@ -58,19 +59,14 @@ class ResponsesStyle(Style):
 RESPONSES = ResponsesStyle()
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-class Reasoning(_Lenient):
+class Reasoning(Lenient):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
 
-class ResponsesRequest(_Lenient):
+class ResponsesRequest(MappedRequest):
     """The fields of ``POST /v1/responses`` read here (items are checked by hand, so that an
     error names the item)."""
 
-    model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
@@ -79,30 +75,24 @@ class ResponsesRequest(_Lenient):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = None
-    stream: bool = False
     reasoning: Reasoning | None = None
     text: dict[str, Any] | None = None
     previous_response_id: str | None = None
     conversation: Any = None
 
 
+def _unsupported(kind: Any, where: str) -> InvalidRequest:
+    if kind in ("input_image", "input_file", "input_audio"):
+        return InvalidRequest(f"{where}: {kind} parts are not supported: this server's models "
+                              "read text only", where)
+    return InvalidRequest(f"{where}: unknown content part type {kind!r} (known: input_text, "
+                          "output_text)", where)
+
+
 def _parts_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{where}: must be a string or a list of content parts", where)
-    out = []
-    for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            out.append(part["text"])
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise InvalidRequest(f"{where}[{i}]: {kind} parts are not supported: this "
-                                 "server's models read text only", f"{where}[{i}]")
-        else:
-            raise InvalidRequest(f"{where}[{i}]: unknown content part type {kind!r} (known: "
-                                 "input_text, output_text)", f"{where}[{i}]")
-    return "".join(out)
+    """Text of a string or of text parts (a message's content, a call's output)."""
+    return "".join(texts_of(content, where, ("input_text", "output_text", "text"),
+                            _unsupported, "content parts"))
 
 
 def to_chat(req: ResponsesRequest) -> dict:
@@ -210,30 +200,13 @@ def _tool(tool: dict, i: int) -> dict:
     return {"type": "function", "function": fn}
 
 
-class _Parsed:
-    def __init__(self, req: ResponsesRequest, params: ChatParams) -> None:
-        self.req, self.params = req, params
-        self.model, self.stream = req.model, req.stream
-
-
-def parse_responses(body: bytes) -> _Parsed:
+def parse_responses(body: bytes) -> Mapped[ResponsesRequest]:
     """A Responses request and the chat parameters it maps to.
 
     Raises:
-        InvalidRequest: see :func:`to_chat`; a field of the wrong type or range (named).
+        InvalidRequest: see :func:`to_chat` and :func:`~localllm.server.mapped.parse_mapped`.
     """
-    data = read_json(body)
-    if not isinstance(data, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    check_json(data)
-    try:
-        req = ResponsesRequest.model_validate(data)
-    except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise InvalidRequest(f"{where}: {err['msg']}" if where else err["msg"],
-                             where or None) from None
-    return _Parsed(req, parse(ChatParams, to_chat(req)))
+    return parse_mapped(body, ResponsesRequest, to_chat)
 
 
 # ---- the reply ---------------------------------------------------------------------------------
@@ -241,12 +214,10 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def create_response(llm, parsed: _Parsed, *, n_predict: int = -1,
-                    time_limit: float | None = None, cancel=None) -> dict | Iterator[dict]:
-    """Run a Responses request: the ``response`` object, or its stream events."""
-    turn = prepare_chat(llm, parsed.params, n_predict=n_predict, time_limit=time_limit,
-                        cancel=cancel)
-    run = TurnRun(llm, turn)
+def create_response(llm, parsed: Mapped[ResponsesRequest], **limits: Any
+                    ) -> dict | Iterator[dict]:
+    """Run a Responses request: the ``response`` object, or its stream events (``limits``: see
+    :func:`~localllm.server.mapped.run_mapped`)."""
     req = parsed.req
     shell = {"id": _new_id("resp"), "object": "response", "created_at": int(time.time()),
              "model": req.model or llm.model_name, "status": "in_progress", "output": [],
@@ -255,16 +226,16 @@ def create_response(llm, parsed: _Parsed, *, n_predict: int = -1,
              "tools": req.tools or [], "instructions": req.instructions, "error": None,
              "incomplete_details": None, "metadata": {}, "temperature": req.temperature,
              "top_p": req.top_p, "max_output_tokens": req.max_output_tokens, "usage": None}
-    if parsed.stream:
-        return _events(run, shell)
-    for _ in run:
-        pass
+    return run_mapped(llm, parsed, shell, _events, _response, **limits)
+
+
+def _response(run: TurnRun, shell: dict) -> dict:
     message = run.message
     output: list[dict] = []
     if message.reasoning:
         output.append({"type": "reasoning", "id": _new_id("rs"), "summary": [],
                        "content": [{"type": "reasoning_text", "text": message.reasoning}]})
-    text = message.content.strip() if message.calls else message.content
+    text = message.text
     if text:
         output.append({"type": "message", "id": _new_id("msg"), "status": "completed",
                        "role": "assistant",

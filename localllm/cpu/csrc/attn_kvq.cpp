@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "checks.h"
 #include "simd.h"
 
 namespace {
@@ -87,44 +88,34 @@ void quantize_q8_0(const float* x, uint8_t* b) {  // d = absmax / 127, q = round
   for (int j = 0; j < QK; ++j) b[2 + j] = uint8_t(int8_t(std::round(x[j] * id)));
 }
 
-void quantize_q4_0(const float* x, uint8_t* b) {  // d = max / -8, q = min(15, x / d + 8.5)
-  const float d = signed_absmax(x) / -8.0f, id = inverse(d);
+// Q4_0 (BITS 4) and Q5_0 (BITS 5): d = max / -2^(BITS-1), q = min(2^BITS - 1, x / d +
+// 2^(BITS-1) + 0.5); the block holds d, Q5_0's fifth bits, then the nibbles.
+template <int BITS>
+void quantize_x_0(const float* x, uint8_t* b) {
+  constexpr int top = (1 << BITS) - 1;
+  constexpr float half = float(1 << (BITS - 1));
+  const float d = signed_absmax(x) / -half, id = inverse(d);
   int q[QK];
-  for (int j = 0; j < QK; ++j) q[j] = std::min(15, int(int8_t(x[j] * id + 8.5f)));
+  for (int j = 0; j < QK; ++j) q[j] = std::min(top, int(int8_t(x[j] * id + (half + 0.5f))));
   put_f16(b, d);
-  pack_nibbles(q, b + 2);
+  if constexpr (BITS == 5) pack_high(q, b + 2);
+  pack_nibbles(q, b + (BITS == 5 ? 6 : 2));
 }
 
-void quantize_q4_1(const float* x, uint8_t* b) {  // d = (max - min) / 15, m = min
+// Q4_1 (BITS 4) and Q5_1 (BITS 5): d = (max - min) / (2^BITS - 1), m = min, q = min(2^BITS -
+// 1, (x - m) / d + 0.5); the block holds d, m, Q5_1's fifth bits, then the nibbles.
+template <int BITS>
+void quantize_x_1(const float* x, uint8_t* b) {
+  constexpr int top = (1 << BITS) - 1;
   float mn, mx;
   min_max(x, &mn, &mx);
-  const float d = (mx - mn) / 15.0f, id = inverse(d);
+  const float d = (mx - mn) / float(top), id = inverse(d);
   int q[QK];
-  for (int j = 0; j < QK; ++j) q[j] = std::min(15, int(int8_t((x[j] - mn) * id + 0.5f)));
+  for (int j = 0; j < QK; ++j) q[j] = std::min(top, int(int8_t((x[j] - mn) * id + 0.5f)));
   put_f16(b, d);
   put_f16(b + 2, mn);
-  pack_nibbles(q, b + 4);
-}
-
-void quantize_q5_0(const float* x, uint8_t* b) {  // d = max / -16, q = min(31, x / d + 16.5)
-  const float d = signed_absmax(x) / -16.0f, id = inverse(d);
-  int q[QK];
-  for (int j = 0; j < QK; ++j) q[j] = std::min(31, int(int8_t(x[j] * id + 16.5f)));
-  put_f16(b, d);
-  pack_high(q, b + 2);
-  pack_nibbles(q, b + 6);
-}
-
-void quantize_q5_1(const float* x, uint8_t* b) {  // d = (max - min) / 31, m = min
-  float mn, mx;
-  min_max(x, &mn, &mx);
-  const float d = (mx - mn) / 31.0f, id = inverse(d);
-  int q[QK];
-  for (int j = 0; j < QK; ++j) q[j] = std::min(31, int(int8_t((x[j] - mn) * id + 0.5f)));
-  put_f16(b, d);
-  put_f16(b + 2, mn);
-  pack_high(q, b + 4);
-  pack_nibbles(q, b + 8);
+  if constexpr (BITS == 5) pack_high(q, b + 4);
+  pack_nibbles(q, b + (BITS == 5 ? 8 : 4));
 }
 
 using QuantizeFn = void (*)(const float*, uint8_t*);
@@ -138,10 +129,10 @@ struct KVType {
 KVType kv_type(int64_t t) {
   switch (t) {
     case Q8_0: return {format_of(t), quantize_q8_0};
-    case Q4_0: return {format_of(t), quantize_q4_0};
-    case Q4_1: return {format_of(t), quantize_q4_1};
-    case Q5_0: return {format_of(t), quantize_q5_0};
-    case Q5_1: return {format_of(t), quantize_q5_1};
+    case Q4_0: return {format_of(t), quantize_x_0<4>};
+    case Q4_1: return {format_of(t), quantize_x_1<4>};
+    case Q5_0: return {format_of(t), quantize_x_0<5>};
+    case Q5_1: return {format_of(t), quantize_x_1<5>};
     default: TORCH_CHECK(false, "localllm_cpu.attn_kvq: no quantized cache of ggml type ", t);
   }
 }
@@ -205,19 +196,11 @@ at::Tensor attn_kvq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
               "localllm_cpu.attn_kvq: the caches must be contiguous uint8 (n_kv, size, row "
               "bytes) of their types");
   const int64_t size = k_cache.size(1);
-  const bool has_pos = k_pos.numel() > 0;
-  TORCH_CHECK(!has_pos || (k_pos.scalar_type() == at::kLong && k_pos.is_contiguous() &&
-                           k_pos.numel() == size),
-              "localllm_cpu.attn_kvq: k_pos must be empty or (size,) int64");
-  TORCH_CHECK(nt >= 1 && slot >= 0 && slot + nt <= size && live >= slot + nt && live <= size &&
-                  pos >= 0,
-              "localllm_cpu.attn_kvq: cells ", slot, "..", slot + nt - 1, " / live ", live,
-              " outside the cache of ", size, " cells");
+  int64_t* const kpos = check_cells(k_pos, size, nt, slot, live, pos, "attn_kvq");
 
   uint8_t *kc = k_cache.data_ptr<uint8_t>(), *vc = v_cache.data_ptr<uint8_t>();
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *qp = q.data_ptr<float>();
   const int64_t ldv = v.stride(0);
-  int64_t* kpos = has_pos ? k_pos.data_ptr<int64_t>() : nullptr;
   for (int64_t t = 0; t < nt; ++t) {
     for (int64_t g = 0; g < nkv; ++g) {
       quantize_row(tk, kp + (g * nt + t) * d, kc + (g * size + slot + t) * rk, d);

@@ -49,6 +49,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "checks.h"
 #include "simd.h"
 
 namespace {
@@ -377,14 +378,7 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                   v.size(1) == nkv * d,
               "localllm_cpu.attn_decode: k and v must be (T, n_kv * D)");
   check_angles(cs, sn, nt, d, "attn_decode");
-  const bool has_pos = k_pos.numel() > 0;
-  TORCH_CHECK(!has_pos || (k_pos.scalar_type() == at::kLong && k_pos.is_contiguous() &&
-                           k_pos.numel() == size),
-              "localllm_cpu.attn_decode: k_pos must be empty or (size,) int64");
-  TORCH_CHECK(nt >= 1 && slot >= 0 && slot + nt <= size && live >= slot + nt && live <= size &&
-                  pos >= 0,
-              "localllm_cpu.attn_decode: cells ", slot, "..", slot + nt - 1, " / live ", live,
-              " outside the cache of ", size, " cells");
+  int64_t* const kpw = check_cells(k_pos, size, nt, slot, live, pos, "attn_decode");
   const float* qw = vec_or_null(q_norm, d, "attn_decode");
   const float* kw = vec_or_null(k_norm, d, "attn_decode");
   const float* sk = vec_or_null(sinks, nh, "attn_decode");  // per query head, or null
@@ -400,7 +394,6 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     std::vector<float> tmp(d), row(d), qr(nt * nh * d);
     const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *qp = q.data_ptr<float>();
     const int64_t ldq = q.stride(0), ldk = k.stride(0), ldv = v.stride(0);
-    int64_t* kpw = has_pos ? k_pos.data_ptr<int64_t>() : nullptr;
     for (int64_t t = 0; t < nt; ++t) {
       const float *ct = cp + t * half, *st = sp + t * half;
       for (int64_t g = 0; g < nkv; ++g) {

@@ -256,6 +256,16 @@ constexpr int VF_REGS = 8;
 constexpr int VL = 16;  // lanes of vf
 static_assert(Reg<vf>::lanes == VL, "vf holds 16 floats");
 
+// vr: one float register of the instruction set, where it has one (LOCALLLM_VR defined), for
+// kernels whose lanes follow the hardware's width (ssm.cpp: 16 with AVX-512, 8 with AVX2).
+#if defined(__AVX512F__)
+using vr = __m512;
+#define LOCALLLM_VR 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+using vr = __m256;
+#define LOCALLLM_VR 1
+#endif
+
 template <class V = vf>
 inline V vzero() { return Reg<V>::zero(); }
 template <class V = vf>
@@ -272,21 +282,22 @@ inline V vload_f16(const void* p) { return Reg<V>::load_f16(p); }
 template <class V = vf>
 inline V vload_bf16(const void* p) { return Reg<V>::load_bf16(p); }
 
-// exp(x) of 16 lanes (ops.cpp's softmax and activations, attn_kvq.cpp's softmax): Cephes
-// expf's reduction and polynomial (relative error within 2 ulp), inputs clamped to
-// [-87, 88] (exp(-87) ~ 1.6e-38: the callers only add or divide by it).
-LOCALLLM_INLINE vf vexp(vf x) {
-  x = vmin(vmax(x, vset1(-87.0f)), vset1(88.0f));
-  const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
-  vf r = vfma(n, vset1(-0.693359375f), x);
-  r = vfma(n, vset1(2.12194440e-4f), r);
-  vf p = vset1(1.9875691500e-4f);
-  p = vfma(p, r, vset1(1.3981999507e-3f));
-  p = vfma(p, r, vset1(8.3334519073e-3f));
-  p = vfma(p, r, vset1(4.1665795894e-2f));
-  p = vfma(p, r, vset1(1.6666665459e-1f));
-  p = vfma(p, r, vset1(5.0000001201e-1f));
-  const vf y = vadd(vfma(vmul(p, r), r, r), vset1(1.0f));
+// exp(x) lane by lane, of a vf (ops.cpp's softmax and activations, attn_kvq.cpp's softmax)
+// or a vr (ssm.cpp): Cephes expf's reduction and polynomial (relative error within 2 ulp),
+// inputs clamped to [-87, 88] (exp(-87) ~ 1.6e-38: the callers only add or divide by it).
+template <class V = vf>
+LOCALLLM_INLINE V vexp(V x) {
+  x = vmin(vmax(x, vset1<V>(-87.0f)), vset1<V>(88.0f));
+  const V n = vround(vmul(x, vset1<V>(1.44269504088896341f)));
+  V r = vfma(n, vset1<V>(-0.693359375f), x);
+  r = vfma(n, vset1<V>(2.12194440e-4f), r);
+  V p = vset1<V>(1.9875691500e-4f);
+  p = vfma(p, r, vset1<V>(1.3981999507e-3f));
+  p = vfma(p, r, vset1<V>(8.3334519073e-3f));
+  p = vfma(p, r, vset1<V>(4.1665795894e-2f));
+  p = vfma(p, r, vset1<V>(1.6666665459e-1f));
+  p = vfma(p, r, vset1<V>(5.0000001201e-1f));
+  const V y = vadd(vfma(vmul(p, r), r, r), vset1<V>(1.0f));
   return vexp2i(y, n);
 }
 

@@ -21,9 +21,10 @@
 // taps of the convolution are summed oldest first as ggml sums them; the scan's dot product
 // over the state runs in vector lanes (another order than torch's einsum: float32 rounding).
 //
-// Vectorized for AVX-512 (16 lanes) or AVX2+FMA (8 lanes), chosen at compile time
-// (-march=native), with a portable fallback. Channels (convolution) and heads (scan) are
-// split over threads with at::parallel_for only when there is enough work (prefill).
+// Vectorized in one register of simd.h (vr: 16 lanes with AVX-512, 8 with AVX2), chosen at
+// compile time (-march=native), with a portable fallback. Channels (convolution) and heads
+// (scan) are split over threads with at::parallel_for only when there is enough work
+// (prefill).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,83 +32,26 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 // Multiply-adds per parallel task: below this a loop stays on the calling thread.
 constexpr int64_t GRAIN = 1 << 15;
 
-// ---- vector helpers (as ops.cpp's) -----------------------------------------------------------
-
-#if defined(__AVX512F__)
-constexpr int VW = 16;
-using vf = __m512;
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline vf vset(float a) { return _mm512_set1_ps(a); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
-inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
-inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
-inline vf vexp2i(vf y, vf n) { return _mm512_scalef_ps(y, n); }  // y * 2^n
-inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-#define LOCALLLM_VEC 1
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int VW = 8;
-using vf = __m256;
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
-inline vf vset(float a) { return _mm256_set1_ps(a); }
-inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
-inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
-inline float vsum(vf v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-inline vf vexp2i(vf y, vf n) {  // n integral in [-126, 127]
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-#define LOCALLLM_VEC 1
-#endif
-
-#ifdef LOCALLLM_VEC
-// exp(x): Cephes expf's reduction and polynomial (within 2 ulp), inputs clamped to [-87, 88].
-inline vf vexp(vf x) {
-  x = vmin(vmax(x, vset(-87.0f)), vset(88.0f));
-  const vf n = vround(vmul(x, vset(1.44269504088896341f)));
-  vf r = vfma(n, vset(-0.693359375f), x);
-  r = vfma(n, vset(2.12194440e-4f), r);
-  vf p = vset(1.9875691500e-4f);
-  p = vfma(p, r, vset(1.3981999507e-3f));
-  p = vfma(p, r, vset(8.3334519073e-3f));
-  p = vfma(p, r, vset(4.1665795894e-2f));
-  p = vfma(p, r, vset(1.6666665459e-1f));
-  p = vfma(p, r, vset(5.0000001201e-1f));
-  const vf y = vadd(vfma(vmul(p, r), r, r), vset(1.0f));
-  return vexp2i(y, n);
-}
+#ifdef LOCALLLM_VR
+// One register of the instruction set (simd.h's vr): 16 lanes with AVX-512, 8 with AVX2.
+constexpr int VW = Reg<vr>::lanes;
+inline vr vset(float a) { return vset1<vr>(a); }
+inline vr vld(const float* p) { return vload<vr>(p); }
 // x / (1 + exp(-x)): SiLU (torch's F.silu)
-inline vf vsilu(vf x) { return vdiv(x, vadd(vset(1.0f), vexp(vmul(x, vset(-1.0f))))); }
+inline vr vsilu(vr x) { return vdiv(x, vadd(vset(1.0f), vexp(vmul(x, vset(-1.0f))))); }
 #endif
 
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
@@ -131,11 +75,11 @@ void conv_channels(const float* xp, int64_t ldx, const float* sp, const float* w
   for (int64_t t = 0; t < t_len; ++t) {
     float* yr = yp + t * n_ch;
     int64_t c = c0;
-#ifdef LOCALLLM_VEC
+#ifdef LOCALLLM_VR
     for (; c + VW <= c1; c += VW) {
-      vf acc = vmul(vload(row(t) + c), vload(wt + c));
-      for (int64_t j = 1; j < k; ++j) acc = vadd(acc, vmul(vload(row(t + j) + c), vload(wt + j * n_ch + c)));
-      if (bp) acc = vadd(acc, vload(bp + c));
+      vr acc = vmul(vld(row(t) + c), vld(wt + c));
+      for (int64_t j = 1; j < k; ++j) acc = vadd(acc, vmul(vld(row(t + j) + c), vld(wt + j * n_ch + c)));
+      if (bp) acc = vadd(acc, vld(bp + c));
       vstore(yr + c, act ? vsilu(acc) : acc);
     }
 #endif
@@ -212,13 +156,13 @@ void scan_head(const float* xp, int64_t ldx_t, const float* dtp, int64_t lddt, f
       float* sr = s + p * n;
       int64_t i = 0;
       float acc = 0.0f;
-#ifdef LOCALLLM_VEC
-      const vf vd = vset(decay), vx = vset(xdt);
-      vf va = vset(0.0f);
+#ifdef LOCALLLM_VR
+      const vr vd = vset(decay), vx = vset(xdt);
+      vr va = vset(0.0f);
       for (; i + VW <= n; i += VW) {
-        const vf si = vfma(vload(br + i), vx, vmul(vload(sr + i), vd));
+        const vr si = vfma(vld(br + i), vx, vmul(vld(sr + i), vd));
         vstore(sr + i, si);
-        va = vfma(si, vload(cr + i), va);
+        va = vfma(si, vld(cr + i), va);
       }
       acc = vsum(va);
 #endif

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+from cli_helpers import run_cli
 from typer.testing import CliRunner
 
 from localllm.errors import ParameterError
@@ -75,6 +76,29 @@ def test_bench_command(tiny_model_path):
                                       "--device", "cpu", "--no-llama-cpp", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output.strip().splitlines()[-1])["tg"] > 0
+
+
+def test_bench_command_with_guessing(tiny_model_path, monkeypatch, capsys):
+    """``bench --spec-ngram``/``--model-draft`` (issue #30: the flags in bench too): the decode
+    speed with guessing and the acceptance, beside the plain figures; a bad flag is one line."""
+    from localllm.cli.app import app
+
+    path = str(tiny_model_path("qwen2"))
+    result = CliRunner().invoke(app, ["bench", path, "-p", "16", "-n", "8", "-r", "1",
+                                      "--device", "cpu", "--no-llama-cpp", "--json",
+                                      "--model-draft", path, "--draft-p-min", "0"])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.output.strip().splitlines()[-1])
+    assert figures["tg_spec"] > 0 and figures["tg"] > 0
+    # the draft is the model itself: every guess is the token greedy decoding picks, except
+    # those past the last of the 8 tokens (the last step's, at most --draft-max 7)
+    assert figures["draft_accepted"] >= 4
+    assert figures["draft_tokens"] - figures["draft_accepted"] < 7
+    assert "draft model" in figures["speculative"]
+    code, _, err = run_cli(monkeypatch, capsys, "bench", path, "-p", "16", "-n", "2", "-r",
+                           "1", "--device", "cpu", "--spec-ngram", "-2")
+    assert code == 1 and err.startswith("error:") and "spec-ngram" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("kw, flag", [({"n_prompt": 4}, "--n-prompt"),

@@ -91,7 +91,7 @@ def test_gemma3_kernels_per_layer(tiny_model_path, monkeypatch):
     model = _quantized(tiny_model_path, "gemma3", 6)
     counter = LaunchCounter(run=False)
     per_layer = []
-    block = model.model._block
+    block = model.model.block
 
     def counted_block(*args, **kwargs):
         before = counter.launches.copy()
@@ -103,7 +103,7 @@ def test_gemma3_kernels_per_layer(tiny_model_path, monkeypatch):
 
     s = Session(model, ctx_size=64, static_decode=True)
     _warm(s, 20)
-    monkeypatch.setattr(model.model, "_block", counted_block)
+    monkeypatch.setattr(model.model, "block", counted_block)
     with counter:
         s.decoder.step(40, 20)
     assert len(per_layer) == 6

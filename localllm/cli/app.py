@@ -456,6 +456,7 @@ def models() -> None:
 
 
 @app.command()
+@speculative_options
 @cache_options
 def bench(
     model: ModelArg = None,
@@ -478,8 +479,10 @@ def bench(
     json_out: Annotated[bool, typer.Option(
         "--json", help="print the figures as one JSON line")] = False,
     kv_cache=None,
+    speculative=None,
 ) -> None:
-    """Prefill (pp) and decode (tg) speed, time to first token, peak memory and bandwidth."""
+    """Prefill (pp) and decode (tg) speed, time to first token, peak memory and bandwidth;
+    with a speculative-decoding flag, the decode speed with guessing too."""
     from .progress import step_progress
 
     threads = apply_threads(threads, threads_batch)
@@ -491,7 +494,8 @@ def bench(
                             device=device, synthetic=synthetic, quant=quant, threads=threads,
                             threads_batch=threads_batch,
                             peak_bandwidth=peak_bandwidth, llama_cpp=llama_cpp, as_json=True,
-                            progress=report, print_result=False, kv_cache=kv_cache)
+                            progress=report, print_result=False, kv_cache=kv_cache,
+                            speculative=speculative)
     from ..eval.bench import print_figures
 
     if json_out:

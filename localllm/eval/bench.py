@@ -231,7 +231,7 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
               threads: int | None = None, threads_batch: int | None = None,
               peak_bandwidth: float | None = None, llama_cpp: bool = True, as_json: bool = False,
               progress: Callable[..., None] | None = None, print_result: bool = True,
-              kv_cache: dict | None = None) -> dict:
+              kv_cache: dict | None = None, speculative: dict | None = None) -> dict:
     """Measure pp/tg/TTFT/peak memory/bandwidth (and llama.cpp's, when available); print them
     as text, or as one JSON line with ``as_json``. Returns the figures.
 
@@ -249,6 +249,11 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
         print_result: print the figures (False: only return them).
         kv_cache: ``LLM(...)``'s ``type_k`` / ``type_v`` (``-ctk`` / ``-ctv``); llama.cpp
             runs with the same types (and flash attention) when any is given.
+        speculative: ``LLM(...)``'s speculative-decoding keywords (``spec_ngram``,
+            ``draft_model`` ...): ``tg_spec`` is then the decode speed of ``n_gen`` greedy
+            tokens through the decode loop with guessing, after the same prompt (random
+            tokens, where prompt lookup rarely finds a match: ``bench/bench_speculative.py``
+            times copy-heavy tasks), with ``draft_tokens`` and ``draft_accepted``.
     Raises:
         ParameterError: a count or bandwidth out of range, an unknown synthetic name or quant.
         LocalLLMError: model loading errors (see :class:`localllm.LLM`); for ``synthetic``,
@@ -283,7 +288,8 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
                                              total))
     say("loading the model")
     llm = LLM(model, device=device, ctx_size=ctx_size, batch_size=n_prompt,
-              progress=False if progress is not None else None, **(kv_cache or {}))
+              progress=False if progress is not None else None, **(kv_cache or {}),
+              **(speculative or {}))
     types = None
     if kv_cache:  # the session's types (one of them may be the float default)
         types = llm.session(ctx_size=1).cache_types
@@ -302,6 +308,15 @@ def run_bench(model, *, n_prompt: int = 512, n_gen: int = 128, repetitions: int 
                  "cache_types": [t.name for t in types] if types else None}
     res.update(_ours(llm, prompt, n_gen, repetitions, on_run=lambda i, n: say(
         f"localllm: pp{n_prompt} + tg{n_gen}, " + ("warm-up" if i == 0 else f"run {i}"), i, n)))
+    if llm.speculation.enabled:
+        say(f"localllm: tg{n_gen} with {llm.speculation.describe()}")
+        gen = llm.stream(prompt, n_predict=n_gen, temp=0.0, ignore_eos=True)
+        n = sum(1 for _ in gen)
+        t = gen.timings
+        res["tg_spec"] = (n - 1) / t.generate_seconds if n > 1 and t.generate_seconds else 0.0
+        res["draft_tokens"] = t.extra.get("draft_tokens", 0)
+        res["draft_accepted"] = t.extra.get("draft_accepted", 0)
+        res["speculative"] = llm.speculation.describe()
     if dev.type == "cuda":
         res["peak_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20
         res["cuda"] = torch.version.cuda
@@ -399,6 +414,9 @@ def print_figures(res: dict, file=None) -> None:
     if res["mbu"] is not None:
         line += f" = {100 * res['mbu']:.1f}% of {res['peak_bandwidth_gbps']:.0f} GB/s (MBU)"
     print(line, file=out)
+    if "tg_spec" in res:
+        print(f"speculative ({res['speculative']}): tg{res['n_gen']} {res['tg_spec']:.1f} tok/s, "
+              f"{res['draft_accepted']} of {res['draft_tokens']} guesses accepted", file=out)
     ref = res.get("llama_cpp")
     if ref:
         print(f"llama.cpp {ref['version']}: pp{res['n_prompt']} {ref['pp']:.1f} tok/s   "

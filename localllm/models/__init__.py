@@ -24,6 +24,16 @@ How to add an architecture (see :mod:`localllm.models.base` for the pieces):
      holds) with ``self.ops`` (the backend's norms, RoPE, attention over a layer's memory,
      activations, experts), as llama.cpp's ``src/models/NAME.cpp`` graph does.
 
+   Most of this is shared, so a family file states only what differs: ``base.DecoderArgs.read``
+   (the common hyperparameters), ``base.qkv_specs`` / ``ffn_specs`` / ``head_specs`` and
+   :mod:`.decoder`'s ``Block`` / ``DenseFFN`` (the usual tensors), :class:`.decoder.Decoder`
+   (the forward loop: embedding, RoPE, one ``block()`` per layer that the family writes, the
+   output head; hooks for an embedding scale, attention temperature, a logit soft-cap, more
+   than one memory per layer), :class:`.decoder.PostNormDecoder` (OLMo 2-style blocks),
+   :mod:`.moe` (``ExpertArgs``, ``expert_specs``, ``moe_ffn`` with one ``Routing`` entry per
+   family: gating function, weight normalisation and scale, activation) and :mod:`.hybrid`
+   (``HybridArgs`` / ``AttendingArgs`` and ``HybridDecoder`` for recurrent/attention mixes).
+
 2. Add one line to :data:`ARCHITECTURES` (several GGUF names may share a module).
 
 Loading, memory estimate, shape checks, memories, synthetic files (``synthetic.py``,

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..memory import KVSpec
-from .base import REQUIRED, BaseModel, DecoderArgs, HParams, TensorSpec, common_hparams
-from .common import Linear, Split, positions_of
-from .rope import Rope, RopeWeights, factor_specs, read_rope
+from .base import REQUIRED, DecoderArgs, TensorSpec, head_specs, qkv_specs
+from .common import Linear
+from .decoder import Block, Decoder, Step, kv_layout
+from .rope import factor_specs, read_rope
 
 XIELU_KEYS = ("alpha_n", "alpha_p", "beta", "eps")
 
@@ -42,8 +42,7 @@ class ModelArgs(DecoderArgs):
             GGUFError: a key missing, mistyped, out of range or inconsistent (named; an
                 ``xielu.*`` array of another length than block_count).
         """
-        hp = HParams(md, source)
-        c = common_hparams(hp, n_vocab)
+        hp, c = cls.read(md, n_vocab, source)
         ffn = hp.int("feed_forward_length", REQUIRED, per_layer=True)
         rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
                          neox=True)
@@ -57,17 +56,12 @@ class ModelArgs(DecoderArgs):
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
     """llama.cpp's ``apertus`` tensors (``load_arch_tensors``), torch shapes."""
     d, hd, v = a.d_model, a.head_dim, a.n_vocab
-    nq, nkv = a.n_heads * hd, a.n_kv_heads * hd
+    nq = a.n_heads * hd
     specs = [TensorSpec("token_embd.weight", (v, d)), *factor_specs(a.rope)]
     for i in range(a.n_layers):
         p = f"blk.{i}."
         specs += [TensorSpec(p + "attn_norm.weight", (d,)),
-                  TensorSpec(p + "attn_q.weight", (nq, d)),
-                  TensorSpec(p + "attn_k.weight", (nkv, d)),
-                  TensorSpec(p + "attn_v.weight", (nkv, d)),
-                  TensorSpec(p + "attn_q.bias", (nq,), optional=True),
-                  TensorSpec(p + "attn_k.bias", (nkv,), optional=True),
-                  TensorSpec(p + "attn_v.bias", (nkv,), optional=True),
+                  *qkv_specs(p, d, a.n_heads, a.n_kv_heads, hd),
                   TensorSpec(p + "attn_q_norm.weight", (hd,)),
                   TensorSpec(p + "attn_k_norm.weight", (hd,)),
                   TensorSpec(p + "attn_output.weight", (d, nq)),
@@ -75,24 +69,19 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                   TensorSpec(p + "ffn_norm.weight", (d,)),
                   TensorSpec(p + "ffn_up.weight", (a.ffn_dim, d)),
                   TensorSpec(p + "ffn_down.weight", (d, a.ffn_dim))]
-    specs += [TensorSpec("output_norm.weight", (d,)),
-              TensorSpec("output.weight", (v, d))]  # required: llama.cpp ties no head
+    specs += head_specs(d, v, tied=False)  # required: llama.cpp ties no head
     return specs
 
 
-def memory_layout(a: ModelArgs) -> list[KVSpec]:
-    return [KVSpec(a.n_kv_heads, a.head_dim)] * a.n_layers
+memory_layout = kv_layout
 
 
 @dataclass
-class Layer:
+class Layer(Block):
     """The tensors of one block (``blk.{i}.*``)."""
 
-    attn_norm: torch.Tensor
-    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v (with their biases)
     attn_q_norm: torch.Tensor
     attn_k_norm: torch.Tensor
-    attn_output: Linear
     ffn_norm: torch.Tensor
     ffn_up: Linear
     ffn_down: Linear
@@ -103,17 +92,14 @@ def softplus(x: float) -> float:
     return x if x > 20.0 else math.log1p(math.exp(x))
 
 
-class Model(BaseModel):
+class Model(Decoder):
     """An Apertus decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    WEIGHTS = RopeWeights
-    weights: RopeWeights
 
     def prepare(self) -> None:
         a = self.args
-        self.rope = Rope.of(a.rope, self.weights, self.device)
-        self.scale = a.head_dim ** -0.5 * self.rope.score_scale()
+        self.set_rope(a.head_dim ** -0.5)
         # ggml_xielu's effective parameters: (alpha_n, alpha_p, beta, eps) per layer
         self.act = [(beta + softplus(an), softplus(ap), beta, eps)
                     for an, ap, beta, eps in a.xielu]
@@ -121,28 +107,12 @@ class Model(BaseModel):
             b.attn_q_norm = self.rope.arrange_weight(b.attn_q_norm)
             b.attn_k_norm = self.rope.arrange_weight(b.attn_k_norm)
 
-    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
-                all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
-        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
-        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits."""
-        a, ops, rope = self.args, self.ops, self.rope
-        t = tokens.shape[0]
-        positions = positions_of(pos, t, self.device)
-        x = self.token_embd(tokens)
-        angles = rope.angles(ops, positions, memory.ctx_size)["global"]
-        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
-        eps = a.norm_eps
-        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
-        for b, cache, next_norm, act in zip(self.layers, memory, nexts, self.act):
-            q, k, v = b.attn_qkv(n)
-            q, k = rope.arrange(q), rope.arrange(k)
-            attn = ops.self_attention(q, k, v, b.attn_q_norm, b.attn_k_norm, eps, angles, cache,
-                                      pos, positions, head_dim=a.head_dim, neox=True,
-                                      scale=self.scale)
-            del q, k, v
-            h, n = ops.residual_norm(x, b.attn_output(attn), None, b.ffn_norm, eps)
-            del attn
-            f = b.ffn_down(ops.xielu(b.ffn_up(n), *act))
-            x, n = ops.residual_norm(h, f, None, next_norm, eps)
-            del h, f
-        return self.output(n[logits_start:] if all_logits else n[-1:])
+    def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
+              next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        ops, eps = self.ops, self.args.norm_eps
+        o = self.attention(b, n, cache, step, q_norm=b.attn_q_norm, k_norm=b.attn_k_norm)
+        h, n = ops.residual_norm(x, o, None, b.ffn_norm, eps)
+        del o, x
+        f = b.ffn_down(ops.xielu(b.ffn_up(n), *self.act[i]))
+        del n
+        return ops.residual_norm(h, f, None, next_norm, eps)

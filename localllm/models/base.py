@@ -80,6 +80,46 @@ class TensorSpec:
     unless: str | None = None
 
 
+def qkv_specs(prefix: str, d_model: int, n_heads: int, n_kv: int, head_dim: int, *,
+              bias: str = "optional") -> list[TensorSpec]:
+    """The separate Q/K/V projections of an attention block (llama.cpp's
+    ``create_tensor_qkv``), (heads * head_dim, d_model) each, then their biases unless
+    ``bias`` is ``"none"`` (``"optional"``: a file may omit them, ``"required"``)."""
+    p, nq, nkv = prefix, n_heads * head_dim, n_kv * head_dim
+    specs = [TensorSpec(p + "attn_q.weight", (nq, d_model)),
+             TensorSpec(p + "attn_k.weight", (nkv, d_model)),
+             TensorSpec(p + "attn_v.weight", (nkv, d_model))]
+    if bias != "none":
+        optional = bias == "optional"
+        specs += [TensorSpec(p + "attn_q.bias", (nq,), optional),
+                  TensorSpec(p + "attn_k.bias", (nkv,), optional),
+                  TensorSpec(p + "attn_v.bias", (nkv,), optional)]
+    return specs
+
+
+def ffn_specs(prefix: str, d_model: int, ffn_dim: int, suffix: str = "", *,
+              bias: bool = False) -> list[TensorSpec]:
+    """A gated FFN's ``ffn_gate``, ``ffn_up`` (ffn_dim, d_model) and ``ffn_down``
+    (d_model, ffn_dim), then their optional biases with ``bias``; ``suffix`` ``"_shexp"``:
+    a MoE layer's shared expert."""
+    p, f, d = prefix, ffn_dim, d_model
+    specs = [TensorSpec(f"{p}ffn_gate{suffix}.weight", (f, d)),
+             TensorSpec(f"{p}ffn_up{suffix}.weight", (f, d)),
+             TensorSpec(f"{p}ffn_down{suffix}.weight", (d, f))]
+    if bias:
+        specs += [TensorSpec(f"{p}ffn_gate{suffix}.bias", (f,), optional=True),
+                  TensorSpec(f"{p}ffn_up{suffix}.bias", (f,), optional=True),
+                  TensorSpec(f"{p}ffn_down{suffix}.bias", (d,), optional=True)]
+    return specs
+
+
+def head_specs(d_model: int, n_vocab: int, *, tied: bool = True) -> list[TensorSpec]:
+    """The output norm and projection; ``tied``: a file may omit ``output.weight``, the
+    embedding then serves (llama.cpp's ``TENSOR_DUPLICATED`` fallback)."""
+    return [TensorSpec("output_norm.weight", (d_model,)),
+            TensorSpec("output.weight", (n_vocab, d_model), optional=tied)]
+
+
 @dataclass(kw_only=True)
 class DecoderArgs:
     """The hyperparameters every decoder here has (``common_hparams`` reads them); a
@@ -95,6 +135,18 @@ class DecoderArgs:
     context_length: int
     rope: RopeSpec  # rope.* (models/rope.py)
     norm_eps: float = 1e-5  # attention.layer_norm_rms_epsilon
+
+    @classmethod
+    def read(cls, md: dict, n_vocab: int, source: str = "", **defaults) -> tuple[HParams, dict]:
+        """The validated reader of a file's metadata ``md`` and the fields above but the
+        RoPE (:func:`common_hparams`, ``defaults`` its keyword arguments): what a family's
+        ``from_gguf`` starts from.
+
+        Raises:
+            GGUFError: a key missing, mistyped or out of range (named), an absurd vocabulary.
+        """
+        hp = HParams(md, source)
+        return hp, common_hparams(hp, n_vocab, **defaults)
 
 
 @dataclass
@@ -239,19 +291,19 @@ class HParams:
         return out
 
     def str(self, name: str, default: Any = None) -> Any:
-        key, v = self._get(name, default)
-        if v is default and key not in self.md:
-            return v
-        if not isinstance(v, str):
-            raise self._fail(key, f"must be a string, got {_show(v)}")
-        return v
+        """A string; ``default`` when absent."""
+        return self._of_type(name, default, str, "a string")
 
     def bool(self, name: str, default: Any = None) -> Any:
+        """A boolean (an integer is refused); ``default`` when absent."""
+        return self._of_type(name, default, bool, "a boolean")
+
+    def _of_type(self, name: str, default: Any, kind: type, what: str) -> Any:
         key, v = self._get(name, default)
         if v is default and key not in self.md:
             return v
-        if not isinstance(v, bool):
-            raise self._fail(key, f"must be a boolean, got {_show(v)}")
+        if not isinstance(v, kind):
+            raise self._fail(key, f"must be {what}, got {_show(v)}")
         return v
 
     def require(self, cond: bool, name: str, what: str) -> None:
@@ -408,6 +460,7 @@ class BaseModel:
     FUSE: ClassVar[dict[str, tuple[str, ...]]] = {
         "attn_qkv": ("attn_q", "attn_k", "attn_v"),
         "ffn_gate_up": ("ffn_gate", "ffn_up"),
+        "ffn_gate_up_shexp": ("ffn_gate_shexp", "ffn_up_shexp"),  # a MoE's shared expert
     }
     # Products over many rows in bfloat16 where the backend has the choice (Triton's GEMM):
     # models whose activations outgrow float16's 65504 (Gemma's unnormalized FFN product).

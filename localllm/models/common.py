@@ -82,6 +82,13 @@ class Embedding:
         return self.weight.rows(tokens)
 
 
+def swiglu(ops, gate_up: Linear | Split, down: Linear, x: torch.Tensor) -> torch.Tensor:
+    """A SwiGLU FFN on x (T, d) float32 -> (T, d) float32: ``down(silu(gate(x)) * up(x))``,
+    gate and up one fused product (``ffn_gate_up``, a shared expert's ``ffn_gate_up_shexp``)."""
+    gate, up = gate_up(x)
+    return down(ops.gated(gate, up, "silu", overwrite=True))
+
+
 def positions_of(pos: int | torch.Tensor, t: int, device) -> torch.Tensor:
     """Absolute positions (T,) int64 of ``t`` tokens starting at ``pos`` (int or (1,) tensor)."""
     if isinstance(pos, torch.Tensor):

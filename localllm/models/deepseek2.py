@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import ClassVar
 
 import torch
 
@@ -56,23 +55,22 @@ from .base import (
     MAX_HEADS,
     MAX_LAYERS,
     REQUIRED,
-    BaseModel,
     DecoderArgs,
     HParams,
     TensorSpec,
-    Weights,
     check_vocab,
+    ffn_specs,
+    head_specs,
 )
-from .common import Linear, Split, positions_of
+from .common import Linear, Split, swiglu
+from .decoder import Decoder, Step
 from .llama import attention_temperature
-from .rope import GLOBAL, Rope, read_rope
-
-# expert_gating_func values (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*) this family runs
-GATING = {1: "softmax", 2: "sigmoid"}
+from .moe import GATING_FUNCS, ExpertArgs, ExpertWeights, expert_counts, expert_specs
+from .rope import GLOBAL, read_rope
 
 
 @dataclass(kw_only=True)
-class ModelArgs(DecoderArgs):
+class ModelArgs(DecoderArgs, ExpertArgs):
     """Hyperparameters from ``deepseek2.*`` keys; ``head_dim`` is the query/key head size
     (``attention.key_length_mla`` = nope + n_rot), ``n_kv_heads`` 1 (the shared latent)."""
 
@@ -85,8 +83,6 @@ class ModelArgs(DecoderArgs):
     n_dense_lead: int  # leading_dense_block_count: layers with a dense FFN
     ffn_dim: int  # feed_forward_length (dense layers)
     kq_scale: float  # the attention scale (module docstring)
-    n_expert: int = 0
-    n_expert_used: int = 0
     expert_ffn_dim: int = 0
     n_expert_shared: int = 0
     expert_weights_scale: float = 1.0
@@ -155,10 +151,9 @@ class ModelArgs(DecoderArgs):
                      lo=1 if n_dense else 0, per_layer=True)
         kw: dict = {}
         if n_dense < n_layers:  # MoE layers
-            n_expert = hp.int("expert_count", REQUIRED, hi=MAX_EXPERTS)
-            used = hp.int("expert_used_count", REQUIRED, hi=n_expert)
-            kw.update(n_expert=n_expert, n_expert_used=used,
-                      expert_ffn_dim=hp.int("expert_feed_forward_length", REQUIRED,
+            kw.update(expert_counts(hp))
+            n_expert, used = kw["n_expert"], kw["n_expert_used"]
+            kw.update(expert_ffn_dim=hp.int("expert_feed_forward_length", REQUIRED,
                                             per_layer=True),
                       n_expert_shared=hp.int("expert_shared_count", 0, lo=0, hi=MAX_EXPERTS),
                       expert_weights_scale=hp.float("expert_weights_scale", 0.0, lo=0.0,
@@ -167,9 +162,9 @@ class ModelArgs(DecoderArgs):
             gating = hp.int("expert_gating_func", 0, lo=0, hi=1 << 16)
             if gating == 0:  # files before the key: softmax (GLM-4.7-Lite: sigmoid)
                 gating = 2 if n_layers in (47, 48) and n_vocab == 154880 else 1
-            hp.require(gating in GATING, "expert_gating_func",
+            hp.require(gating in GATING_FUNCS, "expert_gating_func",
                        f"{gating} is not 1 (softmax) or 2 (sigmoid)")
-            kw["gating"] = GATING[gating]
+            kw["gating"] = GATING_FUNCS[gating]
             groups = hp.int("expert_group_count", 0, lo=0, hi=MAX_EXPERTS)
             if groups > 1:
                 hp.require(groups < n_expert and n_expert % groups == 0, "expert_group_count",
@@ -228,24 +223,10 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                       TensorSpec(p + "attn_v_b.weight", (h, a.head_dim_v, a.kv_lora_rank))]
         specs += [TensorSpec(p + "attn_output.weight", (d, h * a.head_dim_v)),
                   TensorSpec(p + "ffn_norm.weight", (d,))]
-        if i < a.n_dense_lead:
-            specs += [TensorSpec(p + "ffn_gate.weight", (a.ffn_dim, d)),
-                      TensorSpec(p + "ffn_up.weight", (a.ffn_dim, d)),
-                      TensorSpec(p + "ffn_down.weight", (d, a.ffn_dim))]
-            continue
-        e, f = a.n_expert, a.expert_ffn_dim
-        specs += [TensorSpec(p + "ffn_gate_inp.weight", (e, d)),
-                  TensorSpec(p + "exp_probs_b.bias", (e,), optional=True),
-                  TensorSpec(p + "ffn_gate_exps.weight", (e, f, d)),
-                  TensorSpec(p + "ffn_up_exps.weight", (e, f, d)),
-                  TensorSpec(p + "ffn_down_exps.weight", (e, d, f))]
-        if a.n_expert_shared:
-            fs = f * a.n_expert_shared
-            specs += [TensorSpec(p + "ffn_gate_shexp.weight", (fs, d)),
-                      TensorSpec(p + "ffn_up_shexp.weight", (fs, d)),
-                      TensorSpec(p + "ffn_down_shexp.weight", (d, fs))]
-    specs += [TensorSpec("output_norm.weight", (d,)),
-              TensorSpec("output.weight", (v, d), optional=True)]
+        specs += (ffn_specs(p, d, a.ffn_dim) if i < a.n_dense_lead else
+                  expert_specs(p, d, a.n_expert, a.expert_ffn_dim, selection_bias="optional",
+                               shared_dim=a.expert_ffn_dim * a.n_expert_shared))
+    specs += head_specs(d, v)
     return specs
 
 
@@ -255,8 +236,9 @@ def memory_layout(a: ModelArgs) -> list[LatentSpec]:
 
 
 @dataclass
-class Layer:
-    """The tensors of one block (``blk.{i}.*``)."""
+class Layer(ExpertWeights):
+    """The tensors of one block (``blk.{i}.*``); the MoE ones past the leading dense
+    layers (``exp_probs_b``: DeepSeek-V3's selection bias)."""
 
     attn_norm: torch.Tensor
     attn_kv_a_mqa: Linear
@@ -272,13 +254,6 @@ class Layer:
     attn_q_b: Linear | None = None
     ffn_gate_up: Linear | Split | None = None  # leading dense layers
     ffn_down: Linear | None = None
-    ffn_gate_inp: Linear | None = None  # MoE layers: the router (float32)
-    exp_probs_b_bias: torch.Tensor | None = None  # (E,) selection bias (DeepSeek-V3)
-    ffn_gate_exps: ExpertMatrix | None = None
-    ffn_up_exps: ExpertMatrix | None = None
-    ffn_down_exps: ExpertMatrix | None = None
-    ffn_gate_up_shexp: Linear | Split | None = None  # shared experts: fused gate, up
-    ffn_down_shexp: Linear | None = None
 
 
 def route(logits: torch.Tensor, a: ModelArgs,
@@ -312,20 +287,16 @@ def dense_heads(w: ExpertMatrix, device) -> torch.Tensor:
     return torch.stack([w(eye, h).T for h in range(w.shape[0])]).float().contiguous()
 
 
-class Model(BaseModel):
+class Model(Decoder):
     """A DeepSeek-V2/V3 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    WEIGHTS = Weights
-    FUSE: ClassVar[dict[str, tuple[str, ...]]] = {
-        "ffn_gate_up": ("ffn_gate", "ffn_up"),
-        "ffn_gate_up_shexp": ("ffn_gate_shexp", "ffn_up_shexp")}
 
     def prepare(self) -> None:
         # The magnitude of cos and sin multiplies the rotated part only (q_pe, k_pe), never
         # the scale the nope part shares: not folded into the scores (norm_after).
-        self.rope = Rope(self.args.rope, self.device, norm_after=True)
         a = self.args
+        self.set_rope(a.kq_scale, norm_after=True)
         for b in self.layers:
             if b.attn_kv_b is not None:  # split as llama.cpp's converter does now
                 eye = torch.eye(a.kv_lora_rank, dtype=torch.float32, device=self.device)
@@ -341,27 +312,24 @@ class Model(BaseModel):
         """The FFN of a block on its normed input n (T, d) -> (T, d) float32."""
         ops = self.ops
         if b.ffn_gate_up is not None:
-            gate, up = b.ffn_gate_up(n)
-            return b.ffn_down(ops.gated(gate, up, "silu", overwrite=True))
+            return swiglu(ops, b.ffn_gate_up, b.ffn_down, n)
         chosen, weights = route(b.ffn_gate_inp(n), self.args, b.exp_probs_b_bias)
         out = ops.experts(n, chosen, weights, b.ffn_gate_exps, b.ffn_up_exps,
                           b.ffn_down_exps, "silu")
         if b.ffn_down_shexp is not None:
-            gate, up = b.ffn_gate_up_shexp(n)
-            out = out + b.ffn_down_shexp(ops.gated(gate, up, "silu", overwrite=True))
+            out = out + swiglu(ops, b.ffn_gate_up_shexp, b.ffn_down_shexp, n)
         return out
 
-    def attention(self, b: Layer, n: torch.Tensor, angles, temp, cache, pos,
-                  positions) -> torch.Tensor:
+    def mla(self, b: Layer, n: torch.Tensor, cache, step: Step) -> torch.Tensor:
         """MLA of a block on its normed input n (T, d) -> (T, H * dv) float32."""
         a, ops, eps = self.args, self.ops, self.args.norm_eps
-        t, nope = n.shape[0], a.nope_dim
+        t, nope, angles = n.shape[0], a.nope_dim, step.angles[GLOBAL]
         if b.attn_q is not None:
             q = b.attn_q(n)
         else:
             q = b.attn_q_b(ops.rms_norm(b.attn_q_a(n), b.attn_q_a_norm, eps))
-        if temp is not None:
-            q = q * temp  # linear in q: llama.cpp scales the absorbed query
+        if step.temperature is not None:
+            q = q * step.temperature  # linear in q: llama.cpp scales the absorbed query
         q = q.view(t, a.n_heads, a.head_dim).transpose(0, 1)  # (H, T, dk)
         q_pe = ops.norm_rope(q[:, :, nope:].contiguous(), None, eps, angles, neox=False)
         kv = b.attn_kv_a_mqa(n)  # (T, r + n_rot)
@@ -369,34 +337,17 @@ class Model(BaseModel):
         k_pe = ops.norm_rope(kv[None, :, a.kv_lora_rank:].contiguous(), None, eps, angles,
                              neox=False)[0]
         return ops.mla_attention(q[:, :, :nope], q_pe, torch.cat([c, k_pe], -1), b.attn_k_b,
-                                 b.attn_v_b, cache, pos, positions, scale=a.kq_scale)
+                                 b.attn_v_b, cache, step.pos, step.positions, scale=a.kq_scale)
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        pos: int | torch.Tensor,
-        memory,
-        *,
-        all_logits: bool = False,
-        logits_start: int = 0,
-    ) -> torch.Tensor:
-        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32: (1, n_vocab)
-        for the last position, or (T - logits_start, n_vocab) with all_logits. ``memory``:
-        one :class:`~localllm.memory.LatentCache` per layer. ``pos`` may be a (1,) int64
-        device tensor for a one-token step with static shapes."""
-        a, ops = self.args, self.ops
-        positions = positions_of(pos, tokens.shape[0], self.device)
-        x = self.token_embd(tokens)
-        angles = self.rope.angles(ops, positions, memory.ctx_size)[GLOBAL]
-        temp = (attention_temperature(positions, a.temperature_scale, a.temperature_length)
+    def temperature(self, positions: torch.Tensor) -> torch.Tensor | None:
+        a = self.args
+        return (attention_temperature(positions, a.temperature_scale, a.temperature_length)
                 if a.temperature_scale else None)
-        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
-        eps = a.norm_eps
-        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
-        for b, cache, next_norm in zip(self.layers, memory, nexts):
-            o = b.attn_output(self.attention(b, n, angles, temp, cache, pos, positions))
-            h, n = ops.residual_norm(x, o, None, b.ffn_norm, eps)
-            del o
-            x, n = ops.residual_norm(h, self.ffn(b, n), None, next_norm, eps)
-            del h
-        return self.output(n[logits_start:] if all_logits else n[-1:])
+
+    def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
+              next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        ops, eps = self.ops, self.args.norm_eps
+        o = b.attn_output(self.mla(b, n, cache, step))
+        h, n = ops.residual_norm(x, o, None, b.ffn_norm, eps)
+        del o
+        return ops.residual_norm(h, self.ffn(b, n), None, next_norm, eps)

@@ -17,35 +17,19 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import MAX_CONTEXT, MAX_LAYERS, REQUIRED, BaseModel, HParams, TensorSpec, check_vocab
-from .common import Linear, Split, positions_of
-from .hybrid import (
-    AttentionWeights,
-    HeadArgs,
-    attention,
-    attention_specs,
-    head_args,
-    layer_heads,
-    whole_head_rope,
-)
+from .base import REQUIRED, TensorSpec, ffn_specs, head_specs
+from .common import Linear, Split, swiglu
+from .decoder import Step
+from .hybrid import AttendingArgs, AttentionWeights, HybridDecoder, attention_specs
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
-from .rope import GLOBAL, Rope, RopeSpec
 
 
-@dataclass
-class ModelArgs:
-    """Hyperparameters from ``falcon-h1.*`` metadata keys."""
+@dataclass(kw_only=True)
+class ModelArgs(AttendingArgs):
+    """Hyperparameters from ``falcon-h1.*`` metadata keys (every layer attends)."""
 
-    arch: str
-    n_vocab: int
-    n_layers: int
-    d_model: int
-    heads: HeadArgs
     ffn_dim: int
-    context_length: int
     ssm: SSMArgs
-    norm_eps: float = 1e-5
-    rope: RopeSpec | None = None
 
     @classmethod
     def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
@@ -56,19 +40,11 @@ class ModelArgs:
             UnsupportedError: partial RoPE.
         """
 
-        hp = HParams(md, source)
-        n_layers = hp.int("block_count", REQUIRED, hi=MAX_LAYERS)
-        d = hp.int("embedding_length", REQUIRED)
-        heads, kv = layer_heads(hp, n_layers)
-        ha = head_args(hp, heads, kv, [True] * n_layers, d)
-        ctx = hp.int("context_length", 4096, hi=MAX_CONTEXT)
-        return cls(arch=hp.arch, n_vocab=check_vocab(hp, n_vocab), n_layers=n_layers,
-                   d_model=d, heads=ha,
-                   ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
-                   context_length=ctx,
+        hp, c = cls.read(md, n_vocab, source, context_length=4096)
+        ha = cls.read_heads(hp, c, lambda kv: [True] * len(kv))
+        return cls(**c, heads=ha, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
                    ssm=ssm_hparams(hp),
-                   norm_eps=hp.float("attention.layer_norm_rms_epsilon", REQUIRED, hi=1.0),
-                   rope=whole_head_rope(hp, ha.head_dim, ctx, neox=True))
+                   rope=cls.whole_head_rope(hp, ha.head_dim, c["context_length"], neox=True))
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
@@ -80,14 +56,8 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
         specs += ssm_specs(p, a.ssm, d, conv_bias=False, norm=False)
         specs += attention_specs(p, d, a.heads.n_heads[i], a.heads.n_kv_heads[i], hd)
         specs += [TensorSpec(p + "attn_norm.weight", (d,)), TensorSpec(p + "ffn_norm", (d,)),
-                  TensorSpec(p + "ffn_gate.weight", (f, d)),
-                  TensorSpec(p + "ffn_up.weight", (f, d)),
-                  TensorSpec(p + "ffn_down.weight", (d, f)),
-                  TensorSpec(p + "ffn_gate.bias", (f,), optional=True),
-                  TensorSpec(p + "ffn_up.bias", (f,), optional=True),
-                  TensorSpec(p + "ffn_down.bias", (d,), optional=True)]
-    return specs + [TensorSpec("output_norm.weight", (d,)),
-                    TensorSpec("output.weight", (v, d), optional=True)]
+                  *ffn_specs(p, d, f, bias=True)]
+    return specs + head_specs(d, v)
 
 
 def memory_layout(a: ModelArgs) -> list:
@@ -106,37 +76,26 @@ class Layer(MixerWeights, AttentionWeights):
     ffn_down: Linear | None = None
 
 
-class Model(BaseModel):
+class Model(HybridDecoder):
     """A Falcon-H1 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
 
     def prepare(self) -> None:
         a = self.args
-        self.rope = Rope(a.rope, self.device)
+        self.set_rope(a.heads.head_dim ** -0.5)
 
-    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
-                all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
-        """tokens (T,) int64 at positions pos .. pos+T-1 -> logits float32, (1, n_vocab) for
-        the last position or (T - logits_start, n_vocab) with ``all_logits``; ``memory``:
-        per layer a KV cache and a recurrent state (:func:`memory_layout`)."""
+    def layer_memories(self, memory):
+        """Per layer: its KV cache and its Mamba2 state (:func:`memory_layout`)."""
+        caches = iter(memory)
+        return zip(caches, caches)
+
+    def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
+              next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         a, ops = self.args, self.ops
-        t, eps = tokens.shape[0], a.norm_eps
-        positions = positions_of(pos, t, self.device)
-        rope = self.rope.angles(ops, positions, memory.ctx_size)[GLOBAL]
-        x = self.token_embd(tokens)
-        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
-        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
-        mems = iter(memory)
-        for b, next_norm in zip(self.layers, nexts):
-            f = attention(b, n, next(mems), ops, rope, pos, positions,
-                          head_dim=a.heads.head_dim, neox=True,
-                          scale=a.heads.head_dim ** -0.5 * self.rope.score_scale(),
-                          eps=eps)
-            f += mamba2_mixer(b, n, next(mems), a.ssm, eps, ops)
-            h, n = ops.residual_norm(x, f, None, b.ffn_norm, eps)
-            gate, up = b.ffn_gate_up(n)
-            f = b.ffn_down(ops.gated(gate, up, "silu", overwrite=True))
-            x, n = ops.residual_norm(h, f, None, next_norm, eps)
-            del h, f, gate, up
-        return self.output(n[logits_start:] if all_logits else n[-1:])
+        kv, state = cache
+        f = self.attend(b, n, kv, step)
+        f += mamba2_mixer(b, n, state, a.ssm, a.norm_eps, ops)
+        h, n = ops.residual_norm(x, f, None, b.ffn_norm, a.norm_eps)
+        f = swiglu(ops, b.ffn_gate_up, b.ffn_down, n)
+        return ops.residual_norm(h, f, None, next_norm, a.norm_eps)

@@ -34,18 +34,10 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec
-from .base import (
-    MAX_CONTEXT,
-    REQUIRED,
-    BaseModel,
-    DecoderArgs,
-    HParams,
-    TensorSpec,
-    common_hparams,
-    swa_layers,
-)
-from .common import Linear, Split, positions_of
-from .rope import GLOBAL, SWA, Rope, read_rope
+from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, ffn_specs, qkv_specs, swa_layers
+from .common import Linear, Split
+from .decoder import Block, Decoder, Step
+from .rope import GLOBAL, SWA, read_rope
 
 SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # every n-th layer global (gemma: no SWA)
 LAYERS_27B = {"gemma2": 46, "gemma3": 62}
@@ -70,9 +62,8 @@ class ModelArgs(DecoderArgs):
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
         """
-        hp = HParams(md, source)
+        hp, c = cls.read(md, n_vocab, source, eps=1e-6, context_length=8192)
         arch = hp.arch
-        c = common_hparams(hp, n_vocab, eps=1e-6, context_length=8192)
         ffn = hp.int("feed_forward_length", REQUIRED, per_layer=True)
         # llama.cpp: gemma2 slides by default (window 4096), gemma3 where the file says so
         window = None
@@ -105,25 +96,20 @@ class ModelArgs(DecoderArgs):
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
     """llama.cpp's tensors of the family, torch shapes (the output is tied; gemma3 files may
     carry ``output.weight``)."""
-    d, hd, nq, nkv = a.d_model, a.head_dim, a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    d, hd, nq = a.d_model, a.head_dim, a.n_heads * a.head_dim
     specs = [TensorSpec("token_embd.weight", (a.n_vocab, d))]
     post = a.arch != "gemma"
     for i in range(a.n_layers):
         p = f"blk.{i}."
         specs += [TensorSpec(p + "attn_norm.weight", (d,)),
-                  TensorSpec(p + "attn_q.weight", (nq, d)),
-                  TensorSpec(p + "attn_k.weight", (nkv, d)),
-                  TensorSpec(p + "attn_v.weight", (nkv, d))]
+                  *qkv_specs(p, d, a.n_heads, a.n_kv_heads, hd, bias="none")]
         if a.arch == "gemma3":
             specs += [TensorSpec(p + "attn_q_norm.weight", (hd,)),
                       TensorSpec(p + "attn_k_norm.weight", (hd,))]
         specs.append(TensorSpec(p + "attn_output.weight", (d, nq)))
         if post:
             specs.append(TensorSpec(p + "post_attention_norm.weight", (d,)))
-        specs += [TensorSpec(p + "ffn_norm.weight", (d,)),
-                  TensorSpec(p + "ffn_gate.weight", (a.ffn_dim, d)),
-                  TensorSpec(p + "ffn_up.weight", (a.ffn_dim, d)),
-                  TensorSpec(p + "ffn_down.weight", (d, a.ffn_dim))]
+        specs += [TensorSpec(p + "ffn_norm.weight", (d,)), *ffn_specs(p, d, a.ffn_dim)]
         if post:
             specs.append(TensorSpec(p + "post_ffw_norm.weight", (d,)))
     specs.append(TensorSpec("output_norm.weight", (d,)))
@@ -138,12 +124,9 @@ def memory_layout(a: ModelArgs) -> list[KVSpec]:
 
 
 @dataclass
-class Layer:
+class Layer(Block):
     """The tensors of one block (``blk.{i}.*``)."""
 
-    attn_norm: torch.Tensor
-    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v
-    attn_output: Linear
     ffn_norm: torch.Tensor
     ffn_gate_up: Linear | Split  # fused ffn_gate, ffn_up
     ffn_down: Linear
@@ -153,7 +136,7 @@ class Layer:
     post_ffw_norm: torch.Tensor | None = None
 
 
-class Model(BaseModel):
+class Model(Decoder):
     """A Gemma-family decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
@@ -161,66 +144,31 @@ class Model(BaseModel):
 
     def prepare(self) -> None:
         a = self.args
-        self.rope = Rope(a.rope, self.device)
-        self.kinds = [SWA if a.is_sliding(i) else GLOBAL for i in range(a.n_layers)]
-        self.scales = {k: a.attention_scale * self.rope.score_scale(k) for k in set(self.kinds)}
+        self.set_rope(a.attention_scale,
+                      [SWA if a.is_sliding(i) else GLOBAL for i in range(a.n_layers)])
         for b in self.layers:
             b.attn_q_norm = self.rope.arrange_weight(b.attn_q_norm)
             b.attn_k_norm = self.rope.arrange_weight(b.attn_k_norm)
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        pos: int | torch.Tensor,
-        memory,
-        *,
-        all_logits: bool = False,
-        logits_start: int = 0,
-    ) -> torch.Tensor:
-        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
-        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits.
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.token_embd(tokens) * math.sqrt(self.args.d_model)  # (T, d)
 
-        ``pos`` may be a (1,) int64 tensor on the model's device for a one-token step with
-        static shapes and no host reads (CUDA graphs, :mod:`localllm.runtime.graphs`)."""
-        a, ops = self.args, self.ops
-        t = tokens.shape[0]
-        positions = positions_of(pos, t, self.device)
-        x = self.token_embd(tokens) * math.sqrt(a.d_model)  # (T, d)
-        # the angles per kind of layer, shared by all layers of that kind
-        angles = self.rope.angles(ops, positions, memory.ctx_size, tuple(self.scales))
-        # Each block ends with the next block's pre-norm (the output norm after the last),
-        # fused with its residual add.
-        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
-        n = ops.rms_norm(x, self.layers[0].attn_norm, a.norm_eps)
-        for b, cache, next_norm, kind in zip(self.layers, memory, nexts, self.kinds):
-            x, n = self._block(b, cache, x, n, next_norm, pos, positions, angles[kind],
-                               self.scales[kind])
-        logits = self.output(n[logits_start:] if all_logits else n[-1:])
-        if a.final_softcap is not None:
-            logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
-        return logits
+    def head(self, n: torch.Tensor) -> torch.Tensor:
+        logits, cap = self.output(n), self.args.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def _block(self, b, cache, x: torch.Tensor, n: torch.Tensor, next_norm: torch.Tensor,
-               pos, positions: torch.Tensor, angles, scale: float
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: (T, d) residual stream, n = attn_norm(x) -> (x', next_norm(x'))."""
+    def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
+              next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         a, ops = self.args, self.ops
-        eps = a.norm_eps
-        q, k, v = b.attn_qkv(n)
-        del n  # each intermediate dropped once used: prefill's peak holds fewer of them
-        q, k = self.rope.arrange(q), self.rope.arrange(k)
         # QK-norm: gemma3. A sliding layer whose window covers the whole context has a full
         # cache (no window).
-        attn = ops.self_attention(q, k, v, b.attn_q_norm, b.attn_k_norm, eps, angles, cache,
-                                  pos, positions, head_dim=a.head_dim, neox=True,
-                                  scale=scale, softcap=a.attn_softcap)
-        del q, k, v
-        o = b.attn_output(attn)
-        del attn
-        h, n = ops.residual_norm(x, o, b.post_attention_norm, b.ffn_norm, eps)
+        o = self.attention(b, n, cache, step, self.kinds[i], q_norm=b.attn_q_norm,
+                           k_norm=b.attn_k_norm, softcap=a.attn_softcap)
+        del n  # each intermediate dropped once used: prefill's peak holds fewer of them
+        h, n = ops.residual_norm(x, o, b.post_attention_norm, b.ffn_norm, a.norm_eps)
         del o, x
         gate, up = b.ffn_gate_up(n)
         del n
         f = b.ffn_down(ops.gated(gate, up, "gelu_tanh", overwrite=True))
         del gate, up
-        return ops.residual_norm(h, f, b.post_ffw_norm, next_norm, eps)
+        return ops.residual_norm(h, f, b.post_ffw_norm, next_norm, a.norm_eps)

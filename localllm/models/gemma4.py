@@ -47,9 +47,7 @@ from .base import (
     REQUIRED,
     BaseModel,
     DecoderArgs,
-    HParams,
     TensorSpec,
-    common_hparams,
     swa_layers,
 )
 from .common import Linear, Split, positions_of
@@ -83,8 +81,7 @@ class ModelArgs(DecoderArgs):
                 whose key and value lengths differ.
             UnsupportedError: Gemma 4's mixture of experts (``expert_count`` > 0).
         """
-        hp = HParams(md, source)
-        c = common_hparams(hp, n_vocab, eps=1e-6, context_length=131072)
+        hp, c = cls.read(md, n_vocab, source, eps=1e-6, context_length=131072)
         n = c["n_layers"]
         if hp.int("expert_count", 0, lo=0, hi=MAX_EXPERTS):
             raise UnsupportedError(f"{hp.pre}Gemma 4's mixture of experts (metadata "

@@ -27,37 +27,26 @@ The output projection is never tied to the embedding.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from ..backends import ExpertMatrix
 from ..memory import KVSpec
-from .base import (
-    MAX_CONTEXT,
-    MAX_EXPERTS,
-    REQUIRED,
-    BaseModel,
-    DecoderArgs,
-    HParams,
-    TensorSpec,
-    common_hparams,
-    swa_layers,
-)
-from .common import Linear, Split, positions_of
-from .moe import route
-from .rope import GLOBAL, SWA, Rope, read_rope
+from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, head_specs, qkv_specs, swa_layers
+from .common import default_attention_scale
+from .decoder import Block, Decoder, Step
+from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
+from .rope import GLOBAL, SWA, read_rope
 
 SWA_PERIOD = 2  # llama.cpp's load_swa_pattern(ml, 2): even layers slide
+# the top experts by logit, weighted by the softmax of those logits; clamped SwiGLU experts
+ROUTING = Routing(gating="softmax_weight", act="swiglu_oai")
 
 
 @dataclass(kw_only=True)
-class ModelArgs(DecoderArgs):
+class ModelArgs(DecoderArgs, ExpertArgs):
     """Hyperparameters from ``gpt-oss.*`` metadata keys."""
 
-    n_expert: int  # expert_count
-    n_expert_used: int  # expert_used_count
     expert_ffn_dim: int  # expert_feed_forward_length
     sliding_window: int  # attention.sliding_window
     swa: tuple[bool, ...]  # per layer: sliding (attention.sliding_window_pattern)
@@ -72,10 +61,8 @@ class ModelArgs(DecoderArgs):
                 experts, more used experts than experts, a sliding-window pattern whose
                 length is not ``block_count``, a YaRN factor <= 0 or a base <= 1.
         """
-        hp = HParams(md, source)
-        c = common_hparams(hp, n_vocab)
-        n_expert = hp.int("expert_count", REQUIRED, hi=MAX_EXPERTS)
-        n_used = hp.int("expert_used_count", REQUIRED, hi=n_expert)
+        hp, c = cls.read(md, n_vocab, source)
+        experts = expert_counts(hp)
         expert_ffn = hp.int("expert_feed_forward_length", REQUIRED, per_layer=True)
         window = hp.int("attention.sliding_window", REQUIRED, hi=MAX_CONTEXT)
         swa = tuple(swa_layers(hp, c["n_layers"], SWA_PERIOD))
@@ -86,41 +73,30 @@ class ModelArgs(DecoderArgs):
         if rope.kind == "yarn" and any(swa):
             hp.require(rope.layer(swa=True)[0] > 1.0, "rope.freq_base_swa", "must be > 1 for "
                        "YaRN scaling (its correction dimensions divide by log(base))")
-        return cls(**c, rope=rope, n_expert=n_expert, n_expert_used=n_used,
-                   expert_ffn_dim=expert_ffn, sliding_window=window, swa=swa,
-                   attention_scale=1.0 / math.sqrt(c["head_dim"]))
+        return cls(**c, rope=rope, **experts, expert_ffn_dim=expert_ffn, sliding_window=window,
+                   swa=swa, attention_scale=default_attention_scale(c["head_dim"]))
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
     """llama.cpp's tensors of gpt-oss (``llama_model_openai_moe::load_arch_tensors``), torch
-    shapes. Q/K/V biases are optional there (the released files have them)."""
-    d, hd, v = a.d_model, a.head_dim, a.n_vocab
-    nq, nkv = a.n_heads * hd, a.n_kv_heads * hd
+    shapes. Q/K/V biases are optional there (the released files have them); the router
+    and every expert have biases."""
+    d, v = a.d_model, a.n_vocab
     e, f = a.n_expert, a.expert_ffn_dim
     specs = [TensorSpec("token_embd.weight", (v, d))]
     for i in range(a.n_layers):
         p = f"blk.{i}."
+        gate_inp, *experts = expert_specs(p, d, e, f)
         specs += [TensorSpec(p + "attn_norm.weight", (d,)),
-                  TensorSpec(p + "attn_q.weight", (nq, d)),
-                  TensorSpec(p + "attn_k.weight", (nkv, d)),
-                  TensorSpec(p + "attn_v.weight", (nkv, d)),
-                  TensorSpec(p + "attn_q.bias", (nq,), optional=True),
-                  TensorSpec(p + "attn_k.bias", (nkv,), optional=True),
-                  TensorSpec(p + "attn_v.bias", (nkv,), optional=True),
-                  TensorSpec(p + "attn_output.weight", (d, nq)),
+                  *qkv_specs(p, d, a.n_heads, a.n_kv_heads, a.head_dim),
+                  TensorSpec(p + "attn_output.weight", (d, a.n_heads * a.head_dim)),
                   TensorSpec(p + "attn_output.bias", (d,)),
                   TensorSpec(p + "attn_sinks.weight", (a.n_heads,)),
                   TensorSpec(p + "post_attention_norm.weight", (d,)),
-                  TensorSpec(p + "ffn_gate_inp.weight", (e, d)),
-                  TensorSpec(p + "ffn_gate_inp.bias", (e,)),
-                  TensorSpec(p + "ffn_gate_exps.weight", (e, f, d)),
-                  TensorSpec(p + "ffn_gate_exps.bias", (e, f)),
-                  TensorSpec(p + "ffn_up_exps.weight", (e, f, d)),
-                  TensorSpec(p + "ffn_up_exps.bias", (e, f)),
-                  TensorSpec(p + "ffn_down_exps.weight", (e, d, f)),
-                  TensorSpec(p + "ffn_down_exps.bias", (e, d))]
-    specs += [TensorSpec("output_norm.weight", (d,)),
-              TensorSpec("output.weight", (v, d))]
+                  gate_inp, TensorSpec(p + "ffn_gate_inp.bias", (e,))]
+        for w in experts:  # each expert matrix, then its bias (n_expert, rows)
+            specs += [w, TensorSpec(w.name.replace(".weight", ".bias"), w.shape[:2])]
+    specs += head_specs(d, v, tied=False)
     return specs
 
 
@@ -130,81 +106,30 @@ def memory_layout(a: ModelArgs) -> list[KVSpec]:
 
 
 @dataclass
-class Layer:
-    """The tensors of one block (``blk.{i}.*``)."""
+class Layer(Block, ExpertWeights):
+    """The tensors of one block (``blk.{i}.*``); the router and the experts with their
+    biases."""
 
-    attn_norm: torch.Tensor
-    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v with their biases
-    attn_output: Linear  # with its bias
     attn_sinks: torch.Tensor  # (n_heads,) float32
     post_attention_norm: torch.Tensor
-    ffn_gate_inp: Linear  # the router (float32, with its bias)
-    ffn_gate_exps: ExpertMatrix  # experts with their biases
-    ffn_up_exps: ExpertMatrix
-    ffn_down_exps: ExpertMatrix
 
 
-class Model(BaseModel):
+class Model(Decoder):
     """A gpt-oss decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
 
     def prepare(self) -> None:
         a = self.args
-        self.rope = Rope(a.rope, self.device)
-        self.kinds = [SWA if sliding else GLOBAL for sliding in a.swa]
-        self.scales = {k: a.attention_scale * self.rope.score_scale(k) for k in set(self.kinds)}
+        self.set_rope(a.attention_scale,
+                      [SWA if sliding else GLOBAL for sliding in a.swa])
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        pos: int | torch.Tensor,
-        memory,
-        *,
-        all_logits: bool = False,
-        logits_start: int = 0,
-    ) -> torch.Tensor:
-        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
-        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits.
-        ``memory``: the sequence's :class:`~localllm.memory.Memory` (one KV cache per layer,
-        a sliding-window one on the sliding layers).
-
-        ``pos`` may be a (1,) int64 tensor on the model's device for a one-token step with
-        static shapes and no host reads (CUDA graphs, :mod:`localllm.runtime.graphs`)."""
+    def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
+              next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         a, ops = self.args, self.ops
-        t = tokens.shape[0]
-        positions = positions_of(pos, t, self.device)
-        x = self.token_embd(tokens)  # (T, d)
-        # the angles per kind of layer, shared by all layers of that kind
-        angles = self.rope.angles(ops, positions, memory.ctx_size, tuple(self.scales))
-        # Each block ends with the next block's pre-norm (the output norm after the last),
-        # fused with its residual add.
-        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
-        eps = a.norm_eps
-        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
-        for b, cache, next_norm, kind in zip(self.layers, memory, nexts, self.kinds):
-            x, n = self._block(b, cache, x, n, next_norm, pos, positions, angles[kind],
-                               self.scales[kind])
-        return self.output(n[logits_start:] if all_logits else n[-1:])
-
-    def _block(self, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
-               next_norm: torch.Tensor, pos, positions: torch.Tensor, angles, scale: float
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: (T, d) residual stream, n = attn_norm(x) -> (x', next_norm(x'))."""
-        a, ops = self.args, self.ops
-        eps = a.norm_eps
-        q, k, v = b.attn_qkv(n)
-        del n  # each intermediate dropped once used: prefill's peak holds fewer of them
-        attn = ops.self_attention(q, k, v, None, None, eps, angles, cache, pos, positions,
-                                  head_dim=a.head_dim, neox=True, scale=scale,
-                                  sinks=b.attn_sinks)
-        del q, k, v
-        o = b.attn_output(attn)
-        del attn
-        h, n = ops.residual_norm(x, o, None, b.post_attention_norm, eps)
+        o = self.attention(b, n, cache, step, self.kinds[i], sinks=b.attn_sinks)
+        h, n = ops.residual_norm(x, o, None, b.post_attention_norm, a.norm_eps)
         del o, x
-        weights, chosen = route(b.ffn_gate_inp(n), a.n_expert_used, gating="softmax_weight")
-        f = ops.experts(n, chosen, weights, b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps,
-                        "swiglu_oai")
+        f = moe_ffn(ops, b, n, a.n_expert_used, ROUTING)
         del n
-        return ops.residual_norm(h, f, None, next_norm, eps)
+        return ops.residual_norm(h, f, None, next_norm, a.norm_eps)

@@ -17,63 +17,34 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from ..backends import ExpertMatrix
 from ..memory import KVSpec
-from . import llama
-from .base import (
-    MAX_CONTEXT,
-    MAX_EXPERTS,
-    MAX_LAYERS,
-    REQUIRED,
-    BaseModel,
-    HParams,
-    TensorSpec,
-    check_vocab,
-)
-from .common import Linear, Split, positions_of
-from .hybrid import (
-    AttentionWeights,
-    HeadArgs,
-    attention,
-    attention_specs,
-    head_args,
-    layer_heads,
-    whole_head_rope,
-)
+from .base import REQUIRED, HParams, TensorSpec, ffn_specs, head_specs
+from .common import Linear, Split, swiglu
+from .decoder import Step
+from .hybrid import AttendingArgs, AttentionWeights, HybridDecoder, attention_specs
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
-from .rope import GLOBAL, NOPE, Rope, RopeSpec, read_rope
+from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
+from .rope import GLOBAL, NOPE, read_rope
+
+ROUTING = Routing(norm=True)  # softmax, the chosen probabilities renormalised
 
 
-@dataclass
-class ModelArgs:
-    """Hyperparameters from ``granitehybrid.*`` metadata keys."""
+@dataclass(kw_only=True)
+class ModelArgs(AttendingArgs, ExpertArgs):
+    """Hyperparameters from ``granitehybrid.*`` metadata keys (0 KV heads: a Mamba2
+    layer)."""
 
-    arch: str
-    n_vocab: int
-    n_layers: int  # block_count
-    d_model: int  # embedding_length
-    heads: HeadArgs  # per layer; 0 KV heads: a Mamba2 layer
     ffn_dim: int  # feed_forward_length (the expert size with experts)
-    context_length: int
     ssm: SSMArgs
-    norm_eps: float = 1e-5
-    rope: RopeSpec | None = None
     use_rope: bool = False  # rope.scaling.finetuned
-    n_expert: int = 0
-    n_expert_used: int = 0
     shared_ffn_dim: int = 0  # expert_shared_feed_forward_length
     embedding_scale: float = 1.0
     residual_scale: float = 1.0
     logit_scale: float = 1.0
     attention_scale: float = 0.0
-
-    @property
-    def recurrent(self) -> tuple[bool, ...]:
-        return tuple(k == 0 for k in self.heads.n_kv_heads)
 
     @classmethod
     def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
@@ -83,28 +54,17 @@ class ModelArgs:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
             UnsupportedError: partial RoPE.
         """
-        hp = HParams(md, source)
-        n_layers = hp.int("block_count", REQUIRED, hi=MAX_LAYERS)
-        d = hp.int("embedding_length", REQUIRED)
-        heads, kv = layer_heads(hp, n_layers)
-        ha = head_args(hp, heads, kv, [k > 0 for k in kv], d)
+        hp, c = cls.read(md, n_vocab, source, context_length=1 << 20)
+        ha, ctx = cls.read_heads(hp, c), c["context_length"]
         use_rope = hp.bool("rope.scaling.finetuned", True)
-        ctx = hp.int("context_length", 1 << 20, hi=MAX_CONTEXT)
-        rope = (whole_head_rope(hp, ha.head_dim, ctx, neox=False) if use_rope
+        rope = (cls.whole_head_rope(hp, ha.head_dim, ctx, neox=False) if use_rope
                 else read_rope(hp, head_dim=ha.head_dim, context_length=ctx, neox=False))
-        n_expert = hp.int("expert_count", 0, lo=0, hi=MAX_EXPERTS)
-        kw = {}
-        if n_expert:
-            kw = {"n_expert": n_expert,
-                  "n_expert_used": hp.int("expert_used_count", REQUIRED, hi=n_expert),
-                  "shared_ffn_dim": hp.int("expert_shared_feed_forward_length", 0, lo=0)}
+        kw = expert_counts(hp, 0, lo=0)
+        if kw["n_expert"]:
+            kw["shared_ffn_dim"] = hp.int("expert_shared_feed_forward_length", 0, lo=0)
         return cls(
-            arch=hp.arch, n_vocab=check_vocab(hp, n_vocab), n_layers=n_layers, d_model=d,
-            heads=ha, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
-            context_length=ctx,
-            ssm=ssm_hparams(hp), norm_eps=hp.float("attention.layer_norm_rms_epsilon",
-                                                   REQUIRED, hi=1.0),
-            rope=rope, use_rope=use_rope,
+            **c, heads=ha, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
+            ssm=ssm_hparams(hp), rope=rope, use_rope=use_rope,
             embedding_scale=unset_is_one(hp, "embedding_scale"),
             residual_scale=unset_is_one(hp, "residual_scale"),
             logit_scale=unset_is_one(hp, "logit_scale"),
@@ -131,25 +91,10 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                                      out_bias=True)
         f = a.ffn_dim
         if a.n_expert:
-            e = a.n_expert
-            specs += [TensorSpec(p + "ffn_gate_inp.weight", (e, d)),
-                      TensorSpec(p + "ffn_gate_exps.weight", (e, f, d)),
-                      TensorSpec(p + "ffn_up_exps.weight", (e, f, d)),
-                      TensorSpec(p + "ffn_down_exps.weight", (e, d, f))]
-            if a.shared_ffn_dim:
-                s = a.shared_ffn_dim
-                specs += [TensorSpec(p + "ffn_gate_shexp.weight", (s, d)),
-                          TensorSpec(p + "ffn_up_shexp.weight", (s, d)),
-                          TensorSpec(p + "ffn_down_shexp.weight", (d, s))]
+            specs += expert_specs(p, d, a.n_expert, f, shared_dim=a.shared_ffn_dim)
         else:
-            specs += [TensorSpec(p + "ffn_gate.weight", (f, d)),
-                      TensorSpec(p + "ffn_up.weight", (f, d)),
-                      TensorSpec(p + "ffn_down.weight", (d, f)),
-                      TensorSpec(p + "ffn_gate.bias", (f,), optional=True),
-                      TensorSpec(p + "ffn_up.bias", (f,), optional=True),
-                      TensorSpec(p + "ffn_down.bias", (d,), optional=True)]
-    return specs + [TensorSpec("output_norm.weight", (d,)),
-                    TensorSpec("output.weight", (v, d), optional=True)]
+            specs += ffn_specs(p, d, f, bias=True)
+    return specs + head_specs(d, v)
 
 
 def memory_layout(a: ModelArgs) -> list:
@@ -159,71 +104,50 @@ def memory_layout(a: ModelArgs) -> list:
 
 
 @dataclass
-class Layer(MixerWeights, AttentionWeights):
+class Layer(MixerWeights, AttentionWeights, ExpertWeights):
     """The tensors of one block: norms, a mixer or an attention, and the FFN."""
 
     attn_norm: torch.Tensor | None = None
     ffn_norm: torch.Tensor | None = None
     ffn_gate_up: Linear | Split | None = None  # dense: fused ffn_gate, ffn_up
     ffn_down: Linear | None = None
-    ffn_gate_inp: Linear | None = None  # MoE: router, experts, shared expert
-    ffn_gate_exps: ExpertMatrix | None = None
-    ffn_up_exps: ExpertMatrix | None = None
-    ffn_down_exps: ExpertMatrix | None = None
-    ffn_gate_up_shexp: Linear | Split | None = None
-    ffn_down_shexp: Linear | None = None
 
 
-class Model(BaseModel):
+class Model(HybridDecoder):
     """A Granite hybrid decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    FUSE: ClassVar[dict[str, tuple[str, ...]]] = {
-        **BaseModel.FUSE, "ffn_gate_up_shexp": ("ffn_gate_shexp", "ffn_up_shexp")}
 
     def prepare(self) -> None:
         a = self.args
         # Without RoPE, the NOPE tables (zero frequencies: cos 1, sin 0 rotate nothing,
         # exactly), and the backends' fused attention paths stay usable.
-        self.rope = Rope(a.rope, self.device)
-        self.rope_kind = GLOBAL if a.use_rope else NOPE
+        self.set_rope(a.attention_scale,
+                      [GLOBAL if a.use_rope else NOPE] * a.n_layers)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.token_embd(tokens)
+        return x * self.args.embedding_scale if self.args.embedding_scale != 1.0 else x
+
+    def head(self, n: torch.Tensor) -> torch.Tensor:
+        logits = self.output(n)
+        return logits / self.args.logit_scale if self.args.logit_scale != 1.0 else logits
 
     def ffn(self, b: Layer, n: torch.Tensor) -> torch.Tensor:
         a, ops = self.args, self.ops
         if not a.n_expert:
-            gate, up = b.ffn_gate_up(n)
-            return b.ffn_down(ops.gated(gate, up, "silu", overwrite=True))
-        f = llama.moe_ffn(b, n, a.n_expert_used, True, ops)
-        if b.ffn_gate_up_shexp is not None:
-            gate, up = b.ffn_gate_up_shexp(n)
-            f = f + b.ffn_down_shexp(ops.gated(gate, up, "silu", overwrite=True))
-        return f
+            return swiglu(ops, b.ffn_gate_up, b.ffn_down, n)
+        return moe_ffn(ops, b, n, a.n_expert_used, ROUTING)
 
-    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
-                all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
-        """tokens (T,) int64 at positions pos .. pos+T-1 -> logits float32, (1, n_vocab) for
-        the last position or (T - logits_start, n_vocab) with ``all_logits``; ``memory``:
-        per layer a recurrent state or a KV cache (:func:`memory_layout`)."""
+    def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
+              next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         a, ops = self.args, self.ops
-        t, eps, rs = tokens.shape[0], a.norm_eps, a.residual_scale
-        positions = positions_of(pos, t, self.device)
-        rope = self.rope.angles(ops, positions, memory.ctx_size, (self.rope_kind,))[self.rope_kind]
-        x = self.token_embd(tokens)
-        if a.embedding_scale != 1.0:
-            x = x * a.embedding_scale
-        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
-        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
-        for b, mem, recurrent, next_norm in zip(self.layers, memory, a.recurrent, nexts):
-            if recurrent:
-                f = mamba2_mixer(b, n, mem, a.ssm, eps, ops)
-            else:
-                f = attention(b, n, mem, ops, rope, pos, positions, head_dim=a.heads.head_dim,
-                              neox=False,
-                              scale=a.attention_scale * self.rope.score_scale(self.rope_kind),
-                              eps=eps)
-            h, n = ops.residual_norm(x, f * rs if rs != 1.0 else f, None, b.ffn_norm, eps)
-            f = self.ffn(b, n)
-            x, n = ops.residual_norm(h, f * rs if rs != 1.0 else f, None, next_norm, eps)
-            del h, f
-        logits = self.output(n[logits_start:] if all_logits else n[-1:])
-        return logits / a.logit_scale if a.logit_scale != 1.0 else logits
+        eps, rs = a.norm_eps, a.residual_scale
+        if a.recurrent[i]:
+            f = mamba2_mixer(b, n, cache, a.ssm, eps, ops)
+        else:
+            f = self.attend(b, n, cache, step, self.kinds[i])
+        h, n = ops.residual_norm(x, f * rs if rs != 1.0 else f, None, b.ffn_norm, eps)
+        f = self.ffn(b, n)
+        x, n = ops.residual_norm(h, f * rs if rs != 1.0 else f, None, next_norm, eps)
+        return x, n

@@ -18,28 +18,59 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import MAX_HEADS, REQUIRED, HParams, TensorSpec
+from .base import (
+    MAX_CONTEXT,
+    MAX_HEADS,
+    MAX_LAYERS,
+    REQUIRED,
+    HParams,
+    TensorSpec,
+    check_vocab,
+    qkv_specs,
+)
 from .common import Linear, Split
-from .rope import RopeSpec, read_rope
+from .decoder import Decoder, Step
+from .rope import GLOBAL, RopeSpec, read_rope
 
 
-def whole_head_rope(hp: HParams, head_dim: int, context_length: int, *, neox: bool) -> RopeSpec:
-    """The file's RoPE (:func:`~localllm.models.rope.read_rope`: every scaling type), which
-    must rotate whole heads: the hybrids' attention sublayer rotates queries and keys as
-    they are, without :class:`~localllm.models.rope.Rope`'s partial-RoPE arrangement.
+@dataclass(kw_only=True)
+class HybridArgs:
+    """What every recurrent and hybrid family's ``ModelArgs`` has (:func:`hybrid_hparams`
+    reads it; keyword-only fields, a family adds its own)."""
+
+    arch: str  # general.architecture
+    n_vocab: int
+    n_layers: int  # block_count
+    d_model: int  # embedding_length
+    context_length: int
+    norm_eps: float = 1e-5  # attention.layer_norm_rms_epsilon
+
+    @classmethod
+    def read(cls, md: dict, n_vocab: int, source: str = "", **defaults) -> tuple[HParams, dict]:
+        """The validated reader of a file's metadata ``md`` and the fields above
+        (:func:`hybrid_hparams`, ``defaults`` its keyword arguments).
+
+        Raises:
+            GGUFError: a key missing, mistyped or out of range (named), an absurd vocabulary.
+        """
+        hp = HParams(md, source)
+        return hp, hybrid_hparams(hp, n_vocab, **defaults)
+
+
+def hybrid_hparams(hp: HParams, n_vocab: int, *, context_length=REQUIRED,
+                   eps=REQUIRED) -> dict:
+    """The :class:`HybridArgs` fields of a file, validated: ``context_length`` and
+    ``eps`` the defaults of ``context_length`` and ``attention.layer_norm_rms_epsilon``
+    (:data:`~localllm.models.base.REQUIRED`: the key must be there).
 
     Raises:
-        GGUFError: a RoPE key out of range (named).
-        UnsupportedError: ``rope.dimension_count`` below the head size (partial RoPE).
+        GGUFError: a key missing, mistyped or out of range (named), an absurd vocabulary.
     """
-    from ..errors import UnsupportedError
-
-    spec = read_rope(hp, head_dim=head_dim, context_length=context_length, neox=neox)
-    if spec.n_rot != head_dim:
-        raise UnsupportedError(f"{hp.pre}metadata {hp.key('rope.dimension_count')} = "
-                               f"{spec.n_rot}: partial RoPE (head size {head_dim}) is not "
-                               "supported")
-    return spec
+    return {"arch": hp.arch, "n_vocab": check_vocab(hp, n_vocab),
+            "n_layers": hp.int("block_count", REQUIRED, hi=MAX_LAYERS),
+            "d_model": hp.int("embedding_length", REQUIRED),
+            "context_length": hp.int("context_length", context_length, hi=MAX_CONTEXT),
+            "norm_eps": hp.float("attention.layer_norm_rms_epsilon", eps, hi=1.0)}
 
 
 @dataclass(frozen=True)
@@ -91,20 +122,60 @@ def head_args(hp: HParams, heads: Sequence[int], kv: Sequence[int], attends: Seq
     return HeadArgs(tuple(heads), tuple(kv), hd)
 
 
+@dataclass(kw_only=True)
+class AttendingArgs(HybridArgs):
+    """A hybrid whose layers may attend: their heads (:func:`layer_heads`)."""
+
+    heads: HeadArgs  # per layer; 0 KV heads: a layer without attention
+    rope: RopeSpec | None = None  # rope.* (None: no positions, nemotron_h)
+
+    @property
+    def recurrent(self) -> tuple[bool, ...]:
+        """Per layer: it does not attend (0 KV heads, llama.cpp's ``hparams.is_recr``)."""
+        return tuple(k == 0 for k in self.heads.n_kv_heads)
+
+    @staticmethod
+    def whole_head_rope(hp: HParams, head_dim: int, context_length: int, *, neox: bool
+                        ) -> RopeSpec:
+        """The file's RoPE (:func:`~localllm.models.rope.read_rope`: every scaling type), which
+        must rotate whole heads: the hybrids' attention sublayer rotates queries and keys as
+        they are, without :class:`~localllm.models.rope.Rope`'s partial-RoPE arrangement.
+
+        Raises:
+            GGUFError: a RoPE key out of range (named).
+            UnsupportedError: ``rope.dimension_count`` below the head size (partial RoPE).
+        """
+        from ..errors import UnsupportedError
+
+        spec = read_rope(hp, head_dim=head_dim, context_length=context_length, neox=neox)
+        if spec.n_rot != head_dim:
+            raise UnsupportedError(f"{hp.pre}metadata {hp.key('rope.dimension_count')} = "
+                                   f"{spec.n_rot}: partial RoPE (head size {head_dim}) is not "
+                                   "supported")
+        return spec
+
+    @staticmethod
+    def read_heads(hp: HParams, c: dict, attends=None) -> HeadArgs:
+        """The heads of a hybrid's layers (:func:`layer_heads`, :func:`head_args`) for the
+        :func:`hybrid_hparams` ``c``; ``attends``: a function of the KV heads per layer
+        saying which layers attend (default: those with KV heads).
+
+        Raises:
+            GGUFError: naming the key that contradicts the others.
+        """
+        heads, kv = layer_heads(hp, c["n_layers"])
+        which = attends(kv) if attends is not None else [k > 0 for k in kv]
+        return head_args(hp, heads, kv, which, c["d_model"])
+
+
 def attention_specs(prefix: str, d_model: int, n_heads: int, n_kv: int, head_dim: int, *,
                     qk_norm: bool = False, out_bias: bool = False) -> list[TensorSpec]:
     """Separate Q/K/V projections with optional biases (llama.cpp's ``create_tensor_qkv``),
     the output projection (its bias optional when ``out_bias``), and per-head QK-norm
     weights when ``qk_norm``."""
     p = prefix
-    nq, nkv = n_heads * head_dim, n_kv * head_dim
-    specs = [TensorSpec(p + "attn_q.weight", (nq, d_model)),
-             TensorSpec(p + "attn_k.weight", (nkv, d_model)),
-             TensorSpec(p + "attn_v.weight", (nkv, d_model)),
-             TensorSpec(p + "attn_q.bias", (nq,), optional=True),
-             TensorSpec(p + "attn_k.bias", (nkv,), optional=True),
-             TensorSpec(p + "attn_v.bias", (nkv,), optional=True),
-             TensorSpec(p + "attn_output.weight", (d_model, nq))]
+    specs = [*qkv_specs(p, d_model, n_heads, n_kv, head_dim),
+             TensorSpec(p + "attn_output.weight", (d_model, n_heads * head_dim))]
     if out_bias:
         specs.append(TensorSpec(p + "attn_output.bias", (d_model,), optional=True))
     if qk_norm:
@@ -121,6 +192,21 @@ class AttentionWeights:
     attn_output: Linear | None = None
     attn_q_norm: torch.Tensor | None = None
     attn_k_norm: torch.Tensor | None = None
+
+
+class HybridDecoder(Decoder):
+    """A hybrid of the :class:`~localllm.models.decoder.Decoder` loop: its attention
+    layers rotate whole heads (:meth:`AttendingArgs.whole_head_rope`) as they come, with the
+    heads of ``args.heads``."""
+
+    def attend(self, b: AttentionWeights, n: torch.Tensor, cache, step: Step,
+               kind: str = GLOBAL) -> torch.Tensor:
+        """:func:`attention` of layer ``b`` on its normed input n (T, d) -> (T, d) with the
+        layer kind's angles and scale."""
+        a = self.args
+        return attention(b, n, cache, self.ops, step.angles[kind], step.pos, step.positions,
+                         head_dim=a.heads.head_dim, neox=a.rope.neox, scale=self.scales[kind],
+                         eps=a.norm_eps)
 
 
 def attention(w: AttentionWeights, x: torch.Tensor, cache, ops, rope, pos, positions, *,

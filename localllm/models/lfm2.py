@@ -21,48 +21,21 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import KVSpec, RecurrentSpec
-from .base import (
-    MAX_CONTEXT,
-    MAX_LAYERS,
-    REQUIRED,
-    BaseModel,
-    HParams,
-    TensorSpec,
-    check_vocab,
-)
-from .common import Embedding, Linear, Split, positions_of
-from .hybrid import (
-    AttentionWeights,
-    HeadArgs,
-    attention,
-    attention_specs,
-    head_args,
-    layer_heads,
-    whole_head_rope,
-)
+from .base import MAX_CONTEXT, REQUIRED, TensorSpec
+from .common import Embedding, Linear, Split, swiglu
+from .decoder import Step
+from .hybrid import AttendingArgs, AttentionWeights, HybridDecoder, attention_specs
 from .mamba import MAX_CONV
-from .rope import GLOBAL, Rope, RopeSpec
+from .rope import Rope
 
 
-@dataclass
-class ModelArgs:
-    """Hyperparameters from ``lfm2.*`` metadata keys."""
+@dataclass(kw_only=True)
+class ModelArgs(AttendingArgs):
+    """Hyperparameters from ``lfm2.*`` metadata keys (0 KV heads: a convolution layer)."""
 
-    arch: str
-    n_vocab: int
-    n_layers: int
-    d_model: int
-    heads: HeadArgs  # 0 KV heads: a convolution layer
     ffn_dim: int
-    context_length: int
     l_cache: int  # shortconv.l_cache: taps of the convolution
-    norm_eps: float = 1e-5
-    rope: RopeSpec | None = None
     sliding_window: int | None = None
-
-    @property
-    def recurrent(self) -> tuple[bool, ...]:
-        return tuple(k == 0 for k in self.heads.n_kv_heads)
 
     @classmethod
     def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
@@ -73,24 +46,16 @@ class ModelArgs:
             UnsupportedError: partial RoPE.
         """
 
-        hp = HParams(md, source)
-        n_layers = hp.int("block_count", REQUIRED, hi=MAX_LAYERS)
-        d = hp.int("embedding_length", REQUIRED)
-        heads, kv = layer_heads(hp, n_layers)
-        ha = head_args(hp, heads, kv, [k > 0 for k in kv], d)
-        for i, k in enumerate(kv):
-            hp.require(k == 0 or heads[i] * ha.head_dim == d, "attention.head_count",
-                       f"layer {i}: {heads[i]} heads of {ha.head_dim} differ from "
+        hp, c = cls.read(md, n_vocab, source)
+        ha, d = cls.read_heads(hp, c), c["d_model"]
+        for i, (h, k) in enumerate(zip(ha.n_heads, ha.n_kv_heads)):
+            hp.require(k == 0 or h * ha.head_dim == d, "attention.head_count",
+                       f"layer {i}: {h} heads of {ha.head_dim} differ from "
                        f"embedding_length {d} (LFM2's attention keeps the width)")
-        ctx = hp.int("context_length", REQUIRED, hi=MAX_CONTEXT)
         window = hp.int("attention.sliding_window", 0, lo=0, hi=MAX_CONTEXT)
-        return cls(arch=hp.arch, n_vocab=check_vocab(hp, n_vocab), n_layers=n_layers,
-                   d_model=d, heads=ha,
-                   ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
-                   context_length=ctx,
+        return cls(**c, heads=ha, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
                    l_cache=hp.int("shortconv.l_cache", REQUIRED, lo=2, hi=MAX_CONV),
-                   norm_eps=hp.float("attention.layer_norm_rms_epsilon", REQUIRED, hi=1.0),
-                   rope=whole_head_rope(hp, ha.head_dim, ctx, neox=True),
+                   rope=cls.whole_head_rope(hp, ha.head_dim, c["context_length"], neox=True),
                    sliding_window=window or None)
 
 
@@ -156,7 +121,7 @@ def short_conv_block(b: Layer, x: torch.Tensor, state, ops) -> torch.Tensor:
     return b.shortconv_out_proj(c * y)
 
 
-class Model(BaseModel):
+class Model(HybridDecoder):
     """An LFM2 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
@@ -166,30 +131,15 @@ class Model(BaseModel):
     def prepare(self) -> None:
         a = self.args
         self.output_norm = self.token_embd_norm
-        self.rope = Rope(a.rope, self.device)
+        self.set_rope(a.heads.head_dim ** -0.5, rope=Rope(a.rope, self.device))
 
-    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
-                all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
-        """tokens (T,) int64 at positions pos .. pos+T-1 -> logits float32, (1, n_vocab) for
-        the last position or (T - logits_start, n_vocab) with ``all_logits``; ``memory``:
-        per layer a convolution state or a KV cache (:func:`memory_layout`)."""
+    def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
+              next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         a, ops = self.args, self.ops
-        t, eps = tokens.shape[0], a.norm_eps
-        positions = positions_of(pos, t, self.device)
-        rope = self.rope.angles(ops, positions, memory.ctx_size)[GLOBAL]
-        x = self.token_embd(tokens)
-        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
-        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
-        for b, mem, recurrent, next_norm in zip(self.layers, memory, a.recurrent, nexts):
-            if recurrent:
-                f = short_conv_block(b, n, mem, ops)
-            else:
-                f = attention(b, n, mem, ops, rope, pos, positions, head_dim=a.heads.head_dim,
-                              neox=True, scale=a.heads.head_dim ** -0.5 * self.rope.score_scale(),
-                              eps=eps)
-            h, n = ops.residual_norm(x, f, None, b.ffn_norm, eps)
-            gate, up = b.ffn_gate_up(n)
-            f = b.ffn_down(ops.gated(gate, up, "silu", overwrite=True))
-            x, n = ops.residual_norm(h, f, None, next_norm, eps)
-            del h, f, gate, up
-        return self.output(n[logits_start:] if all_logits else n[-1:])
+        if a.recurrent[i]:
+            f = short_conv_block(b, n, cache, ops)
+        else:
+            f = self.attend(b, n, cache, step)
+        h, n = ops.residual_norm(x, f, None, b.ffn_norm, a.norm_eps)
+        f = swiglu(ops, b.ffn_gate_up, b.ffn_down, n)
+        return ops.residual_norm(h, f, None, next_norm, a.norm_eps)

@@ -41,20 +41,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends import ExpertMatrix
 from ..memory import KVSpec
-from .base import (
-    MAX_CONTEXT,
-    MAX_EXPERTS,
-    REQUIRED,
-    BaseModel,
-    DecoderArgs,
-    HParams,
-    TensorSpec,
-    common_hparams,
-)
-from .common import Linear, Split, positions_of
-from .rope import GLOBAL, NOPE, Rope, RopeWeights, factor_specs, read_rope
+from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, ffn_specs, head_specs, qkv_specs
+from .common import swiglu
+from .decoder import Block, Decoder, DenseFFN, Step, kv_layout
+from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, moe_ffn
+from .rope import GLOBAL, NOPE, factor_specs, read_rope
 
 
 @dataclass(frozen=True)
@@ -99,13 +91,11 @@ VARIANTS: dict[str, Variant] = {
 
 
 @dataclass(kw_only=True)
-class ModelArgs(DecoderArgs):
+class ModelArgs(DecoderArgs, ExpertArgs):
     """Hyperparameters from ``{arch}.*`` metadata keys."""
 
     ffn_dim: int  # feed_forward_length (0 for MoE files without it)
     sliding_window: int | None = None  # mistral-style SWA on every layer, when given
-    n_expert: int = 0  # expert_count
-    n_expert_used: int = 0  # expert_used_count
     expert_ffn_dim: int = 0  # expert_feed_forward_length
     expert_weights_norm: bool = True
     embedding_scale: float = 1.0  # granite
@@ -122,18 +112,16 @@ class ModelArgs(DecoderArgs):
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
         """
-        hp = HParams(md, source)
+        hp, c = cls.read(md, n_vocab, source)
         var = VARIANTS[hp.arch]
-        c = common_hparams(hp, n_vocab)
-        n_expert = 0 if var.moe == "none" else hp.int("expert_count", 0, lo=0, hi=MAX_EXPERTS)
+        experts = {} if var.moe == "none" else expert_counts(hp, 0, lo=0)
+        n_expert = experts.get("n_expert", 0)
         hp.require(n_expert > 0 or var.moe != "required", "expert_count",
                    f"must be > 0 for {hp.arch}")
         ffn = hp.int("feed_forward_length", 0 if n_expert else REQUIRED, lo=0 if n_expert else 1,
                      per_layer=True)
-        kw = {}
+        kw = dict(experts)
         if n_expert:
-            kw["n_expert"] = n_expert
-            kw["n_expert_used"] = hp.int("expert_used_count", REQUIRED, hi=n_expert)
             kw["expert_ffn_dim"] = hp.int("expert_feed_forward_length", ffn or REQUIRED)
             kw["expert_weights_norm"] = hp.bool("expert_weights_norm", True)
         rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
@@ -168,21 +156,14 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
     """llama.cpp's tensors of the architecture (``load_arch_tensors``), torch shapes."""
     var = a.variant
     d, hd, v = a.d_model, a.head_dim, a.n_vocab
-    nq, nkv = a.n_heads * hd, a.n_kv_heads * hd
+    nq = a.n_heads * hd
     specs = [TensorSpec("token_embd.weight", (v, d))]
     if var.rope_factors:
         specs += factor_specs(a.rope)
     for i in range(a.n_layers):
         p = f"blk.{i}."
         specs += [TensorSpec(p + "attn_norm.weight", (d,)),
-                  TensorSpec(p + "attn_q.weight", (nq, d)),
-                  TensorSpec(p + "attn_k.weight", (nkv, d)),
-                  TensorSpec(p + "attn_v.weight", (nkv, d))]
-        if var.qkv_bias != "none":
-            optional = var.qkv_bias == "optional"
-            specs += [TensorSpec(p + "attn_q.bias", (nq,), optional),
-                      TensorSpec(p + "attn_k.bias", (nkv,), optional),
-                      TensorSpec(p + "attn_v.bias", (nkv,), optional)]
+                  *qkv_specs(p, d, a.n_heads, a.n_kv_heads, hd, bias=var.qkv_bias)]
         if var.qk_norm:
             specs += [TensorSpec(p + "attn_q_norm.weight", (hd,)),
                       TensorSpec(p + "attn_k_norm.weight", (hd,))]
@@ -191,58 +172,25 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
             specs.append(TensorSpec(p + "attn_output.bias", (d,), optional=True))
         specs.append(TensorSpec(p + f"{var.ffn_norm}.weight", (d,)))
         if a.n_expert:
-            e, f = a.n_expert, a.expert_ffn_dim
-            specs += [TensorSpec(p + "ffn_gate_inp.weight", (e, d)),
-                      TensorSpec(p + "ffn_gate_exps.weight", (e, f, d)),
-                      TensorSpec(p + "ffn_up_exps.weight", (e, f, d)),
-                      TensorSpec(p + "ffn_down_exps.weight", (e, d, f))]
+            specs += expert_specs(p, d, a.n_expert, a.expert_ffn_dim)
         else:
-            specs += [TensorSpec(p + "ffn_gate.weight", (a.ffn_dim, d)),
-                      TensorSpec(p + "ffn_up.weight", (a.ffn_dim, d)),
-                      TensorSpec(p + "ffn_down.weight", (d, a.ffn_dim))]
-            if var.ffn_bias:
-                specs += [TensorSpec(p + "ffn_gate.bias", (a.ffn_dim,), optional=True),
-                          TensorSpec(p + "ffn_up.bias", (a.ffn_dim,), optional=True),
-                          TensorSpec(p + "ffn_down.bias", (d,), optional=True)]
-    specs += [TensorSpec("output_norm.weight", (d,)),
-              TensorSpec("output.weight", (v, d), optional=True)]
+            specs += ffn_specs(p, d, a.ffn_dim, bias=var.ffn_bias)
+    specs += head_specs(d, v)
     return specs
 
 
 def memory_layout(a: ModelArgs) -> list[KVSpec]:
-    return [KVSpec(a.n_kv_heads, a.head_dim, a.sliding_window)] * a.n_layers
+    return kv_layout(a, a.sliding_window)
 
 
 @dataclass
-class Layer:
-    """The tensors of one block (``blk.{i}.*``)."""
+class Layer(Block, DenseFFN, ExpertWeights):
+    """The tensors of one block (``blk.{i}.*``); the experts where ``expert_count`` > 0."""
 
-    attn_norm: torch.Tensor
-    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v (with their biases)
-    attn_output: Linear
     ffn_norm: torch.Tensor | None = None  # None where the file calls it post_attention_norm
     post_attention_norm: torch.Tensor | None = None  # seed_oss: the FFN's pre-norm
     attn_q_norm: torch.Tensor | None = None  # per-head QK-norm
     attn_k_norm: torch.Tensor | None = None
-    ffn_gate_up: Linear | Split | None = None  # dense FFN: fused ffn_gate, ffn_up
-    ffn_down: Linear | None = None
-    ffn_gate_inp: Linear | None = None  # MoE: the router (float32)
-    ffn_gate_exps: ExpertMatrix | None = None
-    ffn_up_exps: ExpertMatrix | None = None
-    ffn_down_exps: ExpertMatrix | None = None
-
-
-def moe_ffn(layer: Layer, x: torch.Tensor, n_used: int, norm: bool, ops) -> torch.Tensor:
-    """Mixture of experts on x (T, d) float32 -> (T, d) float32 (llama.cpp's
-    ``build_moe_ffn`` with softmax gating and SwiGLU experts): router ``ffn_gate_inp`` ->
-    softmax -> top ``n_used`` experts (weights renormalised to sum 1 when ``norm``), then the
-    backend's ``ops.experts``."""
-    probs = torch.softmax(layer.ffn_gate_inp(x), dim=-1)  # (T, E)
-    weights, chosen = probs.topk(n_used, dim=-1)  # (T, k)
-    if norm:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return ops.experts(x, chosen, weights, layer.ffn_gate_exps, layer.ffn_up_exps,
-                       layer.ffn_down_exps, "silu")
 
 
 def attention_temperature(positions: torch.Tensor, scale: float, length: int,
@@ -254,18 +202,17 @@ def attention_temperature(positions: torch.Tensor, scale: float, length: int,
             + 1.0)[:, None]
 
 
-class Model(BaseModel):
+class Model(Decoder):
     """A Llama-family decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    WEIGHTS = RopeWeights
-    weights: RopeWeights
 
     def prepare(self) -> None:
         a, var = self.args, self.args.variant
-        self.rope = Rope.of(a.rope, self.weights, self.device, norm_after=var.qk_norm == "after")
-        self.kinds = [a.rope_kind(i) for i in range(a.n_layers)]
-        self.scales = {k: a.attention_scale * self.rope.score_scale(k) for k in set(self.kinds)}
+        self.set_rope(a.attention_scale, [a.rope_kind(i) for i in range(a.n_layers)],
+                      norm_after=var.qk_norm == "after")
+        # softmax over the experts, the chosen probabilities renormalised where declared
+        self.routing = Routing(norm=a.expert_weights_norm)
         for b in self.layers:
             if var.ffn_norm != "ffn_norm":  # the file's name for the FFN's pre-norm
                 b.ffn_norm, b.post_attention_norm = b.post_attention_norm, None
@@ -275,60 +222,35 @@ class Model(BaseModel):
                 b.attn_q_norm = self.rope.arrange_weight(b.attn_q_norm)
                 b.attn_k_norm = self.rope.arrange_weight(b.attn_k_norm)
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        pos: int | torch.Tensor,
-        memory,
-        *,
-        all_logits: bool = False,
-        logits_start: int = 0,
-    ) -> torch.Tensor:
-        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
-        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits.
-        ``memory``: the sequence's :class:`~localllm.memory.Memory` (one KV cache per layer).
-
-        ``pos`` may be a (1,) int64 tensor on the model's device for a one-token step with
-        static shapes and no host reads (CUDA graphs, :mod:`localllm.runtime.graphs`)."""
-        a, ops, rope = self.args, self.ops, self.rope
-        after = a.variant.qk_norm == "after"
-        t = tokens.shape[0]
-        positions = positions_of(pos, t, self.device)
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.token_embd(tokens)  # (T, d)
-        if a.embedding_scale != 1.0:
-            x = x * a.embedding_scale
-        angles = rope.angles(ops, positions, memory.ctx_size, tuple(self.scales))
-        temp = (attention_temperature(positions, a.temperature_scale, a.temperature_length)
+        return x * self.args.embedding_scale if self.args.embedding_scale != 1.0 else x
+
+    def temperature(self, positions: torch.Tensor) -> torch.Tensor | None:
+        a = self.args
+        return (attention_temperature(positions, a.temperature_scale, a.temperature_length)
                 if a.temperature_scale else None)
-        # Each block ends with the next block's pre-norm (the output norm after the last),
-        # fused with its residual add.
-        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
-        eps, rs = a.norm_eps, a.residual_scale
-        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
+
+    def head(self, n: torch.Tensor) -> torch.Tensor:
+        logits = self.output(n)
+        return logits / self.args.logit_scale if self.args.logit_scale != 1.0 else logits
+
+    def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
+              next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         # Each intermediate is dropped as soon as it is used (del), before the next large
         # one is allocated: a prefill's peak memory holds one layer's products, not two.
-        for b, cache, next_norm, kind in zip(self.layers, memory, nexts, self.kinds):
-            q, k, v = b.attn_qkv(n)
-            q, k = rope.arrange(q), rope.arrange(k)
-            if temp is not None:
-                q = q * temp  # RoPE is linear: scaling before it is scaling after
-            attn = ops.self_attention(q, k, v, b.attn_q_norm, b.attn_k_norm, eps, angles[kind],
-                                      cache, pos, positions, head_dim=a.head_dim,
-                                      neox=a.rope.neox, scale=self.scales[kind],
-                                      norm_after_rope=after)
-            del q, k, v
-            o = b.attn_output(attn)
-            del attn
-            h, n = ops.residual_norm(x, o * rs if rs != 1.0 else o, None, b.ffn_norm, eps)
-            del o
-            if a.n_expert:
-                f = moe_ffn(b, n, a.n_expert_used, a.expert_weights_norm, ops)
-            else:
-                gate, up = b.ffn_gate_up(n)
-                del n
-                f = b.ffn_down(ops.gated(gate, up, "silu", overwrite=True))
-                del gate, up
-            x, n = ops.residual_norm(h, f * rs if rs != 1.0 else f, None, next_norm, eps)
-            del h, f
-        logits = self.output(n[logits_start:] if all_logits else n[-1:])
-        return logits / a.logit_scale if a.logit_scale != 1.0 else logits
+        a, ops = self.args, self.ops
+        eps, rs = a.norm_eps, a.residual_scale
+        o = self.attention(b, n, cache, step, self.kinds[i], q_norm=b.attn_q_norm,
+                           k_norm=b.attn_k_norm, temperature=step.temperature,
+                           norm_after_rope=a.variant.qk_norm == "after")
+        del n
+        h, n = ops.residual_norm(x, o * rs if rs != 1.0 else o, None, b.ffn_norm, eps)
+        del o, x
+        if a.n_expert:
+            f = moe_ffn(ops, b, n, a.n_expert_used, self.routing)
+        else:
+            f = swiglu(ops, b.ffn_gate_up, b.ffn_down, n)
+        del n
+        x, n = ops.residual_norm(h, f * rs if rs != 1.0 else f, None, next_norm, eps)
+        return x, n

@@ -32,27 +32,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from ..backends import ExpertMatrix
 from ..memory import KVSpec
 from .base import (
     MAX_CONTEXT,
-    MAX_EXPERTS,
     MAX_LAYERS,
     REQUIRED,
-    BaseModel,
     DecoderArgs,
-    HParams,
     TensorSpec,
-    common_hparams,
+    ffn_specs,
+    head_specs,
+    qkv_specs,
     swa_layers,
 )
-from .common import Linear, Split, positions_of
+from .common import swiglu
+from .decoder import Block, Decoder, DenseFFN, Step
 from .llama import attention_temperature
-from .rope import GLOBAL, NOPE, SWA, Rope, RopeWeights, read_rope
+from .moe import ExpertArgs, ExpertWeights, expert_counts, expert_specs
+from .rope import GLOBAL, NOPE, SWA, read_rope
 
 CHUNK = 8192  # llama.cpp's n_swa for Llama 4 (the file's value is not read)
 TEMPERATURE_SCALE = 0.1  # f_attn_temp_scale
@@ -64,12 +63,10 @@ NO_QK_NORM_EXPERTS = 128  # Llama-4-Maverick (LLM_TYPE_17B_128E) has no L2 QK-no
 
 
 @dataclass(kw_only=True)
-class ModelArgs(DecoderArgs):
+class ModelArgs(DecoderArgs, ExpertArgs):
     """Hyperparameters from ``llama4.*`` metadata keys."""
 
     ffn_dim: int  # feed_forward_length: the dense layers' FFN (0 when every layer is MoE)
-    n_expert: int  # expert_count
-    n_expert_used: int  # expert_used_count
     expert_ffn_dim: int  # expert_feed_forward_length (the shared expert's too)
     moe_step: int  # interleave_moe_layer_step: layer i is MoE where (i + 1) % step == 0
     chunk: int | None = CHUNK  # chunked attention's chunk size (None: no chunked layers)
@@ -87,11 +84,9 @@ class ModelArgs(DecoderArgs):
                 experts, more experts used than there are, a sliding-window pattern of
                 another length than block_count, a RoPE over part of the head.
         """
-        hp = HParams(md, source)
-        c = common_hparams(hp, n_vocab)
+        hp, c = cls.read(md, n_vocab, source)
         n = c["n_layers"]
-        n_expert = hp.int("expert_count", REQUIRED, lo=1, hi=MAX_EXPERTS)
-        n_used = hp.int("expert_used_count", REQUIRED, hi=n_expert)
+        experts = expert_counts(hp)
         expert_ffn = hp.int("expert_feed_forward_length", REQUIRED, per_layer=True)
         step = hp.int("interleave_moe_layer_step", REQUIRED, lo=0, hi=MAX_LAYERS)
         dense = any(not _is_moe(step, i) for i in range(n))
@@ -108,9 +103,8 @@ class ModelArgs(DecoderArgs):
             kw.update(chunk=None, swa=(False,) * n, nope_step=n, temperature_scale=0.0)
         else:
             kw["swa"] = tuple(swa_layers(hp, n, SWA_PERIOD))
-        return cls(**c, rope=rope, ffn_dim=ffn, n_expert=n_expert, n_expert_used=n_used,
-                   expert_ffn_dim=expert_ffn, moe_step=step,
-                   qk_norm=n_expert != NO_QK_NORM_EXPERTS, **kw)
+        return cls(**c, rope=rope, ffn_dim=ffn, **experts, expert_ffn_dim=expert_ffn,
+                   moe_step=step, qk_norm=experts["n_expert"] != NO_QK_NORM_EXPERTS, **kw)
 
     def is_moe(self, layer: int) -> bool:
         return _is_moe(self.moe_step, layer)
@@ -129,36 +123,18 @@ def _is_moe(step: int, layer: int) -> bool:
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
     """llama.cpp's ``llama4`` tensors (``load_arch_tensors``), torch shapes."""
-    d, hd, v = a.d_model, a.head_dim, a.n_vocab
-    nq, nkv = a.n_heads * hd, a.n_kv_heads * hd
+    d, v = a.d_model, a.n_vocab
     specs = [TensorSpec("token_embd.weight", (v, d)),
              TensorSpec("rope_freqs.weight", (a.rope.n_rot // 2,), optional=True)]
     for i in range(a.n_layers):
         p = f"blk.{i}."
         specs += [TensorSpec(p + "attn_norm.weight", (d,)),
-                  TensorSpec(p + "attn_q.weight", (nq, d)),
-                  TensorSpec(p + "attn_k.weight", (nkv, d)),
-                  TensorSpec(p + "attn_v.weight", (nkv, d)),
-                  TensorSpec(p + "attn_q.bias", (nq,), optional=True),
-                  TensorSpec(p + "attn_k.bias", (nkv,), optional=True),
-                  TensorSpec(p + "attn_v.bias", (nkv,), optional=True),
-                  TensorSpec(p + "attn_output.weight", (d, nq)),
+                  *qkv_specs(p, d, a.n_heads, a.n_kv_heads, a.head_dim),
+                  TensorSpec(p + "attn_output.weight", (d, a.n_heads * a.head_dim)),
                   TensorSpec(p + "ffn_norm.weight", (d,))]
-        if a.is_moe(i):
-            e, f = a.n_expert, a.expert_ffn_dim
-            specs += [TensorSpec(p + "ffn_gate_inp.weight", (e, d)),
-                      TensorSpec(p + "ffn_gate_exps.weight", (e, f, d)),
-                      TensorSpec(p + "ffn_up_exps.weight", (e, f, d)),
-                      TensorSpec(p + "ffn_down_exps.weight", (e, d, f)),
-                      TensorSpec(p + "ffn_gate_shexp.weight", (f, d)),
-                      TensorSpec(p + "ffn_up_shexp.weight", (f, d)),
-                      TensorSpec(p + "ffn_down_shexp.weight", (d, f))]
-        else:
-            specs += [TensorSpec(p + "ffn_gate.weight", (a.ffn_dim, d)),
-                      TensorSpec(p + "ffn_up.weight", (a.ffn_dim, d)),
-                      TensorSpec(p + "ffn_down.weight", (d, a.ffn_dim))]
-    specs += [TensorSpec("output_norm.weight", (d,)),
-              TensorSpec("output.weight", (v, d), optional=True)]
+        specs += (expert_specs(p, d, a.n_expert, a.expert_ffn_dim, shared_dim=a.expert_ffn_dim)
+                  if a.is_moe(i) else ffn_specs(p, d, a.ffn_dim))
+    specs += head_specs(d, v)
     return specs
 
 
@@ -170,21 +146,11 @@ def memory_layout(a: ModelArgs) -> list[KVSpec]:
 
 
 @dataclass
-class Layer:
-    """The tensors of one block (``blk.{i}.*``)."""
+class Layer(Block, DenseFFN, ExpertWeights):
+    """The tensors of one block (``blk.{i}.*``); the MoE ones (with a shared expert) in
+    the MoE layers."""
 
-    attn_norm: torch.Tensor
-    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v (with their biases)
-    attn_output: Linear
     ffn_norm: torch.Tensor
-    ffn_gate_up: Linear | Split | None = None  # dense layers: fused ffn_gate, ffn_up
-    ffn_down: Linear | None = None
-    ffn_gate_inp: Linear | None = None  # MoE layers: the router (float32)
-    ffn_gate_exps: ExpertMatrix | None = None
-    ffn_up_exps: ExpertMatrix | None = None
-    ffn_down_exps: ExpertMatrix | None = None
-    ffn_gate_up_shexp: Linear | Split | None = None  # the shared expert: fused gate, up
-    ffn_down_shexp: Linear | None = None
 
 
 def route(layer: Layer, x: torch.Tensor, n_used: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,66 +173,40 @@ def moe_ffn(layer: Layer, x: torch.Tensor, n_used: int, ops) -> torch.Tensor:
         y = ops.experts(x * weights[:, j:j + 1], chosen[:, j:j + 1], ones, layer.ffn_gate_exps,
                         layer.ffn_up_exps, layer.ffn_down_exps, "silu")
         out = y if out is None else out + y
-    gate, up = layer.ffn_gate_up_shexp(x)
-    return out + layer.ffn_down_shexp(ops.gated(gate, up, "silu", overwrite=True))
+    return out + swiglu(ops, layer.ffn_gate_up_shexp, layer.ffn_down_shexp, x)
 
 
-class Model(BaseModel):
+class Model(Decoder):
     """A Llama 4 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    WEIGHTS = RopeWeights
-    weights: RopeWeights
-    FUSE: ClassVar[dict[str, tuple[str, ...]]] = {
-        **BaseModel.FUSE, "ffn_gate_up_shexp": ("ffn_gate_shexp", "ffn_up_shexp")}
 
     def prepare(self) -> None:
         a = self.args
-        self.rope = Rope.of(a.rope, self.weights, self.device)
-        self.kinds = [a.rope_kind(i) for i in range(a.n_layers)]
         base = 1.0 / math.sqrt(a.head_dim)
+        self.set_rope(base, [a.rope_kind(i) for i in range(a.n_layers)])
         # The L2 norm after the rotation cancels the RoPE magnitude (folded into the scale
         # otherwise); a weightless RMSNorm commutes with the rotation, so it runs before it
         # as a QK-norm of unit weight (the backends' fused path).
-        self.scales = {k: base * (1.0 if a.qk_norm and k != NOPE else self.rope.score_scale(k))
-                       for k in set(self.kinds)}
+        if a.qk_norm:
+            self.scales.update({k: base for k in self.scales if k != NOPE})
         self.unit = torch.ones(a.head_dim, dtype=torch.float32, device=self.device)
 
-    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
-                all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
-        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
-        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits.
-        ``memory``: the sequence's :class:`~localllm.memory.Memory` (one KV cache per layer)."""
-        a, ops, rope = self.args, self.ops, self.rope
-        t = tokens.shape[0]
-        positions = positions_of(pos, t, self.device)
-        x = self.token_embd(tokens)
-        angles = rope.angles(ops, positions, memory.ctx_size, tuple(self.scales))
-        temp = (attention_temperature(positions, a.temperature_scale, TEMPERATURE_LENGTH,
-                                      TEMPERATURE_OFFSET) if a.temperature_scale else None)
-        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
-        eps = a.norm_eps
-        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
-        for i, (b, cache, next_norm, kind) in enumerate(zip(self.layers, memory, nexts,
-                                                              self.kinds)):
-            q, k, v = b.attn_qkv(n)
-            del n
-            norm = self.unit if a.qk_norm and kind != NOPE else None
-            if kind == NOPE and temp is not None:
-                q = q * temp
-            attn = ops.self_attention(q, k, v, norm, norm, eps, angles[kind], cache, pos,
-                                      positions, head_dim=a.head_dim, neox=False,
-                                      scale=self.scales[kind])
-            del q, k, v
-            h, n = ops.residual_norm(x, b.attn_output(attn), None, b.ffn_norm, eps)
-            del attn
-            if a.is_moe(i):
-                f = moe_ffn(b, n, a.n_expert_used, ops)
-            else:
-                gate, up = b.ffn_gate_up(n)
-                f = b.ffn_down(ops.gated(gate, up, "silu", overwrite=True))
-                del gate, up
-            del n
-            x, n = ops.residual_norm(h, f, None, next_norm, eps)
-            del h, f
-        return self.output(n[logits_start:] if all_logits else n[-1:])
+    def temperature(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """The NoPE layers' attention temperature (T, 1), None when the file has none."""
+        scale = self.args.temperature_scale
+        return (attention_temperature(positions, scale, TEMPERATURE_LENGTH, TEMPERATURE_OFFSET)
+                if scale else None)
+
+    def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
+              next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        a, ops, kind = self.args, self.ops, self.kinds[i]
+        norm = self.unit if a.qk_norm and kind != NOPE else None
+        o = self.attention(b, n, cache, step, kind, q_norm=norm, k_norm=norm,
+                           temperature=step.temperature if kind == NOPE else None)
+        h, n = ops.residual_norm(x, o, None, b.ffn_norm, a.norm_eps)
+        del o, x
+        f = (moe_ffn(b, n, a.n_expert_used, ops) if a.is_moe(i)
+             else swiglu(ops, b.ffn_gate_up, b.ffn_down, n))
+        del n
+        return ops.residual_norm(h, f, None, next_norm, a.norm_eps)

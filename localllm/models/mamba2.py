@@ -13,29 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import (
-    MAX_CONTEXT,
-    MAX_LAYERS,
-    REQUIRED,
-    BaseModel,
-    HParams,
-    TensorSpec,
-    check_vocab,
-)
+from .base import BaseModel, TensorSpec, head_specs
+from .hybrid import HybridArgs
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
 
 
-@dataclass
-class ModelArgs:
+@dataclass(kw_only=True)
+class ModelArgs(HybridArgs):
     """Hyperparameters from ``mamba2.*`` metadata keys."""
 
-    arch: str
-    n_vocab: int
-    n_layers: int  # block_count
-    d_model: int  # embedding_length
-    context_length: int  # the converter writes 2**20: a recurrence has no limit of its own
     ssm: SSMArgs
-    norm_eps: float = 1e-5
 
     @classmethod
     def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
@@ -44,13 +31,9 @@ class ModelArgs:
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
         """
-        hp = HParams(md, source)
-        return cls(arch=hp.arch, n_vocab=check_vocab(hp, n_vocab),
-                   n_layers=hp.int("block_count", REQUIRED, hi=MAX_LAYERS),
-                   d_model=hp.int("embedding_length", REQUIRED),
-                   context_length=hp.int("context_length", 1 << 20, hi=MAX_CONTEXT),
-                   ssm=ssm_hparams(hp),
-                   norm_eps=hp.float("attention.layer_norm_rms_epsilon", REQUIRED, hi=1.0))
+        # the converter writes a context of 2**20: a recurrence has no limit of its own
+        hp, c = cls.read(md, n_vocab, source, context_length=1 << 20)
+        return cls(**c, ssm=ssm_hparams(hp))
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
@@ -61,8 +44,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
         p = f"blk.{i}."
         specs.append(TensorSpec(p + "attn_norm.weight", (d,)))
         specs += ssm_specs(p, a.ssm, d)
-    return specs + [TensorSpec("output_norm.weight", (d,)),
-                    TensorSpec("output.weight", (v, d), optional=True)]
+    return specs + head_specs(d, v)
 
 
 def memory_layout(a: ModelArgs) -> list:

@@ -15,11 +15,22 @@ The top ``k`` experts are chosen by score plus an optional per-expert selection 
 weights; the weights are the chosen scores, renormalised to sum 1 with ``norm``
 (``expert_weights_norm``; the sum clamped below at 2^-14 as llama.cpp does), then multiplied
 by ``scale`` (``expert_weights_scale``; 0 means 1).
+
+A family declares what differs (:class:`Routing`: gating, renormalisation, scale, the
+experts' activation), its layers hold :class:`ExpertWeights`, and :func:`moe_ffn` runs
+them; :func:`expert_counts` and :func:`expert_specs` read and declare the experts.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from ..backends import ExpertMatrix
+from .base import MAX_EXPERTS, REQUIRED, DecoderArgs, HParams, TensorSpec, ffn_specs
+from .common import Linear, Split, default_attention_scale, swiglu
+from .rope import read_rope
 
 GATINGS = ("softmax", "sigmoid", "softmax_weight")
 # expert_gating_func values (llama.cpp's enum; 0 "none" means the family's default)
@@ -65,3 +76,110 @@ def route(logits: torch.Tensor, n_used: int, *, gating: str = "softmax", norm: b
     if scale not in (0.0, 1.0):
         weights = weights * scale
     return weights, chosen
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What a family's MoE layers do with the router's logits (see :func:`route`) and the
+    experts' activation (``ops.experts``: ``silu`` SwiGLU, gpt-oss's ``swiglu_oai``)."""
+
+    gating: str = "softmax"
+    norm: bool = False  # expert_weights_norm
+    scale: float = 1.0  # expert_weights_scale (0: 1)
+    act: str = "silu"
+
+
+@dataclass(kw_only=True)
+class ExpertArgs:
+    """The expert counts of a MoE family's ``ModelArgs`` (:func:`expert_counts`)."""
+
+    n_expert: int = 0  # expert_count
+    n_expert_used: int = 0  # expert_used_count
+
+
+@dataclass(kw_only=True)
+class AllExpertsArgs(DecoderArgs, ExpertArgs):
+    """Hyperparameters of a decoder whose every layer routes over experts
+    ``feed_forward_length`` wide, RoPE over halves (NEOX): OLMoE, Phi-3.5-MoE."""
+
+    ffn_dim: int  # feed_forward_length: each expert's width
+    attention_scale: float = 0.0  # 1/sqrt(head_dim)
+
+    @classmethod
+    def from_gguf(cls, md: dict, n_vocab: int, source: str = ""):
+        """Validated hyperparameters (see :class:`~localllm.models.base.HParams`).
+
+        Raises:
+            GGUFError: a key missing, mistyped, out of range or inconsistent (named): no
+                experts, more used experts than experts.
+        """
+        hp, c = cls.read(md, n_vocab, source)
+        rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
+                         neox=True)
+        return cls(**c, rope=rope, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
+                   **expert_counts(hp), attention_scale=default_attention_scale(c["head_dim"]))
+
+
+@dataclass(kw_only=True)
+class ExpertWeights:
+    """The MoE tensors of a block (``blk.{i}.*``), None where a layer has none (a dense
+    layer, no selection bias, no shared expert). A family's ``Layer`` extends it."""
+
+    ffn_gate_inp: Linear | None = None  # the router (float32, with its bias if any)
+    exp_probs_b_bias: torch.Tensor | None = None  # (n_expert,) selection bias
+    ffn_gate_exps: ExpertMatrix | None = None  # (n_expert, ffn, d), with biases if any
+    ffn_up_exps: ExpertMatrix | None = None
+    ffn_down_exps: ExpertMatrix | None = None
+    ffn_gate_up_shexp: Linear | Split | None = None  # fused shared experts' gate and up
+    ffn_down_shexp: Linear | None = None
+
+
+def routed_experts(ops, b: ExpertWeights, x: torch.Tensor, n_used: int, routing: Routing
+                   ) -> torch.Tensor:
+    """The routed part of a MoE layer on x (T, d) float32 -> (T, d) float32: :func:`route`
+    the router's logits (with the layer's selection bias), then the chosen experts'
+    weighted sum (``ops.experts``)."""
+    weights, chosen = route(b.ffn_gate_inp(x), n_used, gating=routing.gating,
+                            norm=routing.norm, selection_bias=b.exp_probs_b_bias,
+                            scale=routing.scale)
+    return ops.experts(x, chosen, weights, b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps,
+                       routing.act)
+
+
+def moe_ffn(ops, b: ExpertWeights, x: torch.Tensor, n_used: int, routing: Routing
+            ) -> torch.Tensor:
+    """A MoE layer on its normed input x (T, d) float32 -> (T, d) float32: the
+    :func:`routed_experts` plus the shared experts' SwiGLU where the layer has them
+    (llama.cpp's ``build_moe_ffn`` and the families' ``ffn_shexp``)."""
+    f = routed_experts(ops, b, x, n_used, routing)
+    if b.ffn_gate_up_shexp is not None:
+        f = f + swiglu(ops, b.ffn_gate_up_shexp, b.ffn_down_shexp, x)
+    return f
+
+
+def expert_counts(hp: HParams, n_expert=REQUIRED, *, lo: int = 1) -> dict:
+    """``n_expert`` (``expert_count``, default ``n_expert``) and ``n_expert_used``
+    (``expert_used_count``, 1 .. n_expert; read only when there are experts).
+
+    Raises:
+        GGUFError: a count missing, out of range, or more used experts than experts.
+    """
+    n = hp.int("expert_count", n_expert, lo=lo, hi=MAX_EXPERTS)
+    return {"n_expert": n, "n_expert_used": hp.int("expert_used_count", REQUIRED, hi=n)
+            if n else 0}
+
+
+def expert_specs(prefix: str, d_model: int, n_expert: int, ffn_dim: int, *,
+                 selection_bias: str = "", shared_dim: int = 0) -> list[TensorSpec]:
+    """A MoE layer's router ``ffn_gate_inp`` (n_expert, d), its ``exp_probs_b.bias``
+    (``selection_bias`` ``"required"`` or ``"optional"``), the experts
+    ``ffn_{gate,up}_exps`` (n_expert, ffn_dim, d) and ``ffn_down_exps`` (n_expert, d,
+    ffn_dim), and a shared SwiGLU ``shared_dim`` wide when > 0."""
+    p, e, f, d = prefix, n_expert, ffn_dim, d_model
+    specs = [TensorSpec(p + "ffn_gate_inp.weight", (e, d))]
+    if selection_bias:
+        specs.append(TensorSpec(p + "exp_probs_b.bias", (e,), selection_bias == "optional"))
+    specs += [TensorSpec(p + "ffn_gate_exps.weight", (e, f, d)),
+              TensorSpec(p + "ffn_up_exps.weight", (e, f, d)),
+              TensorSpec(p + "ffn_down_exps.weight", (e, d, f))]
+    return specs + (ffn_specs(p, d, shared_dim, "_shexp") if shared_dim else [])

@@ -19,27 +19,20 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedError
 from ..memory import KVSpec
-from .base import MAX_CONTEXT, MAX_LAYERS, REQUIRED, BaseModel, HParams, TensorSpec, check_vocab
+from .base import REQUIRED, BaseModel, HParams, TensorSpec, head_specs
 from .common import Linear, positions_of
-from .hybrid import AttentionWeights, HeadArgs, attention, attention_specs, head_args, layer_heads
+from .hybrid import AttendingArgs, AttentionWeights, attention, attention_specs, hybrid_hparams
 from .mamba import MixerWeights, SSMArgs, mamba2_mixer, ssm_hparams, ssm_memory, ssm_specs
 
 MAMBA, ATTENTION, FFN = "mamba", "attention", "ffn"
 
 
-@dataclass
-class ModelArgs:
+@dataclass(kw_only=True)
+class ModelArgs(AttendingArgs):
     """Hyperparameters from ``nemotron_h.*`` metadata keys."""
 
-    arch: str
-    n_vocab: int
-    n_layers: int
-    d_model: int
-    heads: HeadArgs
     ffn_dims: tuple[int, ...]  # feed_forward_length per layer (0: not an FFN layer)
-    context_length: int
     ssm: SSMArgs
-    norm_eps: float = 1e-5
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -56,21 +49,15 @@ class ModelArgs:
             UnsupportedError: experts (``expert_count`` > 0).
         """
         hp = HParams(md, source)
-        n_layers = hp.int("block_count", REQUIRED, hi=MAX_LAYERS)
-        d = hp.int("embedding_length", REQUIRED)
         if hp.int("expert_count", 0, lo=0):
             raise UnsupportedError(f"{hp.pre}metadata {hp.key('expert_count')}: mixture-of-"
                                    "experts Nemotron-H layers are not supported")
-        heads, kv = layer_heads(hp, n_layers)
-        ffn = hp.int_layers("feed_forward_length", n_layers, REQUIRED)
-        attends = [f == 0 and k > 0 for f, k in zip(ffn, kv)]
         # llama.cpp's f_norm_eps (required) is the RMS norms' epsilon unless the RMS key is set
-        eps = hp.float("attention.layer_norm_epsilon", REQUIRED, hi=1.0)
-        return cls(arch=hp.arch, n_vocab=check_vocab(hp, n_vocab), n_layers=n_layers,
-                   d_model=d, heads=head_args(hp, heads, kv, attends, d), ffn_dims=ffn,
-                   context_length=hp.int("context_length", REQUIRED, hi=MAX_CONTEXT),
-                   ssm=ssm_hparams(hp),
-                   norm_eps=hp.float("attention.layer_norm_rms_epsilon", eps, hi=1.0))
+        c = hybrid_hparams(hp, n_vocab,
+                           eps=hp.float("attention.layer_norm_epsilon", REQUIRED, hi=1.0))
+        ffn = hp.int_layers("feed_forward_length", c["n_layers"], REQUIRED)
+        heads = cls.read_heads(hp, c, lambda kv: [f == 0 and k > 0 for f, k in zip(ffn, kv)])
+        return cls(**c, heads=heads, ffn_dims=ffn, ssm=ssm_hparams(hp))
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
@@ -91,8 +78,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                       TensorSpec(p + "ffn_down.weight", (d, f)),
                       TensorSpec(p + "ffn_up.bias", (f,), optional=True),
                       TensorSpec(p + "ffn_down.bias", (d,), optional=True)]
-    return specs + [TensorSpec("output_norm.weight", (d,)),
-                    TensorSpec("output.weight", (v, d), optional=True)]
+    return specs + head_specs(d, v)
 
 
 def memory_layout(a: ModelArgs) -> list:

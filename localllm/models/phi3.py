@@ -21,18 +21,10 @@ from typing import ClassVar
 
 import torch
 
-from ..memory import KVSpec
-from .base import (
-    MAX_CONTEXT,
-    REQUIRED,
-    BaseModel,
-    DecoderArgs,
-    HParams,
-    TensorSpec,
-    common_hparams,
-)
-from .common import Linear, positions_of
-from .rope import Rope, RopeWeights, read_rope
+from .base import MAX_CONTEXT, REQUIRED, DecoderArgs, TensorSpec, head_specs
+from .common import Linear, swiglu
+from .decoder import Block, Decoder, Step, kv_layout
+from .rope import read_rope
 
 
 @dataclass(kw_only=True)
@@ -49,8 +41,7 @@ class ModelArgs(DecoderArgs):
         Raises:
             GGUFError: a key missing, mistyped, out of range or inconsistent (named).
         """
-        hp = HParams(md, source)
-        c = common_hparams(hp, n_vocab)
+        hp, c = cls.read(md, n_vocab, source)
         ffn = hp.int("feed_forward_length", REQUIRED, per_layer=True)
         rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
                          neox=True)
@@ -75,59 +66,34 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                   TensorSpec(p + "ffn_up.weight", (2 * a.ffn_dim, d),
                              parts=(a.ffn_dim, a.ffn_dim)),
                   TensorSpec(p + "ffn_down.weight", (d, a.ffn_dim))]
-    specs += [TensorSpec("output_norm.weight", (d,)),
-              TensorSpec("output.weight", (v, d), optional=True)]
+    specs += head_specs(d, v)
     return specs
 
 
-def memory_layout(a: ModelArgs) -> list[KVSpec]:
-    return [KVSpec(a.n_kv_heads, a.head_dim)] * a.n_layers
+memory_layout = kv_layout
 
 
 @dataclass
-class Layer:
+class Layer(Block):
     """The tensors of one block (``blk.{i}.*``)."""
 
-    attn_norm: torch.Tensor
-    attn_qkv: Linear  # the file's fused Q/K/V: returns (q, k, v)
-    attn_output: Linear
     ffn_norm: torch.Tensor
     ffn_up: Linear  # gate and up stacked: returns (gate, up)
     ffn_down: Linear
 
 
-class Model(BaseModel):
+class Model(Decoder):
     """A Phi-3 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    WEIGHTS = RopeWeights
     FUSE: ClassVar[dict] = {}  # the file's tensors are fused already
-    weights: RopeWeights
 
     def prepare(self) -> None:
-        self.rope = Rope.of(self.args.rope, self.weights, self.device)
-        self.scale = self.args.attention_scale * self.rope.score_scale()
-
-    def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
-                all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:
-        """tokens: (T,) int64 at positions pos .. pos+T-1 -> logits float32:
-        (1, n_vocab) for the last position, or (T - logits_start, n_vocab) with all_logits."""
-        a, ops = self.args, self.ops
-        t = tokens.shape[0]
-        positions = positions_of(pos, t, self.device)
-        x = self.token_embd(tokens)
         # the long or short factors by the sequence's context (a per-session choice)
-        angles = self.rope.angles(ops, positions, memory.ctx_size)["global"]
-        nexts = [b.attn_norm for b in self.layers[1:]] + [self.output_norm]
-        eps = a.norm_eps
-        n = ops.rms_norm(x, self.layers[0].attn_norm, eps)
-        for b, cache, next_norm in zip(self.layers, memory, nexts):
-            q, k, v = b.attn_qkv(n)
-            q, k = self.rope.arrange(q), self.rope.arrange(k)
-            attn = ops.self_attention(q, k, v, None, None, eps, angles, cache, pos, positions,
-                                      head_dim=a.head_dim, neox=True, scale=self.scale)
-            h, n = ops.residual_norm(x, b.attn_output(attn), None, b.ffn_norm, eps)
-            gate, up = b.ffn_up(n)
-            x, n = ops.residual_norm(h, b.ffn_down(ops.gated(gate, up, "silu")), None,
-                                     next_norm, eps)
-        return self.output(n[logits_start:] if all_logits else n[-1:])
+        self.set_rope(self.args.attention_scale)
+
+    def block(self, i: int, b: Layer, cache, x: torch.Tensor, n: torch.Tensor,
+              next_norm: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        ops, eps = self.ops, self.args.norm_eps
+        h, n = ops.residual_norm(x, self.attention(b, n, cache, step), None, b.ffn_norm, eps)
+        return ops.residual_norm(h, swiglu(ops, b.ffn_up, b.ffn_down, n), None, next_norm, eps)

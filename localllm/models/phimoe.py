@@ -17,101 +17,52 @@ renormalised to sum 1 (:func:`localllm.models.moe.route`) -> SwiGLU experts
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from ..backends import ExpertMatrix
-from ..memory import KVSpec
-from .base import (
-    MAX_EXPERTS,
-    REQUIRED,
-    BaseModel,
-    DecoderArgs,
-    HParams,
-    TensorSpec,
-    common_hparams,
-)
-from .common import Linear, Split, positions_of
-from .moe import route
-from .rope import Rope, RopeWeights, factor_specs, read_rope
+from .base import BaseModel, TensorSpec, qkv_specs
+from .common import positions_of
+from .decoder import Block, kv_layout
+from .moe import AllExpertsArgs, ExpertWeights, Routing, expert_specs, moe_ffn
+from .rope import Rope, RopeWeights, factor_specs
+
+ROUTING = Routing(norm=True)  # softmax, the chosen probabilities renormalised
 
 
-@dataclass(kw_only=True)
-class ModelArgs(DecoderArgs):
+class ModelArgs(AllExpertsArgs):
     """Hyperparameters from ``phimoe.*`` metadata keys."""
-
-    ffn_dim: int  # feed_forward_length: each expert's width
-    n_expert: int  # expert_count
-    n_expert_used: int  # expert_used_count
-    attention_scale: float = 0.0
-
-    @classmethod
-    def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
-        """Validated hyperparameters (see :class:`~localllm.models.base.HParams`).
-
-        Raises:
-            GGUFError: a key missing, mistyped, out of range or inconsistent (named): no
-                experts, more used experts than experts.
-        """
-        hp = HParams(md, source)
-        c = common_hparams(hp, n_vocab)
-        n_expert = hp.int("expert_count", REQUIRED, hi=MAX_EXPERTS)
-        rope = read_rope(hp, head_dim=c["head_dim"], context_length=c["context_length"],
-                         neox=True)
-        return cls(**c, rope=rope, ffn_dim=hp.int("feed_forward_length", REQUIRED, per_layer=True),
-                   n_expert=n_expert,
-                   n_expert_used=hp.int("expert_used_count", REQUIRED, hi=n_expert),
-                   attention_scale=1.0 / math.sqrt(c["head_dim"]))
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
     """llama.cpp's ``phimoe`` tensors (``llama_model_phimoe::load_arch_tensors``), torch
     shapes."""
-    d, hd, v, e, f = a.d_model, a.head_dim, a.n_vocab, a.n_expert, a.ffn_dim
-    nq, nkv = a.n_heads * hd, a.n_kv_heads * hd
+    d, v = a.d_model, a.n_vocab
     specs = [TensorSpec("token_embd.weight", (v, d)), *factor_specs(a.rope)]
     for i in range(a.n_layers):
         p = f"blk.{i}."
         specs += [TensorSpec(p + "attn_norm.weight", (d,)),
                   TensorSpec(p + "attn_norm.bias", (d,)),
-                  TensorSpec(p + "attn_q.weight", (nq, d)),
-                  TensorSpec(p + "attn_k.weight", (nkv, d)),
-                  TensorSpec(p + "attn_v.weight", (nkv, d)),
-                  TensorSpec(p + "attn_q.bias", (nq,), optional=True),
-                  TensorSpec(p + "attn_k.bias", (nkv,), optional=True),
-                  TensorSpec(p + "attn_v.bias", (nkv,), optional=True),
-                  TensorSpec(p + "attn_output.weight", (d, nq)),
+                  *qkv_specs(p, d, a.n_heads, a.n_kv_heads, a.head_dim),
+                  TensorSpec(p + "attn_output.weight", (d, a.n_heads * a.head_dim)),
                   TensorSpec(p + "attn_output.bias", (d,)),
                   TensorSpec(p + "ffn_norm.weight", (d,)),
                   TensorSpec(p + "ffn_norm.bias", (d,)),
-                  TensorSpec(p + "ffn_gate_inp.weight", (e, d)),
-                  TensorSpec(p + "ffn_gate_exps.weight", (e, f, d)),
-                  TensorSpec(p + "ffn_up_exps.weight", (e, f, d)),
-                  TensorSpec(p + "ffn_down_exps.weight", (e, d, f))]
+                  *expert_specs(p, d, a.n_expert, a.ffn_dim)]
     return specs + [TensorSpec("output_norm.weight", (d,)), TensorSpec("output_norm.bias", (d,)),
                     TensorSpec("output.weight", (v, d)), TensorSpec("output.bias", (v,))]
 
 
-def memory_layout(a: ModelArgs) -> list[KVSpec]:
-    return [KVSpec(a.n_kv_heads, a.head_dim)] * a.n_layers
+memory_layout = kv_layout
 
 
 @dataclass
-class Layer:
-    """The tensors of one block (``blk.{i}.*``)."""
+class Layer(Block, ExpertWeights):
+    """The tensors of one block (``blk.{i}.*``); the output projection with its bias."""
 
-    attn_norm: torch.Tensor
     attn_norm_bias: torch.Tensor
-    attn_qkv: Linear | Split  # fused attn_q, attn_k, attn_v (with their biases, if any)
-    attn_output: Linear  # with its bias
     ffn_norm: torch.Tensor
     ffn_norm_bias: torch.Tensor
-    ffn_gate_inp: Linear  # the router (float32)
-    ffn_gate_exps: ExpertMatrix
-    ffn_up_exps: ExpertMatrix
-    ffn_down_exps: ExpertMatrix
 
 
 @dataclass
@@ -153,9 +104,7 @@ class Model(BaseModel):
             h = x + b.attn_output(attn)
             del attn, x
             n = ops.rms_norm(h, b.ffn_norm, eps) + b.ffn_norm_bias
-            weights, chosen = route(b.ffn_gate_inp(n), a.n_expert_used, norm=True)
-            x = h + ops.experts(n, chosen, weights, b.ffn_gate_exps, b.ffn_up_exps,
-                                b.ffn_down_exps, "silu")
+            x = h + moe_ffn(ops, b, n, a.n_expert_used, ROUTING)
             del h, n
         n = ops.rms_norm(x, self.output_norm, eps) + self.output_norm_bias
         return self.output(n[logits_start:] if all_logits else n[-1:])

@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import ClassVar
 
 import torch
 
-from ..backends import ExpertMatrix
 from ..memory import KVSpec
-from . import deltanet, llama
+from . import deltanet
 from .base import (
     MAX_CONTEXT,
     MAX_EXPERTS,
@@ -52,10 +50,15 @@ from .base import (
     TensorSpec,
     attention_heads,
     check_vocab,
+    ffn_specs,
+    head_specs,
 )
-from .common import Linear, Split, positions_of
+from .common import Linear, Split, positions_of, swiglu
 from .deltanet import DeltaNetArgs
+from .moe import ExpertWeights, Routing, expert_specs, routed_experts
 from .rope import read_rope
+
+ROUTING = Routing(norm=True)  # softmax, the chosen probabilities renormalised
 
 
 @dataclass(kw_only=True)
@@ -151,22 +154,14 @@ def attention_specs(p: str, a: ModelArgs) -> list[TensorSpec]:
             TensorSpec(p + "attn_output.weight", (d, nq))]
 
 
-def ffn_specs(p: str, a: ModelArgs) -> list[TensorSpec]:
+def block_ffn_specs(p: str, a: ModelArgs) -> list[TensorSpec]:
     """The dense SwiGLU, or the routed experts and the gated shared expert (MoE)."""
     d = a.d_model
     if not a.n_expert:
-        return [TensorSpec(p + "ffn_gate.weight", (a.ffn_dim, d)),
-                TensorSpec(p + "ffn_up.weight", (a.ffn_dim, d)),
-                TensorSpec(p + "ffn_down.weight", (d, a.ffn_dim))]
-    e, f, fs = a.n_expert, a.expert_ffn_dim, a.shared_ffn_dim
-    return [TensorSpec(p + "ffn_gate_inp.weight", (e, d)),
-            TensorSpec(p + "ffn_gate_exps.weight", (e, f, d)),
-            TensorSpec(p + "ffn_up_exps.weight", (e, f, d)),
-            TensorSpec(p + "ffn_down_exps.weight", (e, d, f)),
+        return ffn_specs(p, d, a.ffn_dim)
+    return [*expert_specs(p, d, a.n_expert, a.expert_ffn_dim),
             TensorSpec(p + "ffn_gate_inp_shexp.weight", (d,)),
-            TensorSpec(p + "ffn_gate_shexp.weight", (fs, d)),
-            TensorSpec(p + "ffn_up_shexp.weight", (fs, d)),
-            TensorSpec(p + "ffn_down_shexp.weight", (d, fs))]
+            *ffn_specs(p, d, a.shared_ffn_dim, "_shexp")]
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
@@ -181,7 +176,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
             block += deltanet.deltanet_specs(p, d, a.deltanet, fused_ba=a.FUSED_BA)
         else:
             block += attention_specs(p, a)
-        block += ffn_specs(p, a)
+        block += block_ffn_specs(p, a)
         if i >= a.n_layers:  # a multi-token-prediction block: checked, never read
             block += [TensorSpec(p + "nextn.eh_proj.weight", (d, 2 * d)),
                       TensorSpec(p + "nextn.enorm.weight", (d,)),
@@ -191,8 +186,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                       TensorSpec(p + "nextn.shared_head_norm.weight", (d,))]
             block = [replace(s, optional=True, unused=True, unless=None) for s in block]
         specs += block
-    specs += [TensorSpec("output_norm.weight", (d,)),
-              TensorSpec("output.weight", (v, d), optional=True)]
+    specs += head_specs(d, v)
     return specs
 
 
@@ -203,7 +197,7 @@ def memory_layout(a: ModelArgs) -> list:
 
 
 @dataclass
-class Layer:
+class Layer(ExpertWeights):
     """The tensors of one block (``blk.{i}.*``): attention or delta-net, dense or MoE FFN."""
 
     attn_norm: torch.Tensor
@@ -228,13 +222,7 @@ class Layer:
     # FFN
     ffn_gate_up: Linear | Split | None = None
     ffn_down: Linear | None = None
-    ffn_gate_inp: Linear | None = None
-    ffn_gate_exps: ExpertMatrix | None = None
-    ffn_up_exps: ExpertMatrix | None = None
-    ffn_down_exps: ExpertMatrix | None = None
     ffn_gate_inp_shexp: torch.Tensor | None = None  # (d,): the shared expert's gate
-    ffn_gate_up_shexp: Linear | Split | None = None
-    ffn_down_shexp: Linear | None = None
 
 
 def rope_inv_freq(a: ModelArgs) -> torch.Tensor:
@@ -270,7 +258,6 @@ class Model(BaseModel):
     :func:`localllm.models.base.bind`."""
 
     LAYER = Layer
-    FUSE: ClassVar[dict[str, tuple[str, ...]]] = {**BaseModel.FUSE, "ffn_gate_up_shexp": ("ffn_gate_shexp", "ffn_up_shexp")}
 
     def prepare(self) -> None:
         a, dev = self.args, self.device
@@ -313,11 +300,9 @@ class Model(BaseModel):
         ``sigmoid(x . ffn_gate_inp_shexp)``."""
         ops = self.ops
         if b.ffn_gate_inp is None:
-            gate, up = b.ffn_gate_up(x)
-            return b.ffn_down(ops.gated(gate, up, "silu", overwrite=True))
-        out = llama.moe_ffn(b, x, self.args.n_expert_used, True, ops)
-        gate, up = b.ffn_gate_up_shexp(x)
-        shared = b.ffn_down_shexp(ops.gated(gate, up, "silu", overwrite=True))
+            return swiglu(ops, b.ffn_gate_up, b.ffn_down, x)
+        out = routed_experts(ops, b, x, self.args.n_expert_used, ROUTING)
+        shared = swiglu(ops, b.ffn_gate_up_shexp, b.ffn_down_shexp, x)
         return out.add_(shared.mul_(torch.sigmoid(x @ b.ffn_gate_inp_shexp)[:, None]))
 
     def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +59,19 @@ class Geometry:
     n_pad_tokens: int = 0  # [PAD] tokens after the specials (rows of the embedding past the vocab)
     extra: dict = field(default_factory=dict)  # other ``{arch}.*`` keys
     optional: tuple[str, ...] = ()  # optional tensors to write (``rope_freqs.weight`` ...)
+
+
+@dataclass(frozen=True)
+class _Like:
+    """A geometry of the table written as another's (``base``, an entry written out in
+    full) with ``changes``: the 0.5-1B geometries keep their model's vocabulary and keys."""
+
+    base: str
+    changes: dict
+
+
+def _like(base: str, **changes) -> _Like:
+    return _Like(base, changes)
 
 
 _LLAMA3_SPECIALS = tuple(
@@ -163,6 +176,23 @@ def _glm4moe_keys(n_expert: int, n_used: int, expert_ffn: int, scale: float, *,
 _GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
 
 
+def _deltanet_moe_keys(arch: str, n_expert: int, n_used: int, expert_ffn: int, inner: int,
+                       dt_rank: int, groups: int, *, sections: tuple[int, ...] = ()) -> dict:
+    """``{arch}.*`` keys of a Qwen3.5-MoE / Qwen3-Next geometry: experts and a shared one
+    as wide, gated delta-nets (kernel 4, state 128, ``inner`` wide, ``dt_rank`` value heads
+    in ``groups`` key heads), one attention layer in four, RoPE on 64 dimensions
+    (``sections``: Qwen3.5's M-RoPE sections)."""
+    keys = {"expert_count": n_expert, "expert_used_count": n_used,
+            "expert_feed_forward_length": expert_ffn,
+            "expert_shared_feed_forward_length": expert_ffn, "ssm.conv_kernel": 4,
+            "ssm.inner_size": inner, "ssm.state_size": 128, "ssm.time_step_rank": dt_rank,
+            "ssm.group_count": groups, "full_attention_interval": 4,
+            "rope.dimension_count": 64}
+    if sections:
+        keys["rope.dimension_sections"] = list(sections)
+    return {f"{arch}.{k}": v for k, v in keys.items()}
+
+
 def _gemma4(n_layers: int, shared: int, per_layer: int, period: int, ffn: int) -> dict:
     """Gemma 4's keys: every ``period``-th layer global (head 512), the others sliding
     (head 256, RoPE base 10,000), the last ``shared`` layers sharing KV with an FFN twice
@@ -178,7 +208,7 @@ def _gemma4(n_layers: int, shared: int, per_layer: int, period: int, ffn: int) -
                                            for i in range(n_layers)]}
 
 
-GEOMETRIES: dict[str, Geometry] = {
+_TABLE: dict[str, Geometry | _Like] = {
     # Meta-Llama-3-8B (config.json of the HF release)
     "llama3-8b": Geometry(
         "llama3-8b", "llama", 128256, 32, 4096, 32, 8, 128, 14336, 8192, 500000.0, 1e-5,
@@ -204,10 +234,7 @@ GEOMETRIES: dict[str, Geometry] = {
         "mistral-7b", "llama", 32768, 32, 4096, 32, 8, 128, 14336, 32768, 1000000.0, 1e-5,
         "llama", "default", specials=("<unk>", "<s>", "</s>")),
     # Qwen2.5-7B / 0.5B: QKV biases (0.5B: tied output)
-    "qwen2.5-7b": Geometry(
-        "qwen2.5-7b", "qwen2", 152064, 28, 3584, 28, 4, 128, 18944, 32768, 1000000.0, 1e-6,
-        "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        qkv_bias=True, n_pad_tokens=418),
+    "qwen2.5-7b": _like("qwen2-7b"),  # Qwen2-7B's geometry
     "qwen2.5-0.5b": Geometry(
         "qwen2.5-0.5b", "qwen2", 151936, 24, 896, 14, 2, 64, 4864, 32768, 1000000.0, 1e-6,
         "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
@@ -307,9 +334,8 @@ GEOMETRIES: dict[str, Geometry] = {
                "llama4.expert_feed_forward_length": 8192,
                "llama4.interleave_moe_layer_step": 1}),
     # Llama-4-Maverick-17B-128E: MoE every other layer (128 experts), no QK-norm
-    "llama4-maverick": Geometry(
-        "llama4-maverick", "llama4", 202048, 48, 5120, 40, 8, 128, 16384, 1048576, 500000.0,
-        1e-5, "gpt2", "llama4", specials=_LLAMA4_SPECIALS, optional=("rope_freqs.weight",),
+    "llama4-maverick": _like(
+        "llama4-scout", context_length=1048576,
         extra={"llama4.expert_count": 128, "llama4.expert_used_count": 1,
                "llama4.expert_feed_forward_length": 8192,
                "llama4.interleave_moe_layer_step": 2}),
@@ -333,17 +359,12 @@ GEOMETRIES: dict[str, Geometry] = {
         extra=_gemma4(60, 0, 0, 6, 21504)),
     # ---- 0.5-1B geometries of every family (bench/bench_families.py) ----------------------
     # Gemma-4-E2B's layers at 9 of its 35 (the last 4 sharing KV)
-    "gemma4-1b": Geometry(
-        "gemma4-1b", "gemma4", 262144, 9, 1536, 8, 1, 512, 6144, 131072, 1000000.0, 1e-6,
-        "llama", "default", specials=_GEMMA_SPECIALS, tied_output=True, sliding_window=512,
-        extra=_gemma4(9, 4, 256, 5, 6144)),
+    "gemma4-1b": _like("gemma4-e2b", n_layers=9, extra=_gemma4(9, 4, 256, 5, 6144)),
     # Llama-4-Scout's vocabulary, head size and routing at 1B active (16 experts of 1024)
-    "llama4-1b": Geometry(
-        "llama4-1b", "llama4", 202048, 8, 1536, 12, 4, 128, 4096, 10485760, 500000.0, 1e-5,
-        "gpt2", "llama4", specials=_LLAMA4_SPECIALS, optional=("rope_freqs.weight",),
-        extra={"llama4.expert_count": 16, "llama4.expert_used_count": 1,
-               "llama4.expert_feed_forward_length": 1024,
-               "llama4.interleave_moe_layer_step": 1}),
+    "llama4-1b": _like("llama4-scout", n_layers=8, d_model=1536, n_heads=12, n_kv_heads=4,
+                       ffn_dim=4096, extra={"llama4.expert_count": 16, "llama4.expert_used_count": 1,
+                              "llama4.expert_feed_forward_length": 1024,
+                              "llama4.interleave_moe_layer_step": 1}),
     # Gemma-3-1B: 5 of 6 layers sliding (512), MQA, head size 256
     "gemma3-1b": Geometry(
         "gemma3-1b", "gemma3", 262144, 26, 1152, 4, 1, 256, 6912, 32768, 1000000.0, 1e-6,
@@ -351,61 +372,37 @@ GEOMETRIES: dict[str, Geometry] = {
                                       "<end_of_turn>"),
         tied_output=True, sliding_window=512),
     # Gemma-2-2B's layers and vocabulary, 8 of its 26 layers (Gemma 2 has no model this small)
-    "gemma2-1b": Geometry(
-        "gemma2-1b", "gemma2", 256000, 8, 2304, 8, 4, 256, 9216, 8192, 10000.0, 1e-6,
-        "llama", "default", specials=("<pad>", "<eos>", "<bos>", "<unk>"), tied_output=True,
-        sliding_window=4096, extra={"gemma2.attn_logit_softcapping": 50.0,
-                                    "gemma2.final_logit_softcapping": 30.0}),
+    "gemma2-1b": _like("gemma2-2b", n_layers=8),
     # Gemma-2B (Gemma 1)'s layers and vocabulary, 6 of its 18 layers
-    "gemma-1b": Geometry(
-        "gemma-1b", "gemma", 256000, 6, 2048, 8, 1, 256, 16384, 8192, 10000.0, 1e-6,
-        "llama", "default", specials=("<pad>", "<eos>", "<bos>", "<unk>"), tied_output=True),
+    "gemma-1b": _like("gemma-2b", n_layers=6),
     # Mistral-7B-v0.3's vocabulary, head size and GQA ratio at 1B (GGUF architecture "llama")
-    "mistral-1b": Geometry(
-        "mistral-1b", "llama", 32768, 16, 2048, 16, 4, 128, 7168, 32768, 1000000.0, 1e-5,
-        "llama", "default", specials=("<unk>", "<s>", "</s>")),
+    "mistral-1b": _like("mistral-7b", n_layers=16, d_model=2048, n_heads=16, n_kv_heads=4,
+                        ffn_dim=7168),
     # Phi-3-mini's vocabulary, fused QKV / gate-up and MHA at 1B
-    "phi3-1b": Geometry(
-        "phi3-1b", "phi3", 32064, 16, 2048, 32, 32, 64, 8192, 4096, 10000.0, 1e-5,
-        "llama", "default", specials=("<unk>", "<s>", "</s>", "<|endoftext|>", "<|end|>")),
+    "phi3-1b": _like("phi3-mini", n_layers=16, d_model=2048, head_dim=64),
     # OLMo-2-0425-1B
-    "olmo2-1b": Geometry(
-        "olmo2-1b", "olmo2", 100352, 16, 2048, 16, 16, 128, 8192, 4096, 500000.0, 1e-6,
-        "gpt2", "llama-bpe", specials=("<|endoftext|>", "<|pad|>")),
+    "olmo2-1b": _like("olmo2-7b", n_layers=16, d_model=2048, n_heads=16, n_kv_heads=16,
+                      ffn_dim=8192),
     # Granite-3.0-2B's layers and vocabulary, 16 of its 40 layers
-    "granite3-1b": Geometry(
-        "granite3-1b", "granite", 49155, 16, 2048, 32, 8, 64, 8192, 4096, 10000.0, 1e-5,
-        "gpt2", "llama-bpe", specials=("<|endoftext|>", "<fim_prefix>"), tied_output=True,
-        extra={"granite.embedding_scale": 12.0, "granite.residual_scale": 0.22,
-               "granite.attention.scale": 0.015625, "granite.logit_scale": 8.0}),
+    "granite3-1b": _like("granite3-8b", n_layers=16, d_model=2048, head_dim=64, ffn_dim=8192,
+                         extra={"granite.embedding_scale": 12.0, "granite.residual_scale": 0.22,
+                                "granite.attention.scale": 0.015625, "granite.logit_scale": 8.0}),
     # Ministral-3-3B's layers and vocabulary, 8 of its 26 layers
-    "ministral3-1b": Geometry(
-        "ministral3-1b", "mistral3", 131072, 8, 3072, 32, 8, 128, 9216, 262144, 1000000.0,
-        1e-5, "gpt2", "tekken", specials=_MISTRAL_SPECIALS, tied_output=True,
-        extra=_MINISTRAL3_ROPE),
+    "ministral3-1b": _like("ministral3-3b", n_layers=8),
     # SmolLM3-3B's layers and vocabulary, 12 of its 36 layers
-    "smollm3-1b": Geometry(
-        "smollm3-1b", "smollm3", 128256, 12, 2048, 16, 4, 128, 11008, 65536, 5000000.0, 1e-6,
-        "gpt2", "llama-bpe", specials=_LLAMA3_SPECIALS, tied_output=True),
+    "smollm3-1b": _like("smollm3-3b", n_layers=12),
     # Apertus-8B's proportions at 1B (head size, GQA ratio, xIELU FFN of 5.25x)
-    "apertus-1b": Geometry(
-        "apertus-1b", "apertus", 131072, 12, 2048, 16, 4, 128, 10752, 65536, 12000000.0, 1e-5,
-        "gpt2", "tekken", specials=_MISTRAL_SPECIALS, optional=("rope_freqs.weight",),
-        extra=_xielu(12)),
+    "apertus-1b": _like("apertus-8b", n_layers=12, d_model=2048, n_heads=16, n_kv_heads=4,
+                        ffn_dim=10752, extra=_xielu(12)),
     # Seed-OSS-36B's vocabulary, head size and GQA ratio at 1B
-    "seed-oss-1b": Geometry(
-        "seed-oss-1b", "seed_oss", 155136, 12, 2048, 32, 4, 64, 5632, 524288, 10000000.0,
-        1e-6, "gpt2", "seed-coder", specials=("<seed:bos>", "<seed:eos>", "<seed:pad>"),
-        qkv_bias=True),
+    "seed-oss-1b": _like("seed-oss-36b", n_layers=12, d_model=2048, n_heads=32, n_kv_heads=4,
+                         head_dim=64, ffn_dim=5632),
     # Hunyuan-1.8B's layers and vocabulary, 16 of its 32 layers
-    "hunyuan-1b": Geometry(
-        "hunyuan-1b", "hunyuan-dense", 120818, 16, 2048, 16, 4, 128, 6144, 262144, 10000.0,
-        1e-5, "gpt2", "hunyuan-dense", specials=_HUNYUAN_SPECIALS, tied_output=True,
-        extra={"hunyuan-dense.rope.scaling.alpha": 1000.0}),
+    "hunyuan-1b": _like("hunyuan-7b", n_vocab=120818, n_layers=16, d_model=2048, n_heads=16,
+                        n_kv_heads=4, ffn_dim=6144, tied_output=True),
     # ERNIE-4.5-0.3B's vocabulary, head size and GQA ratio at 1B
-    "ernie4.5-1b": Geometry(
-        "ernie4.5-1b", "ernie4_5", 103424, 16, 2048, 32, 4, 64, 6144, 131072, 500000.0,
-        1e-5, "llama", "default", specials=("<unk>", "<s>", "</s>", "<pad>"), tied_output=True),
+    "ernie4.5-1b": _like("ernie4.5-0.3b", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=4,
+                         ffn_dim=6144),
     # gpt-oss-20b: 24 layers alternating sliding-window (128) and full attention, 32 experts
     # (4 used, 2880 wide, MXFP4 in the released files) with biases, attention sinks, YaRN
     # (x32 over 4096), the o200k_harmony vocabulary (pre-tokenizer gpt-4o)
@@ -440,10 +437,8 @@ GEOMETRIES: dict[str, Geometry] = {
                    yarn=(40.0, 4096, 1.0))),
     # DeepSeek-V3's layout at 1.4B (0.7B active with the embeddings): 12 layers of 1536,
     # q_lora_rank 512, 32 experts of 512 in 4 groups (2 used), 6 routed + 1 shared
-    "deepseek-v3-1b": Geometry(
-        "deepseek-v3-1b", "deepseek2", 129280, 12, 1536, 16, 1, 192, 4096, 163840, 10000.0,
-        1e-6, "gpt2", "deepseek-v3", specials=_DEEPSEEK_SPECIALS,
-        optional=("exp_probs_b.bias",),
+    "deepseek-v3-1b": _like(
+        "deepseek-v3", n_layers=12, d_model=1536, n_heads=16, ffn_dim=4096,
         extra=mla_keys("deepseek2", q_lora_rank=512, kv_lora_rank=512, rope=64, key_mla=192,
                        value_mla=128, experts=32, used=6, shared=1, expert_ffn=512,
                        dense_lead=1, groups=(4, 2), sigmoid=True, scale=2.5,
@@ -516,52 +511,24 @@ GEOMETRIES: dict[str, Geometry] = {
     "qwen35moe-35b-a3b": Geometry(
         "qwen35moe-35b-a3b", "qwen35moe", 248320, 40, 2048, 16, 2, 256, 512, 262144,
         10000000.0, 1e-6, "gpt2", "qwen35",
-        specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), n_pad_tokens=271, extra={
-            "qwen35moe.expert_count": 256, "qwen35moe.expert_used_count": 8,
-            "qwen35moe.expert_feed_forward_length": 512,
-            "qwen35moe.expert_shared_feed_forward_length": 512,
-            "qwen35moe.ssm.conv_kernel": 4, "qwen35moe.ssm.inner_size": 4096,
-            "qwen35moe.ssm.state_size": 128, "qwen35moe.ssm.time_step_rank": 32,
-            "qwen35moe.ssm.group_count": 16, "qwen35moe.full_attention_interval": 4,
-            "qwen35moe.rope.dimension_count": 64,
-            "qwen35moe.rope.dimension_sections": [11, 11, 10, 0]}),
+        specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), n_pad_tokens=271,
+        extra=_deltanet_moe_keys("qwen35moe", 256, 8, 512, 4096, 32, 16,
+                                 sections=(11, 11, 10, 0))),
     # Qwen3-Next-80B-A3B: 48 layers, 512 experts (10 used, 512 wide) and a shared expert
     "qwen3next-80b-a3b": Geometry(
         "qwen3next-80b-a3b", "qwen3next", 151936, 48, 2048, 16, 2, 256, 5120, 262144,
         10000000.0, 1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>",
-                                                     "<|im_end|>"), n_pad_tokens=290, extra={
-            "qwen3next.expert_count": 512, "qwen3next.expert_used_count": 10,
-            "qwen3next.expert_feed_forward_length": 512,
-            "qwen3next.expert_shared_feed_forward_length": 512,
-            "qwen3next.ssm.conv_kernel": 4, "qwen3next.ssm.inner_size": 4096,
-            "qwen3next.ssm.state_size": 128, "qwen3next.ssm.time_step_rank": 32,
-            "qwen3next.ssm.group_count": 16, "qwen3next.full_attention_interval": 4,
-            "qwen3next.rope.dimension_count": 64}),
+                                                     "<|im_end|>"), n_pad_tokens=290,
+        extra=_deltanet_moe_keys("qwen3next", 512, 10, 512, 4096, 32, 16)),
     # Qwen3.5-35B-A3B's proportions at 1B: 16 layers, 64 experts (8 used, 256 wide)
-    "qwen35moe-1b": Geometry(
-        "qwen35moe-1b", "qwen35moe", 248320, 16, 1024, 8, 2, 256, 256, 262144, 10000000.0,
-        1e-6, "gpt2", "qwen35", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        n_pad_tokens=271, extra={
-            "qwen35moe.expert_count": 64, "qwen35moe.expert_used_count": 8,
-            "qwen35moe.expert_feed_forward_length": 256,
-            "qwen35moe.expert_shared_feed_forward_length": 256,
-            "qwen35moe.ssm.conv_kernel": 4, "qwen35moe.ssm.inner_size": 2048,
-            "qwen35moe.ssm.state_size": 128, "qwen35moe.ssm.time_step_rank": 16,
-            "qwen35moe.ssm.group_count": 8, "qwen35moe.full_attention_interval": 4,
-            "qwen35moe.rope.dimension_count": 64,
-            "qwen35moe.rope.dimension_sections": [11, 11, 10, 0]}),
+    "qwen35moe-1b": _like(
+        "qwen35moe-35b-a3b", n_layers=16, d_model=1024, n_heads=8, ffn_dim=256,
+        extra=_deltanet_moe_keys("qwen35moe", 64, 8, 256, 2048, 16, 8,
+                                 sections=(11, 11, 10, 0))),
     # Qwen3-Next-80B-A3B's proportions at 1B: 16 layers, 64 experts (8 used, 256 wide)
-    "qwen3next-1b": Geometry(
-        "qwen3next-1b", "qwen3next", 151936, 16, 1024, 8, 2, 256, 256, 262144, 10000000.0,
-        1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        n_pad_tokens=290, extra={
-            "qwen3next.expert_count": 64, "qwen3next.expert_used_count": 8,
-            "qwen3next.expert_feed_forward_length": 256,
-            "qwen3next.expert_shared_feed_forward_length": 256,
-            "qwen3next.ssm.conv_kernel": 4, "qwen3next.ssm.inner_size": 2048,
-            "qwen3next.ssm.state_size": 128, "qwen3next.ssm.time_step_rank": 16,
-            "qwen3next.ssm.group_count": 8, "qwen3next.full_attention_interval": 4,
-            "qwen3next.rope.dimension_count": 64}),
+    "qwen3next-1b": _like(
+        "qwen3next-80b-a3b", n_layers=16, d_model=1024, n_heads=8, ffn_dim=256,
+        extra=_deltanet_moe_keys("qwen3next", 64, 8, 256, 2048, 16, 8)),
     # GLM-4.5-Air: 46 decoder layers (the first dense) and its next-token-prediction block,
     # 128 experts (8 used, sigmoid scores with a selection bias, normalised) and a shared one,
     # Q/K/V biases, RoPE on half of each head
@@ -571,11 +538,8 @@ GEOMETRIES: dict[str, Geometry] = {
                                   "<|assistant|>", "<|observation|>"),
         qkv_bias=True, extra=_glm4moe_keys(128, 8, 1408, 1.0, nextn=1)),
     # GLM-4.5-Air's proportions at 1.4B: 12 layers (the first dense), 32 experts
-    "glm4moe-1b": Geometry(
-        "glm4moe-1b", "glm4moe", 151552, 12, 1536, 24, 4, 64, 4608, 131072, 1000000.0, 1e-5,
-        "gpt2", "glm4", specials=("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>",
-                                  "<|assistant|>", "<|observation|>"),
-        qkv_bias=True, extra=_glm4moe_keys(32, 8, 512, 1.0)),
+    "glm4moe-1b": _like("glm4.5-air", n_layers=12, d_model=1536, n_heads=24, n_kv_heads=4,
+                        head_dim=64, ffn_dim=4608, extra=_glm4moe_keys(32, 8, 512, 1.0)),
     # OLMoE-1B-7B: 16 layers, 64 experts (8 used, softmax, not renormalised) 1024 wide,
     # QK-norm over all heads
     "olmoe-1b-7b": Geometry(
@@ -603,11 +567,13 @@ GEOMETRIES: dict[str, Geometry] = {
                "phimoe.rope.scaling.attn_factor": 1.19}),
     # gpt-oss-20b's layer kinds, vocabulary and expert proportions at 1.4B: 12 layers,
     # 16 experts (4 used, 768 wide; 0.55B active with the output projection)
-    "gpt-oss-1b": Geometry(
-        "gpt-oss-1b", "gpt-oss", 201088, 12, 1536, 24, 8, 64, 768, 131072, 150000.0, 1e-5,
-        "gpt2", "gpt-4o", specials=_HARMONY_SPECIALS, qkv_bias=True, sliding_window=128,
-        extra=_gpt_oss_keys(16, 4, 768)),
+    "gpt-oss-1b": _like("gpt-oss-20b", n_layers=12, d_model=1536, n_heads=24, ffn_dim=768,
+                        extra=_gpt_oss_keys(16, 4, 768)),
 }
+# every geometry by name, in the table's order
+GEOMETRIES: dict[str, Geometry] = {
+    name: replace(_TABLE[g.base], name=name, **g.changes) if isinstance(g, _Like) else g
+    for name, g in _TABLE.items()}
 
 
 def geometry_args(g: Geometry):

@@ -15,7 +15,7 @@
 // task being (expert, tile of output rows), and the tile then multiplies every batch of the
 // expert. Threads take tasks dynamically (experts get different token counts). The outputs
 // are summed per token in increasing expert order, each times its routing weight (the
-// order of the torch path, localllm.models.llama.moe_ffn). SiLU and the gated product are
+// order of the torch path, localllm.models.moe.moe_ffn). SiLU and the gated product are
 // ops.cpp's (gated_values).
 
 #include <ATen/Parallel.h>

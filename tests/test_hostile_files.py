@@ -443,13 +443,25 @@ def test_threads_batch_is_used_for_batches(tiny, keep_threads):
     assert torch.get_num_threads() == 1
 
 
-def test_cli_sets_a_passive_openmp_wait_policy(tiny):
-    """Idle OpenMP threads sleep instead of spinning (a busy core is not taken from its
-    other user), unless the user chose a policy."""
+def test_passive_openmp_wait_only_on_a_busy_machine():
+    """Idle OpenMP threads sleep instead of spinning when the machine's cores are taken at
+    start (a busy core is not taken from its other user), spin as libgomp's default on an
+    idle machine (sleeping there halves 2-thread decode), and the user's choice stands."""
+    from localllm.cli.options import prefer_passive_openmp_wait
+
+    env: dict = {}
+    assert prefer_passive_openmp_wait(env, load=2.3, cores=2) and env == {
+        "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {}
+    assert not prefer_passive_openmp_wait(env, load=0.4, cores=2) and env == {}
+    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "1000"}):
+        env = dict(chosen)
+        assert not prefer_passive_openmp_wait(env, load=9.0, cores=2) and env == chosen
+
+
+def test_cli_keeps_the_users_openmp_wait_policy(tiny):
     show = "import atexit, os; atexit.register(lambda: print(os.environ.get('OMP_WAIT_POLICY')))"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    res = cli("run", str(tiny), "the", "-n", "1", prelude=show, env=env)
-    assert res.returncode == 0 and res.stdout.rstrip().endswith(b"PASSIVE"), res
     res = cli("run", str(tiny), "the", "-n", "1", prelude=show,
               env={**env, "OMP_WAIT_POLICY": "ACTIVE"})
     assert res.returncode == 0 and res.stdout.rstrip().endswith(b"ACTIVE"), res

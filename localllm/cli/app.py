@@ -595,9 +595,9 @@ def main(args: list[str] | None = None) -> None:
     never a traceback); 130 Ctrl-C; 128 + the signal's number for SIGTERM (143), SIGHUP,
     SIGUSR1/2, SIGALRM. Error lines show control characters escaped. A standard stream
     closed at start-up reads as ``/dev/null``; diagnostics that stderr cannot take (closed,
-    full) are dropped without changing the exit status. Idle OpenMP threads sleep
-    instead of spinning unless ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` says otherwise
-    (:func:`localllm.cli.options.prefer_passive_openmp_wait`).
+    full) are dropped without changing the exit status. On a machine whose cores are busy
+    at start, idle OpenMP threads sleep instead of spinning unless ``OMP_WAIT_POLICY`` or
+    ``GOMP_SPINCOUNT`` says otherwise (:func:`localllm.cli.options.prefer_passive_openmp_wait`).
     """
     _exit_on_signals()
     prefer_passive_openmp_wait()  # before torch is imported

@@ -35,21 +35,40 @@ def apply_threads(threads: int | None, threads_batch: int | None = None) -> int:
     return set_threads(threads, threads_batch)
 
 
-def prefer_passive_openmp_wait(environ=None) -> None:
-    """Let idle OpenMP threads sleep instead of spin: ``OMP_WAIT_POLICY=PASSIVE`` unless the
-    user chose (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``).
+def prefer_passive_openmp_wait(environ=None, *, load: float | None = None,
+                               cores: int | None = None) -> bool:
+    """Let idle OpenMP threads sleep instead of spin (``OMP_WAIT_POLICY=PASSIVE``) when the
+    machine is already busy at start — its 1-minute load average (``load``) at or above its
+    usable cores (``cores``) — unless the user chose (``OMP_WAIT_POLICY``,
+    ``GOMP_SPINCOUNT``). Returns whether it set the policy.
 
-    GNU libgomp's default spins about 300,000 iterations (a few ms) at every barrier and
-    between parallel loops before sleeping. A decode runs hundreds of short loops per token,
-    so with a core taken by another process our waiting threads take time from it and from
-    our own working thread (``bench/bench_contention.py``). libgomp reads the variable once,
+    GNU libgomp's default spins about 300,000 iterations at every barrier before sleeping.
+    With a core taken by another process, our spinning threads take time from it and from our
+    own working thread: 2-thread decode kept 0.24-0.30 of its idle speed beside one busy
+    process, llama.cpp 0.39, and 1.28 with the passive policy (``bench/bench_contention.py``,
+    2026-11-26). On an idle machine the passive policy halves 2-thread decode instead (18.7
+    against 39.5 tokens/s, same run: each of a token's hundreds of parallel loops wakes a
+    sleeping thread), so it is chosen only when the cores are taken; no spin count served
+    both (2,000: 25 idle / 20 busy; 20,000: as the default). libgomp reads the variable once,
     when torch loads it: this must run before ``import torch``.
     """
     import os
 
     environ = os.environ if environ is None else environ
-    if not any(k in environ for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
-        environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    if any(k in environ for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
+        return False
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            return False
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+    if load < cores:
+        return False
+    environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True
 
 
 def option_group(param: str, options: list[tuple[str, Any, Any]],

@@ -8,7 +8,7 @@ for two tokens. ``torch.set_num_threads(n)`` sizes two pools, each ``n - 1`` wor
 the caller: OpenMP's (started by the first parallel loop) and torch's pthreadpool (started
 at once, used by XNNPACK/QNNPACK only; its workers sleep) — so ``-t 10000`` was 20,000
 threads, and ``-t 512`` is at most 1,022 besides the interpreter's own. Waiting threads sleep instead of spinning when OpenMP's wait policy allows
-it (``OMP_WAIT_POLICY=PASSIVE``, set by the command line before torch loads), so that a decode on a machine whose cores are taken by
+it (``OMP_WAIT_POLICY=PASSIVE``, set by the command line before torch loads when the cores are busy at start), so that a decode on a machine whose cores are taken by
 another process is not slowed down by our own idle threads.
 """
 

@@ -18,7 +18,8 @@
    the first, medians over ``--repeats``; the difference is what the server adds per token.
 4. The lazy tool-call grammar before its trigger (issue #29): the same chat request with a
    tool and ``tool_choice="auto"`` and without tools, in-process, time per generated token
-   (a trigger would end the measurement: the run reports whether one fired).
+   from the generation's timings (chunk gaps are not token times there: text is held back
+   while a call could still open); the run reports whether a trigger fired.
 """
 
 from __future__ import annotations
@@ -174,22 +175,24 @@ TOOL = {"type": "function", "function": {
 
 def lazy_grammar_seconds(llm, n: int, repeats: int) -> tuple[list, list, int]:
     """Per-token seconds of a streamed chat reply with a tool offered (``tool_choice="auto"``:
-    the family's lazy call grammar waits for its trigger) and without, from the first chunk
-    with a token to the last; how many runs opened a call (the trigger fired)."""
+    the family's lazy call grammar waits for its trigger) and without, from the generation's
+    own timings; how many runs opened a call (the trigger fired)."""
     messages = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
     lazy, plain, fired = [], [], 0
     for _ in range(repeats):
         for tools, out in ((None, plain), ([TOOL], lazy)):
             chunks = llm.create_chat_completion(messages, tools=tools, max_tokens=n,
                                                 temperature=0.0, stream=True, ignore_eos=True)
-            stamps, called = [], False
-            for c in chunks:  # chunks with a token (not the role's, sent before the prefill)
+            called, timings = False, None
+            for c in chunks:
                 delta = c["choices"][0]["delta"] if c["choices"] else {}
-                if delta.get("content") or delta.get("tool_calls"):
-                    stamps.append(time.perf_counter())
                 called |= bool(delta.get("tool_calls"))
+                timings = c.get("timings", timings)
             fired += called and tools is not None
-            out.append((stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1))
+            # the generation's own per-token time (llama-server's timings, in the last
+            # chunk): a chunk may carry several tokens (text held back while a call could
+            # still open), so chunk gaps are not token times
+            out.append(timings["predicted_per_token_ms"] / 1e3)
     return lazy, plain, fired
 
 

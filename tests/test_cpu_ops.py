@@ -246,6 +246,7 @@ def test_decode_attention_after_truncate_before_wrap():
     (2, 3, 0, "cells 2..3 / live 3 outside"),  # live ends before the new cells
     (-1, 4, 0, "cells -1..0"),
     (0, 2, 5, "k_pos must be empty or (size,) int64"),  # positions of another cache size
+    (1, 5, 0, "2 tokens must be the last of the live cells (cells 1..2 / live 5)"),
 ])
 def test_attention_ops_refuse_cells_outside_the_cache(op, slot, live, k_pos, message):
     """Both attention steps (csrc/checks.h's check_cells) refuse cells outside the cache with

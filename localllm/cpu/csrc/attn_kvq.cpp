@@ -219,8 +219,7 @@ at::Tensor attn_kvq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   at::parallel_for(0, nt * nkv, grain, [&](int64_t u0, int64_t u1) {
     std::vector<float> row(d), s(group * live), mx(group), total(group);
     for (int64_t u = u0; u < u1; ++u) {
-      // query t sees cells up to its own (slot + t), as a one-token step there does
-      const int64_t t = u / nkv, g = u % nkv, qpos = pos + t, lt = live - (nt - 1 - t);
+      const int64_t t = u / nkv, g = u % nkv, qpos = pos + t, lt = cells_seen(live, nt, t);
       const uint8_t* kg = kc + g * size * rk;
       const uint8_t* vg = vc + g * size * rv;
       std::fill(mx.begin(), mx.end(), ninf);

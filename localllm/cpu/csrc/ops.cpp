@@ -425,17 +425,14 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   };
   // Threads take ranges of (token, query head) pairs; the heads of a range that share a
   // token and a KV head go together, so each key and value row is read once for all of
-  // them (GQA). Query t sees cells up to its own, slot + t: the batch's later cells are
-  // left out rather than masked, so each query's sums run over the cells a one-token step
-  // at its position has, in the same order (a verified guess equals a decoded token bit
-  // for bit: speculative decoding).
+  // them (GQA). Query t attends over cells_seen (checks.h).
   const int64_t grain = std::max<int64_t>(1, GRAIN / std::max<int64_t>(live * d, 1));
   at::parallel_for(0, nt * nh, grain, [&](int64_t u0, int64_t u1) {
     std::vector<float> s((u1 - u0) * live), mx(u1 - u0), total(u1 - u0);
     for (int64_t ua = u0; ua < u1;) {
       const int64_t t = ua / nh, ha = ua % nh, g = ha / group;
       const int64_t hb = std::min({u1 - t * nh, (g + 1) * group, nh}), n = hb - ha;
-      const int64_t qpos = pos + t, lt = live - (nt - 1 - t);  // lt: the cells query t sees
+      const int64_t qpos = pos + t, lt = cells_seen(live, nt, t);
       const KT* kg = kc + g * size * d;
       const KT* vg = vc + g * size * d;
       float* sa = s.data() + (ua - u0) * live;  // scores of head ha + i at sa[i * live + j]

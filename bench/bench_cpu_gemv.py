@@ -2,13 +2,14 @@
 
     .venv/bin/python bench/bench_cpu_gemv.py MODEL.gguf --arch native haswell --rounds 5
 
-Loads MODEL's matrices as the native backend packs them (views of the memory-mapped file)
-and times products ``y = x @ W.T`` of one activation row (``--rows``: up to 8; ``localllm.cpu.qmatmul``, decode's GEMV) with
-int8 activations (``gemv_q8``) and with float32 activations (``gemv``), on every matrix of
-the file in turn, so that the weights stream from DRAM as in a decode step (the file is
-larger than the L3), after one untimed pass that maps the file's pages. Printed per (type, shape) and for all matrices together: GB/s of
-weight bytes, medians over the rounds, in thread CPU time (steadier than wall time when
-other jobs share the cores; the products run on one thread) and in wall time.
+Loads MODEL's matrices as the native backend packs them (views of the memory-mapped file) and
+times products ``y = x @ W.T`` of one activation row (decode's GEMV; ``--rows`` up to 8: a
+speculative verification; ``localllm.cpu.qmatmul``) with int8 activations (``gemv_q8``) and
+with float32 activations (``gemv``), on every matrix of the file in turn, so that the weights
+stream from DRAM as in a decode step (the file is larger than the L3), after one untimed pass
+that maps the file's pages. Printed per (type, shape) and for all matrices together: GB/s of
+weight bytes, medians over the rounds, in thread CPU time (steadier than wall time when other
+jobs share the cores; the products run on one thread) and in wall time.
 
 Each ``--arch`` runs in its own process with ``LOCALLLM_CPU_ARCH`` set (``native``: this
 CPU, e.g. AVX512-VNNI; ``haswell``: the AVX2 kernels; the build is cached per flags), the

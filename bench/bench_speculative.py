@@ -100,9 +100,9 @@ def side_ours(path, threads, n_gen, ngram, draft_path, draft_max):
         for mode in modes:
             ctx = len(prompt) + n_gen + 16
             s = Session(m, ctx_size=ctx)
-            drafter = (None if mode == "plain" else NgramDrafter(ngram) if draft is None
-                       or mode != "draft" else ModelDrafter(Session(draft, ctx_size=ctx),
-                                                            p_min=0.0))
+            drafter = (None if mode == "plain"
+                       else ModelDrafter(Session(draft, ctx_size=ctx), p_min=0.0)
+                       if mode == "draft" else NgramDrafter(ngram))
             sampler = build_sampler(SamplingParams(temp=0.0, ignore_eos=True), m.tokenizer)
             t = Timings()
             toks = [st.token for st in generate_tokens(
@@ -182,30 +182,29 @@ def main() -> None:
                     sys.exit(f"error: the {name} side failed: "
                              f"{(r.stderr.strip().splitlines() or ['?'])[-1]}")
                 for task, modes in json.loads(r.stdout.strip().splitlines()[-1]).items():
-                    for mode, v in modes.items():
-                        runs.setdefault(f"t={t} {task} {name} {mode}", []).append(v)
+                    for mode, v in modes.items():  # runs["t=1 edit-code"]["localllm plain"]
+                        runs.setdefault(f"t={t} {task}", {}).setdefault(
+                            f"{name} {mode}", []).append(v)
                         print(f"round {rnd} t={t} {task:13} {name:9} {mode:7} "
                               f"tg {v['tg']:6.1f} tok/s", flush=True)
     print("\nmedians (decode tokens/s, wall time):")
     table = {}
-    for t in a.threads:
-        for task in TASKS:
-            row = {k.split()[-2] + " " + k.split()[-1]: statistics.median(x["tg"] for x in v)
-                   for k, v in runs.items() if k.startswith(f"t={t} {task} ")}
-            base = row.get("llama.cpp plain")
-            plain = runs[f"t={t} {task} localllm plain"][0]["tokens"]
-            line = f"t={t} {task:13}"
-            for mode, tg in row.items():
-                line += f" | {mode} {tg:6.1f}"
-                if base and mode != "llama.cpp plain":
-                    line += f" (x{tg / base:.2f})"
-                v = runs[f"t={t} {task} {mode.split()[0]} {mode.split()[1]}"][0]
-                if v.get("drafted"):
-                    same = v["tokens"] == plain
-                    line += (f" accepted {v['accepted']}/{v['drafted']}"
-                             f"{'' if same else ' OUTPUT DIFFERS'}")
-            table[f"t={t} {task}"] = row
-            print(line)
+    for where, sides_runs in runs.items():
+        row = {label: statistics.median(x["tg"] for x in vs) for label, vs in sides_runs.items()}
+        base = row.get("llama.cpp plain")
+        plain = sides_runs["localllm plain"][0]["tokens"]
+        line = f"{where:17}"
+        for label, tg in row.items():
+            line += f" | {label} {tg:6.1f}"
+            if base and label != "llama.cpp plain":
+                line += f" (x{tg / base:.2f})"
+            v = sides_runs[label][0]
+            if v.get("drafted"):
+                same = v["tokens"] == plain
+                line += (f" accepted {v['accepted']}/{v['drafted']}"
+                         f"{'' if same else ' OUTPUT DIFFERS'}")
+        table[where] = row
+        print(line)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"runs": runs, "medians": table}, f, indent=1)

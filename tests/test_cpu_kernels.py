@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType as T
 from test_quants import SCALE_OFFSETS
 
 from localllm import cpu
+from localllm.backends.dense import TorchOps
 from localllm.errors import ParameterError, UnsupportedError
 from localllm.gguf.quants import BLOCK_FORMATS
 from localllm.gguf.quants import dequantize as reference
@@ -33,7 +34,8 @@ if not cpu.available():
                     pytrace=False)
     pytest.skip("native CPU kernels unavailable (no compiler)", allow_module_level=True)
 
-QUANT_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+QUANT_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+               T.MXFP4]
 ALL_TYPES = QUANT_TYPES + [T.F32, T.F16, T.BF16]
 IDS = {"ids": lambda q: q.name}
 
@@ -50,9 +52,11 @@ def weight_bytes(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     fmt = BLOCK_FORMATS[qtype]
     n = rows * cols // fmt.block_size
     b = rng.integers(0, 256, (n, fmt.type_size), dtype=np.uint8)
-    for off in SCALE_OFFSETS[qtype]:
+    for off in SCALE_OFFSETS.get(qtype, []):
         scale = rng.standard_normal(n) * 10.0 ** rng.integers(-4, 1, n)
         b[:, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n, 2)
+    if qtype == T.MXFP4:  # e8m0 scales 2^-13 .. 2^0 (any byte is valid; these stay finite)
+        b[:, 0] = rng.integers(115, 129, n)
     return b.reshape(-1)
 
 
@@ -361,21 +365,39 @@ def test_model_native_bf16_prefill_is_close(tiny_model_path, monkeypatch):
 
 # gate/up type, down type; d = 256 or 512 (K-quant blocks), n_ff = 64 or 96 (legacy down)
 MOE_CASES = [(T.Q4_K, T.Q6_K, 512, 256), (T.Q5_K, T.Q4_K, 256, 256), (T.Q4_0, T.Q8_0, 256, 96),
-             (T.Q2_K, T.Q3_K, 256, 256), (T.Q5_1, T.Q4_1, 256, 64)]
+             (T.Q2_K, T.Q3_K, 256, 256), (T.Q5_1, T.Q4_1, 256, 64), (T.MXFP4, T.MXFP4, 256, 96)]
 
 
-def moe_reference(x, chosen, weights, gate, up, down):
+def moe_reference(x, chosen, weights, gate, up, down, act="silu", biases=(None, None, None)):
     """The expert FFNs in float64 from the reference dequantizer (one (n_ff, d) / (d, n_ff)
-    matrix per expert), with int8 activations where the kernel quantizes them (the input of
-    gate/up, and of down)."""
+    matrix per expert) and the torch backend's activation ``act`` (``TorchOps.gated``; or
+    a function of (gate, up)), with int8 activations where the kernel quantizes them (the
+    input of gate/up, and of down)."""
     xq = q8_activations(x).double()
+    bg, bu, bd = (torch.zeros(n, dtype=torch.float64) if b is None else b.double()
+                  for b, n in zip(biases, (gate.shape[0:2], up.shape[0:2], down.shape[0:2])))
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for e, w in zip(chosen[t].tolist(), weights[t].tolist()):
-            g, u = xq[t] @ gate[e].double().T, xq[t] @ up[e].double().T
-            h = (torch.nn.functional.silu(g) * u).float()[None]
-            out[t] += w * (q8_activations(h).double() @ down[e].double().T)[0]
+            g = xq[t] @ gate[e].double().T + bg[e]
+            u = xq[t] @ up[e].double().T + bu[e]
+            g, u = g.float()[None], u.float()[None]
+            h = act(g, u) if callable(act) else TorchOps.gated(g, u, act)
+            out[t] += w * ((q8_activations(h).double() @ down[e].double().T)[0] + bd[e])
     return out
+
+
+def moe_case(gu_type, down_type, n_exp, d, n_ff):
+    """Stacked random experts: the packed (gate, up, down) and their reference weights
+    (n_exp, rows, cols) each."""
+    raw = [weight_bytes(gu_type, n_exp * n_ff, d, 1), weight_bytes(gu_type, n_exp * n_ff, d, 2),
+           weight_bytes(down_type, n_exp * d, n_ff, 3)]
+    shapes = [(n_exp * n_ff, d), (n_exp * n_ff, d), (n_exp * d, n_ff)]
+    types = [gu_type, gu_type, down_type]
+    packs = [cpu.PackedWeight.from_bytes(r, q, s, q8=True) for r, q, s in zip(raw, types, shapes)]
+    refs = [reference(r, q, s).view(n_exp, s[0] // n_exp, s[1])
+            for r, q, s in zip(raw, types, shapes)]
+    return packs, refs
 
 
 @needs_moe
@@ -386,13 +408,7 @@ def test_moe_ffn_q8(gu_type, down_type, d, n_ff):
     token: odd token counts, experts with no token, one token, and more than 8 (several
     batches); equal whatever the number of threads."""
     n_exp, k = 6, 2
-    raw = [weight_bytes(gu_type, n_exp * n_ff, d, 1), weight_bytes(gu_type, n_exp * n_ff, d, 2),
-           weight_bytes(down_type, n_exp * d, n_ff, 3)]
-    shapes = [(n_exp * n_ff, d), (n_exp * n_ff, d), (n_exp * d, n_ff)]
-    types = [gu_type, gu_type, down_type]
-    packs = [cpu.PackedWeight.from_bytes(r, q, s, q8=True) for r, q, s in zip(raw, types, shapes)]
-    refs = [reference(r, q, s).view(n_exp, s[0] // n_exp, s[1])
-            for r, q, s in zip(raw, types, shapes)]
+    packs, refs = moe_case(gu_type, down_type, n_exp, d, n_ff)
     gen = torch.Generator().manual_seed(int(gu_type))
     for t in (1, 2, 13, 21):
         x = torch.randn(t, d, generator=gen) * torch.rand(t, d, generator=gen) ** 2 * 3
@@ -420,6 +436,49 @@ def test_moe_ffn_q8(gu_type, down_type, d, n_ff):
 
 
 @needs_moe
+@pytest.mark.parametrize("act", ["swiglu_oai", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("gu_type,down_type", [(T.MXFP4, T.MXFP4), (T.Q4_K, T.Q8_0)],
+                         ids=lambda v: v.name)
+def test_moe_ffn_q8_biases_and_activations(gu_type, down_type, act):
+    """gpt-oss's experts (biases on gate, up and down; the clamped SwiGLU, whose clamps the
+    gate and up values here cross on both sides) and GELU experts against the float64
+    reference; dropping any one bias, or the clamp, gives a result outside the tolerance."""
+    n_exp, d, n_ff, t = 5, 256, 96, 37
+    packs, refs = moe_case(gu_type, down_type, n_exp, d, n_ff)
+    gen = torch.Generator().manual_seed(7)
+    # gate/up values of standard deviation 5: |g|, |u| > 7 (the clamp's limit) occur, and
+    # the biases (standard deviation 2 for gate/up, the outputs' size for down) count
+    x = torch.randn(t, d, generator=gen)
+    x *= 5 / float((x @ refs[0][0].T).std())
+    chosen = torch.stack([torch.randperm(n_exp, generator=gen)[:2] for _ in range(t)])
+    weights = torch.rand(t, 2, generator=gen)
+    gu_biases = (torch.randn(n_exp, n_ff, generator=gen) * 2,
+                 torch.randn(n_exp, n_ff, generator=gen) * 2)
+    size = float(moe_reference(x, chosen, weights, *refs, act=act,
+                               biases=(*gu_biases, None)).abs().mean())
+    biases = (*gu_biases, torch.randn(n_exp, d, generator=gen) * size)
+    y = cpu.moe_ffn_q8(x, chosen, weights, *packs, biases=biases, act=act)
+    ref = moe_reference(x, chosen, weights, *refs, act=act, biases=biases)
+    scale = float(ref.abs().mean())
+    err = float((y.double() - ref).abs().max()) / scale
+    assert y.shape == (t, d) and err < 1e-4, err
+    if act == "swiglu_oai":  # the same without the clamps is far off
+        def unclamped(g, u):
+            return g * torch.sigmoid(1.702 * g) * (u + 1)
+
+        other = moe_reference(x, chosen, weights, *refs, act=unclamped, biases=biases)
+        assert float((y.double() - other).abs().max()) / scale > 1e-2
+    for i in range(3):  # each bias matters
+        dropped = tuple(None if j == i else b for j, b in enumerate(biases))
+        other = moe_reference(x, chosen, weights, *refs, act=act, biases=dropped)
+        assert float((y.double() - other).abs().max()) / scale > 1e-2, i
+    # no biases: the same as the call without them
+    bare = cpu.moe_ffn_q8(x, chosen, weights, *packs, act=act)
+    assert torch.equal(bare, cpu.moe_ffn_q8(x, chosen, weights, *packs, act=act,
+                                            biases=(None, None, None)))
+
+
+@needs_moe
 def test_moe_ffn_q8_errors():
     d, n_ff, n_exp = 256, 64, 3
     g = cpu.PackedWeight.from_bytes(weight_bytes(T.Q4_K, n_exp * n_ff, d), T.Q4_K,
@@ -435,6 +494,11 @@ def test_moe_ffn_q8_errors():
                                     (n_exp * n_ff, d))
     with pytest.raises(UnsupportedError, match="quantized experts"):
         cpu.moe_ffn_q8(x, torch.zeros(3, 2, dtype=torch.long), w, f, f, dn)
+    with pytest.raises(ParameterError, match="unknown activation 'relu'"):
+        cpu.moe_ffn_q8(x, torch.zeros(3, 2, dtype=torch.long), w, g, g, dn, act="relu")
+    with pytest.raises(ParameterError, match="biases"):
+        cpu.moe_ffn_q8(x, torch.zeros(3, 2, dtype=torch.long), w, g, g, dn,
+                       biases=(torch.zeros(n_exp, d), None, None))
 
 
 @needs_q8

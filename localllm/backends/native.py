@@ -108,7 +108,8 @@ class Backend(_Backend):
 class NativeOps(TorchOps):
     """The native CPU kernels (backend ``native``; ``localllm/cpu/csrc/ops.cpp``), float32:
     RMSNorm, the residual add with the next pre-norm (and Gemma's post-norm), QK-norm with
-    RoPE, and the gated activation (SiLU, GELU-tanh) in one native call each, for any number
+    RoPE, and the gated activation (SiLU, GELU-tanh, gpt-oss's swiglu_oai) in one native
+    call each, for any number
     of rows; the whole attention of a step of up to :attr:`FEW` tokens (QK-norm and RoPE of
     q and k, the KV-cache write, grouped-query attention over the live cells with the
     causal, window and soft-capping masks) in one call (over a q8_0, q4_0, q4_1, q5_0 or
@@ -121,7 +122,7 @@ class NativeOps(TorchOps):
     exp and tanh from the kernels' own polynomials): ``tests/test_cpu_ops.py``.
     """
 
-    ACT: ClassVar[dict[str, int]] = {"silu": 0, "gelu_tanh": 1}  # the kernel's codes
+    ACT: ClassVar[dict[str, int]] = cpu.GATED_ACTS  # the kernel's codes (ops.cpp's Act)
     FEW = 8  # steps of up to this many tokens attend natively (decode, small batches)
 
     def __init__(self) -> None:
@@ -154,7 +155,7 @@ class NativeOps(TorchOps):
         return self._residual_norm(x, f, post_weight, weight, eps)
 
     def gated(self, gate, up, act, *, overwrite=False):
-        if act not in self.ACT:  # gated functions without a kernel (swiglu_oai): torch
+        if act not in self.ACT:  # gated functions without a kernel: torch
             return super().gated(gate, up, act, overwrite=overwrite)
         return self._gated(gate, up, self.ACT[act], gate if overwrite else None)
 
@@ -228,8 +229,9 @@ class NativeOps(TorchOps):
         token's k experts in one :func:`localllm.cpu.gemv_experts` call per matrix (a call
         per expert and matrix spent most of a MoE decode step in Python; the experts'
         biases added by row), and a prompt of at least :data:`MOE_MIN_ROWS` rows per expert
-        on average in one :func:`localllm.cpu.moe_ffn_q8` call (SiLU experts without biases;
-        the per-expert loop spent most of a MoE prefill in small products and Python).
+        on average in one :func:`localllm.cpu.moe_ffn_q8` call (every family's experts:
+        SiLU, GELU or gpt-oss's clamped SwiGLU, with or without biases, MXFP4 included; the
+        per-expert loop spent most of a MoE prefill in small products and Python).
         Otherwise the torch grouping."""
         mats = (gate, up, down)
         stacked = [m.stacked if isinstance(m, PackedExperts) else None for m in mats]
@@ -242,9 +244,10 @@ class NativeOps(TorchOps):
                 h = self.gated(g, u, act, overwrite=True)  # (k, n_ff)
                 return weights @ _biased(cpu.gemv_experts(h, stacked[2], e, x.shape[1]),
                                          down.bias, e)
-            if (act == "silu" and all(m.bias is None for m in mats) and cpu.moe_q8()
+            if (act in cpu.GATED_ACTS and cpu.moe_q8()
                     and x.shape[0] * chosen.shape[1] >= MOE_MIN_ROWS * n_expert):
-                return cpu.moe_ffn_q8(x, chosen, weights, *stacked)
+                return cpu.moe_ffn_q8(x, chosen, weights, *stacked,
+                                      biases=tuple(m.bias for m in mats), act=act)
         return super().experts(x, chosen, weights, gate, up, down, act)
 
 

@@ -24,8 +24,9 @@ tensor bytes and loading reads nothing up front.
 The kernels (``csrc/*.cpp``) are compiled on first use and cached
 (:mod:`localllm.cpu.build`); :func:`available` is False without a compiler (one notice on
 stderr) or with ``LOCALLLM_NATIVE_CPU=0``, and the models then dequantize at load as before.
-Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (layouts:
-llama.cpp ``ggml/src/ggml-common.h``; dequantization: ``ggml/src/ggml-quants.c``).
+Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4
+(gpt-oss's experts; layouts: llama.cpp ``ggml/src/ggml-common.h``; dequantization:
+``ggml/src/ggml-quants.c``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ TILE_ELEMENTS = 1 << 20
 
 FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
 SUPPORTED = FLOAT_TYPES | {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
-                           T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
+                           T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4}
+# The gated activations of the native kernels (ops.cpp's gated, moe_ffn_q8) by name: their
+# codes (ops.cpp's Act).
+GATED_ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
 
 
 def bf16_gemm() -> bool:
@@ -231,11 +235,17 @@ def gemv_experts(x: torch.Tensor, weight: PackedWeight, experts: torch.Tensor,
 
 
 def moe_ffn_q8(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-               gate: PackedWeight, up: PackedWeight, down: PackedWeight) -> torch.Tensor:
-    """The SwiGLU experts of a mixture-of-experts layer over a prompt, after the routing
+               gate: PackedWeight, up: PackedWeight, down: PackedWeight, *,
+               biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+               = (None, None, None), act: str = "silu") -> torch.Tensor:
+    """The gated experts of a mixture-of-experts layer over a prompt, after the routing
     (llama.cpp's ``build_moe_ffn``, ``src/llama-graph.cpp``, from its ``ggml_mul_mat_id``):
-    ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``,
-    ``e = chosen[t, j]``, in one native call: each expert's tokens pass through its matrices
+    ``out[t] = sum_j weights[t, j] * (down_e(act(gate_e(x[t]) + bg_e, up_e(x[t]) + bu_e))
+    + bd_e)``, ``e = chosen[t, j]``, ``act`` a key of :data:`GATED_ACTS`: ``silu`` and
+    ``gelu_tanh`` times up, or gpt-oss's clamped SwiGLU ``swiglu_oai``
+    (:func:`localllm.backends.dense.swiglu_oai`, ggml's ``swiglu_oai``); the biases
+    (gpt-oss's ``ffn_{gate,up,down}_exps.bias``) optional. In one native call: each
+    expert's tokens pass through its matrices
     in batches of 16 tokens (AVX512-VNNI, one int32 lane per token) with int8 activations
     (as :func:`qmatmul`'s GEMV: one scale per 32 values; llama.cpp quantizes them to
     ``block_q8_K``), each tile of an expert's rows unpacked once for all of them;
@@ -243,31 +253,38 @@ def moe_ffn_q8(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
 
     x: (T, d) float32; chosen: (T, k) int64 expert ids; weights: (T, k) float32;
     gate, up: the stacked ``ffn_{gate,up}_exps`` (n_expert * n_ff, d), down:
-    ``ffn_down_exps`` (n_expert * d, n_ff), each a quantized :class:`PackedWeight` -> (T, d)
-    float32.
+    ``ffn_down_exps`` (n_expert * d, n_ff), each a quantized :class:`PackedWeight`;
+    biases: (gate (n_expert, n_ff), up (n_expert, n_ff), down (n_expert, d)) float32, each
+    or None -> (T, d) float32.
 
     Raises:
         UnsupportedError: no AVX512-VNNI int8 kernels (:func:`moe_q8` is False), or a float type.
-        ParameterError: inconsistent shapes.
+        ParameterError: inconsistent shapes, or an unknown ``act``.
     """
     if not moe_q8() or any(w.qtype in FLOAT_TYPES for w in (gate, up, down)):
         raise UnsupportedError("moe_ffn_q8 needs the AVX512-VNNI int8 kernels and "
                                "quantized experts")
+    if act not in GATED_ACTS:
+        raise ParameterError(f"moe_ffn_q8: unknown activation {act!r} (one of "
+                             f"{', '.join(GATED_ACTS)})")
     t, d = x.shape
     n_ff = down.shape[1]
     n_expert = down.shape[0] // d if d else 0
+    bias_shapes = ((n_expert, n_ff), (n_expert, n_ff), (n_expert, d))
     if (gate.shape != (n_expert * n_ff, d) or up.shape != gate.shape
             or down.shape != (n_expert * d, n_ff) or chosen.shape != weights.shape
-            or chosen.shape[0] != t):
+            or chosen.shape[0] != t or any(b is not None and tuple(b.shape) != s
+                                           for b, s in zip(biases, bias_shapes))):
         raise ParameterError(
             f"moe_ffn_q8: x {tuple(x.shape)}, chosen {tuple(chosen.shape)}, weights "
-            f"{tuple(weights.shape)}, gate {gate.shape}, up {up.shape}, down {down.shape} "
-            "do not match")
+            f"{tuple(weights.shape)}, gate {gate.shape}, up {up.shape}, down {down.shape}, "
+            f"biases {[None if b is None else tuple(b.shape) for b in biases]} do not match")
     out = torch.empty(t, d)
     torch.ops.localllm_cpu.moe_ffn_q8(
         x.float().contiguous(), chosen.long().contiguous(), weights.float().contiguous(),
         gate.data, up.data, down.data, int(gate.qtype), int(up.qtype), int(down.qtype),
-        n_expert, n_ff, out)
+        n_expert, n_ff, *(None if b is None else b.float().contiguous() for b in biases),
+        GATED_ACTS[act], out)
     return out
 
 

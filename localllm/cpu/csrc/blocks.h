@@ -24,7 +24,7 @@ namespace {
 // ggml type ids (ggml.h enum ggml_type).
 enum QType : int64_t {
   F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
-  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30, MXFP4 = 39,
 };
 
 constexpr int QK = 32;
@@ -95,6 +95,34 @@ LOCALLLM_INLINE void unpack_q5_1(const uint8_t* b, int8_t* q, float* d, float* m
 LOCALLLM_INLINE void unpack_q8_0(const uint8_t* b, int8_t* q, float* d, float*) {  // d, qs[32]
   d[0] = d[1] = f16(b);
   std::memcpy(q, b + 2, QK);
+}
+
+// ggml's GGML_E8M0_TO_FP32_HALF: 2^(e - 128) built from float32 bits (subnormal for e < 2).
+LOCALLLM_INLINE float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : uint32_t(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// ggml's kvalues_mxfp4: the E2M1 values doubled (the E8M0 scale is halved to match).
+constexpr int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+LOCALLLM_INLINE void unpack_mxfp4(const uint8_t* b, int8_t* q, float* d, float*) {  // e, qs[16]
+  // nibbles as Q4_0's (weights 0..15 low, 16..31 high), each an index into the values
+#if defined(__SSSE3__)
+  nibbles(b + 1, 0, false, 0, q);
+  const __m128i lut = _mm_loadu_si128((const __m128i*)MXFP4_VALUES);
+  _mm_storeu_si128((__m128i*)q, _mm_shuffle_epi8(lut, _mm_loadu_si128((const __m128i*)q)));
+  _mm_storeu_si128((__m128i*)(q + 16),
+                   _mm_shuffle_epi8(lut, _mm_loadu_si128((const __m128i*)(q + 16))));
+#else
+  for (int j = 0; j < 16; ++j) {
+    q[j] = MXFP4_VALUES[b[1 + j] & 0x0F];
+    q[j + 16] = MXFP4_VALUES[b[1 + j] >> 4];
+  }
+#endif
+  d[0] = d[1] = e8m0_half(b[0]);
 }
 
 LOCALLLM_INLINE void unpack_q2_k(const uint8_t* b, int8_t* q, float* d, float* m) {
@@ -230,6 +258,7 @@ inline Format format_of(int64_t qtype) {
     case Q4_K: return {QK_K, 144, unpack_q4_k, true, Flt::F32};
     case Q5_K: return {QK_K, 176, unpack_q5_k, true, Flt::F32};
     case Q6_K: return {QK_K, 210, unpack_q6_k, false, Flt::F32};
+    case MXFP4: return {QK, 17, unpack_mxfp4, false, Flt::F32};
     default: TORCH_CHECK(false, "localllm_cpu: no kernel for ggml type ", qtype);
   }
 }

@@ -29,7 +29,8 @@ constexpr int FL = Q8W / 4;  // int32 / float lanes of a register
 // products from Q8Act::corr, else 0 (Q6_K's -32 is applied once per block with the
 // activation sums instead: decode_q6_k's b).
 constexpr int q8_offset(int64_t qtype) {
-  return qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : qtype == Q8_0 ? Q8_0_OFFSET : qtype == Q3_K ? 4 : 0;
+  return qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : qtype == Q8_0 || qtype == MXFP4 ? Q8_0_OFFSET
+         : qtype == Q3_K ? 4 : 0;
 }
 
 // Whether the activations of a product with a `qtype` matrix are quantized as Q8Act's k4.
@@ -295,13 +296,17 @@ constexpr int LB = Q8W / 32;  // blocks per register
 
 // Q4_0 (d, qs[16]): offset 8; Q4_1 (d, m, qs[16]); Q5_0 (d, qh[4], qs[16]): offset 16;
 // Q5_1 (d, m, qh[4], qs[16]); Q8_0 (d, qs[32] int8): weights 0-15 are the low nibbles of
-// qs, 16-31 the high ones (Q5_*: plus bit j of qh as weight j's 0x10).
+// qs, 16-31 the high ones (Q5_*: plus bit j of qh as weight j's 0x10). MXFP4 (e, qs[16]):
+// the nibbles index kvalues_mxfp4, looked up in registers into signed int8 read as Q8_0's.
 template <int BYTES>
 LOCALLLM_INLINE ivec legacy_runs(const uint8_t* const* p) {
   const uint8_t* qs[LB];
   if constexpr (BYTES == 34) {
     for (int k = 0; k < LB; ++k) qs[k] = p[k] + 2;
     return load_runs(qs);
+  } else if constexpr (BYTES == 17) {
+    for (int k = 0; k < LB; ++k) qs[k] = p[k] + 1;
+    return ishuffle8(broadcast128(_mm_loadu_si128((const __m128i*)MXFP4_VALUES)), nibble_runs(qs));
   } else {
     constexpr int QS = BYTES - 16;  // the nibbles are the last 16 bytes of every block
     for (int k = 0; k < LB; ++k) qs[k] = p[k] + QS;
@@ -339,7 +344,7 @@ void gemv_q8_legacy(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float*
       for (int k = 0; k < LB; ++k) {
         const bool in = i + k < nblocks;
         p[k] = row + (in ? i + k : i) * BYTES;
-        a[k] = in ? f16(p[k]) : 0.f;
+        a[k] = in ? (BYTES == 17 ? e8m0_half(p[k][0]) : f16(p[k])) : 0.f;
         if constexpr (MIN) b[k] = in ? -f16(p[k] + 2) : 0.f;
       }
       prefetch_block<LB * BYTES>(p[0]);
@@ -348,7 +353,8 @@ void gemv_q8_legacy(const uint8_t* w, int64_t row_bytes, const Q8Act& xa, float*
         const int8_t* xq = xa.q.data() + t * xa.stride_q + QK * i;
         const float* dx = xa.dx32.data() + t * xa.stride_g + i;
         const ivec init = OFF ? iload(xa.corr.data() + t * xa.stride_c + 8 * i) : izero();
-        const ivec d = BYTES == 34 ? dot4_q8_0(init, u, iload(xq)) : dot4(init, u, iload(xq));
+        const ivec d = BYTES == 34 || BYTES == 17 ? dot4_q8_0(init, u, iload(xq))
+                                                  : dot4(init, u, iload(xq));
         float sc[LB];
         for (int k = 0; k < LB; ++k) sc[k] = a[k] * dx[k];
         acc[t] = vfma(vcvt(d), vblocks(sc), acc[t]);
@@ -381,6 +387,7 @@ GemvQ8Fn gemv_q8_for(int64_t qtype) {
     case Q4_K: return gemv_q8_k4<NT, 144>;
     case Q5_K: return gemv_q8_k4<NT, 176>;
     case Q6_K: return gemv_q8_kquant<NT, 210, decode_q6_k, 0>;
+    case MXFP4: return gemv_q8_legacy<NT, 17, q8_offset(MXFP4)>;
     default: TORCH_CHECK(false, "localllm_cpu.gemv_q8: no int8 kernel for ggml type ", qtype);
   }
 }

@@ -1,12 +1,14 @@
 // The mixture-of-experts FFN of localllm's native CPU kernels (torch.ops.localllm_cpu,
 // declared in qmatmul.cpp):
-//   moe_ffn_q8(x, chosen, weights, gate, up, down, ..., out)
-//                                             a prompt's SwiGLU experts, int8 activations
+//   moe_ffn_q8(x, chosen, weights, gate, up, down, ..., gate_bias, up_bias, down_bias, act, out)
+//                                             a prompt's gated experts, int8 activations
 //                                             (AVX512-VNNI builds: moe_available())
 //
-// moe_ffn_q8 runs llama.cpp's build_moe_ffn (SwiGLU experts) after the routing: every
-// (token, slot) pair goes to its expert's group (counting sort by expert, tokens in order),
-// and per expert: down(silu(gate(x)) * up(x)) over its tokens. Activations are quantized as
+// moe_ffn_q8 runs llama.cpp's build_moe_ffn after the routing: every (token, slot) pair goes
+// to its expert's group (counting sort by expert, tokens in order), and per expert:
+// down(act(gate(x) + bg, up(x) + bu)) + bd over its tokens, the biases optional (gpt-oss's
+// ffn_*_exps.bias), act SiLU or GELU-tanh times up, or gpt-oss's clamped SwiGLU
+// (swiglu_oai). Activations are quantized as
 // the int8 GEMV does (Q8Act: one scale per 32 values), in batches of 16 tokens stored +128
 // as u8 with the tokens' 4-value runs interleaved, so that one vpdpbusd multiplies 4
 // weights of one row (broadcast, signed) with 16 tokens at once (one int32 lane per token)
@@ -15,14 +17,15 @@
 // task being (expert, tile of output rows), and the tile then multiplies every batch of the
 // expert. Threads take tasks dynamically (experts get different token counts). The outputs
 // are summed per token in increasing expert order, each times its routing weight (the
-// order of the torch path, localllm.models.moe.moe_ffn). SiLU and the gated product are
-// ops.cpp's (gated_values).
+// order of the torch path, localllm.backends.dense.TorchOps.experts). The activations and
+// the gated product are ops.cpp's (gated_values).
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <atomic>
 #include <memory>
+#include <optional>
 
 #include "q8.h"
 
@@ -196,10 +199,29 @@ struct MoeMatrix {
   }
 };
 
+// An optional per-expert bias (n_expert, rows) float32, or nullptr.
+const float* moe_bias(const std::optional<at::Tensor>& b, int64_t n_expert, int64_t rows,
+                      const char* name) {
+  if (!b.has_value() || !b->defined()) return nullptr;
+  TORCH_CHECK(b->dim() == 2 && b->size(0) == n_expert && b->size(1) == rows &&
+                  b->scalar_type() == at::kFloat && b->is_contiguous() && b->device().is_cpu(),
+              "localllm_cpu.moe_ffn_q8: ", name, " must be (", n_expert, ", ", rows,
+              ") contiguous float32");
+  return b->data_ptr<float>();
+}
+
+// y[p * ld + i] += bias[i] for the positions [p0, p1) and i in [0, n).
+void add_rows(float* y, int64_t ld, int64_t p0, int64_t p1, const float* bias, int64_t n) {
+  for (int64_t p = p0; p < p1; ++p)
+    for (int64_t i = 0; i < n; ++i) y[p * ld + i] += bias[i];
+}
+
 void moe_ffn_q8(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights,
                 const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
                 int64_t gate_type, int64_t up_type, int64_t down_type, int64_t n_expert,
-                int64_t n_ff, at::Tensor& out) {
+                int64_t n_ff, const std::optional<at::Tensor>& gate_bias,
+                const std::optional<at::Tensor>& up_bias,
+                const std::optional<at::Tensor>& down_bias, int64_t act, at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "localllm_cpu.moe_ffn_q8: x must be (T, d) contiguous float32");
   const int64_t nt = x.size(0), d = x.size(1);
@@ -211,6 +233,11 @@ void moe_ffn_q8(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor&
   TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
               "localllm_cpu.moe_ffn_q8: out must be (T, d) contiguous float32");
   TORCH_CHECK(n_expert > 0 && n_ff > 0, "localllm_cpu.moe_ffn_q8: n_expert and n_ff must be > 0");
+  TORCH_CHECK(act >= 0 && act <= 2, "localllm_cpu.moe_ffn_q8: act 0 (SiLU), 1 (GELU) or 2 "
+              "(swiglu_oai), got ", act);
+  const float* gb = moe_bias(gate_bias, n_expert, n_ff, "gate_bias");
+  const float* ub = moe_bias(up_bias, n_expert, n_ff, "up_bias");
+  const float* db = moe_bias(down_bias, n_expert, d, "down_bias");
   const MoeMatrix mg(gate, gate_type, n_expert, n_ff, d, "gate"),
       mu(up, up_type, n_expert, n_ff, d, "up"), md(down, down_type, n_expert, d, n_ff, "down");
   const int64_t* ch = chosen.data_ptr<int64_t>();
@@ -264,9 +291,11 @@ void moe_ffn_q8(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor&
       mg.fn(wg, *xg[b], bt.n, g.get() + bt.p0 * n_ff + r0, n_ff);
       mu.fn(wu, same_act ? *xg[b] : *xu[b], bt.n, u.get() + bt.p0 * n_ff + r0, n_ff);
     }
+    if (gb) add_rows(g.get() + r0, n_ff, start[e], start[e + 1], gb + e * n_ff + r0, r1 - r0);
+    if (ub) add_rows(u.get() + r0, n_ff, start[e], start[e + 1], ub + e * n_ff + r0, r1 - r0);
     for (int64_t p = start[e]; p < start[e + 1]; ++p)
       localllm_cpu::gated_values(g.get() + p * n_ff + r0, u.get() + p * n_ff + r0,
-                                 h.get() + p * n_ff + r0, r1 - r0, 0);
+                                 h.get() + p * n_ff + r0, r1 - r0, act);
   });
   g.reset();
   u.reset();
@@ -286,6 +315,7 @@ void moe_ffn_q8(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor&
     const MoeTile wd = md.tile(e, r0, r1);
     for (int64_t b = first[e]; b < first[e + 1]; ++b)
       md.fn(wd, *xh[b], batches[b].n, y.get() + batches[b].p0 * d + r0, d);
+    if (db) add_rows(y.get() + r0, d, start[e], start[e + 1], db + e * d + r0, r1 - r0);
   });
   // out[t] = sum over the token's slots, in increasing expert order, of weight * y
   float* op = out.data_ptr<float>();

@@ -4,6 +4,7 @@
 //   rms_norm(x, w, eps) -> n                       n = x / rms(x) * w, rows of x (N, D)
 //   residual_norm(x, f, post_w, w, eps) -> (h, n)  h = x + [rms_norm(f, post_w)], n = rms_norm(h, w)
 //   gated(gate, up, act, out=None) -> y            y = act(gate) * up; act 0: SiLU, 1: GELU (tanh);
+//                                                  2: gpt-oss's clamped SwiGLU (swiglu_oai);
 //                                                  into `out` when given (may be gate itself)
 //   norm_rope(x, w, eps, cos, sin, neox) -> y      RoPE of [rms_norm](x), x (H, T, D)
 //   attn_decode(q, k, v, q_norm, k_norm, eps, cos, sin, neox,
@@ -270,10 +271,14 @@ std::tuple<at::Tensor, at::Tensor> residual_norm(const at::Tensor& x, const at::
   return {h, y};
 }
 
-enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
+enum Act : int64_t { SILU = 0, GELU_TANH = 1, SWIGLU_OAI = 2 };
+
+// gpt-oss's clamped SwiGLU (ggml's swiglu_oai, llama.cpp's LLM_FFN_SWIGLU_OAI_MOE).
+constexpr float OAI_ALPHA = 1.702f, OAI_LIMIT = 7.0f;
 
 // act(g) * u for n values; SiLU: g / (1 + exp(-g)); GELU (tanh): g / (1 + exp(-2u)),
-// u = sqrt(2/pi) (g + 0.044715 g^3).
+// u = sqrt(2/pi) (g + 0.044715 g^3); swiglu_oai: x / (1 + exp(-alpha x)) * (y + 1) with
+// x = min(g, limit), y = clamp(u, -limit, limit) (ggml-cpu ops.cpp's swiglu_oai).
 inline void gated_row(const float* g, const float* u, float* y, int64_t n, int64_t act) {
   constexpr float K0 = 0.7978845608028654f, K1 = 0.044715f;
   int64_t i = 0;
@@ -283,6 +288,14 @@ inline void gated_row(const float* g, const float* u, float* y, int64_t n, int64
       const vf x = vload(g + i);
       const vf e = vexp(vsub(vset1(0.0f), x));
       vstore(y + i, vmul(vdiv(x, vadd(one, e)), vload(u + i)));
+    }
+  } else if (act == SWIGLU_OAI) {
+    const vf lim = vset1(OAI_LIMIT), nlim = vset1(-OAI_LIMIT), na = vset1(-OAI_ALPHA);
+    for (; i + VL <= n; i += VL) {
+      const vf x = vmin(vload(g + i), lim);
+      const vf e = vexp(vmul(na, x));
+      const vf up1 = vadd(vmin(vmax(vload(u + i), nlim), lim), one);
+      vstore(y + i, vmul(vdiv(x, vadd(one, e)), up1));
     }
   } else {
     const vf k0 = vset1(-2.0f * K0), k1 = vset1(K1);
@@ -294,6 +307,12 @@ inline void gated_row(const float* g, const float* u, float* y, int64_t n, int64
     }
   }
   for (; i < n; ++i) {
+    if (act == SWIGLU_OAI) {
+      const float x = std::min(g[i], OAI_LIMIT);
+      y[i] = (x / (1.0f + std::exp(-OAI_ALPHA * x))) *
+             (std::min(std::max(u[i], -OAI_LIMIT), OAI_LIMIT) + 1.0f);
+      continue;
+    }
     const float x = g[i];
     const float e = act == SILU ? std::exp(-x) : std::exp(-2.0f * K0 * (x + K1 * (x * x * x)));
     y[i] = (x / (1.0f + e)) * u[i];
@@ -304,7 +323,8 @@ at::Tensor gated(const at::Tensor& gate, const at::Tensor& up, int64_t act,
                  const std::optional<at::Tensor>& out) {
   check_rows(gate, "gated", "gate");
   check_rows(up, "gated", "up");
-  TORCH_CHECK(act == SILU || act == GELU_TANH, "localllm_cpu.gated: act 0 (SiLU) or 1 (GELU)");
+  TORCH_CHECK(act == SILU || act == GELU_TANH || act == SWIGLU_OAI,
+              "localllm_cpu.gated: act 0 (SiLU), 1 (GELU) or 2 (swiglu_oai)");
   const int64_t n = gate.size(0), d = gate.size(1);
   TORCH_CHECK(up.size(0) == n && up.size(1) == d, "localllm_cpu.gated: up must match gate");
   // Each value is read before it is written at the same index, so `out` may be gate (or up):
@@ -511,8 +531,8 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 }  // namespace
 
 namespace localllm_cpu {
-// act(g) * u for n values (act: 0 SiLU, 1 GELU-tanh), for the other kernels of the library
-// (qmatmul.cpp's moe_ffn_q8).
+// act(g) * u for n values (act: 0 SiLU, 1 GELU-tanh, 2 swiglu_oai), for the other kernels of
+// the library (moe.cpp's moe_ffn_q8).
 void gated_values(const float* g, const float* u, float* y, int64_t n, int64_t act) {
   gated_row(g, u, y, n, act);
 }

@@ -96,6 +96,7 @@ GemvFn gemv_for(int64_t qtype) {
     case Q4_K: return gemv_quant<NT, QK_K, 144, true, unpack_q4_k>;
     case Q5_K: return gemv_quant<NT, QK_K, 176, true, unpack_q5_k>;
     case Q6_K: return gemv_quant<NT, QK_K, 210, false, unpack_q6_k>;
+    case MXFP4: return gemv_quant<NT, QK, 17, false, unpack_mxfp4>;
     default: return gemv_float<NT>;  // F32, F16, BF16 (format_of rejected the rest)
   }
 }
@@ -203,7 +204,8 @@ TORCH_LIBRARY(localllm_cpu, m) {
   m.def("q8_available() -> bool", q8_available);
   m.def("moe_available() -> bool", moe_available);
   m.def("moe_ffn_q8(Tensor x, Tensor chosen, Tensor weights, Tensor gate, Tensor up, Tensor down, "
-        "int gate_type, int up_type, int down_type, int n_expert, int n_ff, Tensor(a!) out) -> ()");
+        "int gate_type, int up_type, int down_type, int n_expert, int n_ff, Tensor? gate_bias, "
+        "Tensor? up_bias, Tensor? down_bias, int act, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {

@@ -70,9 +70,11 @@ def test_residual_norm(t, d, post):
     close(n, n_ref)
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "swiglu_oai"])
 @pytest.mark.parametrize("t,f", [(1, 2048), (5, 37)])
 def test_gated(act, t, f):
+    """Each gated activation against the torch one (swiglu_oai: gate and up beyond its
+    clamps on both sides, the first row's values and the tail of odd widths included)."""
     g = gen(f)
     gu = torch.randn(t, 2 * f, generator=g) * 6  # gate and up: halves of one output (phi3)
     gu[0, :8] = torch.tensor([-100.0, -30.0, -9.0, -1e-3, 0.0, 1e-3, 30.0, 100.0])

@@ -54,10 +54,18 @@ def test_family_decode_steps_match_llama_cpp(family, backend, family_dir):
     check_family(family, "cpu", family_dir, backend=backend, steps=True)
 
 
-def test_moe_prefill_kernel_matches_llama_cpp(family_dir, monkeypatch):
-    """The native MoE prefill (localllm.cpu.moe_ffn_q8) on every prompt of the qwen3moe
-    fixture, however short (its prompts are below the rows per expert from which the model
-    takes it)."""
+# The families with routed experts: SiLU experts (Q8_0; qwen3moe's prompts are below the rows
+# per expert from which the model takes the kernel), gpt-oss's MXFP4 experts with biases and
+# the clamped SwiGLU.
+MOE_FAMILIES = ["qwen3moe", "gpt-oss", "phimoe", "olmoe", "glm4moe", "ernie4_5-moe", "llama4",
+                "deepseek2", "granitehybrid-moe", "qwen35moe"]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_prefill_kernel_matches_llama_cpp(family, family_dir, monkeypatch):
+    """The native MoE prefill (localllm.cpu.moe_ffn_q8) on every prompt of a MoE family's
+    fixture, however short (forced: the fixtures' prompts are mostly below the rows per
+    expert from which the model takes it)."""
     from localllm import cpu
     from localllm.backends import native
 
@@ -65,14 +73,14 @@ def test_moe_prefill_kernel_matches_llama_cpp(family_dir, monkeypatch):
         pytest.skip("the native MoE prefill needs the AVX512-VNNI int8 kernels")
     calls = []
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls.append(args[0].shape[0])
-        return moe_ffn_q8(*args)
+        return moe_ffn_q8(*args, **kwargs)
 
     moe_ffn_q8 = cpu.moe_ffn_q8
     monkeypatch.setattr(cpu, "moe_ffn_q8", spy)
     monkeypatch.setattr(native, "MOE_MIN_ROWS", 0)
-    check_family("qwen3moe", "cpu", family_dir)
+    check_family(family, "cpu", family_dir)
     assert calls and min(calls) > 1
 
 

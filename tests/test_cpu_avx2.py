@@ -66,15 +66,18 @@ torch.save(out, sys.argv[2])
 
 def extreme_weights(qtype: T, rows: int, cols: int) -> np.ndarray:
     """Blocks with every quantized value at its extreme (all bits set: u = 3 .. 63; Q8_0
-    -128 in even rows, 127 in odd rows), the float scales 1.0: the largest integer dot
-    products, where vpmaddubsw's int16 pair sums could saturate."""
+    -128 in even rows, 127 in odd rows; MXFP4 -12 and 12), the scales 1.0: the largest
+    integer dot products, where vpmaddubsw's int16 pair sums could saturate."""
     fmt = BLOCK_FORMATS[qtype]
     n_row = cols // fmt.block_size
     b = np.full((rows * n_row, fmt.type_size), 0xFF, np.uint8)
     if qtype == T.Q8_0:
         b[:, 2:] = np.where((np.arange(rows * n_row) // n_row % 2)[:, None] == 0, 0x80, 0x7F)
-    for off in SCALE_OFFSETS[qtype]:
+    for off in SCALE_OFFSETS.get(qtype, []):
         b[:, off:off + 2] = np.array([1.0], np.float16).view(np.uint8)
+    if qtype == T.MXFP4:  # e8m0 scale 1.0; nibbles -12 (0xF) in even rows, +12 (0x7) in odd
+        b[:, 0] = 128
+        b[:, 1:] = np.where((np.arange(rows * n_row) // n_row % 2)[:, None] == 0, 0xFF, 0x77)
     return b.reshape(-1)
 
 

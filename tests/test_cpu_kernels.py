@@ -502,7 +502,7 @@ def test_moe_ffn_q8_errors():
 
 
 @needs_q8
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1, T.Q3_K],
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1, T.Q3_K, T.MXFP4],
                          ids=lambda v: v.name)
 def test_gemv_experts_equals_one_gemv_per_expert(qtype):
     """One token's experts of a stacked matrix in one call (MoE decode) give exactly the

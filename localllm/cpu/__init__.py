@@ -16,8 +16,9 @@ tensor bytes and loading reads nothing up front.
   order). More rows
   (prefill) dequantize tiles of W into a float32 working buffer, each multiplied by
   torch's GEMM, so memory stays at the file's bytes plus one tile.
-* :func:`moe_ffn_q8`: a prompt's mixture-of-experts FFN (every expert's gate, up, SiLU and
-  down over the tokens routed to it) in one call, with int8 activations.
+* :func:`moe_ffn_q8`: a prompt's mixture-of-experts FFN (every expert's gate, up, gated
+  activation and down, with their biases, over the tokens routed to it) in one call, with
+  int8 activations.
 * :class:`PackedWeight` is the weight type; :class:`NativeLinear`, :class:`NativeFusedLinear`
   and :class:`NativeEmbedding` are the layers the models use.
 

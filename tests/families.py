@@ -384,7 +384,7 @@ SPREAD_ROUTER = ("granitehybrid-moe", "qwen35moe", "qwen3next")
 MLA = ("deepseek2", "deepseek2-lite", "deepseek2-kvb")
 # Gemma 4's router reads a vector of norm ~1 (the stream RMS-normed, over sqrt(d_model)): a
 # router of this spread gives logits of spread ~1, the probabilities well apart
-STEM_STD_OF = {"gemma4-moe": {"ffn_gate_inp": 1.0}}
+GEMMA4_ROUTER_STD = {"ffn_gate_inp": 1.0}
 
 
 def write_family(family: str, directory: str | Path) -> Path:
@@ -393,7 +393,7 @@ def write_family(family: str, directory: str | Path) -> Path:
     g = dataclasses.replace(g, name=f"tiny-{family}")
     return write_synthetic(Path(directory) / f"{family}.gguf", g, quant, seed=SEED,
                            weight_std=STD.get(family, WEIGHT_STD),
-                           stem_std=STEM_STD_OF[family] if family in STEM_STD_OF
+                           stem_std=GEMMA4_ROUTER_STD if family == "gemma4-moe"
                            else {**STEM_STD, **ROUTER_STD} if family in SPREAD_ROUTER
                            else ROUTER_STD if family in MLA
                            else STEM_STD if family in RECURRENT else None)

@@ -357,9 +357,26 @@ _TABLE: dict[str, Geometry | _Like] = {
         "gemma4-31b", "gemma4", 262144, 60, 5376, 32, 16, 512, 21504, 262144, 1000000.0, 1e-6,
         "llama", "default", specials=_GEMMA_SPECIALS, tied_output=True, sliding_window=1024,
         extra=_gemma4(60, 0, 0, 6, 21504)),
+    # Gemma-4-26B-A4B: every layer a mixture of 128 experts (8 used, GEGLU of 704, gate and
+    # up fused as the converter writes them, a per-expert output scale) beside the dense
+    # GEGLU of 2112 as a shared expert; five sliding layers (window 1024) to one global.
+    # The global layers' 2 KV heads are written as 8 (localllm reads one count for all).
+    "gemma4-26b-a4b": Geometry(
+        "gemma4-26b-a4b", "gemma4", 262144, 30, 2816, 16, 8, 512, 2112, 262144, 1000000.0,
+        1e-6, "llama", "default", specials=_GEMMA_SPECIALS, tied_output=True,
+        sliding_window=1024, optional=("ffn_gate_up_exps.weight", "ffn_down_exps.scale"),
+        extra={**_gemma4(30, 0, 0, 6, 2112), "gemma4.expert_count": 128,
+               "gemma4.expert_used_count": 8, "gemma4.expert_feed_forward_length": 704}),
     # ---- 0.5-1B geometries of every family (bench/bench_families.py) ----------------------
     # Gemma-4-E2B's layers at 9 of its 35 (the last 4 sharing KV)
     "gemma4-1b": _like("gemma4-e2b", n_layers=9, extra=_gemma4(9, 4, 256, 5, 6144)),
+    # Gemma-4-26B-A4B's proportions at 1B (0.45B active): 12 layers of 1024, 64 experts of
+    # 256 (4 used), the dense FFN 768
+    "gemma4-moe-1b": _like("gemma4-26b-a4b", n_layers=12, d_model=1024, n_heads=8,
+                           n_kv_heads=4, ffn_dim=768, extra={
+                               **_gemma4(12, 0, 0, 6, 768), "gemma4.expert_count": 64,
+                               "gemma4.expert_used_count": 4,
+                               "gemma4.expert_feed_forward_length": 256}),
     # Llama-4-Scout's vocabulary, head size and routing at 1B active (16 experts of 1024)
     "llama4-1b": _like("llama4-scout", n_layers=8, d_model=1536, n_heads=12, n_kv_heads=4,
                        ffn_dim=4096, extra={"llama4.expert_count": 16, "llama4.expert_used_count": 1,
@@ -565,6 +582,39 @@ _TABLE: dict[str, Geometry | _Like] = {
         extra={"phimoe.expert_count": 16, "phimoe.expert_used_count": 2,
                "phimoe.rope.scaling.original_context_length": 4096,
                "phimoe.rope.scaling.attn_factor": 1.19}),
+    # ---- about 1B of the families above whose released sizes are far from it (bench rows) --
+    # Mamba2-1.3b (state-spaces): 48 Mamba2 layers of 2048, 64 heads x 64
+    "mamba2-1.3b": _like(
+        "mamba2-370m", d_model=2048,
+        extra={"mamba2.ssm.conv_kernel": 4, "mamba2.ssm.inner_size": 4096,
+               "mamba2.ssm.state_size": 128, "mamba2.ssm.time_step_rank": 64,
+               "mamba2.ssm.group_count": 1}),
+    # Nemotron-H-4B's proportions at 0.9B: 24 layers of 1536 alternating Mamba2 (48 heads x
+    # 64, 8 groups) or attention with a squared-ReLU FFN of 6144; 2 attention layers
+    "nemotron-h-1b": _like(
+        "nemotron-h-4b", n_layers=24, d_model=1536, n_heads=12, n_kv_heads=4, ffn_dim=6144,
+        extra={"nemotron_h.attention.head_count_kv": [4 if i in (6, 16) else 0
+                                                       for i in range(24)],
+               "nemotron_h.feed_forward_length": [6144 if i % 2 else 0 for i in range(24)],
+               "nemotron_h.attention.layer_norm_epsilon": 1e-5,
+               "nemotron_h.ssm.conv_kernel": 4, "nemotron_h.ssm.inner_size": 3072,
+               "nemotron_h.ssm.state_size": 128, "nemotron_h.ssm.time_step_rank": 48,
+               "nemotron_h.ssm.group_count": 8}),
+    # OLMoE-1B-7B's proportions at 1B: 8 layers of 1024, 64 experts (8 used) 512 wide
+    "olmoe-1b": _like("olmoe-1b-7b", n_layers=8, d_model=1024, n_heads=8, n_kv_heads=8,
+                      ffn_dim=512),
+    # ERNIE-4.5-21B-A3B's proportions at 0.9B: 8 layers of 1024 (the first dense, 4096),
+    # 64 experts (6 used) 512 wide and a shared FFN of 1024
+    "ernie4.5-moe-1b": _like(
+        "ernie4.5-21b-a3b", n_layers=8, d_model=1024, n_heads=8, n_kv_heads=2, ffn_dim=4096,
+        extra={"ernie4_5-moe.expert_count": 64, "ernie4_5-moe.expert_used_count": 6,
+               "ernie4_5-moe.expert_feed_forward_length": 512,
+               "ernie4_5-moe.expert_shared_feed_forward_length": 1024,
+               "ernie4_5-moe.leading_dense_block_count": 1,
+               "ernie4_5-moe.interleave_moe_layer_step": 1}),
+    # Phi-3.5-MoE's proportions at 0.9B: 8 layers of 1024, 16 experts (2 used) 2048 wide
+    "phimoe-1b": _like("phi3.5-moe", n_layers=8, d_model=1024, n_heads=8, n_kv_heads=2,
+                       ffn_dim=2048),
     # gpt-oss-20b's layer kinds, vocabulary and expert proportions at 1.4B: 12 layers,
     # 16 experts (4 used, 768 wide; 0.55B active with the output projection)
     "gpt-oss-1b": _like("gpt-oss-20b", n_layers=12, d_model=1536, n_heads=24, ffn_dim=768,
@@ -587,13 +637,17 @@ def geometry_args(g: Geometry):
 def tensor_shapes(g: Geometry) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape in torch order) of every tensor, from the architecture's declaration
     (``tensor_specs`` of the geometry's metadata): the required tensors, ``output.weight``
-    unless the output is tied, and the optional ones named in ``g.optional``."""
+    unless the output is tied, and the optional ones named in ``g.optional``; a tensor
+    whose alternative (``TensorSpec.unless``, e.g. Gemma 4's fused ``ffn_gate_up_exps``)
+    is written is left out."""
     from . import tensor_specs
 
-    return [(s.name, s.shape) for s in tensor_specs(geometry_args(g))
-            if not s.optional or (s.name == "output.weight" and not g.tied_output)
-            or s.name in g.optional or _unlayered(s.name) in g.optional
-            or (g.qkv_bias and ".bias" in s.name and "attn_output" not in s.name)]
+    specs = [s for s in tensor_specs(geometry_args(g))
+             if not s.optional or (s.name == "output.weight" and not g.tied_output)
+             or s.name in g.optional or _unlayered(s.name) in g.optional
+             or (g.qkv_bias and ".bias" in s.name and "attn_output" not in s.name)]
+    written = {s.name for s in specs}
+    return [(s.name, s.shape) for s in specs if s.unless is None or s.unless not in written]
 
 
 def _unlayered(name: str) -> str:
@@ -801,7 +855,8 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
     """Random data of one tensor as the bytes GGUF stores: uint8 (n_bytes,).
 
     Norm weights and Gemma 4's layer output scales are 1 + N(0, 0.02) (Gemma's GGUF norms
-    already include its +1); RoPE
+    already include its +1), other ``.scale`` vectors (Gemma 4's router input and
+    per-expert output factors) 1 + N(0, 0.2); RoPE
     frequency factors (``rope_freqs``, ``rope_factors_*``) 1 + |N(0, 2)|; state-space
     parameters as :func:`_ssm_values` makes them; biases and float matrices are
     N(0, ``std``); quantized matrices dequantize to std ~``std``.
@@ -814,6 +869,9 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
             x = ssm
         elif "norm" in name or "output_scale" in name:
             x *= WEIGHT_STD
+            x += 1.0
+        elif name.endswith(".scale"):
+            x *= 0.2
             x += 1.0
         elif name.startswith("rope_f"):
             x = 1.0 + np.abs(x) * 2.0

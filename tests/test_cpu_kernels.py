@@ -479,6 +479,35 @@ def test_moe_ffn_q8_biases_and_activations(gu_type, down_type, act):
 
 
 @needs_moe
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K], ids=lambda v: v.name)
+def test_moe_ffn_q8_fused_gate_up(qtype):
+    """Gate and up fused in one tensor (Gemma 4's ``ffn_gate_up_exps``: each expert's gate
+    rows, then its up rows) give bit for bit the result of the two tensors; GEGLU, biases."""
+    n_exp, d, n_ff, t = 4, 256, 64, 29
+    raw = [weight_bytes(qtype, n_exp * n_ff, d, s) for s in (1, 2)]
+    per = raw[0].size // n_exp
+    fused = np.concatenate([np.concatenate([r[e * per:(e + 1) * per] for r in raw])
+                            for e in range(n_exp)])
+    down = cpu.PackedWeight.from_bytes(weight_bytes(T.Q8_0, n_exp * d, n_ff, 3), T.Q8_0,
+                                       (n_exp * d, n_ff), q8=True)
+    gate, up = (cpu.PackedWeight.from_bytes(r, qtype, (n_exp * n_ff, d), q8=True) for r in raw)
+    gate_up = cpu.PackedWeight.from_bytes(fused, qtype, (2 * n_exp * n_ff, d), q8=True)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(t, d, generator=gen)
+    chosen = torch.stack([torch.randperm(n_exp, generator=gen)[:2] for _ in range(t)])
+    weights = torch.rand(t, 2, generator=gen)
+    biases = (torch.randn(n_exp, n_ff, generator=gen), torch.randn(n_exp, n_ff, generator=gen),
+              torch.randn(n_exp, d, generator=gen))
+    for b in ((None, None, None), biases):
+        two = cpu.moe_ffn_q8(x, chosen, weights, gate, up, down, biases=b, act="gelu_tanh")
+        one = cpu.moe_ffn_q8(x, chosen, weights, gate_up, None, down, biases=b,
+                             act="gelu_tanh")
+        assert torch.equal(one, two)
+    with pytest.raises(ParameterError, match="do not match"):
+        cpu.moe_ffn_q8(x, chosen, weights, gate, None, down)
+
+
+@needs_moe
 def test_moe_ffn_q8_errors():
     d, n_ff, n_exp = 256, 64, 3
     g = cpu.PackedWeight.from_bytes(weight_bytes(T.Q4_K, n_exp * n_ff, d), T.Q4_K,

@@ -56,9 +56,9 @@ def test_family_decode_steps_match_llama_cpp(family, backend, family_dir):
 
 # The families with routed experts: SiLU experts (Q8_0; qwen3moe's prompts are below the rows
 # per expert from which the model takes the kernel), gpt-oss's MXFP4 experts with biases and
-# the clamped SwiGLU.
+# the clamped SwiGLU, Gemma 4's GEGLU experts with gate and up fused.
 MOE_FAMILIES = ["qwen3moe", "gpt-oss", "phimoe", "olmoe", "glm4moe", "ernie4_5-moe", "llama4",
-                "deepseek2", "granitehybrid-moe", "qwen35moe"]
+                "deepseek2", "granitehybrid-moe", "qwen35moe", "gemma4-moe"]
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

@@ -231,8 +231,9 @@ class NativeOps(TorchOps):
         per expert and matrix spent most of a MoE decode step in Python; the experts'
         biases added by row), and a prompt of at least :data:`MOE_MIN_ROWS` rows per expert
         on average in one :func:`localllm.cpu.moe_ffn_q8` call (every family's experts:
-        SiLU, GELU or gpt-oss's clamped SwiGLU, with or without biases, MXFP4 included; the
-        per-expert loop spent most of a MoE prefill in small products and Python).
+        SiLU, GELU or gpt-oss's clamped SwiGLU, with or without biases, gate and up fused
+        or not, MXFP4 included; the per-expert loop spent most of a MoE prefill in small
+        products and Python).
         Otherwise the torch grouping."""
         mats = (gate, down) if up is None else (gate, up, down)  # up None: gate_up fused
         stacked = [m.stacked if isinstance(m, PackedExperts) else None for m in mats]
@@ -247,10 +248,14 @@ class NativeOps(TorchOps):
                 h = self.gated(g, u, act, overwrite=True)  # (k, n_ff)
                 return weights @ _biased(cpu.gemv_experts(h, stacked[-1], e, x.shape[1]),
                                          down.bias, e)
-            if (act in cpu.GATED_ACTS and up is not None and cpu.moe_q8()
+            if (act in cpu.GATED_ACTS and cpu.moe_q8()
                     and x.shape[0] * chosen.shape[1] >= MOE_MIN_ROWS * n_expert):
-                return cpu.moe_ffn_q8(x, chosen, weights, *stacked,
-                                      biases=tuple(m.bias for m in mats), act=act)
+                bias = [m.bias for m in mats]
+                if up is None:  # fused: the gate and up halves of each expert's bias
+                    bias[:1] = [None, None] if bias[0] is None else bias[0].chunk(2, -1)
+                return cpu.moe_ffn_q8(x, chosen, weights, stacked[0],
+                                      None if up is None else stacked[1], stacked[-1],
+                                      biases=tuple(bias), act=act)
         return super().experts(x, chosen, weights, gate, up, down, act)
 
 

@@ -236,7 +236,7 @@ def gemv_experts(x: torch.Tensor, weight: PackedWeight, experts: torch.Tensor,
 
 
 def moe_ffn_q8(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-               gate: PackedWeight, up: PackedWeight, down: PackedWeight, *,
+               gate: PackedWeight, up: PackedWeight | None, down: PackedWeight, *,
                biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
                = (None, None, None), act: str = "silu") -> torch.Tensor:
     """The gated experts of a mixture-of-experts layer over a prompt, after the routing
@@ -253,15 +253,18 @@ def moe_ffn_q8(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     contributions are summed in increasing expert order.
 
     x: (T, d) float32; chosen: (T, k) int64 expert ids; weights: (T, k) float32;
-    gate, up: the stacked ``ffn_{gate,up}_exps`` (n_expert * n_ff, d), down:
-    ``ffn_down_exps`` (n_expert * d, n_ff), each a quantized :class:`PackedWeight`;
-    biases: (gate (n_expert, n_ff), up (n_expert, n_ff), down (n_expert, d)) float32, each
-    or None -> (T, d) float32.
+    gate, up: the stacked ``ffn_{gate,up}_exps`` (n_expert * n_ff, d), or ``up`` None and
+    ``gate`` the fused ``ffn_gate_up_exps`` (n_expert * 2 n_ff, d: each expert's gate rows,
+    then its up rows); down: ``ffn_down_exps`` (n_expert * d, n_ff), each a quantized
+    :class:`PackedWeight`; biases: (gate (n_expert, n_ff), up (n_expert, n_ff), down
+    (n_expert, d)) float32, each or None -> (T, d) float32.
 
     Raises:
         UnsupportedError: no AVX512-VNNI int8 kernels (:func:`moe_q8` is False), or a float type.
         ParameterError: inconsistent shapes, or an unknown ``act``.
     """
+    fused = up is None
+    up = gate if fused else up
     if not moe_q8() or any(w.qtype in FLOAT_TYPES for w in (gate, up, down)):
         raise UnsupportedError("moe_ffn_q8 needs the AVX512-VNNI int8 kernels and "
                                "quantized experts")
@@ -272,20 +275,21 @@ def moe_ffn_q8(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     n_ff = down.shape[1]
     n_expert = down.shape[0] // d if d else 0
     bias_shapes = ((n_expert, n_ff), (n_expert, n_ff), (n_expert, d))
-    if (gate.shape != (n_expert * n_ff, d) or up.shape != gate.shape
+    if (gate.shape != (n_expert * n_ff * (2 if fused else 1), d) or up.shape != gate.shape
             or down.shape != (n_expert * d, n_ff) or chosen.shape != weights.shape
             or chosen.shape[0] != t or any(b is not None and tuple(b.shape) != s
                                            for b, s in zip(biases, bias_shapes))):
         raise ParameterError(
             f"moe_ffn_q8: x {tuple(x.shape)}, chosen {tuple(chosen.shape)}, weights "
-            f"{tuple(weights.shape)}, gate {gate.shape}, up {up.shape}, down {down.shape}, "
-            f"biases {[None if b is None else tuple(b.shape) for b in biases]} do not match")
+            f"{tuple(weights.shape)}, gate {gate.shape}, up {None if fused else up.shape}, "
+            f"down {down.shape}, biases "
+            f"{[None if b is None else tuple(b.shape) for b in biases]} do not match")
     out = torch.empty(t, d)
     torch.ops.localllm_cpu.moe_ffn_q8(
         x.float().contiguous(), chosen.long().contiguous(), weights.float().contiguous(),
         gate.data, up.data, down.data, int(gate.qtype), int(up.qtype), int(down.qtype),
         n_expert, n_ff, *(None if b is None else b.float().contiguous() for b in biases),
-        GATED_ACTS[act], out)
+        GATED_ACTS[act], fused, out)
     return out
 
 

@@ -1,6 +1,7 @@
 // The mixture-of-experts FFN of localllm's native CPU kernels (torch.ops.localllm_cpu,
 // declared in qmatmul.cpp):
-//   moe_ffn_q8(x, chosen, weights, gate, up, down, ..., gate_bias, up_bias, down_bias, act, out)
+//   moe_ffn_q8(x, chosen, weights, gate, up, down, ..., gate_bias, up_bias, down_bias, act,
+//              gate_up_fused, out)
 //                                             a prompt's gated experts, int8 activations
 //                                             (AVX512-VNNI builds: moe_available())
 //
@@ -8,7 +9,7 @@
 // to its expert's group (counting sort by expert, tokens in order), and per expert:
 // down(act(gate(x) + bg, up(x) + bu)) + bd over its tokens, the biases optional (gpt-oss's
 // ffn_*_exps.bias), act SiLU or GELU-tanh times up, or gpt-oss's clamped SwiGLU
-// (swiglu_oai). Activations are quantized as
+// (swiglu_oai); gate and up as two tensors or fused in one (Gemma 4's ffn_gate_up_exps). Activations are quantized as
 // the int8 GEMV does (Q8Act: one scale per 32 values), in batches of 16 tokens stored +128
 // as u8 with the tokens' 4-value runs interleaved, so that one vpdpbusd multiplies 4
 // weights of one row (broadcast, signed) with 16 tokens at once (one int32 lane per token)
@@ -221,7 +222,8 @@ void moe_ffn_q8(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor&
                 int64_t gate_type, int64_t up_type, int64_t down_type, int64_t n_expert,
                 int64_t n_ff, const std::optional<at::Tensor>& gate_bias,
                 const std::optional<at::Tensor>& up_bias,
-                const std::optional<at::Tensor>& down_bias, int64_t act, at::Tensor& out) {
+                const std::optional<at::Tensor>& down_bias, int64_t act, bool gate_up_fused,
+                at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "localllm_cpu.moe_ffn_q8: x must be (T, d) contiguous float32");
   const int64_t nt = x.size(0), d = x.size(1);
@@ -238,8 +240,13 @@ void moe_ffn_q8(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor&
   const float* gb = moe_bias(gate_bias, n_expert, n_ff, "gate_bias");
   const float* ub = moe_bias(up_bias, n_expert, n_ff, "up_bias");
   const float* db = moe_bias(down_bias, n_expert, d, "down_bias");
-  const MoeMatrix mg(gate, gate_type, n_expert, n_ff, d, "gate"),
-      mu(up, up_type, n_expert, n_ff, d, "up"), md(down, down_type, n_expert, d, n_ff, "down");
+  // fused (llama.cpp's ffn_gate_up_exps): each expert's 2 n_ff rows of `gate` are its gate
+  // rows then its up rows (`up` is not read); up's tiles start n_ff rows on
+  const int64_t gu_rows = gate_up_fused ? 2 * n_ff : n_ff, up_off = gate_up_fused ? n_ff : 0;
+  const MoeMatrix mg(gate, gate_type, n_expert, gu_rows, d, "gate"),
+      mu(gate_up_fused ? gate : up, gate_up_fused ? gate_type : up_type, n_expert, gu_rows, d,
+         "up"),
+      md(down, down_type, n_expert, d, n_ff, "down");
   const int64_t* ch = chosen.data_ptr<int64_t>();
   const float* wt = weights.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
@@ -285,7 +292,7 @@ void moe_ffn_q8(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor&
   dynamic_for(int64_t(active.size()) * tiles_f, [&](int64_t task) {
     const int64_t e = active[task / tiles_f], r0 = (task % tiles_f) * tile_f;
     const int64_t r1 = std::min(n_ff, r0 + tile_f);
-    const MoeTile wg = mg.tile(e, r0, r1), wu = mu.tile(e, r0, r1);
+    const MoeTile wg = mg.tile(e, r0, r1), wu = mu.tile(e, up_off + r0, up_off + r1);
     for (int64_t b = first[e]; b < first[e + 1]; ++b) {
       const Batch& bt = batches[b];
       mg.fn(wg, *xg[b], bt.n, g.get() + bt.p0 * n_ff + r0, n_ff);

@@ -205,7 +205,7 @@ TORCH_LIBRARY(localllm_cpu, m) {
   m.def("moe_available() -> bool", moe_available);
   m.def("moe_ffn_q8(Tensor x, Tensor chosen, Tensor weights, Tensor gate, Tensor up, Tensor down, "
         "int gate_type, int up_type, int down_type, int n_expert, int n_ff, Tensor? gate_bias, "
-        "Tensor? up_bias, Tensor? down_bias, int act, Tensor(a!) out) -> ()");
+        "Tensor? up_bias, Tensor? down_bias, int act, bool gate_up_fused, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {

@@ -56,6 +56,7 @@ from jinja2.utils import Namespace
 
 from ..errors import LocalLLMError, TemplateError
 from .builtin import BUILTIN_TEMPLATES, guess_builtin
+from .harmony_tools import functions_namespace
 
 MAX_OUTPUT_CHARS = 4_000_000  # far above any context window's worth of text
 MAX_RENDER_SECONDS = 5.0
@@ -187,6 +188,7 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
             self.globals.pop(name, None)
         self.globals["raise_exception"] = _raise_exception
         self.globals["strftime_now"] = _strftime_now
+        self.globals["harmony_functions"] = functions_namespace  # the built-in harmony's
         self.filters["tojson"] = _tojson
         for name in ("center", "indent"):
             self.filters[name] = _width_checked(self.filters[name])
@@ -566,6 +568,8 @@ class ChatTemplate:
             return self._render_bounded(ctx)
         except _RaisedByTemplate as e:
             raise TemplateError(f"{where} raised: {_one_line(e)}") from None
+        except TemplateError as e:  # from a global of ours (harmony_functions)
+            raise TemplateError(f"{where}: {_one_line(e)}") from None
         except SecurityError as e:
             raise TemplateError(f"{where} refused: {_one_line(e)}") from None
         except _Timeout:
@@ -714,8 +718,8 @@ def select_template(metadata: dict, override: str | None = None, *,
 
     Args:
         metadata: GGUF metadata (key -> value).
-        override: a built-in name (gemma, llama3, chatml, mistral, llama2, phi3), the NAME of
-            a metadata variant ``tokenizer.chat_template.NAME``, or Jinja text itself; with
+        override: a built-in name (gemma, llama3, chatml, mistral, llama2, phi3, harmony),
+            the NAME of a metadata variant ``tokenizer.chat_template.NAME``, or Jinja text; with
             ``files``, also a template file (``--chat-template FILE``, models.toml). Without
             it: the metadata's ``tokenizer.chat_template``, else the built-in that
             :func:`localllm.chat.builtin.guess_builtin` picks.

@@ -220,7 +220,7 @@ _HARMONY = """\
 {%- if instructions or tools -%}
   {{- '<|start|>developer<|message|>' -}}
   {%- if instructions -%}{{- '# Instructions\\n\\n' ~ instructions ~ '\\n\\n' -}}{%- endif -%}
-  {%- if tools -%}{{- '# Tools\\n\\n' ~ harmony_functions(tools) -}}{%- endif -%}
+  {%- if tools -%}{{- '# Tools\\n\\n' ~ harmony_functions() -}}{%- endif -%}
   {{- '<|end|>' -}}
 {%- endif -%}
 {%- set ns = namespace(names=[], ids=[], results=0, final=false) -%}

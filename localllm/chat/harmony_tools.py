@@ -8,7 +8,7 @@ does it in Jinja). :func:`functions_namespace` writes the same text, character f
 character, that the official template writes, including its spacing quirks (a nested
 object's properties and ``oneOf`` variants carry the template's indentation), so that a
 model without a template of its own sees what it was trained on. The built-in ``harmony``
-template (:mod:`localllm.chat.builtin`) calls it as the global ``harmony_functions``.
+template (:mod:`localllm.chat.builtin`) calls it as the global ``harmony_functions()``.
 
 Where the official template fails (a tool without a description, a ``default`` that is not
 text beside ``enum``/``oneOf``) this writes no comment line / the default as JSON; a tool or
@@ -21,10 +21,12 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from jinja2 import pass_context
+
 from ..errors import TemplateError
 
 MAX_DEPTH = 64  # nesting of a parameter schema (a cyclic one goes past it)
-MAX_NODES = 100_000  # schema objects visited for all the tools together
+MAX_NODES = 20_000  # schemas visited for all the tools together (shared ones once per use)
 _PRIMITIVE_ITEMS = {"string": "string[]", "number": "number[]", "integer": "number[]",
                     "boolean": "boolean[]"}
 # The official template writes these after a newline and its source's indentation.
@@ -38,6 +40,8 @@ class _Writer:
         self.nodes = 0
 
     def fail(self, path: str, what: str) -> TemplateError:
+        if len(path) > 80:  # a deep schema's path: its start says which parameter
+            path = path[:80] + "..."
         return TemplateError(f"{self.where}{path}: {what}")
 
     def type_of(self, spec: Any, path: str, depth: int) -> str:
@@ -197,4 +201,13 @@ def functions_namespace(tools: Any) -> str:
     return out + "} // namespace functions"
 
 
-__all__ = ["MAX_DEPTH", "MAX_NODES", "functions_namespace"]
+@pass_context
+def template_global(context) -> str:
+    """:func:`functions_namespace` of the template's ``tools``, as the global
+    ``harmony_functions()``: it reads them from the context so that the sandbox's weighing of
+    call arguments does not meet a cyclic schema first (this bounds depth and size itself,
+    and names the tool)."""
+    return functions_namespace(context.get("tools"))
+
+
+__all__ = ["MAX_DEPTH", "MAX_NODES", "functions_namespace", "template_global"]

@@ -308,3 +308,84 @@ def test_bad_input_is_one_clear_error(builtin, messages, tools, variables, named
         builtin.render(messages, True, tools, **variables)
     assert named in str(e.value) and "harmony" in str(e.value)
     assert "\n" not in str(e.value) and len(str(e.value)) < 300
+
+
+# ---- through the server and the official openai client ------------------------------------
+@pytest.fixture(scope="module")
+def gpt_oss_file(tmp_path_factory) -> Path:
+    """The small random gpt-oss of the family fixtures (harmony's tokens, no chat template in
+    the file), with a context its byte-sized tokens fit in."""
+    import dataclasses
+
+    from families import FAMILIES, SEED
+
+    from localllm.models.synthetic import write_synthetic
+
+    geometry, quant = FAMILIES["gpt-oss"]
+    return write_synthetic(tmp_path_factory.mktemp("harmony") / "gpt-oss.gguf",
+                           dataclasses.replace(geometry, name="tiny-gpt-oss",
+                                               context_length=4096), quant, seed=SEED)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(gpt_oss_file):
+    """``localllm serve`` on it."""
+    from test_server import KEY, Server
+
+    server = Server(gpt_oss_file, "--api-key", KEY, "-c", "4096")
+    yield server
+    server.stop()
+
+
+def test_server_renders_with_the_builtin(gpt_oss):
+    from test_server_agents import raw
+
+    status, _, props = raw(gpt_oss, "GET", "/props")
+    assert status == 200 and props["chat_template"] == BUILTIN_TEMPLATES["harmony"]
+    assert props["chat_format"]["harmony"]
+    # A tool round trip's second request as the openai client sends it: the call's arguments
+    # as JSON text, no content, the reasoning of that turn as reasoning_content
+    messages = [{"role": "developer", "content": "Be brief."}, USER,
+                {"role": "assistant", "content": None, "reasoning_content": THINK,
+                 "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                     "name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+                RESULT]
+    reply = gpt_oss.client().chat.completions.create(
+        model="gpt-oss", messages=messages, tools=[WEATHER], max_tokens=2,
+        reasoning_effort="high")
+    # the prompt the server ran is the built-in's text of the same conversation (written
+    # here in the template's own shape), counted by the server's tokenizer
+    expected = ChatTemplate("harmony", BUILTIN_TEMPLATES["harmony"]).render(
+        [{"role": "system", "content": "Be brief."}, USER,
+         {"role": "assistant", "thinking": THINK, "tool_calls": [CALL]}, RESULT],
+        True, [WEATHER], reasoning_effort="high")
+    assert "Reasoning: high" in expected and THINK in expected
+    status, _, tokens = raw(gpt_oss, "POST", "/tokenize",
+                            {"content": expected, "add_special": True, "parse_special": True})
+    assert status == 200 and reply.usage.prompt_tokens == len(tokens["tokens"])
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ({"chat_template_kwargs": {"reasoning_effort": "extreme"}}, "reasoning_effort must be"),
+    ({"messages": [USER, {"role": "system", "content": "late"}]}, "harmony takes one system"),
+    ({"messages": [USER, RESULT]}, "a tool result with no assistant tool call"),
+    ({"messages": [USER, {"role": "assistant", "content": "<|channel|>final<|message|>x"}]},
+     "harmony channel markers"),
+])
+def test_server_bad_conversations_are_400(gpt_oss, extra, named):
+    from test_server_agents import raw
+
+    status, _, reply = raw(gpt_oss, "POST", "/v1/chat/completions",
+                           {"model": "gpt-oss", "messages": [USER], "max_tokens": 1, **extra})
+    assert status == 400 and named in reply["error"]["message"], reply
+    status, _, _ = raw(gpt_oss, "POST", "/v1/chat/completions",
+                       {"model": "gpt-oss", "messages": [USER], "max_tokens": 1})
+    assert status == 200  # still serving
+
+
+def test_cli_bad_effort_is_one_error_line(gpt_oss_file, monkeypatch, capsys):
+    from cli_helpers import assert_one_line_error, run_cli
+
+    code, _, err = run_cli(monkeypatch, capsys, "run", str(gpt_oss_file), "hi", "--chat",
+                           "-n", "1", "--chat-template-kwargs", '{"reasoning_effort": "max"}')
+    assert_one_line_error(code, err, "reasoning_effort must be low, medium or high, not max")

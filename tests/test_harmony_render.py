@@ -337,32 +337,52 @@ def gpt_oss(gpt_oss_file):
     server.stop()
 
 
-def test_server_renders_with_the_builtin(gpt_oss):
+def test_tool_round_trip_through_the_server(gpt_oss):
     from test_server_agents import raw
 
     status, _, props = raw(gpt_oss, "GET", "/props")
     assert status == 200 and props["chat_template"] == BUILTIN_TEMPLATES["harmony"]
     assert props["chat_format"]["harmony"]
-    # A tool round trip's second request as the openai client sends it: the call's arguments
-    # as JSON text, no content, the reasoning of that turn as reasoning_content
-    messages = [{"role": "developer", "content": "Be brief."}, USER,
-                {"role": "assistant", "content": None, "reasoning_content": THINK,
-                 "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                     "name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
-                RESULT]
-    reply = gpt_oss.client().chat.completions.create(
-        model="gpt-oss", messages=messages, tools=[WEATHER], max_tokens=2,
+    # 1. a forced call (an enum keeps the random model's arguments short), read back by the
+    # harmony parser from what the model wrote after the built-in's prompt
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Lyon"]}},
+            "required": ["city"], "additionalProperties": False}}}
+    system = {"role": "developer", "content": "Be brief."}
+    client = gpt_oss.client()
+    first = client.chat.completions.create(
+        model="gpt-oss", messages=[system, USER], tools=[tool], temperature=0, max_tokens=200,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        reasoning_effort="high", extra_body={"reasoning_budget_tokens": 0})
+    assert first.choices[0].finish_reason == "tool_calls"
+    call = first.choices[0].message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and args["city"] in ("Paris", "Lyon")
+    # 2. the call sent back as the openai client sends it (arguments as JSON text, no
+    # content) with the turn's reasoning and the tool's result
+    turn = {**first.choices[0].message.model_dump(exclude_none=True),
+            "reasoning_content": THINK}
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}
+    second = client.chat.completions.create(
+        model="gpt-oss", messages=[system, USER, turn, result], tools=[tool], max_tokens=1,
         reasoning_effort="high")
-    # the prompt the server ran is the built-in's text of the same conversation (written
-    # here in the template's own shape), counted by the server's tokenizer
+    # the prompt the server ran is the built-in's text of that conversation (written here
+    # in the template's own shape), counted by the server's tokenizer
     expected = ChatTemplate("harmony", BUILTIN_TEMPLATES["harmony"]).render(
         [{"role": "system", "content": "Be brief."}, USER,
-         {"role": "assistant", "thinking": THINK, "tool_calls": [CALL]}, RESULT],
-        True, [WEATHER], reasoning_effort="high")
-    assert "Reasoning: high" in expected and THINK in expected
+         {"role": "assistant", "thinking": THINK, "tool_calls": [
+             {"id": call.id, "function": {"name": "get_weather", "arguments": args}}]},
+         result], True, [tool], reasoning_effort="high")
+    assert "Reasoning: high" in expected and expected.endswith(
+        f"<|start|>assistant<|channel|>analysis<|message|>{THINK}<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        f"<|message|>{json.dumps(args)}<|call|><|start|>functions.get_weather to=assistant"
+        '<|channel|>commentary<|message|>{"temp": 21}<|end|><|start|>assistant')
     status, _, tokens = raw(gpt_oss, "POST", "/tokenize",
                             {"content": expected, "add_special": True, "parse_special": True})
-    assert status == 200 and reply.usage.prompt_tokens == len(tokens["tokens"])
+    assert status == 200 and second.usage.prompt_tokens == len(tokens["tokens"])
 
 
 @pytest.mark.parametrize(("extra", "named"), [

@@ -141,7 +141,7 @@ def as_builtin_writes(official: str) -> str:
                   r"<|start|>assistant<|channel|>commentary to=functions.\1 <|constrain|>\2"
                   r"<|message|>", official)
     return re.sub(r"( to=assistant<\|channel\|>commentary<\|message\|>)(.*?)(<\|end\|>)",
-                  lambda m: m[1] + json.loads(m[2]) + m[3], text, flags=re.S)
+                  lambda m: m[1] + json.loads(m[2]) + m[3], text, flags=re.DOTALL)
 
 
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))

@@ -8,7 +8,9 @@ interleaved, one process per run.
 Each round runs every side twice, once on an otherwise unchanged machine and once with
 ``--busy`` processes spinning (``while True: pass``, one core each), in alternating order.
 A side is localllm under one OpenMP setting (``--policy``: ``default`` is the environment
-as it is, without the command line's own ``OMP_WAIT_POLICY=PASSIVE``; ``VAR=VALUE``
+as it is, without the command line's own ``OMP_WAIT_POLICY=PASSIVE``, with the adaptive
+thread count of ``localllm.cpu.threads.CoreShare``; ``LOCALLLM_ADAPTIVE_THREADS=0`` fixes
+the count; ``VAR=VALUE``
 entries are added to the child's environment before torch loads) or llama.cpp through
 llama-cpp-python (``--llama-python``). Each run times ``--n-gen`` one-token greedy steps
 after a short prompt (bench_cpu.py's protocol, after one warm-up pass).

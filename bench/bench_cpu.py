@@ -43,10 +43,10 @@ def _protocol(eval_last, reset, prompt, n_gen) -> dict:
 
 
 def side_ours(path: str, threads: int, n_prompt: int, n_gen: int, backend: str) -> dict:
-    import torch
-
-    torch.set_num_threads(threads)
+    from localllm.cpu.threads import set_threads
     from localllm.runtime.session import Session, load_model
+
+    set_threads(threads)  # as the command line does (LOCALLLM_ADAPTIVE_THREADS=0: fixed)
 
     t0 = time.perf_counter()
     m = load_model(path, device="cpu", progress=False, backend=backend)

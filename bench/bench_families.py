@@ -73,10 +73,12 @@ FAMILIES: dict[str, str] = {
     "falcon-h1": "falcon-h1-0.5b",
     "granitehybrid": "granite4-1b",
     "lfm2": "lfm2-1.2b",
+    "mamba2": "mamba2-1.3b",
+    "nemotron_h": "nemotron-h-1b",
+    "olmoe": "olmoe-1b",
+    "phimoe": "phimoe-1b",
+    "ernie4_5-moe": "ernie4.5-moe-1b",
 }
-# Families without a 0.5-1.5B geometry yet (their real sizes are 0.37B or 4B and more; a
-# scaled-down geometry of their proportions is still to be written): no bench row.
-PENDING = ("mamba2", "nemotron_h", "olmoe", "phimoe", "ernie4_5-moe")
 MIN_RELATIVE = 0.8  # the issue's floor, tok/s per weight byte relative to llama
 
 
@@ -295,6 +297,10 @@ def main() -> None:
     ap.add_argument("--markdown", help="write the table to this file")
     ap.add_argument("--from-json", help="no runs: the table of a --json file written before")
     ap.add_argument("--json", help="write all runs and the summary to this file")
+    ap.add_argument("--discard", action="store_true",
+                    help="remove each synthetic file this run wrote after its rows")
+    ap.add_argument("--write-only", action="store_true",
+                    help="only write the families' synthetic files (no runs)")
     a = ap.parse_args()
     if a.threads < 1 or a.rounds < 1 or a.n_prompt < 16 or a.n_gen < 1:
         ap.error("--threads, --rounds and --n-gen must be >= 1, --n-prompt >= 16")
@@ -310,26 +316,30 @@ def main() -> None:
             Path(a.markdown).write_text(table)
         return
 
-    from localllm.models.synthetic import synthetic_model
+    from localllm.models.synthetic import cache_path, synthetic_model
+    from localllm.quantize.recipe import parse_file_type
 
     families = ["llama"] + [f for f in a.families if f != "llama"]  # the reference row first
-    paths, sizes = {}, {}
-    for fam in families:
-        t0 = time.perf_counter()
-        paths[fam] = synthetic_model(FAMILIES[fam], a.quant)
-        sizes[fam] = weight_bytes(paths[fam])
-        print(f"{fam:9} {paths[fam]} ({sizes[fam]['file_mb']:.0f} MB, "
-              f"{time.perf_counter() - t0:.1f} s)", flush=True)
     sides = [("ours", sys.executable)] + ([("llama", a.llama_python)] if a.llama_python else [])
     results: dict = {fam: {s: [] for s, _ in sides} for fam in families}
-    for r in range(a.rounds):
-        for fam in families:
+    sizes: dict = {}
+    # One family at a time, its rounds together (sides alternating within each round): the
+    # thirty files take about 25 GB, so with --discard each is removed after its rows unless
+    # it was in the cache before this run.
+    for fam in families:
+        t0 = time.perf_counter()
+        existed = cache_path(FAMILIES[fam], parse_file_type(a.quant)).exists()
+        path = synthetic_model(FAMILIES[fam], a.quant)
+        sizes[fam] = weight_bytes(path)
+        print(f"{fam:9} {path} ({sizes[fam]['file_mb']:.0f} MB, "
+              f"{time.perf_counter() - t0:.1f} s)", flush=True)
+        for r in range(0 if a.write_only else a.rounds):
             for side, py in (sides if r % 2 == 0 else sides[::-1]):
                 busy = wait_quiet(a.threads, a.max_wait)
                 if busy > (os.cpu_count() or 1) - a.threads + 0.2:
                     print(f"(other processes keep {busy:.1f} cores busy; running anyway)",
                           flush=True)
-                res = run_side(py, paths[fam], side, a.threads, a.n_prompt, a.n_gen, a.timeout)
+                res = run_side(py, path, side, a.threads, a.n_prompt, a.n_gen, a.timeout)
                 if a.clock == "cpu" and "pp_cpu" in res:
                     res |= {"pp": res["pp_cpu"], "tg": res["tg_cpu"],
                             "pp_wall": res["pp"], "tg_wall": res["tg"]}
@@ -342,6 +352,10 @@ def main() -> None:
                           f"  tg{a.n_gen} {res['tg']:6.2f} tok/s  load {res['load_s']:.1f} s"
                           f"  ({a.clock})  RSS {res['rss_mb']:.0f} MB  other load "
                           f"{_f(res.get('other_cores'), '.1f')} cores", flush=True)
+        if a.discard and not existed and fam != "llama":
+            path.unlink(missing_ok=True)
+    if a.write_only:
+        return
     rows = summarize(results, sizes, a.stat)
     versions = [x.get("version") for s in results.values() for x in s.get("llama", [])]
     meta = {"machine": machine(), "threads": a.threads, "rounds": a.rounds,

@@ -104,3 +104,17 @@ def tiny_model_path(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture
+def keep_threads():
+    """The thread counts (torch's, and :mod:`localllm.cpu.threads`' chosen counts and core
+    watch) as they were before the test."""
+    import torch
+
+    from localllm.cpu import threads
+
+    n, state = torch.get_num_threads(), (threads._counts, threads._share)
+    yield
+    torch.set_num_threads(n)
+    threads._counts, threads._share = state

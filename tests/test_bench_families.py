@@ -25,8 +25,7 @@ def test_every_family_has_a_0_5_to_1_5b_geometry(bf):
     from localllm.models import ARCHITECTURES
     from localllm.models.synthetic import GEOMETRIES, planned_tensors
 
-    assert set(bf.FAMILIES) | set(bf.PENDING) == set(ARCHITECTURES)
-    assert not set(bf.FAMILIES) & set(bf.PENDING)
+    assert set(bf.FAMILIES) == set(ARCHITECTURES)
     for fam, name in bf.FAMILIES.items():
         g = GEOMETRIES[name]
         assert g.arch == (fam if fam != "mistral" else "llama")

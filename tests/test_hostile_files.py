@@ -357,16 +357,6 @@ def test_perplexity_text_from_dev_zero_is_bounded(tiny):
 
 
 # ---- 3. thread counts (item 3; issue 30 item 3) -------------------------------------------------
-@pytest.fixture
-def keep_threads():
-    import localllm.cpu.threads as T
-
-    n, counts = torch.get_num_threads(), T._counts
-    yield
-    torch.set_num_threads(n)
-    T._counts = counts
-
-
 def test_set_threads_is_clamped_to_512(keep_threads):
     from localllm.cpu.threads import MAX_THREADS, set_threads, thread_counts
 

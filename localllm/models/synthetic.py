@@ -565,6 +565,39 @@ _TABLE: dict[str, Geometry | _Like] = {
         extra={"phimoe.expert_count": 16, "phimoe.expert_used_count": 2,
                "phimoe.rope.scaling.original_context_length": 4096,
                "phimoe.rope.scaling.attn_factor": 1.19}),
+    # ---- about 1B of the families above whose released sizes are far from it (bench rows) --
+    # Mamba2-1.3b (state-spaces): 48 Mamba2 layers of 2048, 64 heads x 64
+    "mamba2-1.3b": _like(
+        "mamba2-370m", d_model=2048,
+        extra={"mamba2.ssm.conv_kernel": 4, "mamba2.ssm.inner_size": 4096,
+               "mamba2.ssm.state_size": 128, "mamba2.ssm.time_step_rank": 64,
+               "mamba2.ssm.group_count": 1}),
+    # Nemotron-H-4B's proportions at 0.9B: 24 layers of 1536 alternating Mamba2 (48 heads x
+    # 64, 8 groups) or attention with a squared-ReLU FFN of 6144; 2 attention layers
+    "nemotron-h-1b": _like(
+        "nemotron-h-4b", n_layers=24, d_model=1536, n_heads=12, n_kv_heads=4, ffn_dim=6144,
+        extra={"nemotron_h.attention.head_count_kv": [4 if i in (6, 16) else 0
+                                                       for i in range(24)],
+               "nemotron_h.feed_forward_length": [6144 if i % 2 else 0 for i in range(24)],
+               "nemotron_h.attention.layer_norm_epsilon": 1e-5,
+               "nemotron_h.ssm.conv_kernel": 4, "nemotron_h.ssm.inner_size": 3072,
+               "nemotron_h.ssm.state_size": 128, "nemotron_h.ssm.time_step_rank": 48,
+               "nemotron_h.ssm.group_count": 8}),
+    # OLMoE-1B-7B's proportions at 1B: 8 layers of 1024, 64 experts (8 used) 512 wide
+    "olmoe-1b": _like("olmoe-1b-7b", n_layers=8, d_model=1024, n_heads=8, n_kv_heads=8,
+                      ffn_dim=512),
+    # ERNIE-4.5-21B-A3B's proportions at 0.9B: 8 layers of 1024 (the first dense, 4096),
+    # 64 experts (6 used) 512 wide and a shared FFN of 1024
+    "ernie4.5-moe-1b": _like(
+        "ernie4.5-21b-a3b", n_layers=8, d_model=1024, n_heads=8, n_kv_heads=2, ffn_dim=4096,
+        extra={"ernie4_5-moe.expert_count": 64, "ernie4_5-moe.expert_used_count": 6,
+               "ernie4_5-moe.expert_feed_forward_length": 512,
+               "ernie4_5-moe.expert_shared_feed_forward_length": 1024,
+               "ernie4_5-moe.leading_dense_block_count": 1,
+               "ernie4_5-moe.interleave_moe_layer_step": 1}),
+    # Phi-3.5-MoE's proportions at 0.9B: 8 layers of 1024, 16 experts (2 used) 2048 wide
+    "phimoe-1b": _like("phi3.5-moe", n_layers=8, d_model=1024, n_heads=8, n_kv_heads=2,
+                       ffn_dim=2048),
     # gpt-oss-20b's layer kinds, vocabulary and expert proportions at 1.4B: 12 layers,
     # 16 experts (4 used, 768 wide; 0.55B active with the output projection)
     "gpt-oss-1b": _like("gpt-oss-20b", n_layers=12, d_model=1536, n_heads=24, ffn_dim=768,

@@ -327,6 +327,30 @@ def gpt_oss_file(tmp_path_factory) -> Path:
                                                context_length=4096), quant, seed=SEED)
 
 
+def test_render_chat_gives_the_reasoning_as_the_official_template_reads_it(gpt_oss_file):
+    # A tool-call turn sent back with content and reasoning_content: the official template
+    # raises on both, so the reasoning becomes `thinking` and the content goes, as llama.cpp
+    # does; the GGUF's official template and the built-in then write the same conversation
+    from localllm import LLM
+    from localllm.api.chat import render_chat
+
+    llm = LLM(str(gpt_oss_file), ctx_size=4096, device="cpu")
+    sent = [USER, {"role": "assistant", "content": "Let me check.", "reasoning_content": THINK,
+                   "tool_calls": [{**CALL, "function": {"name": "get_weather",
+                                                        "arguments": '{"city": "Paris", "days": 2}'}}]},
+            RESULT]
+    read = [USER, {"role": "assistant", "thinking": THINK, "tool_calls": [CALL]}, RESULT]
+    official = official_render(read, [WEATHER], True, {})
+
+    def dated(text: str) -> str:
+        return re.sub(r"Current date: \d{4}-\d\d-\d\d", f"Current date: {DATE}", text)
+
+    assert dated(render_chat(llm, sent, template=OFFICIAL, tools=[WEATHER]).text) == official
+    prompt = render_chat(llm, sent, tools=[WEATHER])
+    assert prompt.template_name == "harmony (built-in)" and prompt.fmt.harmony
+    assert dated(prompt.text) == as_builtin_writes(official)
+
+
 @pytest.fixture(scope="module")
 def gpt_oss(gpt_oss_file):
     """``localllm serve`` on it."""

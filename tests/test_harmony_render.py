@@ -12,6 +12,9 @@ localllm/chat/builtin.py), which :func:`as_builtin_writes` applies to the offici
    ``<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>``);
 2. a tool result is written as the tool returned it (the official template JSON-quotes it).
 
+Conversations outside what the official template renders (several calls in a turn, several
+system messages, OpenAI's other effort levels) are checked on their own.
+
 Then: the prompt written parses back with the reply parser, the selection picks the built-in
 for gpt-oss files, bad input is one clear error.
 """
@@ -182,6 +185,22 @@ def test_reasoning_effort_and_thinking_switch(builtin):
     assert effort(enable_thinking=False, reasoning_effort="high") == "high"
 
 
+def test_every_system_and_developer_message_is_kept(builtin):
+    # The official template keeps the first and drops the rest: the leading ones are the
+    # instructions together (Responses' `instructions` beside developer items), a later one
+    # a developer message in its place
+    text = builtin.render([{"role": "system", "content": "Be brief."},
+                           {"role": "developer", "content": "Use metric units."}, USER,
+                           {"role": "assistant", "content": "Sunny."},
+                           {"role": "system", "content": "Now answer in French."},
+                           {"role": "user", "content": "Demain ?"}], True, None)
+    assert ("<|start|>developer<|message|># Instructions\n\nBe brief.\n\nUse metric units."
+            "\n\n<|end|><|start|>user<|message|>") in text
+    assert text.endswith("<|start|>assistant<|channel|>final<|message|>Sunny.<|end|>"
+                         "<|start|>developer<|message|>Now answer in French.<|end|>"
+                         "<|start|>user<|message|>Demain ?<|end|><|start|>assistant")
+
+
 def test_parallel_calls_and_results_by_id(builtin):
     # The official template writes only the first call; harmony writes one message each, and
     # each result goes under the name of the call its tool_call_id names
@@ -293,7 +312,6 @@ _WIDE = {"type": "object", "properties": {
     ([USER], [{"type": "function", "function": {"name": "f", "description": 3}}], {},
      "description: must be text"),
     ([USER], None, {"reasoning_effort": "extreme"}, "reasoning_effort must be low, medium"),
-    ([USER, {"role": "system", "content": "late"}], None, {}, "message 1: harmony takes one"),
     ([USER, {"role": "ipython", "content": "x"}], None, {}, "harmony has no ipython role"),
     ([USER, RESULT], None, {}, "message 1: a tool result with no assistant tool call"),
     ([USER, {"role": "assistant", "content": "<|channel|>final<|message|>hi"}], None, {},
@@ -411,7 +429,7 @@ def test_tool_round_trip_through_the_server(gpt_oss):
 
 @pytest.mark.parametrize(("extra", "named"), [
     ({"chat_template_kwargs": {"reasoning_effort": "extreme"}}, "reasoning_effort must be"),
-    ({"messages": [USER, {"role": "system", "content": "late"}]}, "harmony takes one system"),
+    ({"messages": [USER, {"role": "function", "content": "x"}]}, "harmony has no function role"),
     ({"messages": [USER, RESULT]}, "a tool result with no assistant tool call"),
     ({"messages": [USER, {"role": "assistant", "content": "<|channel|>final<|message|>x"}]},
      "harmony channel markers"),

@@ -186,8 +186,10 @@ _PHI3 = """\
 # puts `to=` in the header, drops `<|constrain|>` and writes only the first call); a tool
 # result is written as the tool returned it (the official template JSON-quotes it) under
 # the name of the call its tool_call_id names; reasoning_effort minimal/xhigh are low/high,
-# enable_thinking=false is low, another value is an error; a misplaced system message or
-# an unknown role is an error (the official template drops it).
+# enable_thinking=false is low, another value is an error; the leading system and developer
+# messages are the instructions together, and a later one is a developer message in its
+# place (the official template takes the first and drops the others); an unknown role is
+# an error (the official template drops it).
 _HARMONY = """\
 {%- if reasoning_effort is defined and reasoning_effort is not none -%}
   {%- set effort = reasoning_effort | string | lower -%}
@@ -210,20 +212,21 @@ _HARMONY = """\
   {{- "\\nCalls to these tools must go to the commentary channel: 'functions'." -}}
 {%- endif -%}
 {{- '<|end|>' -}}
-{%- if messages and messages[0]['role'] in ('system', 'developer') -%}
-  {%- set instructions = text(messages[0]['content']) -%}
-  {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-  {%- set instructions = '' -%}
-  {%- set loop_messages = messages -%}
-{%- endif -%}
+{%- set ns = namespace(lead=0, instructions=[], names=[], ids=[], results=0, final=false) -%}
+{%- for m in messages -%}
+  {%- if ns.lead == loop.index0 and m['role'] in ('system', 'developer') -%}
+    {%- set ns.lead = loop.index -%}
+    {%- set ns.instructions = ns.instructions + [text(m['content'])] -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- set instructions = ns.instructions | select | join('\n\n') -%}
+{%- set loop_messages = messages[ns.lead:] -%}
 {%- if instructions or tools -%}
   {{- '<|start|>developer<|message|>' -}}
   {%- if instructions -%}{{- '# Instructions\\n\\n' ~ instructions ~ '\\n\\n' -}}{%- endif -%}
   {%- if tools -%}{{- '# Tools\\n\\n' ~ harmony_functions() -}}{%- endif -%}
   {{- '<|end|>' -}}
 {%- endif -%}
-{%- set ns = namespace(names=[], ids=[], results=0, final=false) -%}
 {%- for m in loop_messages -%}
   {%- set role = m['role'] -%}
   {%- set at = loop.index0 + messages | length - loop_messages | length -%}
@@ -290,8 +293,7 @@ _HARMONY = """\
   {%- elif role == 'user' -%}
     {{- '<|start|>user<|message|>' ~ text(m['content']) ~ '<|end|>' -}}
   {%- elif role in ('system', 'developer') -%}
-    {{- raise_exception('message ' ~ at ~ ': harmony takes one system (developer) '
-        ~ 'message, the first') -}}
+    {{- '<|start|>developer<|message|>' ~ text(m['content']) ~ '<|end|>' -}}
   {%- else -%}
     {{- raise_exception('message ' ~ at ~ ': harmony has no ' ~ role ~ ' role') -}}
   {%- endif -%}

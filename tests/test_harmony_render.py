@@ -218,6 +218,9 @@ def test_parallel_calls_and_results_by_id(builtin):
         '<|start|>functions.now to=assistant<|channel|>commentary<|message|>12:00<|end|>'
         '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny'
         '<|end|><|start|>assistant')
+    assert builtin.render([USER, {"role": "assistant", "tool_calls": [
+        {"function": {"name": "now"}}]}], False, [NO_ARGS]).endswith(
+        "to=functions.now <|constrain|>json<|message|>{}<|call|>")  # no arguments: {}
     # without ids, results follow the calls' order
     text = builtin.render([USER, {"role": "assistant", "tool_calls": [CALL, second]},
                            {"role": "tool", "content": "a"}, {"role": "tool", "content": "b"}],

@@ -263,7 +263,8 @@ _HARMONY = """\
         {%- endif -%}
         {{- '<|start|>assistant<|channel|>commentary to=functions.' ~ f.name
             ~ ' <|constrain|>' ~ (f.content_type if f.content_type is defined else 'json')
-            ~ '<|message|>' ~ (f.arguments if f.arguments is string else f.arguments | tojson)
+            ~ '<|message|>' ~ (f.arguments if f.arguments is string else
+                               (f.arguments if f.arguments is defined else {}) | tojson)
             ~ '<|call|>' -}}
         {%- set ns.names = ns.names + [f.name] -%}
         {%- set ns.ids = ns.ids + [call.id if call.id is defined else none] -%}

@@ -42,7 +42,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BENCH_CPU = HERE / "bench_cpu.py"
 
-# family (llama.cpp's general.architecture, or "mistral": a SentencePiece llama) -> geometry
+# family (llama.cpp's general.architecture, or a variant of one: VARIANTS) -> geometry
 FAMILIES: dict[str, str] = {
     "llama": "llama3.2-1b",
     "mistral": "mistral-1b",
@@ -78,7 +78,10 @@ FAMILIES: dict[str, str] = {
     "olmoe": "olmoe-1b",
     "phimoe": "phimoe-1b",
     "ernie4_5-moe": "ernie4.5-moe-1b",
+    "gemma4-moe": "gemma4-moe-1b",
 }
+# rows that are a variant of another family's architecture (not a general.architecture name)
+VARIANTS = {"gemma4-moe": "gemma4", "mistral": "llama"}
 MIN_RELATIVE = 0.8  # the floor, tok/s per weight byte relative to llama
 
 

@@ -293,6 +293,23 @@ FAMILIES: dict[str, tuple] = {
             "gemma4.embedding_length_per_layer_input": 32,
             "gemma4.final_logit_softcapping": 30.0,
             "gemma4.feed_forward_length": [512] * 4 + [1024] * 2}), "Q8_0"),
+    # Gemma 4's mixture of experts (26B-A4B): every layer 8 experts (2 used, GEGLU of 128)
+    # beside the dense FFN as a shared expert, the router on its own norm of the stream;
+    # layer 0's gate and up fused (ffn_gate_up_exps), the others' separate; per-expert
+    # output scales; layers 0, 2 sliding with attn_v, 1, 3 global with values from attn_k
+    "gemma4-moe": (dataclasses.replace(
+        GEOMETRIES["gemma4-26b-a4b"], **{**SMALL, "n_layers": 4}, sliding_window=8,
+        optional=("blk.0.ffn_gate_up_exps.weight", "ffn_down_exps.scale",
+                  "blk.0.attn_v.weight", "blk.2.attn_v.weight", "layer_output_scale.weight"),
+        extra={
+            "gemma4.attention.sliding_window_pattern": [True, False] * 2,
+            "gemma4.attention.key_length_swa": 32, "gemma4.attention.value_length_swa": 32,
+            "gemma4.rope.dimension_count": 64, "gemma4.rope.dimension_count_swa": 32,
+            "gemma4.rope.freq_base_swa": 10000.0, "gemma4.attention.shared_kv_layers": 0,
+            "gemma4.embedding_length_per_layer_input": 0,
+            "gemma4.final_logit_softcapping": 30.0, "gemma4.feed_forward_length": 512,
+            "gemma4.expert_count": 8, "gemma4.expert_used_count": 2,
+            "gemma4.expert_feed_forward_length": 128}), "Q8_0"),
     # ---- issue 28: multi-head latent attention (deepseek2) ----
     # DeepSeek-V3's layout: compressed queries, a latent of 128 + 32 RoPE dims, one dense
     # layer, then 16 experts in 4 groups (2 kept) with sigmoid gating, the selection bias,
@@ -339,7 +356,7 @@ PROMPT_LENGTHS: dict[str, tuple[int, ...]] = {"gpt-oss": (5, 12, 20, 27)}
 
 # Gemma 2/3 scale the (tied) embedding by sqrt(d_model) and post-norm each sublayer: with
 # WEIGHT_STD the input token's own logit would dominate every distribution.
-STD = {"gemma2": 0.05, "gemma3": 0.05, "gemma4": 0.08, "gemma3-linear": 0.05, "gemma3-swa": 0.05,
+STD = {"gemma2": 0.05, "gemma3": 0.05, "gemma4": 0.08, "gemma4-moe": 0.08, "gemma3-linear": 0.05, "gemma3-swa": 0.05,
        "smollm3": 0.1, "ernie4_5": 0.1,
        # gpt-oss: no QK-norm and large attention scores (YaRN's magnitude squared): at 0.15
        # llama.cpp's 8-bit activations alone move its logits by KL ~0.005 with spikes where
@@ -365,6 +382,9 @@ SPREAD_ROUTER = ("granitehybrid-moe", "qwen35moe", "qwen3next")
 # on the router's probabilities, which llama.cpp's 8-bit activations move by ~4% of the
 # router logits after two layers (random weights: the rounding of each product compounds)
 MLA = ("deepseek2", "deepseek2-lite", "deepseek2-kvb")
+# Gemma 4's router reads a vector of norm ~1 (the stream RMS-normed, over sqrt(d_model)): a
+# router of this spread gives logits of spread ~1, the probabilities well apart
+GEMMA4_ROUTER_STD = {"ffn_gate_inp": 1.0}
 
 
 def write_family(family: str, directory: str | Path) -> Path:
@@ -373,7 +393,8 @@ def write_family(family: str, directory: str | Path) -> Path:
     g = dataclasses.replace(g, name=f"tiny-{family}")
     return write_synthetic(Path(directory) / f"{family}.gguf", g, quant, seed=SEED,
                            weight_std=STD.get(family, WEIGHT_STD),
-                           stem_std={**STEM_STD, **ROUTER_STD} if family in SPREAD_ROUTER
+                           stem_std=GEMMA4_ROUTER_STD if family == "gemma4-moe"
+                           else {**STEM_STD, **ROUTER_STD} if family in SPREAD_ROUTER
                            else ROUTER_STD if family in MLA
                            else STEM_STD if family in RECURRENT else None)
 

@@ -436,7 +436,8 @@ def metadata_fuzz_seeds(directory) -> list:
     from families import write_family
 
     hybrids = ["mamba2", "granitehybrid", "falcon-h1", "nemotron_h", "lfm2", "qwen35", "qwen35moe",
-               "qwen3next", "llama4", "gemma4", "deepseek2", "deepseek2-lite", "deepseek2-kvb"]
+               "qwen3next", "llama4", "gemma4", "gemma4-moe", "deepseek2", "deepseek2-lite",
+               "deepseek2-kvb"]
     return [open_gguf(write_tiny_gguf(Path(directory) / f"seed-{arch}.gguf", arch, **kw))
             for arch, kw in cases] + [open_gguf(write_family(f, directory)) for f in hybrids]
 

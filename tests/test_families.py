@@ -158,8 +158,9 @@ class _Runner:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_info_run_perplexity_on_each_family(family, family_dir, monkeypatch, capsys, tmp_path):
-    """``localllm info``, ``run`` and ``perplexity`` work on each family's file."""
+def test_commands_on_each_family(family, family_dir, monkeypatch, capsys, tmp_path):
+    """``localllm info``, ``run``, ``chat`` and ``perplexity`` work on each family's file, and
+    its model serves a chat completion to the official ``openai`` client over 127.0.0.1."""
     from cli_helpers import run_cli
 
     path = family_dir / f"{family}.gguf"
@@ -171,9 +172,47 @@ def test_info_run_perplexity_on_each_family(family, family_dir, monkeypatch, cap
     code, out, err = run_cli(monkeypatch, capsys, "run", str(path), "the cat and the dog",
                              "-n", "4", "--temp", "0", "-c", "64")
     assert code == 0, err
+    code, out, err = run_cli(monkeypatch, capsys, "chat", str(path), "-n", "4", "--temp", "0",
+                             "-c", "256", stdin="the cat and the dog\n")
+    assert code == 0, err
     text = tmp_path / "text.txt"
     text.write_text(" ".join(["the quick brown fox jumps over the lazy dog"] * 6))
     code, out, err = run_cli(monkeypatch, capsys, "perplexity", str(path), "-f", str(text),
                              "-c", "16", "-b", "16")
     assert code == 0, err
     assert "PPL" in out + err or "perplexity" in (out + err).lower()
+    _serve_one_reply(path)
+
+
+def _serve_one_reply(path: Path) -> None:
+    """The model's server (``create_app``, as ``localllm serve`` runs it) on a free port of
+    127.0.0.1 answers one chat completion of the official client with 3 tokens."""
+    import threading
+    import time
+
+    import openai
+    import uvicorn
+
+    from localllm.api import LLM
+    from localllm.server.app import bind, create_app
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(LLM(path, device="cpu", ctx_size=256),
+                                                      log=None), log_level="error"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1",
+                               api_key="none", max_retries=0, timeout=60)
+        r = client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=[{"role": "user", "content": "the cat and the dog"}],
+            max_tokens=3, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length")
+        assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens >= 1
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

@@ -1,6 +1,7 @@
 """Llama 4 and Gemma 4 metadata: what llama.cpp's loaders derive from it (chunked and NoPE
-layers, MoE interleaving, shared-KV sources), and one GGUFError naming the key, before any
-weight is read, for each inconsistency (issue #28's bad-input list)."""
+layers, MoE interleaving, shared-KV sources), and one GGUFError naming the key or tensor,
+before any weight is read, for each inconsistency (issue #28's bad-input list), Gemma 4's
+mixture of experts included."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import dataclasses
 import pytest
 from families import write_family
 
-from localllm.errors import GGUFError, UnsupportedError
+from localllm.errors import GGUFError
 from localllm.gguf.file import open_gguf
 from localllm.models.rope import GLOBAL, NOPE, SWA
 from localllm.runtime import session as runtime
@@ -19,7 +20,7 @@ from localllm.runtime.session import load_gguf
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("l4g4")
-    return {f: open_gguf(write_family(f, d)) for f in ("llama4", "gemma4")}
+    return {f: open_gguf(write_family(f, d)) for f in ("llama4", "gemma4", "gemma4-moe")}
 
 
 @pytest.fixture
@@ -97,6 +98,13 @@ BAD = [
     ("gemma4", "gemma4.attention.sliding_window", None),
     ("gemma4", "gemma4.feed_forward_length", [512] * 5),
     ("gemma4", "gemma4.final_logit_softcapping", -1.0),
+    ("gemma4-moe", "gemma4.expert_used_count", 9),  # more than expert_count
+    ("gemma4-moe", "gemma4.expert_used_count", 0),
+    ("gemma4-moe", "gemma4.expert_used_count", None),
+    ("gemma4-moe", "gemma4.expert_count", -1),
+    ("gemma4-moe", "gemma4.expert_feed_forward_length", None),
+    ("gemma4-moe", "gemma4.expert_feed_forward_length", 0),
+    ("gemma4-moe", "gemma4.expert_feed_forward_length", [128, 64, 128, 128]),
 ]
 
 
@@ -121,7 +129,39 @@ def test_expert_count_must_match_the_tensors(files, no_weights):
         _load(files["llama4"], **{"llama4.interleave_moe_layer_step": 1})
 
 
-def test_gemma4_mixture_of_experts_is_refused_in_one_line(files, no_weights):
-    with pytest.raises(UnsupportedError, match=r"gemma4\.expert_count") as e:
-        _load(files["gemma4"], **{"gemma4.expert_count": 4})
+def test_gemma4_moe_args_as_llama_cpp_reads_them(files):
+    a = _args(files["gemma4-moe"])
+    assert (a.n_expert, a.n_expert_used, a.expert_ffn_dim) == (8, 2, 128)
+    assert a.ffn_dims == (512,) * 4 and _args(files["gemma4"]).n_expert == 0
+
+
+def _without(f, *names):
+    return dataclasses.replace(f, tensors={k: v for k, v in f.tensors.items() if k not in names})
+
+
+@pytest.mark.parametrize("changes, tensors, error", [
+    # the counts against the tensors' shapes
+    ({"gemma4.expert_count": 16}, (), r"'blk\.0\.ffn_gate_inp\.weight' has shape \(8, 256\)"),
+    ({"gemma4.expert_feed_forward_length": 64}, (),
+     r"'blk\.0\.ffn_gate_up_exps\.weight' has shape \(8, 256, 256\)"),
+    # a dense file said to have experts: the MoE tensors are missing
+    ({"gemma4.expert_count": 4, "gemma4.expert_used_count": 2,
+      "gemma4.expert_feed_forward_length": 128}, "dense",
+     r"'blk\.0\.ffn_gate_inp\.scale' is missing"),
+    # a MoE file said to be dense: its expert tensors are not part of that architecture
+    ({"gemma4.expert_count": 0}, (), r"'blk\.0\.ffn_gate_inp\.scale' is not part"),
+    # missing expert tensors: a separate gate without its up, the fused one, the down, the
+    # router, the MoE branch's norms
+    ({}, ("blk.1.ffn_up_exps.weight",),
+     r"'blk\.1\.ffn_up_exps\.weight' is missing .*nor is 'blk\.1\.ffn_gate_up_exps"),
+    ({}, ("blk.0.ffn_gate_up_exps.weight",), r"'blk\.0\.ffn_gate_exps\.weight' is missing"),
+    ({}, ("blk.2.ffn_down_exps.weight",), r"'blk\.2\.ffn_down_exps\.weight' is missing"),
+    ({}, ("blk.3.ffn_gate_inp.weight",), r"'blk\.3\.ffn_gate_inp\.weight' is missing"),
+    ({}, ("blk.1.post_ffw_norm_2.weight",), r"'blk\.1\.post_ffw_norm_2\.weight' is missing"),
+])
+def test_gemma4_moe_inconsistent_with_its_tensors_is_one_error(files, no_weights, changes,
+                                                                tensors, error):
+    f = files["gemma4"] if tensors == "dense" else _without(files["gemma4-moe"], *tensors)
+    with pytest.raises(GGUFError, match=error) as e:
+        _load(f, **changes)
     assert "\n" not in str(e.value)

@@ -512,22 +512,26 @@ class TorchOps:
         ``e = chosen[t, j]``.
 
         x: (T, d) float32; chosen: (T, k) int64; weights: (T, k) float32; gate, up, down:
-        :class:`~localllm.backends.ExpertMatrix` -> (T, d) float32. Tokens are grouped by
-        expert: each selected expert multiplies the rows routed to it, no other expert is
-        read; one token (decode) runs its k experts directly, without the grouping's gathers
-        and scatters.
+        :class:`~localllm.backends.ExpertMatrix` (``up`` None: ``gate`` holds each
+        expert's gate rows then its up rows, llama.cpp's ``ffn_gate_up_exps``) -> (T, d)
+        float32. Tokens are grouped by expert: each selected expert multiplies the rows
+        routed to it, no other expert is read; one token (decode) runs its k experts
+        directly, without the grouping's gathers and scatters.
         """
+        def hidden(xe: torch.Tensor, e: int) -> torch.Tensor:
+            if up is None:  # the halves contiguous, as the kernels' gated functions read them
+                g, u = (h.contiguous() for h in gate(xe, e).chunk(2, -1))
+                return self.gated(g, u, act, overwrite=True)
+            return self.gated(gate(xe, e), up(xe, e), act)
+
         out = torch.zeros_like(x)
         if x.shape[0] == 1:
             for w, e in zip(weights[0].tolist(), chosen[0].tolist()):
-                h = self.gated(gate(x, e), up(x, e), act)
-                out += down(h, e) * w
+                out += down(hidden(x, e), e) * w
             return out
         for e in chosen.unique().tolist():
             rows, slot = (chosen == e).nonzero(as_tuple=True)
-            xe = x[rows]
-            h = self.gated(gate(xe, e), up(xe, e), act)
-            out.index_add_(0, rows, down(h, e) * weights[rows, slot, None])
+            out.index_add_(0, rows, down(hidden(x[rows], e), e) * weights[rows, slot, None])
         return out
 
 

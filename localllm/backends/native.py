@@ -224,25 +224,29 @@ class NativeOps(TorchOps):
                                dt_bias, a, state, n_k_heads, eps, interleave)
 
     def experts(self, x, chosen, weights, gate, up, down, act):
-        """Native int8 experts (all three :class:`PackedExperts` with ``q8`` weights): one
+        """Native int8 experts (all :class:`PackedExperts` with ``q8`` weights; ``up`` None:
+        ``gate`` is the fused ``ffn_gate_up_exps``, see ``TorchOps.experts``): one
         token's k experts in one :func:`localllm.cpu.gemv_experts` call per matrix (a call
         per expert and matrix spent most of a MoE decode step in Python; the experts'
         biases added by row), and a prompt of at least :data:`MOE_MIN_ROWS` rows per expert
         on average in one :func:`localllm.cpu.moe_ffn_q8` call (SiLU experts without biases;
         the per-expert loop spent most of a MoE prefill in small products and Python).
         Otherwise the torch grouping."""
-        mats = (gate, up, down)
+        mats = (gate, down) if up is None else (gate, up, down)  # up None: gate_up fused
         stacked = [m.stacked if isinstance(m, PackedExperts) else None for m in mats]
         if all(w is not None and w.q8 for w in stacked):
             n_expert, n_ff = gate.shape[0], gate.shape[1]
             if x.shape[0] == 1:
                 e = chosen[0]
-                g, u = (_biased(cpu.gemv_experts(x, w, e, n_ff), m.bias, e)
-                        for w, m in zip(stacked[:2], mats[:2]))
+                proj = [_biased(cpu.gemv_experts(x, w, e, n_ff), m.bias, e)
+                        for w, m in zip(stacked[:-1], mats[:-1])]
+                # fused: (k, 2 n_ff), its halves made contiguous for the kernel
+                g, u = proj if up is not None else (h.contiguous() for h in proj[0].chunk(2, -1))
                 h = self.gated(g, u, act, overwrite=True)  # (k, n_ff)
-                return weights @ _biased(cpu.gemv_experts(h, stacked[2], e, x.shape[1]),
+                return weights @ _biased(cpu.gemv_experts(h, stacked[-1], e, x.shape[1]),
                                          down.bias, e)
-            if (act == "silu" and all(m.bias is None for m in mats) and cpu.moe_q8()
+            if (act == "silu" and up is not None and all(m.bias is None for m in mats)
+                    and cpu.moe_q8()
                     and x.shape[0] * chosen.shape[1] >= MOE_MIN_ROWS * n_expert):
                 return cpu.moe_ffn_q8(x, chosen, weights, *stacked)
         return super().experts(x, chosen, weights, gate, up, down, act)

@@ -1,5 +1,5 @@
-"""Gemma 4 (``gemma4``, the dense models: E2B, E4B, 31B), as llama.cpp's
-``src/models/gemma4.cpp`` computes it.
+"""Gemma 4 (``gemma4``: the dense E2B, E4B, 31B and the mixture-of-experts 26B-A4B), as
+llama.cpp's ``src/models/gemma4.cpp`` computes it.
 
 Per layer::
 
@@ -26,8 +26,19 @@ Per layer::
   logits are soft-capped (``final_logit_softcapping``) where the file says so.
 * The FFN size may differ per layer (``feed_forward_length`` as an array: the wider FFN of
   the shared-KV layers).
+* Mixture of experts (``expert_count`` > 0, 26B-A4B; every layer): the dense FFN above acts
+  as a shared expert beside the routed ones, each branch normed before and after, and their
+  sum takes the place of the dense FFN's output before ``post_ffw_norm``::
 
-Not supported: Gemma 4's mixture-of-experts model (26B-A4B, ``expert_count`` > 0).
+      f = post_ffw_norm_1(down(gelu_tanh(gate(n)) * up(n)))                 # n = ffn_norm(h)
+        + post_ffw_norm_2(experts(pre_ffw_norm_2(h)))
+      router logits = ffn_gate_inp(rms_norm(h) / sqrt(d) * ffn_gate_inp.scale)
+
+  routed by softmax over all experts, the top ``expert_used_count`` renormalised to sum 1
+  (:data:`ROUTING`), each chosen expert's GEGLU (``gelu_tanh``) of
+  ``expert_feed_forward_length`` scaled by its ``ffn_down_exps.scale`` where the file has
+  it; gate and up either separate (``ffn_gate_exps``, ``ffn_up_exps``) or fused
+  (``ffn_gate_up_exps``, the current converter's).
 """
 
 from __future__ import annotations
@@ -38,12 +49,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UnsupportedError
 from ..memory import KVSpec
 from .base import (
     MAX_CONTEXT,
     MAX_DIM,
-    MAX_EXPERTS,
     REQUIRED,
     BaseModel,
     DecoderArgs,
@@ -51,14 +60,18 @@ from .base import (
     swa_layers,
 )
 from .common import Linear, Split, positions_of
+from .moe import ExpertArgs, ExpertWeights, Routing, expert_counts, expert_specs, routed_experts
 from .rope import GLOBAL, Rope, RopeSpec, RopeWeights, read_rope
 
 SWA_BASE = 10_000.0  # llama.cpp's default rope_freq_base_train_swa
+# build_moe_ffn's arguments in gemma4.cpp: softmax gating, weights renormalised, GEGLU experts
+ROUTING = Routing(gating="softmax", norm=True, act="gelu_tanh")
 
 
 @dataclass(kw_only=True)
-class ModelArgs(DecoderArgs):
-    """Hyperparameters from ``gemma4.*`` metadata keys (``head_dim``: global layers')."""
+class ModelArgs(DecoderArgs, ExpertArgs):
+    """Hyperparameters from ``gemma4.*`` metadata keys (``head_dim``: global layers';
+    ``n_expert`` 0: a dense model)."""
 
     ffn_dims: tuple[int, ...]  # feed_forward_length, per layer
     sliding_window: int
@@ -69,6 +82,7 @@ class ModelArgs(DecoderArgs):
     n_embd_per_layer: int = 0  # embedding_length_per_layer_input (0: no per-layer inputs)
     final_softcap: float | None = None
     norm_eps: float = 1e-6
+    expert_ffn_dim: int = 0  # expert_feed_forward_length (MoE)
 
     @classmethod
     def from_gguf(cls, md: dict, n_vocab: int, source: str = "") -> ModelArgs:
@@ -78,14 +92,14 @@ class ModelArgs(DecoderArgs):
             GGUFError: a key missing, mistyped, out of range or inconsistent (named): a
                 sliding-window pattern that is not one boolean per layer, shared-KV layers
                 whose source layers are missing or of the other kind, a sliding head size
-                whose key and value lengths differ.
-            UnsupportedError: Gemma 4's mixture of experts (``expert_count`` > 0).
+                whose key and value lengths differ; for a mixture of experts, more used
+                experts than experts or no ``expert_feed_forward_length``.
         """
         hp, c = cls.read(md, n_vocab, source, eps=1e-6, context_length=131072)
         n = c["n_layers"]
-        if hp.int("expert_count", 0, lo=0, hi=MAX_EXPERTS):
-            raise UnsupportedError(f"{hp.pre}Gemma 4's mixture of experts (metadata "
-                                   f"{hp.key('expert_count')} > 0) is not supported")
+        experts = expert_counts(hp, 0, lo=0)
+        expert_ffn = (hp.int("expert_feed_forward_length", REQUIRED, per_layer=True)
+                      if experts["n_expert"] else 0)
         ffn = hp.int_layers("feed_forward_length", n, REQUIRED, lo=1)
         pattern = hp.md.get(hp.key("attention.sliding_window_pattern"))
         hp.require(isinstance(pattern, list), "attention.sliding_window_pattern",
@@ -117,7 +131,8 @@ class ModelArgs(DecoderArgs):
         return cls(**c, rope=rope, ffn_dims=ffn, sliding_window=window, swa=swa,
                    head_dim_swa=hd_swa, rope_swa=rope_swa, n_kv_layers=n_kv,
                    n_embd_per_layer=ple,
-                   final_softcap=hp.float("final_logit_softcapping", None))
+                   final_softcap=hp.float("final_logit_softcapping", None), **experts,
+                   expert_ffn_dim=expert_ffn)
 
     def layer_head_dim(self, i: int) -> int:
         return self.head_dim_swa if self.swa[i] else self.head_dim
@@ -131,7 +146,8 @@ class ModelArgs(DecoderArgs):
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
-    """llama.cpp's ``gemma4`` tensors (``load_arch_tensors``, dense models), torch shapes."""
+    """llama.cpp's ``gemma4`` tensors (``load_arch_tensors``), torch shapes: with experts,
+    every layer's router, its input scale, the experts and the MoE branch's norms."""
     d, v, p = a.d_model, a.n_vocab, a.n_embd_per_layer
     specs = [TensorSpec("token_embd.weight", (v, d)),
              TensorSpec("output.weight", (v, d), optional=True),
@@ -160,6 +176,13 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                   TensorSpec(pre + "ffn_up.weight", (f, d)),
                   TensorSpec(pre + "ffn_down.weight", (d, f)),
                   TensorSpec(pre + "post_ffw_norm.weight", (d,))]
+        if a.n_expert:
+            specs += [TensorSpec(pre + "ffn_gate_inp.scale", (d,)),
+                      TensorSpec(pre + "pre_ffw_norm_2.weight", (d,)),
+                      TensorSpec(pre + "post_ffw_norm_1.weight", (d,)),
+                      TensorSpec(pre + "post_ffw_norm_2.weight", (d,)),
+                      *expert_specs(pre, d, a.n_expert, a.expert_ffn_dim, fused_gate_up=True,
+                                    down_scale=True)]
         if p:
             specs += [TensorSpec(pre + "inp_gate.weight", (p, d)),
                       TensorSpec(pre + "proj.weight", (d, p)),
@@ -183,8 +206,9 @@ class Weights(RopeWeights):
 
 
 @dataclass
-class Layer:
-    """The tensors of one block (``blk.{i}.*``)."""
+class Layer(ExpertWeights):
+    """The tensors of one block (``blk.{i}.*``); a MoE model's also its router, experts and
+    the MoE branch's norms."""
 
     attn_norm: torch.Tensor
     attn_output: Linear
@@ -203,6 +227,10 @@ class Layer:
     inp_gate: Linear | None = None  # per-layer embeddings
     proj: Linear | None = None
     post_norm: torch.Tensor | None = None
+    ffn_gate_inp_scale: torch.Tensor | None = None  # (d,) the router input's; / sqrt(d) once bound
+    pre_ffw_norm_2: torch.Tensor | None = None
+    post_ffw_norm_1: torch.Tensor | None = None
+    post_ffw_norm_2: torch.Tensor | None = None
 
 
 class Model(BaseModel):
@@ -229,6 +257,8 @@ class Model(BaseModel):
             rope = self.rope_swa if a.swa[i] else self.rope_full
             b.attn_q_norm = rope.arrange_weight(b.attn_q_norm)
             b.attn_k_norm = rope.arrange_weight(b.attn_k_norm)
+            if b.ffn_gate_inp_scale is not None:  # llama.cpp's 1/sqrt(d) folded in
+                b.ffn_gate_inp_scale = b.ffn_gate_inp_scale * (1.0 / math.sqrt(a.d_model))
 
     def _per_layer_inputs(self, tokens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """(n_layers, T, P) float32: llama.cpp's ``build_inp_per_layer`` and
@@ -268,6 +298,8 @@ class Model(BaseModel):
             gate, up = b.ffn_gate_up(n)
             f = b.ffn_down(ops.gated(gate, up, "gelu_tanh", overwrite=True))
             del gate, up, n
+            if b.ffn_gate_inp is not None:
+                f = self._with_experts(b, h, f)
             x = h + ops.rms_norm(f, b.post_ffw_norm, eps)
             del h, f
             if ple is not None:
@@ -282,6 +314,16 @@ class Model(BaseModel):
         if a.final_softcap is not None:
             logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
         return logits
+
+    def _with_experts(self, b: Layer, h: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        """A MoE layer's FFN output (T, d) float32 from the stream after attention h and the
+        dense FFN's output f (T, d): both branches post-normed and summed (module
+        docstring), the router reading h RMS-normed by its scaled input weight."""
+        a, ops, eps = self.args, self.ops, self.args.norm_eps
+        moe = routed_experts(ops, b, ops.rms_norm(h, b.pre_ffw_norm_2, eps), a.n_expert_used,
+                             ROUTING, router_input=ops.rms_norm(h, b.ffn_gate_inp_scale, eps))
+        return ops.rms_norm(f, b.post_ffw_norm_1, eps) + ops.rms_norm(moe, b.post_ffw_norm_2,
+                                                                        eps)
 
     def _attention(self, i: int, b: Layer, n: torch.Tensor, memory, pos, positions, angles,
                    sources: set[int], shared: dict[int, object]) -> torch.Tensor:

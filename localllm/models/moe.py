@@ -129,19 +129,29 @@ class ExpertWeights:
     exp_probs_b_bias: torch.Tensor | None = None  # (n_expert,) selection bias
     ffn_gate_exps: ExpertMatrix | None = None  # (n_expert, ffn, d), with biases if any
     ffn_up_exps: ExpertMatrix | None = None
+    ffn_gate_up_exps: ExpertMatrix | None = None  # (n_expert, 2 ffn, d): gate rows, then up
     ffn_down_exps: ExpertMatrix | None = None
+    ffn_down_exps_scale: torch.Tensor | None = None  # (n_expert,) each expert's output factor
     ffn_gate_up_shexp: Linear | Split | None = None  # fused shared experts' gate and up
     ffn_down_shexp: Linear | None = None
 
 
-def routed_experts(ops, b: ExpertWeights, x: torch.Tensor, n_used: int, routing: Routing
-                   ) -> torch.Tensor:
+def routed_experts(ops, b: ExpertWeights, x: torch.Tensor, n_used: int, routing: Routing,
+                   *, router_input: torch.Tensor | None = None) -> torch.Tensor:
     """The routed part of a MoE layer on x (T, d) float32 -> (T, d) float32: :func:`route`
-    the router's logits (with the layer's selection bias), then the chosen experts'
-    weighted sum (``ops.experts``)."""
-    weights, chosen = route(b.ffn_gate_inp(x), n_used, gating=routing.gating,
-                            norm=routing.norm, selection_bias=b.exp_probs_b_bias,
-                            scale=routing.scale)
+    the router's logits of ``router_input`` (T, d) (default x; Gemma 4 routes on another
+    norm of the stream), with the layer's selection bias, then the chosen experts' weighted
+    sum (``ops.experts``; the fused ``ffn_gate_up_exps`` where the layer has it). A layer's
+    ``ffn_down_exps_scale`` multiplies each chosen expert's output (llama.cpp's
+    ``down_exps_s`` in ``build_moe_ffn``), folded here into its routing weight."""
+    weights, chosen = route(b.ffn_gate_inp(x if router_input is None else router_input), n_used,
+                            gating=routing.gating, norm=routing.norm,
+                            selection_bias=b.exp_probs_b_bias, scale=routing.scale)
+    if b.ffn_down_exps_scale is not None:
+        weights = weights * b.ffn_down_exps_scale[chosen]
+    if b.ffn_gate_up_exps is not None:
+        return ops.experts(x, chosen, weights, b.ffn_gate_up_exps, None, b.ffn_down_exps,
+                           routing.act)
     return ops.experts(x, chosen, weights, b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps,
                        routing.act)
 
@@ -170,16 +180,25 @@ def expert_counts(hp: HParams, n_expert=REQUIRED, *, lo: int = 1) -> dict:
 
 
 def expert_specs(prefix: str, d_model: int, n_expert: int, ffn_dim: int, *,
-                 selection_bias: str = "", shared_dim: int = 0) -> list[TensorSpec]:
+                 selection_bias: str = "", shared_dim: int = 0,
+                 fused_gate_up: bool = False, down_scale: bool = False) -> list[TensorSpec]:
     """A MoE layer's router ``ffn_gate_inp`` (n_expert, d), its ``exp_probs_b.bias``
     (``selection_bias`` ``"required"`` or ``"optional"``), the experts
     ``ffn_{gate,up}_exps`` (n_expert, ffn_dim, d) and ``ffn_down_exps`` (n_expert, d,
-    ffn_dim), and a shared SwiGLU ``shared_dim`` wide when > 0."""
+    ffn_dim), and a shared SwiGLU ``shared_dim`` wide when > 0. ``fused_gate_up``: a file
+    may hold gate and up as one ``ffn_gate_up_exps`` (n_expert, 2 ffn_dim, d) instead
+    (llama.cpp's ``LLM_TENSOR_FFN_GATE_UP_EXPS``); ``down_scale``: each expert's optional
+    output factor ``ffn_down_exps.scale`` (n_expert,)."""
     p, e, f, d = prefix, n_expert, ffn_dim, d_model
     specs = [TensorSpec(p + "ffn_gate_inp.weight", (e, d))]
     if selection_bias:
         specs.append(TensorSpec(p + "exp_probs_b.bias", (e,), selection_bias == "optional"))
-    specs += [TensorSpec(p + "ffn_gate_exps.weight", (e, f, d)),
-              TensorSpec(p + "ffn_up_exps.weight", (e, f, d)),
+    fused = p + "ffn_gate_up_exps.weight" if fused_gate_up else None
+    if fused:
+        specs.append(TensorSpec(fused, (e, 2 * f, d), optional=True))
+    if down_scale:
+        specs.append(TensorSpec(p + "ffn_down_exps.scale", (e,), optional=True))
+    specs += [TensorSpec(p + "ffn_gate_exps.weight", (e, f, d), unless=fused),
+              TensorSpec(p + "ffn_up_exps.weight", (e, f, d), unless=fused),
               TensorSpec(p + "ffn_down_exps.weight", (e, d, f))]
     return specs + (ffn_specs(p, d, shared_dim, "_shexp") if shared_dim else [])

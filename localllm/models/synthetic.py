@@ -357,9 +357,26 @@ _TABLE: dict[str, Geometry | _Like] = {
         "gemma4-31b", "gemma4", 262144, 60, 5376, 32, 16, 512, 21504, 262144, 1000000.0, 1e-6,
         "llama", "default", specials=_GEMMA_SPECIALS, tied_output=True, sliding_window=1024,
         extra=_gemma4(60, 0, 0, 6, 21504)),
+    # Gemma-4-26B-A4B: every layer a mixture of 128 experts (8 used, GEGLU of 704, gate and
+    # up fused as the converter writes them, a per-expert output scale) beside the dense
+    # GEGLU of 2112 as a shared expert; five sliding layers (window 1024) to one global.
+    # The global layers' 2 KV heads are written as 8 (localllm reads one count for all).
+    "gemma4-26b-a4b": Geometry(
+        "gemma4-26b-a4b", "gemma4", 262144, 30, 2816, 16, 8, 512, 2112, 262144, 1000000.0,
+        1e-6, "llama", "default", specials=_GEMMA_SPECIALS, tied_output=True,
+        sliding_window=1024, optional=("ffn_gate_up_exps.weight", "ffn_down_exps.scale"),
+        extra={**_gemma4(30, 0, 0, 6, 2112), "gemma4.expert_count": 128,
+               "gemma4.expert_used_count": 8, "gemma4.expert_feed_forward_length": 704}),
     # ---- 0.5-1B geometries of every family (bench/bench_families.py) ----------------------
     # Gemma-4-E2B's layers at 9 of its 35 (the last 4 sharing KV)
     "gemma4-1b": _like("gemma4-e2b", n_layers=9, extra=_gemma4(9, 4, 256, 5, 6144)),
+    # Gemma-4-26B-A4B's proportions at 1B (0.45B active): 12 layers of 1024, 64 experts of
+    # 256 (4 used), the dense FFN 768
+    "gemma4-moe-1b": _like("gemma4-26b-a4b", n_layers=12, d_model=1024, n_heads=8,
+                           n_kv_heads=4, ffn_dim=768, extra={
+                               **_gemma4(12, 0, 0, 6, 768), "gemma4.expert_count": 64,
+                               "gemma4.expert_used_count": 4,
+                               "gemma4.expert_feed_forward_length": 256}),
     # Llama-4-Scout's vocabulary, head size and routing at 1B active (16 experts of 1024)
     "llama4-1b": _like("llama4-scout", n_layers=8, d_model=1536, n_heads=12, n_kv_heads=4,
                        ffn_dim=4096, extra={"llama4.expert_count": 16, "llama4.expert_used_count": 1,
@@ -620,13 +637,17 @@ def geometry_args(g: Geometry):
 def tensor_shapes(g: Geometry) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape in torch order) of every tensor, from the architecture's declaration
     (``tensor_specs`` of the geometry's metadata): the required tensors, ``output.weight``
-    unless the output is tied, and the optional ones named in ``g.optional``."""
+    unless the output is tied, and the optional ones named in ``g.optional``; a tensor
+    whose alternative (``TensorSpec.unless``, e.g. Gemma 4's fused ``ffn_gate_up_exps``)
+    is written is left out."""
     from . import tensor_specs
 
-    return [(s.name, s.shape) for s in tensor_specs(geometry_args(g))
-            if not s.optional or (s.name == "output.weight" and not g.tied_output)
-            or s.name in g.optional or _unlayered(s.name) in g.optional
-            or (g.qkv_bias and ".bias" in s.name and "attn_output" not in s.name)]
+    specs = [s for s in tensor_specs(geometry_args(g))
+             if not s.optional or (s.name == "output.weight" and not g.tied_output)
+             or s.name in g.optional or _unlayered(s.name) in g.optional
+             or (g.qkv_bias and ".bias" in s.name and "attn_output" not in s.name)]
+    written = {s.name for s in specs}
+    return [(s.name, s.shape) for s in specs if s.unless is None or s.unless not in written]
 
 
 def _unlayered(name: str) -> str:
@@ -834,7 +855,8 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
     """Random data of one tensor as the bytes GGUF stores: uint8 (n_bytes,).
 
     Norm weights and Gemma 4's layer output scales are 1 + N(0, 0.02) (Gemma's GGUF norms
-    already include its +1); RoPE
+    already include its +1), other ``.scale`` vectors (Gemma 4's router input and
+    per-expert output factors) 1 + N(0, 0.2); RoPE
     frequency factors (``rope_freqs``, ``rope_factors_*``) 1 + |N(0, 2)|; state-space
     parameters as :func:`_ssm_values` makes them; biases and float matrices are
     N(0, ``std``); quantized matrices dequantize to std ~``std``.
@@ -847,6 +869,9 @@ def random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType
             x = ssm
         elif "norm" in name or "output_scale" in name:
             x *= WEIGHT_STD
+            x += 1.0
+        elif name.endswith(".scale"):
+            x *= 0.2
             x += 1.0
         elif name.startswith("rope_f"):
             x = 1.0 + np.abs(x) * 2.0

@@ -92,9 +92,8 @@ def render_chat(llm: LLM, messages: list[dict], *, template: Any = None,
     if tools and not native:
         msgs = fallback_messages(msgs, tools)
     fmt = chat_format(chosen.source, native_tools=native or not tools)
-    if fmt.harmony:  # gpt-oss's template reads the reasoning of past turns as `thinking`
-        msgs = [{**m, "thinking": m["reasoning_content"]} if m.get("reasoning_content")
-                else m for m in msgs]
+    if fmt.harmony:
+        msgs = [_harmony_message(m) for m in msgs]
     variables = dict(variables or {})
     text = chosen.render(msgs, True, tools if native else None, **variables)
     inside = False
@@ -105,6 +104,18 @@ def render_chat(llm: LLM, messages: list[dict], *, template: Any = None,
     if not ids:
         raise LocalLLMError("the chat template rendered an empty prompt")
     return ChatPrompt(ids, text, fmt, inside, chosen.name)
+
+
+def _harmony_message(m: dict) -> dict:
+    """gpt-oss's template reads an earlier reply's reasoning as ``thinking``; beside tool
+    calls it is the one analysis message, so the content goes (llama.cpp's
+    ``common_chat_params_init_gpt_oss`` does the same)."""
+    if not m.get("reasoning_content"):
+        return m
+    m = {**m, "thinking": m["reasoning_content"]}
+    if m.get("tool_calls"):
+        m.pop("content", None)
+    return m
 
 
 def with_default_system(entry, messages: list[dict]) -> list[dict]:

@@ -460,7 +460,7 @@ class TorchOps:
         float32, the new positions' ``[c, k_pe]`` (c RMS-normed, k_pe rotated), written into
         ``cache`` (a :class:`~localllm.memory.LatentCache`) at ``positions`` (T,) int64 from
         ``pos`` (an int, or a (1,) device tensor in static decode); k_b: (H, r, nope), v_b:
-        (H, dv, r) float32 -> (T, H * dv) float32.
+        (H, dv, r), each as :meth:`mla_heads` gave it -> (T, H * dv) float32.
         """
         h, t, _ = q_nope.shape
         r = k_b.shape[1]
@@ -468,11 +468,26 @@ class TorchOps:
             cached = cache.update_static(pos, latent)
         else:
             cached = cache.update(pos, latent)
-        q = torch.cat([torch.matmul(q_nope, k_b.transpose(1, 2)), q_pe], dim=-1)  # (H, T, D)
+        q = torch.cat([self.per_head(q_nope, k_b), q_pe], dim=-1)  # (H, T, D)
         kv = cached[None]  # (1, S, D): the latent is both keys and (its first r) values
         out = attend(q, kv, kv, positions, None, window=None, scale=scale)  # (T, H * D)
         o = out.view(t, h, -1)[:, :, :r].transpose(0, 1)  # (H, T, r)
-        return torch.matmul(o, v_b.transpose(1, 2)).transpose(0, 1).reshape(t, -1)
+        return self.per_head(o, v_b).transpose(0, 1).reshape(t, -1)
+
+    @staticmethod
+    def mla_heads(w, device) -> torch.Tensor:
+        """MLA's per-head matrices ``attn_k_b`` / ``attn_v_b`` (an :class:`ExpertMatrix`
+        (H, out, in), one matrix per head) in the form :meth:`mla_attention` takes: here
+        one dense float32 tensor (H, out, in) (each head multiplies the identity: exact for
+        every kind; once, at load), so that every head's matrix is one batched product."""
+        eye = torch.eye(w.shape[2], dtype=torch.float32, device=device)
+        return torch.stack([w(eye, h).T for h in range(w.shape[0])]).float().contiguous()
+
+    @staticmethod
+    def per_head(x: torch.Tensor, w) -> torch.Tensor:
+        """Head h of x (H, T, in) float32 through head h's matrix of ``w`` (from
+        :meth:`mla_heads`) -> (H, T, out) float32."""
+        return torch.matmul(x, w.transpose(1, 2))
 
     @staticmethod
     def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

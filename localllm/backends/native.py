@@ -224,6 +224,29 @@ class NativeOps(TorchOps):
         return self._delta_net(qkv.contiguous(), alpha.contiguous(), beta_logit.contiguous(),
                                dt_bias, a, state, n_k_heads, eps, interleave)
 
+    @staticmethod
+    def mla_heads(w, device):
+        """MLA's per-head matrices kept as the file stores them when the int8 GEMV reads
+        their blocks (:class:`PackedExperts`, one "expert" per head): a decode step reads
+        their stored bytes instead of a float32 copy 4-8x larger (DeepSeek-V3's layout at
+        1B: 8 MB of float32 per layer against 1.3 MB); otherwise dense, as the torch ops."""
+        if isinstance(w, PackedExperts) and w.stacked.q8:
+            return w
+        return TorchOps.mla_heads(w, device)
+
+    @staticmethod
+    def per_head(x, w):
+        """Head h of x (H, T, in) through head h's matrix: one
+        :func:`localllm.cpu.gemv_experts` call for one token (every head an "expert" with
+        its own input row), one product per head for more; dense heads as the torch ops."""
+        if not isinstance(w, PackedExperts):
+            return TorchOps.per_head(x, w)
+        h, t, _ = x.shape
+        if t == 1:
+            heads = torch.arange(h)
+            return cpu.gemv_experts(x[:, 0].contiguous(), w.stacked, heads, w.shape[1])[:, None]
+        return torch.stack([w.matrices[i](x[i]) for i in range(h)])
+
     def experts(self, x, chosen, weights, gate, up, down, act):
         """Native int8 experts (all :class:`PackedExperts` with ``q8`` weights; ``up`` None:
         ``gate`` is the fused ``ffn_gate_up_exps``, see ``TorchOps.experts``): one

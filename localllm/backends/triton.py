@@ -163,9 +163,9 @@ class KernelOps(TorchOps):
                                          scale=scale)
         cached = (cache.update_static(pos, latent) if isinstance(pos, torch.Tensor)
                   else cache.update(pos, latent))
-        q = torch.cat([torch.matmul(q_nope, k_b.transpose(1, 2)), q_pe], dim=-1)[:, 0]
+        q = torch.cat([self.per_head(q_nope, k_b), q_pe], dim=-1)[:, 0]
         o = kernels.mla_decode(q, cached, positions, k_b.shape[1], scale)  # (H, r)
-        return torch.matmul(o[:, None], v_b.transpose(1, 2)).reshape(1, -1)
+        return self.per_head(o[:, None], v_b).reshape(1, -1)
 
     @staticmethod
     def short_conv(x, weight, bias, state, *, silu):

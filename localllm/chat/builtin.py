@@ -175,6 +175,133 @@ _PHI3 = """\
 {%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}
 """
 
+# gpt-oss's harmony format (OpenAI's harmony documentation; the official template is
+# models/templates/openai-gpt-oss-120b.jinja in llama.cpp): a system message with the
+# reasoning effort, a developer message with the instructions and the tools (written by
+# localllm.chat.harmony_tools, the global `harmony_functions`), then user, assistant (final
+# channel; analysis only for tool calls no later answer follows) and tool messages.
+# Differences from the official template, on purpose (tests/test_harmony_render.py):
+# each tool call is its own `<|start|>assistant<|channel|>commentary to=functions.NAME
+# <|constrain|>json<|message|>ARGS<|call|>` (as the model writes it; the official template
+# puts `to=` in the header, drops `<|constrain|>` and writes only the first call); a tool
+# result is written as the tool returned it (the official template JSON-quotes it) under
+# the name of the call its tool_call_id names; reasoning_effort minimal/xhigh are low/high,
+# enable_thinking=false is low, another value is an error; the leading system and developer
+# messages are the instructions together, and a later one is a developer message in its
+# place (the official template takes the first and drops the others); an unknown role is
+# an error (the official template drops it).
+_HARMONY = """\
+{%- if reasoning_effort is defined and reasoning_effort is not none -%}
+  {%- set effort = reasoning_effort | string | lower -%}
+{%- elif enable_thinking is defined and enable_thinking is false -%}
+  {%- set effort = 'low' -%}
+{%- else -%}
+  {%- set effort = 'medium' -%}
+{%- endif -%}
+{%- set effort = {'minimal': 'low', 'xhigh': 'high'}.get(effort, effort) -%}
+{%- if effort not in ('low', 'medium', 'high') -%}
+  {{- raise_exception('reasoning_effort must be low, medium or high, not ' ~ effort) -}}
+{%- endif -%}
+{{- '<|start|>system<|message|>'
+    ~ (model_identity if model_identity is defined
+       else 'You are ChatGPT, a large language model trained by OpenAI.')
+    ~ '\\nKnowledge cutoff: 2024-06\\nCurrent date: ' ~ strftime_now('%Y-%m-%d')
+    ~ '\\n\\nReasoning: ' ~ effort ~ '\\n\\n# Valid channels: analysis, commentary, final. '
+    ~ 'Channel must be included for every message.' -}}
+{%- if tools -%}
+  {{- "\\nCalls to these tools must go to the commentary channel: 'functions'." -}}
+{%- endif -%}
+{{- '<|end|>' -}}
+{%- set ns = namespace(lead=0, instructions=[], names=[], ids=[], results=0, final=false) -%}
+{%- for m in messages -%}
+  {%- if ns.lead == loop.index0 and m['role'] in ('system', 'developer') -%}
+    {%- set ns.lead = loop.index -%}
+    {%- set ns.instructions = ns.instructions + [text(m['content'])] -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- set instructions = ns.instructions | select | join('\n\n') -%}
+{%- set loop_messages = messages[ns.lead:] -%}
+{%- if instructions or tools -%}
+  {{- '<|start|>developer<|message|>' -}}
+  {%- if instructions -%}{{- '# Instructions\\n\\n' ~ instructions ~ '\\n\\n' -}}{%- endif -%}
+  {%- if tools -%}{{- '# Tools\\n\\n' ~ harmony_functions() -}}{%- endif -%}
+  {{- '<|end|>' -}}
+{%- endif -%}
+{%- for m in loop_messages -%}
+  {%- set role = m['role'] -%}
+  {%- set at = loop.index0 + messages | length - loop_messages | length -%}
+  {%- if role == 'assistant' -%}
+    {%- set body = text(m['content']) -%}
+    {%- set thinking = text(m['thinking']) if m['thinking'] is defined else '' -%}
+    {%- for marker in ('<|channel|>analysis<|message|>', '<|channel|>final<|message|>') -%}
+      {%- if marker in body or marker in thinking -%}
+        {{- raise_exception('message ' ~ at ~ ': an assistant message holds harmony channel '
+            ~ 'markers; give the analysis text as reasoning_content, the final as content') -}}
+      {%- endif -%}
+    {%- endfor -%}
+    {%- if m.tool_calls -%}
+      {%- set ns.final = false -%}
+      {%- for later in loop_messages[loop.index:] -%}
+        {%- if later['role'] == 'assistant' and not later.tool_calls -%}
+          {%- set ns.final = true -%}
+        {%- endif -%}
+      {%- endfor -%}
+      {%- if body and thinking -%}
+        {{- raise_exception('message ' ~ at ~ ': an assistant message with tool '
+            ~ 'calls has both content and reasoning; harmony has one analysis message') -}}
+      {%- elif (body or thinking) and not ns.final -%}
+        {{- '<|start|>assistant<|channel|>analysis<|message|>' ~ (body or thinking)
+            ~ '<|end|>' -}}
+      {%- endif -%}
+      {%- set ns.names = [] -%}
+      {%- set ns.ids = [] -%}
+      {%- set ns.results = 0 -%}
+      {%- for call in m.tool_calls -%}
+        {%- set f = call.function if call.function is defined else call -%}
+        {%- if f.name is not string or not f.name -%}
+          {{- raise_exception('message ' ~ at ~ ': a tool call without a name') -}}
+        {%- endif -%}
+        {{- '<|start|>assistant<|channel|>commentary to=functions.' ~ f.name
+            ~ ' <|constrain|>' ~ (f.content_type if f.content_type is defined else 'json')
+            ~ '<|message|>' ~ (f.arguments if f.arguments is string else
+                               (f.arguments if f.arguments is defined else {}) | tojson)
+            ~ '<|call|>' -}}
+        {%- set ns.names = ns.names + [f.name] -%}
+        {%- set ns.ids = ns.ids + [call.id if call.id is defined else none] -%}
+      {%- endfor -%}
+    {%- elif loop.last and not add_generation_prompt -%}
+      {%- if m['thinking'] is defined -%}
+        {{- '<|start|>assistant<|channel|>analysis<|message|>' ~ thinking ~ '<|end|>' -}}
+      {%- endif -%}
+      {{- '<|start|>assistant<|channel|>final<|message|>' ~ body ~ '<|return|>' -}}
+    {%- else -%}
+      {{- '<|start|>assistant<|channel|>final<|message|>' ~ body ~ '<|end|>' -}}
+      {%- set ns.names = [] -%}
+    {%- endif -%}
+  {%- elif role == 'tool' -%}
+    {%- if not ns.names -%}
+      {{- raise_exception('message ' ~ at ~ ': a tool result with no assistant tool '
+          ~ 'call before it') -}}
+    {%- endif -%}
+    {%- if m.tool_call_id is defined and m.tool_call_id in ns.ids -%}
+      {%- set name = ns.names[ns.ids.index(m.tool_call_id)] -%}
+    {%- else -%}
+      {%- set name = ns.names[[ns.results, ns.names | length - 1] | min] -%}
+    {%- endif -%}
+    {%- set ns.results = ns.results + 1 -%}
+    {{- '<|start|>functions.' ~ name ~ ' to=assistant<|channel|>commentary<|message|>'
+        ~ text(m['content']) ~ '<|end|>' -}}
+  {%- elif role == 'user' -%}
+    {{- '<|start|>user<|message|>' ~ text(m['content']) ~ '<|end|>' -}}
+  {%- elif role in ('system', 'developer') -%}
+    {{- '<|start|>developer<|message|>' ~ text(m['content']) ~ '<|end|>' -}}
+  {%- else -%}
+    {{- raise_exception('message ' ~ at ~ ': harmony has no ' ~ role ~ ' role') -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|start|>assistant' }}{%- endif -%}
+"""
+
 BUILTIN_TEMPLATES: dict[str, str] = {
     name: _PRELUDE + body
     for name, body in {
@@ -184,11 +311,13 @@ BUILTIN_TEMPLATES: dict[str, str] = {
         "mistral": _MISTRAL,
         "llama2": _LLAMA2,
         "phi3": _PHI3,
+        "harmony": _HARMONY,
     }.items()
 }
 
 # Vocabulary marker -> template: a token only that family's vocabulary has.
 _VOCAB_MARKERS = (
+    ("<|channel|>", "harmony"),
     ("<start_of_turn>", "gemma"),
     ("<|start_header_id|>", "llama3"),
     ("<|im_start|>", "chatml"),
@@ -198,7 +327,7 @@ _VOCAB_MARKERS = (
 _ARCH_DEFAULTS = {
     "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma",
     "qwen2": "chatml", "qwen3": "chatml", "qwen2moe": "chatml", "qwen3moe": "chatml",
-    "phi3": "phi3", "mistral": "mistral", "mistral3": "mistral",
+    "phi3": "phi3", "mistral": "mistral", "mistral3": "mistral", "gpt-oss": "harmony",
 }
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 import stat
@@ -56,6 +57,7 @@ from jinja2.utils import Namespace
 
 from ..errors import LocalLLMError, TemplateError
 from .builtin import BUILTIN_TEMPLATES, guess_builtin
+from .harmony_tools import template_global as harmony_functions
 
 MAX_OUTPUT_CHARS = 4_000_000  # far above any context window's worth of text
 MAX_RENDER_SECONDS = 5.0
@@ -187,6 +189,7 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
             self.globals.pop(name, None)
         self.globals["raise_exception"] = _raise_exception
         self.globals["strftime_now"] = _strftime_now
+        self.globals["harmony_functions"] = harmony_functions  # the built-in harmony's
         self.filters["tojson"] = _tojson
         for name in ("center", "indent"):
             self.filters[name] = _width_checked(self.filters[name])
@@ -566,6 +569,8 @@ class ChatTemplate:
             return self._render_bounded(ctx)
         except _RaisedByTemplate as e:
             raise TemplateError(f"{where} raised: {_one_line(e)}") from None
+        except TemplateError as e:  # from a global of ours (harmony_functions)
+            raise TemplateError(f"{where}: {_one_line(e)}") from None
         except SecurityError as e:
             raise TemplateError(f"{where} refused: {_one_line(e)}") from None
         except _Timeout:
@@ -714,10 +719,11 @@ def select_template(metadata: dict, override: str | None = None, *,
 
     Args:
         metadata: GGUF metadata (key -> value).
-        override: a built-in name (gemma, llama3, chatml, mistral, llama2, phi3), the NAME of
-            a metadata variant ``tokenizer.chat_template.NAME``, or Jinja text itself; with
+        override: a built-in name (gemma, llama3, chatml, mistral, llama2, phi3, harmony),
+            the NAME of a metadata variant ``tokenizer.chat_template.NAME``, or Jinja text; with
             ``files``, also a template file (``--chat-template FILE``, models.toml). Without
-            it: the metadata's ``tokenizer.chat_template``, else the built-in that
+            it: the metadata's ``tokenizer.chat_template`` (for a harmony model, the built-in
+            harmony when it does not compile), else the built-in that
             :func:`localllm.chat.builtin.guess_builtin` picks.
         files: whether ``override`` may name a file. Only the command line and models.toml
             may: text that reaches the API or the server is never taken for a path (it would
@@ -731,7 +737,14 @@ def select_template(metadata: dict, override: str | None = None, *,
     if not override:
         source = metadata.get("tokenizer.chat_template")
         if isinstance(source, str) and source.strip():
-            return compiled("tokenizer.chat_template", source, bos, eos)
+            try:
+                return compiled("tokenizer.chat_template", source, bos, eos)
+            except TemplateError as e:
+                # The built-in harmony writes what the official gpt-oss template writes:
+                # a stand-in for a variant of it this sandbox cannot compile.
+                if guess_builtin(metadata) != "harmony":
+                    raise
+                logging.getLogger("localllm.chat").warning("%s; using the built-in harmony", e)
         name = guess_builtin(metadata)
         return compiled(f"{name} (built-in)", BUILTIN_TEMPLATES[name], bos, eos)
     if not isinstance(override, str):

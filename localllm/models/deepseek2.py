@@ -245,7 +245,7 @@ class Layer(ExpertWeights):
     attn_kv_a_norm: torch.Tensor
     attn_output: Linear
     ffn_norm: torch.Tensor
-    attn_k_b: ExpertMatrix | torch.Tensor | None = None  # (H, r, nope): dense after prepare
+    attn_k_b: ExpertMatrix | torch.Tensor | None = None  # (H, r, nope): ops.mla_heads form
     attn_v_b: ExpertMatrix | torch.Tensor | None = None  # (H, dv, r)
     attn_kv_b: Linear | None = None  # files before the split: (H * (nope + dv), r)
     attn_q: Linear | None = None  # no q_lora_rank
@@ -279,14 +279,6 @@ def route(logits: torch.Tensor, a: ModelArgs,
     return chosen, weights
 
 
-def dense_heads(w: ExpertMatrix, device) -> torch.Tensor:
-    """The per-head matrices of a 3-D weight (H, out, in), whatever its kind, as one dense
-    float32 tensor: each head multiplies the identity (exact for every kind; once, at
-    load), so that attention applies every head's matrix in one batched product."""
-    eye = torch.eye(w.shape[2], dtype=torch.float32, device=device)
-    return torch.stack([w(eye, h).T for h in range(w.shape[0])]).float().contiguous()
-
-
 class Model(Decoder):
     """A DeepSeek-V2/V3 decoder; weights attached by :func:`localllm.models.base.bind`."""
 
@@ -304,9 +296,9 @@ class Model(Decoder):
                 b.attn_k_b = w[:, :a.nope_dim].transpose(1, 2).contiguous()
                 b.attn_v_b = w[:, a.nope_dim:].contiguous()
                 b.attn_kv_b = None
-            else:
-                b.attn_k_b = dense_heads(b.attn_k_b, self.device)
-                b.attn_v_b = dense_heads(b.attn_v_b, self.device)
+            else:  # in the backend's form (native: int8 products over the stored blocks)
+                b.attn_k_b = self.ops.mla_heads(b.attn_k_b, self.device)
+                b.attn_v_b = self.ops.mla_heads(b.attn_v_b, self.device)
 
     def ffn(self, b: Layer, n: torch.Tensor) -> torch.Tensor:
         """The FFN of a block on its normed input n (T, d) -> (T, d) float32."""

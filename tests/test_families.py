@@ -181,7 +181,7 @@ def test_commands_on_each_family(family, family_dir, monkeypatch, capsys, tmp_pa
                              "-n", "4", "--temp", "0", "-c", "64")
     assert code == 0, err
     code, out, err = run_cli(monkeypatch, capsys, "chat", str(path), "-n", "4", "--temp", "0",
-                             "-c", "256", stdin="the cat and the dog\n")
+                             "-c", "1024", stdin="the cat and the dog\n")
     assert code == 0, err
     text = tmp_path / "text.txt"
     text.write_text(" ".join(["the quick brown fox jumps over the lazy dog"] * 6))
@@ -205,7 +205,7 @@ def _serve_one_reply(path: Path) -> None:
     from localllm.server.app import bind, create_app
 
     sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(LLM(path, device="cpu", ctx_size=256),
+    server = uvicorn.Server(uvicorn.Config(create_app(LLM(path, device="cpu", ctx_size=1024),
                                                       log=None), log_level="error"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -1,6 +1,6 @@
 """Small random-weights models of every family, for the llama.cpp comparison fixtures.
 
-Each entry is a real geometry of :data:`localllm.models.synthetic.GEOMETRIES` shrunk to a few
+Each entry is a real geometry of :data:`localllm.models.geometries.GEOMETRIES` shrunk to a few
 layers (d_model 256, so that K-quants fit the rows), a vocabulary of 320 tokens, and matrices
 with a larger spread than a trained model's (``WEIGHT_STD``) so that the next-token
 distribution is peaked. :func:`write_family` writes the GGUF deterministically (same bytes
@@ -14,7 +14,8 @@ import dataclasses
 import hashlib
 from pathlib import Path
 
-from localllm.models.synthetic import GEOMETRIES, mla_keys, write_synthetic
+from localllm.models.geometries import GEOMETRIES, mla_keys
+from localllm.models.synthetic import write_synthetic
 
 WEIGHT_STD = 0.15
 SEED = 14

@@ -23,7 +23,8 @@ def bf():
 
 def test_every_family_has_a_0_5_to_1_5b_geometry(bf):
     from localllm.models import ARCHITECTURES
-    from localllm.models.synthetic import GEOMETRIES, planned_tensors
+    from localllm.models.geometries import GEOMETRIES
+    from localllm.models.synthetic import planned_tensors
 
     assert set(bf.FAMILIES) - set(bf.VARIANTS) | {"mistral"} == set(ARCHITECTURES)
     for fam, name in bf.FAMILIES.items():

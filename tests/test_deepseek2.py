@@ -130,7 +130,8 @@ def test_latent_cache_is_what_a_layer_remembers(family_file):
     m = load(family_file("deepseek2"))
     assert [s for s in m.memory_layout] == [LatentSpec(128 + 32)] * 2
     from localllm.models import memory_layout, model_args
-    from localllm.models.synthetic import GEOMETRIES, _hparams
+    from localllm.models.geometries import GEOMETRIES
+    from localllm.models.synthetic import _hparams
 
     for name, layers in (("deepseek-v2-lite", 27), ("deepseek-v3", 61), ("deepseek-v3-1b", 12)):
         g = GEOMETRIES[name]
@@ -242,7 +243,8 @@ def test_synthetic_memory_check_counts_the_latent_cache(monkeypatch):
     """``bench --synthetic``'s memory check sizes the memories from the geometry's validated
     arguments (a latent per position for MLA), and refuses DeepSeek-V3 on a small machine."""
     from localllm.eval import bench
-    from localllm.models.synthetic import GEOMETRIES, geometry_args, planned_tensors
+    from localllm.models.geometries import GEOMETRIES
+    from localllm.models.synthetic import geometry_args, planned_tensors
     from localllm.runtime import resources
 
     g = GEOMETRIES["deepseek-v2-lite"]

@@ -338,7 +338,7 @@ def test_bench_progress_stays_off_a_pipe(monkeypatch, capsys, tiny_model_path):
 def _medium_geometry():
     import dataclasses
 
-    from localllm.models.synthetic import GEOMETRIES
+    from localllm.models.geometries import GEOMETRIES
 
     return dataclasses.replace(
         GEOMETRIES["llama3-8b"], name="medium-llama", n_vocab=1024, n_layers=6, d_model=1024,
@@ -375,8 +375,8 @@ def test_synthetic_refuses_before_writing(tmp_path):
 
     from localllm.errors import LocalLLMError
     from localllm.eval.bench import check_synthetic_memory
+    from localllm.models.geometries import GEOMETRIES
     from localllm.models.synthetic import (
-        GEOMETRIES,
         check_disk,
         planned_tensors,
         synthetic_model,

@@ -14,7 +14,8 @@ from localllm.errors import ParameterError
 from localllm.gguf.file import open_gguf
 from localllm.gguf.quants import dequantize
 from localllm.models import synthetic
-from localllm.models.synthetic import GEOMETRIES, synthetic_model, tensor_types
+from localllm.models.geometries import GEOMETRIES
+from localllm.models.synthetic import synthetic_model, tensor_types
 from localllm.runtime.session import Session, load_model
 
 # Small models with the real families' layouts and vocabulary kinds (fast to write and load).

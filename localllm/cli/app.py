@@ -467,7 +467,7 @@ def bench(
     synthetic: Annotated[str | None, typer.Option(
         "--synthetic", help="random weights of a real geometry: llama3-8b, llama3.2-1b, "
         "mistral-7b, qwen2.5-7b, qwen3-8b, qwen3-30b-a3b, gemma2-9b, phi3-mini, olmo2-7b, "
-        "granite3-8b ... (localllm.models.synthetic.GEOMETRIES)")] = None,
+        "granite3-8b ... (localllm.models.geometries.GEOMETRIES)")] = None,
     quant: Annotated[str, typer.Option(
         "--quant", help="recipe of --synthetic (Q4_K_M, Q8_0 ...)")] = "Q4_K_M",
     threads: ThreadsOpt = None,

@@ -200,3 +200,35 @@ def test_adaptive_threads_can_be_turned_off(keep_threads, monkeypatch):
     assert threads._share is not None
     set_threads(1)
     assert threads._share is None
+
+
+def test_steps_are_counted_per_thread_count():
+    busy = {"on": True}
+    m = _Machine(step_s=lambda n: (0.2 if n == 2 else 0.04) if busy["on"] else 0.05 / n,
+                 wait_per_s=lambda n: (0.4 if n == 2 else 0.0) if busy["on"] else 0.0)
+    share = _share(m)
+    used = m.run(share, 10.0)
+    assert share.steps == {n: used.count(n) for n in set(used)} and set(used) == {1, 2}
+
+
+def test_verbose_timings_say_when_threads_stepped_back(keep_threads, monkeypatch, capsys):
+    from localllm.cli.app import print_timings
+    from localllm.cpu import threads
+
+    class Timings:
+        prompt_seconds, prompt_tokens, generate_seconds = 0.1, 4, 1.0
+        generated_tokens, first_token_seconds, extra = 9, 0.05, {}
+
+    class Loaded:
+        load_seconds = 0.5
+
+    class Llm:
+        loaded = Loaded()
+
+    set_threads(2)
+    monkeypatch.setattr(threads._share, "steps", {2: 3, 1: 5})
+    print_timings(Llm(), Timings(), "length")
+    assert "decode threads =" in capsys.readouterr().err
+    monkeypatch.setattr(threads._share, "steps", {2: 8})
+    print_timings(Llm(), Timings(), "length")
+    assert "decode threads" not in capsys.readouterr().err

@@ -139,6 +139,13 @@ def print_timings(llm, timings, finish_reason: str | None) -> None:
         rate = accepted / drafted if drafted else 0.0
         _err(f"{'draft acceptance':>18} = {rate:10.5f} ({accepted} accepted / {drafted} "
              "generated)")
+    from ..cpu.threads import step_threads
+
+    steps = step_threads()
+    if steps and min(steps) < max(steps):  # the adaptive count stepped back at some point
+        fewer = ", ".join(f"{n} for {steps[n]}" for n in sorted(steps, reverse=True))
+        _err(f"{'decode threads':>18} = {fewer} steps (fewer while other processes took the "
+             "cores)")
     _err(f"{'finish reason':>18} = {finish_reason}")
 
 

@@ -120,6 +120,12 @@ def set_threads(n: int | None, n_batch: int | None = None, *, adapt: bool = True
     return counts.threads
 
 
+def step_threads() -> dict[int, int] | None:
+    """One-token steps run at each thread count since :func:`set_threads` (fewer than
+    ``-t`` while other processes took the cores), or None when the count is fixed."""
+    return None if _share is None else dict(_share.steps)
+
+
 def current_counts() -> ThreadCounts | None:
     """What :func:`set_threads` last chose (None: it was never called)."""
     return _counts
@@ -208,18 +214,20 @@ class CoreShare:
         self._trial: int | None = None  # the count we came from while trying another
         self._next_try = now
         self.waiting: float | None = None  # last interval's wait per thread per second
+        self.steps: dict[int, int] = {}  # one-token steps run at each count, since the start
 
     def usable(self, n_tokens: int = 1) -> int:
         """Threads for the next step; ``n_tokens`` > 1: a batch, whose time is not
         measured (it runs on the current count)."""
         now = self._clock()
         prev, self._prev = self._prev, now if n_tokens == 1 else None
-        if not self._enabled or prev is None or now - prev > self.GAP:
-            return self._n
-        self._steps += 1
-        self._step_s += now - prev
-        if self._step_s >= self.INTERVAL and self._steps >= 2:
-            self._measured(now)
+        if self._enabled and prev is not None and now - prev <= self.GAP:
+            self._steps += 1
+            self._step_s += now - prev
+            if self._step_s >= self.INTERVAL and self._steps >= 2:
+                self._measured(now)
+        if n_tokens == 1:
+            self.steps[self._n] = self.steps.get(self._n, 0) + 1
         return self._n
 
     def _measured(self, now: float) -> None:

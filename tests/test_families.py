@@ -193,34 +193,20 @@ def test_commands_on_each_family(family, family_dir, monkeypatch, capsys, tmp_pa
 
 
 def _serve_one_reply(path: Path) -> None:
-    """The model's server (``create_app``, as ``localllm serve`` runs it) on a free port of
-    127.0.0.1 answers one chat completion of the official client with 3 tokens."""
-    import threading
-    import time
-
+    """The model's server on a free port of 127.0.0.1 (in this process:
+    :func:`test_server.in_process_server`) answers one chat completion of the official
+    client with 3 tokens."""
     import openai
-    import uvicorn
+    from test_server import in_process_server
 
     from localllm.api import LLM
-    from localllm.server.app import bind, create_app
 
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(LLM(path, device="cpu", ctx_size=1024),
-                                                      log=None), log_level="error"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1",
+    with in_process_server(LLM(path, device="cpu", ctx_size=1024)) as port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1",
                                api_key="none", max_retries=0, timeout=60)
         r = client.chat.completions.create(
-            model=client.models.list().data[0].id, messages=[{"role": "user", "content": "the cat and the dog"}],
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": "the cat and the dog"}],
             max_tokens=3, temperature=0)
         assert r.choices[0].finish_reason in ("stop", "length")
         assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens >= 1
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()

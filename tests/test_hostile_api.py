@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_server import HI, WEATHER_TOOL, Server
+from test_server import HI, WEATHER_TOOL, Server, in_process_server
 from tiny_model import write_tiny_gguf
 
 from localllm import LLM
@@ -341,22 +341,13 @@ def test_client_templates_are_kept_in_a_bounded_cache(llm):
     """Every distinct template of a request was compiled and kept for ever (26,000 requests:
     394 -> 4,409 MiB); now the compiled ones live in a bounded LRU cache. A real server on
     127.0.0.1, in-process so that the cache can be looked at."""
-    import uvicorn
-
     from localllm.chat.template import MAX_CACHED_TEMPLATES, compiled
-    from localllm.server.app import bind, create_app
 
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, log=None), log_level="error"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.05)
+    with in_process_server(llm) as port:
         compiled.cache_clear()
         n = 3 * MAX_CACHED_TEMPLATES
         for i in range(n):
-            c = http.client.HTTPConnection("127.0.0.1", sock.getsockname()[1], timeout=60)
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
             c.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"},
                       body=json.dumps({"messages": HI, "max_tokens": 1, "chat_template":
                                        "{% for m in messages %}" + f"{i}:" + "{{ m.content }}"
@@ -366,10 +357,6 @@ def test_client_templates_are_kept_in_a_bounded_cache(llm):
             c.close()
         info = compiled.cache_info()
         assert info.currsize <= MAX_CACHED_TEMPLATES and info.misses >= n
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 # ---- items 6 and 9: what the model writes, forced by a grammar -----------------------------------

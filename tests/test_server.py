@@ -7,6 +7,7 @@ model (marked slow). Raw HTTP (malformed bodies, disconnects) goes through http.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -152,6 +153,35 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+
+@contextlib.contextmanager
+def in_process_server(llm, timeout: float = 60.0):
+    """``llm``'s server (``create_app``, as ``localllm serve`` runs it) in a thread of this
+    process on a free port of 127.0.0.1, for tests that look inside it or load many models;
+    yields the port, stops the server on exit.
+
+    Raises:
+        TimeoutError: the server did not start within ``timeout`` seconds."""
+    import uvicorn
+
+    from localllm.server.app import bind, create_app
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(llm, log=None), log_level="error"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the in-process server did not start in {timeout} s")
+            time.sleep(0.02)
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
 
 
 @pytest.fixture(scope="module")

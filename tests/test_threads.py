@@ -92,16 +92,26 @@ class _Machine:
     def wait(self):
         return self.waited
 
+    def step(self, n):
+        """One step on ``n`` threads: its time passes, its threads wait their share."""
+        d = self.step_s(n)
+        self.t += d
+        self.waited += d * self.wait_per_s(n) * n
+
     def run(self, share, seconds):
         """One-token steps for ``seconds``; the thread counts used, one per step."""
         used, end = [], self.t + seconds
         while self.t < end:
-            n = share.usable(1)
-            used.append(n)
-            d = self.step_s(n)
-            self.t += d
-            self.waited += d * self.wait_per_s(n) * n
+            used.append(share.usable(1))
+            self.step(used[-1])
         return used
+
+
+def _busy_machine(busy):
+    """Beside a process of the same priority (while ``busy["on"]``), 2 threads are 5x
+    slower than 1 and wait; without it, 2 threads are faster."""
+    return _Machine(step_s=lambda n: (0.2 if n == 2 else 0.04) if busy["on"] else 0.05 / n,
+                    wait_per_s=lambda n: (0.4 if n == 2 else 0.0) if busy["on"] else 0.0)
 
 
 def _share(machine, cap=2):
@@ -117,11 +127,8 @@ def test_idle_machine_keeps_every_thread_and_tries_nothing():
 
 
 def test_a_busy_core_takes_one_thread_off_and_the_end_of_it_gives_it_back():
-    # beside a process of the same priority, 2 threads are 5x slower than 1 and wait;
-    # once it stops, 2 threads are faster again
     busy = {"on": True}
-    m = _Machine(step_s=lambda n: (0.2 if n == 2 else 0.04) if busy["on"] else 0.05 / n,
-                 wait_per_s=lambda n: (0.4 if n == 2 else 0.0) if busy["on"] else 0.0)
+    m = _busy_machine(busy)
     share = _share(m)
     used = m.run(share, 20.0)
     assert used[-1] == 1
@@ -176,14 +183,13 @@ def test_use_threads_for_applies_the_share(keep_threads, monkeypatch):
     from localllm.cpu import threads
 
     set_threads(2)
-    m = _Machine(step_s=lambda n: 0.2 if n == 2 else 0.04, wait_per_s=lambda n: 0.4)
+    m = _busy_machine({"on": True})
     monkeypatch.setattr(threads, "_share", _share(m))
     counts = []
     for _ in range(40):  # the steps' own counts, as the session asks before each
         threads.use_threads_for(1)
         counts.append(torch.get_num_threads())
-        m.t += m.step_s(counts[-1])
-        m.waited += m.step_s(counts[-1]) * m.wait_per_s(counts[-1]) * counts[-1]
+        m.step(counts[-1])
     assert counts[0] == 2 and counts[-1] == 1
     threads.use_threads_for(8)  # a batch while crowded: no more threads than a step
     assert torch.get_num_threads() == 1
@@ -203,9 +209,7 @@ def test_adaptive_threads_can_be_turned_off(keep_threads, monkeypatch):
 
 
 def test_steps_are_counted_per_thread_count():
-    busy = {"on": True}
-    m = _Machine(step_s=lambda n: (0.2 if n == 2 else 0.04) if busy["on"] else 0.05 / n,
-                 wait_per_s=lambda n: (0.4 if n == 2 else 0.0) if busy["on"] else 0.0)
+    m = _busy_machine({"on": True})
     share = _share(m)
     used = m.run(share, 10.0)
     assert share.steps == {n: used.count(n) for n in set(used)} and set(used) == {1, 2}

@@ -355,7 +355,7 @@ def main() -> None:
                           f"  tg{a.n_gen} {res['tg']:6.2f} tok/s  load {res['load_s']:.1f} s"
                           f"  ({a.clock})  RSS {res['rss_mb']:.0f} MB  other load "
                           f"{_f(res.get('other_cores'), '.1f')} cores", flush=True)
-        if a.discard and not existed and fam != "llama":
+        if a.discard and not existed:
             path.unlink(missing_ok=True)
     if a.write_only:
         return

@@ -136,9 +136,9 @@ def use_threads_for(n_tokens: int) -> None:
     ``n_tokens`` > 1, or to ``threads`` for one token (llama.cpp picks ``n_threads_batch``
     when a micro-batch holds more than one token, ``src/llama-context.cpp``), fewer when
     other processes keep the cores busy (:class:`CoreShare`). Does nothing unless
-    :func:`set_threads` was called with two different counts or adaptive ones; otherwise costs one ``torch.get_num_threads()`` when
-    nothing changes, and a read of the threads' ``schedstat`` every
-    :data:`CoreShare.INTERVAL` seconds of steps."""
+    :func:`set_threads` was called with two different counts or an adaptive one; otherwise
+    costs one ``torch.get_num_threads()`` when nothing changes, and a read of the threads'
+    ``schedstat`` every :data:`CoreShare.INTERVAL` seconds of steps."""
     counts, share = _counts, _share
     if counts is None or (share is None and counts.threads == counts.threads_batch):
         return

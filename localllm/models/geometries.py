@@ -404,11 +404,10 @@ _TABLE: dict[str, Geometry | _Like] = {
         "gpt2", "gpt-4o", specials=_HARMONY_SPECIALS, qkv_bias=True, sliding_window=128,
         extra=_gpt_oss_keys(32, 4, 2880)),
     # Qwen3-30B-A3B's proportions at 1B: 64 experts, 8 used (0.3B active), expert FFN 256
-    "qwen3moe-1b": Geometry(
-        "qwen3moe-1b", "qwen3moe", 151936, 16, 1024, 16, 4, 128, 3072, 40960, 1000000.0,
-        1e-6, "gpt2", "qwen2", specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        n_pad_tokens=290, extra={"qwen3moe.expert_count": 64, "qwen3moe.expert_used_count": 8,
-                                 "qwen3moe.expert_feed_forward_length": 256}),
+    "qwen3moe-1b": _like(
+        "qwen3-30b-a3b", n_layers=16, d_model=1024, n_heads=16, ffn_dim=3072,
+        extra={"qwen3moe.expert_count": 64, "qwen3moe.expert_used_count": 8,
+               "qwen3moe.expert_feed_forward_length": 256}),
     # ---- multi-head latent attention (issue #28): GGUF architecture deepseek2 ----------------
     # DeepSeek-V2-Lite (16B, 2.4B active): queries without compression, latent 512 + 64, 64
     # experts (6 used, softmax) and 2 shared of 1408, first layer dense, YaRN x40 (mscale 0.707)

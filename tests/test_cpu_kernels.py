@@ -556,3 +556,103 @@ def test_gemv_experts_equals_one_gemv_per_expert(qtype):
             assert torch.equal(got[j], want), (j, e)
     with pytest.raises(RuntimeError, match="expert 5 out of range"):
         cpu.gemv_experts(x1, stacked, torch.tensor([5]), rows)
+
+
+def _packed(qtype: T, rows: int, cols: int, seed: int) -> cpu.PackedWeight:
+    return cpu.PackedWeight.from_bytes(weight_bytes(qtype, rows, cols, seed), qtype,
+                                       (rows, cols), q8=True)
+
+
+@needs_q8
+@pytest.mark.parametrize("gu_type,down_type,act,fused,biased", [
+    (T.Q4_K, T.Q6_K, "silu", False, False),
+    (T.Q8_0, T.Q4_0, "gelu_tanh", True, False),
+    (T.MXFP4, T.MXFP4, "swiglu_oai", False, True),
+    (T.Q3_K, T.Q5_K, "silu", True, True),
+], ids=lambda v: v.name if isinstance(v, T) else str(v))
+def test_moe_token_q8_equals_the_separate_calls(gu_type, down_type, act, fused, biased):
+    """One token's MoE FFN in one call gives the result of the calls it replaces (the
+    per-matrix expert GEMVs, the gated activation, the weighted sum, the shared expert
+    through qmatmul) to float32 summation order, with the shared expert of another width,
+    other types, a weight and its own input; without it, with one thread as with two; and
+    within the float64 reference's tolerance."""
+    n_exp, d, n_ff, sh_ff = 6, 256, 256, 512
+    packs, refs = moe_case(gu_type, down_type, n_exp, d, n_ff)
+    gate, up, down = packs
+    if fused:  # each expert's gate rows, then its up rows, in one tensor
+        raw = [weight_bytes(gu_type, n_exp * n_ff, d, s) for s in (1, 2)]
+        per = raw[0].size // n_exp
+        gate = cpu.PackedWeight.from_bytes(
+            np.concatenate([np.concatenate([r[e * per:(e + 1) * per] for r in raw])
+                            for e in range(n_exp)]), gu_type, (2 * n_exp * n_ff, d), q8=True)
+        up = None
+    shared = (_packed(T.Q5_K, sh_ff, d, 11), _packed(T.Q4_K, sh_ff, d, 12),
+              _packed(T.Q8_0, d, sh_ff, 13))
+    gen = torch.Generator().manual_seed(int(gu_type) + 100 * fused)
+    biases = ((torch.randn(n_exp, n_ff, generator=gen), torch.randn(n_exp, n_ff, generator=gen),
+               torch.randn(n_exp, d, generator=gen)) if biased else (None, None, None))
+    x, xs = torch.randn(1, d, generator=gen), torch.randn(1, d, generator=gen)
+    chosen, weights = torch.tensor([4, 1, 3]), torch.rand(3, generator=gen)
+
+    def separate(with_shared: bool) -> torch.Tensor:
+        mats = [gate] if up is None else [gate, up]
+        proj = [cpu.gemv_experts(x, w, chosen, n_ff * (2 if up is None else 1)) for w in mats]
+        g, u = proj if up is not None else (p.contiguous() for p in proj[0].chunk(2, -1))
+        if biased:
+            g, u = g + biases[0][chosen], u + biases[1][chosen]
+        y = cpu.gemv_experts(TorchOps.gated(g, u, act), down, chosen, d)
+        if biased:
+            y = y + biases[2][chosen]
+        out = torch.zeros(1, d)
+        for j in chosen.argsort().tolist():  # increasing expert order
+            out += y[j] * weights[j]
+        if with_shared:
+            hs = TorchOps.gated(cpu.qmatmul(xs, shared[0]), cpu.qmatmul(xs, shared[1]), "silu")
+            out += cpu.qmatmul(hs, shared[2]) * 0.375
+        return out
+
+    kw = dict(biases=biases, act=act)
+    got = cpu.moe_token_q8(x, chosen, weights, gate, up, down, **kw, shared=shared,
+                           shared_weight=0.375, shared_x=xs)
+    want = separate(True)
+    scale = float(want.abs().mean())
+    assert got.shape == (1, d) and float((got - want).abs().max()) < 1e-5 * scale
+    alone = cpu.moe_token_q8(x, chosen, weights, gate, up, down, **kw)
+    assert float((alone - separate(False)).abs().max()) < 1e-5 * scale
+    assert float((got - alone).abs().max()) > 1e-2 * scale  # the shared expert counts
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.moe_token_q8(x, chosen, weights, gate, up, down, **kw, shared=shared,
+                               shared_weight=0.375, shared_x=xs)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, got)
+    if not fused:
+        ref = moe_reference(x, chosen[None], weights[None], *refs, act=act, biases=biases)
+        err = float((alone.double() - ref).abs().max()) / float(ref.abs().mean())
+        assert err < 1e-4, err
+
+
+@needs_q8
+def test_moe_token_q8_errors():
+    d, n_ff, n_exp = 256, 64, 3
+    g, dn = _packed(T.Q4_K, n_exp * n_ff, d, 1), _packed(T.Q8_0, n_exp * d, n_ff, 2)
+    x, w = torch.randn(1, d), torch.rand(2)
+    ok = torch.tensor([0, 2])
+    with pytest.raises(RuntimeError, match="expert 3 out of range"):
+        cpu.moe_token_q8(x, torch.tensor([0, 3]), w, g, g, dn)
+    with pytest.raises(ParameterError, match="unknown activation 'relu'"):
+        cpu.moe_token_q8(x, ok, w, g, g, dn, act="relu")
+    with pytest.raises(ParameterError, match="do not match"):
+        cpu.moe_token_q8(torch.randn(2, d), ok, w, g, g, dn)
+    with pytest.raises(RuntimeError, match="same number"):  # up of another expert count
+        cpu.moe_token_q8(x, ok, w, g, _packed(T.Q4_K, 2 * n_ff, d, 3), dn)
+    with pytest.raises(RuntimeError, match="shared expert's matrices"):
+        cpu.moe_token_q8(x, ok, w, g, g, dn, shared=(_packed(T.Q4_K, 64, d, 4),
+                                                     _packed(T.Q4_K, 32, d, 5),
+                                                     _packed(T.Q8_0, d, 64, 6)))
+    f = cpu.PackedWeight.from_bytes(weight_bytes(T.F16, n_exp * n_ff, d), T.F16,
+                                    (n_exp * n_ff, d))
+    with pytest.raises(UnsupportedError, match="quantized matrices"):
+        cpu.moe_token_q8(x, ok, w, f, f, dn)

@@ -24,9 +24,10 @@ import sys
 import torch
 
 from ..errors import LocalLLMError
-from .base import Backend, ExpertList, ExpertMatrix, Matrix
+from .base import Backend, ExpertList, ExpertMatrix, Matrix, SharedExpert
 
-__all__ = ["BACKENDS", "Backend", "ExpertList", "ExpertMatrix", "Matrix", "select_backend"]
+__all__ = ["BACKENDS", "Backend", "ExpertList", "ExpertMatrix", "Matrix", "SharedExpert",
+           "select_backend"]
 
 
 # name -> module defining ``Backend`` (imported only when chosen).

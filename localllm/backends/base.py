@@ -5,6 +5,7 @@ docstring)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -65,6 +66,25 @@ class ExpertList:
     def __call__(self, x: torch.Tensor, e: int) -> torch.Tensor:
         y = self.matrices[e](x)
         return y if self.bias is None else y + self.bias[e]
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """A MoE layer's shared SwiGLU expert, added to every token's routed experts
+    (llama.cpp's ``ffn_*_shexp`` in DeepSeek-V2/V3, GLM-4.5, ERNIE 4.5, Llama 4, Qwen3.5):
+    ``weight * down(silu(gate) * up)`` with ``gate, up = gate_up(x)``.
+
+    gate_up: a callable (T, d) -> (gate (T, ff), up (T, ff)) float32 (a fused or split
+    projection of :mod:`localllm.models.common`); down: a callable (T, ff) -> (T, d);
+    weight: a float or a (T, 1) float32 tensor (Qwen3.5's ``sigmoid(x . ffn_gate_inp_shexp)``),
+    None for 1; x: the expert's own input (T, d) when it is not the routed experts' (Llama 4
+    scales the routed input by the routing weight, not the shared expert's).
+    """
+
+    gate_up: Callable
+    down: Callable
+    weight: float | torch.Tensor | None = None
+    x: torch.Tensor | None = None
 
 
 class Backend:

@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as T
 from ..memory import BlockRows, attention_mask
 from . import deltanet, ssm
 from .base import Backend as _Backend
+from .base import SharedExpert
 
 # Above this many rows a CPU product takes the float32 GEMM path (see the module docstring).
 GEMV_MAX_ROWS = 8
@@ -520,11 +521,12 @@ class TorchOps:
                                         n_k_heads=n_k_heads, eps=eps, interleave=interleave)
 
     def experts(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate,
-                up, down, act: str) -> torch.Tensor:
+                up, down, act: str, *, shared: SharedExpert | None = None) -> torch.Tensor:
         """The routed experts of a mixture-of-experts FFN, after the routing (llama.cpp's
         ``build_moe_ffn``, ``src/llama-graph.cpp``):
         ``out[t] = sum_j weights[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t]))``,
-        ``e = chosen[t, j]``.
+        ``e = chosen[t, j]``, plus the layer's ``shared`` expert when given
+        (:class:`~localllm.backends.SharedExpert`, added after the routed sum).
 
         x: (T, d) float32; chosen: (T, k) int64; weights: (T, k) float32; gate, up, down:
         :class:`~localllm.backends.ExpertMatrix` (``up`` None: ``gate`` holds each
@@ -533,6 +535,21 @@ class TorchOps:
         routed to it, no other expert is read; one token (decode) runs its k experts
         directly, without the grouping's gathers and scatters.
         """
+        out = self._routed(x, chosen, weights, gate, up, down, act)
+        return out if shared is None else self.add_shared(out, x, shared)
+
+    def add_shared(self, out: torch.Tensor, x: torch.Tensor, shared: SharedExpert
+                   ) -> torch.Tensor:
+        """``out += weight * down(silu(gate) * up)`` of the shared expert on ``shared.x``
+        or x (T, d) float32 -> out."""
+        g, u = shared.gate_up(x if shared.x is None else shared.x)
+        y = shared.down(self.gated(g, u, "silu", overwrite=True))
+        if shared.weight is not None:
+            y = y.mul_(shared.weight)
+        return out.add_(y)
+
+    def _routed(self, x, chosen, weights, gate, up, down, act):
+        """The routed sum of :meth:`experts` -> a new (T, d) float32 tensor."""
         def hidden(xe: torch.Tensor, e: int) -> torch.Tensor:
             if up is None:  # the halves contiguous, as the kernels' gated functions read them
                 g, u = (h.contiguous() for h in gate(xe, e).chunk(2, -1))

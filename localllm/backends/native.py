@@ -247,7 +247,31 @@ class NativeOps(TorchOps):
             return cpu.gemv_experts(x[:, 0].contiguous(), w.stacked, heads, w.shape[1])[:, None]
         return torch.stack([w.matrices[i](x[i]) for i in range(h)])
 
-    def experts(self, x, chosen, weights, gate, up, down, act):
+    def experts(self, x, chosen, weights, gate, up, down, act, *, shared=None):
+        """One token whose experts (and shared expert, bias-free) are all int8-ready
+        blocks: the whole FFN in one :func:`localllm.cpu.moe_token_q8` call (two parallel
+        passes instead of five to seven calls and their Python). Otherwise :meth:`_routed`
+        plus the shared expert."""
+        if x.shape[0] == 1:
+            mats = (gate, down) if up is None else (gate, up, down)
+            stacked = [m.stacked if isinstance(m, PackedExperts) else None for m in mats]
+            sh = None if shared is None else _packed_shared(shared)
+            weight = None if shared is None else shared.weight
+            if (act in cpu.GATED_ACTS and all(w is not None and w.q8 for w in stacked)
+                    and (shared is None or sh is not None)
+                    and (weight is None or isinstance(weight, float) or weight.numel() == 1)):
+                bias = [m.bias for m in mats]
+                if up is None:  # fused: the gate and up halves of each expert's bias
+                    bias[:1] = [None, None] if bias[0] is None else bias[0].chunk(2, -1)
+                    bias = [None if b is None else b.contiguous() for b in bias]
+                return cpu.moe_token_q8(
+                    x, chosen[0], weights[0], stacked[0], None if up is None else stacked[1],
+                    stacked[-1], biases=tuple(bias), act=act, shared=sh,
+                    shared_weight=1.0 if weight is None else float(weight),
+                    shared_x=None if shared is None else shared.x)
+        return super().experts(x, chosen, weights, gate, up, down, act, shared=shared)
+
+    def _routed(self, x, chosen, weights, gate, up, down, act):
         """Native int8 experts (all :class:`PackedExperts` with ``q8`` weights; ``up`` None:
         ``gate`` is the fused ``ffn_gate_up_exps``, see ``TorchOps.experts``): one
         token's k experts in one :func:`localllm.cpu.gemv_experts` call per matrix (a call
@@ -279,7 +303,24 @@ class NativeOps(TorchOps):
                 return cpu.moe_ffn_q8(x, chosen, weights, stacked[0],
                                       None if up is None else stacked[1], stacked[-1],
                                       biases=tuple(bias), act=act)
-        return super().experts(x, chosen, weights, gate, up, down, act)
+        return super()._routed(x, chosen, weights, gate, up, down, act)
+
+
+def _packed_shared(shared) -> tuple[cpu.PackedWeight, ...] | None:
+    """A shared expert's gate, up and down blocks when each is one bias-free int8-ready
+    :class:`NativeMatrix` (gate and up the two parts of a split projection, as this backend
+    keeps them: :meth:`NativeMatrix.stack`), else None."""
+    parts = [*getattr(shared.gate_up, "parts", ()), shared.down]
+    if len(parts) != 3:
+        return None
+    packed = []
+    for p in parts:
+        w = getattr(p, "weight", None)
+        if (not isinstance(w, NativeMatrix) or not w.w.q8 or p.bias is not None
+                or getattr(p, "sizes", None) is not None):
+            return None
+        packed.append(w.w)
+    return tuple(packed)
 
 
 def _biased(y: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor) -> torch.Tensor:

@@ -235,6 +235,56 @@ def gemv_experts(x: torch.Tensor, weight: PackedWeight, experts: torch.Tensor,
     return out
 
 
+def moe_token_q8(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                 gate: PackedWeight, up: PackedWeight | None, down: PackedWeight, *,
+                 biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+                 = (None, None, None), act: str = "silu",
+                 shared: tuple[PackedWeight, PackedWeight, PackedWeight] | None = None,
+                 shared_weight: float = 1.0,
+                 shared_x: torch.Tensor | None = None) -> torch.Tensor:
+    """One token's whole mixture-of-experts FFN after the routing, in one native call
+    (llama.cpp's ``build_moe_ffn`` for one token, with the families' shared expert
+    ``ffn_*_shexp``): ``out = sum_j weights[j] * (down_e(act(gate_e(x) + bg_e, up_e(x) +
+    bu_e)) + bd_e)`` over ``e = chosen[j]`` in increasing expert order, plus
+    ``shared_weight * down_s(silu(gate_s(xs)) * up_s(xs))`` with ``xs = shared_x`` or x.
+    Int8 activations as :func:`gemv_experts`; the gate and up rows of every expert, the
+    shared one included, are one pass over the threads and the down rows another (the
+    separate calls spent a decode step's MoE layer in Python and thread start-ups).
+
+    x, shared_x: (1, d) float32; chosen: (k,) int64; weights: (k,) float32; gate, up, down:
+    the stacked experts as :func:`moe_ffn_q8` takes them (``up`` None: ``gate`` is the fused
+    ``ffn_gate_up_exps``); biases as :func:`moe_ffn_q8`'s; shared: the shared expert's gate
+    (sh_ff, d), up (sh_ff, d) and down (d, sh_ff) -> (1, d) float32.
+
+    Raises:
+        UnsupportedError: no int8 kernels (:func:`q8_activations`), or a float type.
+        ParameterError: an unknown activation, or shapes that do not match.
+        RuntimeError: an expert id out of range (from the kernel).
+    """
+    mats = [gate, down] + ([] if up is None else [up]) + list(shared or ())
+    if not q8_activations() or any(not w.q8 for w in mats):
+        raise UnsupportedError("moe_token_q8 needs the int8 kernels and quantized matrices")
+    if act not in GATED_ACTS:
+        raise ParameterError(f"moe_token_q8: unknown activation {act!r} (one of "
+                             f"{', '.join(GATED_ACTS)})")
+    d, n_ff = x.shape[-1], down.shape[1]
+    if x.shape != (1, d) or chosen.dim() != 1 or weights.shape != chosen.shape:
+        raise ParameterError(f"moe_token_q8: x {tuple(x.shape)}, chosen {tuple(chosen.shape)}"
+                             f", weights {tuple(weights.shape)} do not match")
+    sg, su, sd = shared or (None, None, None)
+    out = torch.empty(1, d)
+    torch.ops.localllm_cpu.moe_token_q8(
+        _check_x(x, d), chosen.long().contiguous(), weights.float().contiguous(), gate.data,
+        None if up is None else up.data, down.data, int(gate.qtype),
+        int((up or gate).qtype), int(down.qtype), n_ff,
+        *(None if b is None else b.float().contiguous() for b in biases), GATED_ACTS[act],
+        *(None if w is None else w.data for w in (sg, su, sd)),
+        *(0 if w is None else int(w.qtype) for w in (sg, su, sd)),
+        0 if sd is None else sd.shape[1], float(shared_weight),
+        None if shared_x is None else _check_x(shared_x, d), out)
+    return out
+
+
 def moe_ffn_q8(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
                gate: PackedWeight, up: PackedWeight | None, down: PackedWeight, *,
                biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]

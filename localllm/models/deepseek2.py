@@ -65,7 +65,14 @@ from .base import (
 from .common import Linear, Split, swiglu
 from .decoder import Decoder, Step
 from .llama import attention_temperature
-from .moe import GATING_FUNCS, ExpertArgs, ExpertWeights, expert_counts, expert_specs
+from .moe import (
+    GATING_FUNCS,
+    ExpertArgs,
+    ExpertWeights,
+    expert_counts,
+    expert_specs,
+    shared_expert,
+)
 from .rope import GLOBAL, read_rope
 
 
@@ -306,11 +313,8 @@ class Model(Decoder):
         if b.ffn_gate_up is not None:
             return swiglu(ops, b.ffn_gate_up, b.ffn_down, n)
         chosen, weights = route(b.ffn_gate_inp(n), self.args, b.exp_probs_b_bias)
-        out = ops.experts(n, chosen, weights, b.ffn_gate_exps, b.ffn_up_exps,
-                          b.ffn_down_exps, "silu")
-        if b.ffn_down_shexp is not None:
-            out = out + swiglu(ops, b.ffn_gate_up_shexp, b.ffn_down_shexp, n)
-        return out
+        return ops.experts(n, chosen, weights, b.ffn_gate_exps, b.ffn_up_exps,
+                           b.ffn_down_exps, "silu", shared=shared_expert(b))
 
     def mla(self, b: Layer, n: torch.Tensor, cache, step: Step) -> torch.Tensor:
         """MLA of a block on its normed input n (T, d) -> (T, H * dv) float32."""

@@ -50,7 +50,7 @@ from .base import (
 from .common import swiglu
 from .decoder import Block, Decoder, DenseFFN, Step
 from .llama import attention_temperature
-from .moe import ExpertArgs, ExpertWeights, expert_counts, expert_specs
+from .moe import ExpertArgs, ExpertWeights, expert_counts, expert_specs, shared_expert
 from .rope import GLOBAL, NOPE, SWA, read_rope
 
 CHUNK = 8192  # llama.cpp's n_swa for Llama 4 (the file's value is not read)
@@ -170,10 +170,12 @@ def moe_ffn(layer: Layer, x: torch.Tensor, n_used: int, ops) -> torch.Tensor:
     ones = torch.ones_like(weights[:, :1])
     out = None
     for j in range(n_used):  # the experts are not linear: one scaled input per slot
+        # the shared expert (on x itself) with the last slot's experts, in one backend call
+        shared = shared_expert(layer, x=x) if j == n_used - 1 else None
         y = ops.experts(x * weights[:, j:j + 1], chosen[:, j:j + 1], ones, layer.ffn_gate_exps,
-                        layer.ffn_up_exps, layer.ffn_down_exps, "silu")
+                        layer.ffn_up_exps, layer.ffn_down_exps, "silu", shared=shared)
         out = y if out is None else out + y
-    return out + swiglu(ops, layer.ffn_gate_up_shexp, layer.ffn_down_shexp, x)
+    return out
 
 
 class Model(Decoder):

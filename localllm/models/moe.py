@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends import ExpertMatrix
+from ..backends import ExpertMatrix, SharedExpert
 from .base import MAX_EXPERTS, REQUIRED, DecoderArgs, HParams, TensorSpec, ffn_specs
-from .common import Linear, Split, default_attention_scale, swiglu
+from .common import Linear, Split, default_attention_scale
 from .rope import read_rope
 
 GATINGS = ("softmax", "sigmoid", "softmax_weight")
@@ -137,11 +137,13 @@ class ExpertWeights:
 
 
 def routed_experts(ops, b: ExpertWeights, x: torch.Tensor, n_used: int, routing: Routing,
-                   *, router_input: torch.Tensor | None = None) -> torch.Tensor:
+                   *, router_input: torch.Tensor | None = None,
+                   shared: SharedExpert | None = None) -> torch.Tensor:
     """The routed part of a MoE layer on x (T, d) float32 -> (T, d) float32: :func:`route`
     the router's logits of ``router_input`` (T, d) (default x; Gemma 4 routes on another
     norm of the stream), with the layer's selection bias, then the chosen experts' weighted
-    sum (``ops.experts``; the fused ``ffn_gate_up_exps`` where the layer has it). A layer's
+    sum (``ops.experts``; the fused ``ffn_gate_up_exps`` where the layer has it), plus
+    ``shared`` (:func:`shared_expert`) in the same backend call. A layer's
     ``ffn_down_exps_scale`` multiplies each chosen expert's output (llama.cpp's
     ``down_exps_s`` in ``build_moe_ffn``), folded here into its routing weight."""
     weights, chosen = route(b.ffn_gate_inp(x if router_input is None else router_input), n_used,
@@ -151,20 +153,26 @@ def routed_experts(ops, b: ExpertWeights, x: torch.Tensor, n_used: int, routing:
         weights = weights * b.ffn_down_exps_scale[chosen]
     if b.ffn_gate_up_exps is not None:
         return ops.experts(x, chosen, weights, b.ffn_gate_up_exps, None, b.ffn_down_exps,
-                           routing.act)
+                           routing.act, shared=shared)
     return ops.experts(x, chosen, weights, b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps,
-                       routing.act)
+                       routing.act, shared=shared)
+
+
+def shared_expert(b: ExpertWeights, **kw) -> SharedExpert | None:
+    """The layer's shared SwiGLU expert (``ffn_{gate,up,down}_shexp``) for ``ops.experts``,
+    None where it has none; ``kw``: :class:`~localllm.backends.SharedExpert`'s weight or
+    input."""
+    if b.ffn_down_shexp is None:
+        return None
+    return SharedExpert(b.ffn_gate_up_shexp, b.ffn_down_shexp, **kw)
 
 
 def moe_ffn(ops, b: ExpertWeights, x: torch.Tensor, n_used: int, routing: Routing
             ) -> torch.Tensor:
     """A MoE layer on its normed input x (T, d) float32 -> (T, d) float32: the
     :func:`routed_experts` plus the shared experts' SwiGLU where the layer has them
-    (llama.cpp's ``build_moe_ffn`` and the families' ``ffn_shexp``)."""
-    f = routed_experts(ops, b, x, n_used, routing)
-    if b.ffn_gate_up_shexp is not None:
-        f = f + swiglu(ops, b.ffn_gate_up_shexp, b.ffn_down_shexp, x)
-    return f
+    (llama.cpp's ``build_moe_ffn`` and the families' ``ffn_shexp``), in one backend call."""
+    return routed_experts(ops, b, x, n_used, routing, shared=shared_expert(b))
 
 
 def expert_counts(hp: HParams, n_expert=REQUIRED, *, lo: int = 1) -> dict:

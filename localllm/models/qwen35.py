@@ -55,7 +55,7 @@ from .base import (
 )
 from .common import Linear, Split, positions_of, swiglu
 from .deltanet import DeltaNetArgs
-from .moe import ExpertWeights, Routing, expert_specs, routed_experts
+from .moe import ExpertWeights, Routing, expert_specs, routed_experts, shared_expert
 from .rope import read_rope
 
 ROUTING = Routing(norm=True)  # softmax, the chosen probabilities renormalised
@@ -301,9 +301,9 @@ class Model(BaseModel):
         ops = self.ops
         if b.ffn_gate_inp is None:
             return swiglu(ops, b.ffn_gate_up, b.ffn_down, x)
-        out = routed_experts(ops, b, x, self.args.n_expert_used, ROUTING)
-        shared = swiglu(ops, b.ffn_gate_up_shexp, b.ffn_down_shexp, x)
-        return out.add_(shared.mul_(torch.sigmoid(x @ b.ffn_gate_inp_shexp)[:, None]))
+        gate = torch.sigmoid(x @ b.ffn_gate_inp_shexp)[:, None]
+        return routed_experts(ops, b, x, self.args.n_expert_used, ROUTING,
+                              shared=shared_expert(b, weight=gate))
 
     def forward(self, tokens: torch.Tensor, pos: int | torch.Tensor, memory, *,
                 all_logits: bool = False, logits_start: int = 0) -> torch.Tensor:

@@ -4,6 +4,9 @@
 //                                             x quantized to int8 per 32 values (q8.h)
 //   gemv_q8_experts(x, w, qtype, rows, cols, experts, out)
 //                                             out[j] = W_experts[j] x_j, one token's experts
+//   moe_token_q8(x, chosen, weights, gate, up, down, ..., shared expert ..., out)
+//                                             one token's whole MoE FFN (routed experts
+//                                             and a shared one) in two parallel passes
 //
 // Each weight block is decoded into registers of Q8W unsigned 8-bit lanes (64 with
 // AVX512-VNNI, 32 with AVX2: simd.h) and multiplied with the quantized activations by dot4
@@ -17,7 +20,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <map>
+#include <optional>
+#include <tuple>
+
 #include "q8.h"
+
+namespace localllm_cpu {
+void gated_values(const float* g, const float* u, float* y, int64_t n, int64_t act);  // ops.cpp
+}  // namespace localllm_cpu
 
 namespace {
 
@@ -463,6 +475,203 @@ void gemv_q8_experts(const at::Tensor& x, const at::Tensor& w, int64_t qtype, in
   });
 }
 
+// ---- one token's MoE FFN in one call -------------------------------------------------------
+
+// Rows [0, rows) of one quantized matrix times one quantized activation row, into out.
+struct GemvPart {
+  const uint8_t* w;
+  int64_t row_bytes, rows;
+  GemvQ8Fn fn;
+  const Q8Act* xa;
+  float* out;
+};
+
+// Every part's rows as one range split over the threads (one parallel region for all).
+void run_parts(const std::vector<GemvPart>& parts) {
+  std::vector<int64_t> start(parts.size() + 1, 0);
+  int64_t bytes = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    start[i + 1] = start[i] + parts[i].rows;
+    bytes += parts[i].rows * parts[i].row_bytes;
+  }
+  const int64_t n = start.back();
+  if (n == 0) return;
+  at::parallel_for(0, n, grain_of(std::max<int64_t>(1, bytes / n)), [&](int64_t b, int64_t e) {
+    size_t p = std::upper_bound(start.begin(), start.end(), b) - start.begin() - 1;
+    for (int64_t i = b; i < e; ++p) {
+      const GemvPart& q = parts[p];
+      const int64_t r0 = i - start[p], r1 = std::min(q.rows, e - start[p]);
+      q.fn(q.w, q.row_bytes, *q.xa, q.out, 0, r0, r1);
+      i = start[p] + r1;
+    }
+  });
+}
+
+// A quantized 2-D matrix argument: (n * rows, cols) in ggml blocks, checked.
+struct QMat {
+  const uint8_t* data = nullptr;
+  int64_t qtype = 0, row_bytes = 0, rows_total = 0;
+  QMat() = default;
+  QMat(const at::Tensor& w, int64_t qtype_, int64_t cols, const char* name) : qtype(qtype_) {
+    const Format f = format_of(qtype);
+    TORCH_CHECK(f.unpack != nullptr, "localllm_cpu.moe_token_q8: ", name, " is a float type");
+    TORCH_CHECK(cols > 0 && cols % f.block == 0, "localllm_cpu.moe_token_q8: ", name,
+                ": ", cols, " columns are not whole blocks");
+    row_bytes = (cols / f.block) * f.bytes;
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                    w.numel() % row_bytes == 0,
+                "localllm_cpu.moe_token_q8: ", name, " must be whole rows of contiguous uint8");
+    data = w.data_ptr<uint8_t>();
+    rows_total = w.numel() / row_bytes;
+  }
+};
+
+// out (1, d) = sum over the token's k slots, in increasing expert order, of
+//   weights[j] * (down_e(act(gate_e(x) + bg_e, up_e(x) + bu_e)) + bd_e),  e = chosen[j],
+// plus sh_weight * sh_down(silu(sh_gate(xs)) * sh_up(xs)) when the shared expert is given,
+// xs = sh_x if given (Llama 4 scales the routed input only) else x (llama.cpp's
+// build_moe_ffn plus the families' ffn_*_shexp, for one token). gate and up
+// stacked (n_expert * n_ff, d), or up absent and gate the fused ffn_gate_up_exps (n_expert *
+// 2 n_ff, d); down (n_expert * d, n_ff); the shared matrices (sh_ff, d), (sh_ff, d) and (d,
+// sh_ff). x is quantized once per weight type as gemv_q8 does; the gate and up rows of every
+// expert (the shared one included) are one parallel pass, the down rows another: two
+// parallel regions and one call where the Python side made five to seven.
+void moe_token_q8(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights,
+                  const at::Tensor& gate, const std::optional<at::Tensor>& up,
+                  const at::Tensor& down, int64_t gate_type, int64_t up_type, int64_t down_type,
+                  int64_t n_ff, const std::optional<at::Tensor>& gate_bias,
+                  const std::optional<at::Tensor>& up_bias,
+                  const std::optional<at::Tensor>& down_bias, int64_t act,
+                  const std::optional<at::Tensor>& sh_gate, const std::optional<at::Tensor>& sh_up,
+                  const std::optional<at::Tensor>& sh_down, int64_t sh_gate_type,
+                  int64_t sh_up_type, int64_t sh_down_type, int64_t sh_ff, double sh_weight,
+                  const std::optional<at::Tensor>& sh_x, at::Tensor& out) {
+  const char* op = "localllm_cpu.moe_token_q8";
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kFloat &&
+                  x.stride(1) == 1, op, ": x must be (1, d) float32");
+  const int64_t d = x.size(1);
+  TORCH_CHECK(chosen.dim() == 1 && chosen.scalar_type() == at::kLong && chosen.is_contiguous(),
+              op, ": chosen must be (k,) int64");
+  const int64_t k = chosen.size(0);
+  TORCH_CHECK(weights.dim() == 1 && weights.size(0) == k && weights.scalar_type() == at::kFloat &&
+                  weights.is_contiguous(), op, ": weights must be (k,) float32");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == 1 && out.size(1) == d &&
+                  out.scalar_type() == at::kFloat && out.is_contiguous(),
+              op, ": out must be (1, d) contiguous float32");
+  TORCH_CHECK(n_ff > 0 && act >= 0 && act <= 2, op, ": n_ff must be > 0 and act 0, 1 or 2");
+  const bool fused = !up.has_value() || !up->defined();
+  const QMat mg(gate, gate_type, d, "gate"), mu = fused ? mg : QMat(*up, up_type, d, "up"),
+             md(down, down_type, n_ff, "down");
+  const int64_t gu_rows = fused ? 2 * n_ff : n_ff, n_expert = mg.rows_total / gu_rows;
+  TORCH_CHECK(n_expert > 0 && mg.rows_total == n_expert * gu_rows &&
+                  mu.rows_total == mg.rows_total && md.rows_total == n_expert * d,
+              op, ": gate, up and down do not hold the same number of (", n_ff, ", ", d,
+              ") experts");
+  const int64_t* ch = chosen.data_ptr<int64_t>();
+  for (int64_t j = 0; j < k; ++j)
+    TORCH_CHECK(ch[j] >= 0 && ch[j] < n_expert, op, ": expert ", ch[j], " out of range [0, ",
+                n_expert, ")");
+  auto bias = [&](const std::optional<at::Tensor>& b, int64_t rows, const char* name) {
+    if (!b.has_value() || !b->defined()) return (const float*)nullptr;
+    TORCH_CHECK(b->dim() == 2 && b->size(0) == n_expert && b->size(1) == rows &&
+                    b->scalar_type() == at::kFloat && b->is_contiguous(),
+                op, ": ", name, " must be (", n_expert, ", ", rows, ") contiguous float32");
+    return (const float*)b->data_ptr<float>();
+  };
+  const float* gb = bias(gate_bias, n_ff, "gate_bias");
+  const float* ub = bias(up_bias, n_ff, "up_bias");
+  const float* db = bias(down_bias, d, "down_bias");
+  const bool shared = sh_gate.has_value() && sh_gate->defined();
+  QMat sg, su, sd;
+  if (shared) {
+    TORCH_CHECK(sh_up.has_value() && sh_up->defined() && sh_down.has_value() &&
+                    sh_down->defined() && sh_ff > 0, op, ": the shared expert needs gate, up, "
+                "down and sh_ff > 0");
+    sg = QMat(*sh_gate, sh_gate_type, d, "sh_gate");
+    su = QMat(*sh_up, sh_up_type, d, "sh_up");
+    sd = QMat(*sh_down, sh_down_type, sh_ff, "sh_down");
+    TORCH_CHECK(sg.rows_total == sh_ff && su.rows_total == sh_ff && sd.rows_total == d, op,
+                ": the shared expert's matrices are not (", sh_ff, ", ", d, ") and (", d, ", ",
+                sh_ff, ")");
+  }
+  const bool own_x = shared && sh_x.has_value() && sh_x->defined();
+  TORCH_CHECK(!own_x || (sh_x->dim() == 2 && sh_x->size(0) == 1 && sh_x->size(1) == d &&
+                         sh_x->scalar_type() == at::kFloat && sh_x->stride(1) == 1),
+              op, ": sh_x must be (1, d) float32");
+  // each input quantized once per (offset, order) its weight types need
+  std::map<std::tuple<const float*, int, bool>, Q8Act> acts;
+  auto act_of = [&](const float* v, int64_t cols, int64_t qtype) -> const Q8Act* {
+    const auto key = std::make_tuple(v, q8_offset(qtype), k4_order(qtype));
+    auto it = acts.find(key);
+    if (it == acts.end())
+      it = acts.emplace(std::piecewise_construct, std::forward_as_tuple(key),
+                        std::forward_as_tuple(v, cols, 1, cols, std::get<1>(key),
+                                              std::get<2>(key))).first;
+    return &it->second;
+  };
+  const float* xp = x.data_ptr<float>();
+  const float* xs = own_x ? sh_x->data_ptr<float>() : xp;
+  const int64_t n_sh = shared ? 1 : 0;
+  // g, u: (k + shared) rows of n_ff (the shared row sh_ff wide, last)
+  const int64_t width = std::max(n_ff, shared ? sh_ff : 0);
+  std::vector<float> g((k + n_sh) * width), u((k + n_sh) * width), h((k + n_sh) * width);
+  std::vector<GemvPart> parts;
+  parts.reserve(2 * (k + n_sh));
+  const GemvQ8Fn fg = gemv_q8_of(gate_type, 1), fu = gemv_q8_of(fused ? gate_type : up_type, 1);
+  for (int64_t j = 0; j < k; ++j) {
+    const uint8_t* base = mg.data + ch[j] * gu_rows * mg.row_bytes;
+    parts.push_back({base, mg.row_bytes, n_ff, fg, act_of(xp, d, gate_type), &g[j * width]});
+    const uint8_t* ubase = fused ? base + n_ff * mg.row_bytes
+                                 : mu.data + ch[j] * n_ff * mu.row_bytes;
+    parts.push_back({ubase, mu.row_bytes, n_ff, fu, act_of(xp, d, mu.qtype), &u[j * width]});
+  }
+  if (shared) {
+    parts.push_back({sg.data, sg.row_bytes, sh_ff, gemv_q8_of(sh_gate_type, 1),
+                     act_of(xs, d, sh_gate_type), &g[k * width]});
+    parts.push_back({su.data, su.row_bytes, sh_ff, gemv_q8_of(sh_up_type, 1),
+                     act_of(xs, d, sh_up_type), &u[k * width]});
+  }
+  run_parts(parts);
+  // the gated activations, then each row quantized for its down matrix
+  std::vector<Q8Act> hq;
+  hq.reserve(k + n_sh);
+  for (int64_t j = 0; j < k + n_sh; ++j) {
+    float* gj = &g[j * width];
+    float* uj = &u[j * width];
+    const int64_t n = j < k ? n_ff : sh_ff;
+    if (j < k && gb) for (int64_t i = 0; i < n; ++i) gj[i] += gb[ch[j] * n_ff + i];
+    if (j < k && ub) for (int64_t i = 0; i < n; ++i) uj[i] += ub[ch[j] * n_ff + i];
+    localllm_cpu::gated_values(gj, uj, &h[j * width], n, j < k ? act : 0);
+    const int64_t qt = j < k ? down_type : sh_down_type;
+    hq.emplace_back(&h[j * width], n, 1, n, q8_offset(qt), k4_order(qt));
+  }
+  std::vector<float> y((k + n_sh) * d);
+  parts.clear();
+  const GemvQ8Fn fd = gemv_q8_of(down_type, 1);
+  for (int64_t j = 0; j < k; ++j)
+    parts.push_back({md.data + ch[j] * d * md.row_bytes, md.row_bytes, d, fd, &hq[j], &y[j * d]});
+  if (shared)
+    parts.push_back({sd.data, sd.row_bytes, d, gemv_q8_of(sh_down_type, 1), &hq[k], &y[k * d]});
+  run_parts(parts);
+  // the weighted sum in increasing expert order, then the shared expert
+  std::vector<int64_t> order(k);
+  for (int64_t j = 0; j < k; ++j) order[j] = j;
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ch[a] < ch[b]; });
+  float* o = out.data_ptr<float>();
+  std::fill(o, o + d, 0.f);
+  const float* wt = weights.data_ptr<float>();
+  for (int64_t j : order) {
+    const float w = wt[j];
+    const float* yr = &y[j * d];
+    const float* bd = db ? db + ch[j] * d : nullptr;
+    for (int64_t c = 0; c < d; ++c) o[c] += (bd ? yr[c] + bd[c] : yr[c]) * w;
+  }
+  if (shared) {
+    const float w = float(sh_weight);
+    for (int64_t c = 0; c < d; ++c) o[c] += y[k * d + c] * w;
+  }
+}
+
 #else  // no int8 registers: q8_available() is false and the callers use gemv
 
 void gemv_q8(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, at::Tensor&) {
@@ -474,6 +683,16 @@ void gemv_q8_experts(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int
   TORCH_CHECK(false, "localllm_cpu.gemv_q8_experts: built without AVX2 or AVX512-VNNI");
 }
 
+void moe_token_q8(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                  const std::optional<at::Tensor>&, const at::Tensor&, int64_t, int64_t, int64_t,
+                  int64_t, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                  const std::optional<at::Tensor>&, int64_t, const std::optional<at::Tensor>&,
+                  const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
+                  int64_t, int64_t, int64_t, double, const std::optional<at::Tensor>&,
+                  at::Tensor&) {
+  TORCH_CHECK(false, "localllm_cpu.moe_token_q8: built without AVX2 or AVX512-VNNI");
+}
+
 #endif  // LOCALLLM_Q8
 
 }  // namespace
@@ -481,4 +700,5 @@ void gemv_q8_experts(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int
 TORCH_LIBRARY_IMPL(localllm_cpu, CPU, m) {
   m.impl("gemv_q8", gemv_q8);
   m.impl("gemv_q8_experts", gemv_q8_experts);
+  m.impl("moe_token_q8", moe_token_q8);
 }

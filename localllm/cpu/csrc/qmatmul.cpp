@@ -201,6 +201,11 @@ TORCH_LIBRARY(localllm_cpu, m) {
   m.def("gemv_q8(Tensor x, Tensor w, int qtype, int rows, int cols, Tensor(a!) out) -> ()");
   m.def("gemv_q8_experts(Tensor x, Tensor w, int qtype, int rows, int cols, Tensor experts, "
         "Tensor(a!) out) -> ()");
+  m.def("moe_token_q8(Tensor x, Tensor chosen, Tensor weights, Tensor gate, Tensor? up, "
+        "Tensor down, int gate_type, int up_type, int down_type, int n_ff, Tensor? gate_bias, "
+        "Tensor? up_bias, Tensor? down_bias, int act, Tensor? sh_gate, Tensor? sh_up, "
+        "Tensor? sh_down, int sh_gate_type, int sh_up_type, int sh_down_type, int sh_ff, "
+        "float sh_weight, Tensor? sh_x, Tensor(a!) out) -> ()");
   m.def("q8_available() -> bool", q8_available);
   m.def("moe_available() -> bool", moe_available);
   m.def("moe_ffn_q8(Tensor x, Tensor chosen, Tensor weights, Tensor gate, Tensor up, Tensor down, "

@@ -611,7 +611,7 @@ def test_moe_token_q8_equals_the_separate_calls(gu_type, down_type, act, fused, 
             out += cpu.qmatmul(hs, shared[2]) * 0.375
         return out
 
-    kw = dict(biases=biases, act=act)
+    kw = {"biases": biases, "act": act}
     got = cpu.moe_token_q8(x, chosen, weights, gate, up, down, **kw, shared=shared,
                            shared_weight=0.375, shared_x=xs)
     want = separate(True)

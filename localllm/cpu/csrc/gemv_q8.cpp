@@ -486,23 +486,29 @@ struct GemvPart {
   float* out;
 };
 
-// Every part's rows as one range split over the threads (one parallel region for all).
+// Every part's rows in one parallel region, split over the threads by weight bytes (parts
+// of other types have rows of other sizes: Q/K/V of Q4_K and Q6_K): a row goes to the
+// thread whose share of the bytes holds its first byte.
 void run_parts(const std::vector<GemvPart>& parts) {
-  std::vector<int64_t> start(parts.size() + 1, 0);
-  int64_t bytes = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    start[i + 1] = start[i] + parts[i].rows;
-    bytes += parts[i].rows * parts[i].row_bytes;
-  }
-  const int64_t n = start.back();
-  if (n == 0) return;
-  at::parallel_for(0, n, grain_of(std::max<int64_t>(1, bytes / n)), [&](int64_t b, int64_t e) {
-    size_t p = std::upper_bound(start.begin(), start.end(), b) - start.begin() - 1;
-    for (int64_t i = b; i < e; ++p) {
-      const GemvPart& q = parts[p];
-      const int64_t r0 = i - start[p], r1 = std::min(q.rows, e - start[p]);
-      q.fn(q.w, q.row_bytes, *q.xa, q.out, 0, r0, r1);
-      i = start[p] + r1;
+  std::vector<int64_t> start(parts.size() + 1, 0);  // first byte of each part
+  for (size_t i = 0; i < parts.size(); ++i)
+    start[i + 1] = start[i] + parts[i].rows * parts[i].row_bytes;
+  const int64_t total = start.back();
+  if (total == 0) return;
+  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
+                                                           total / (64 << 10)));
+  at::parallel_for(0, n, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b0 = total * t / n, b1 = total * (t + 1) / n;
+      for (size_t p = 0; p < parts.size(); ++p) {
+        const GemvPart& q = parts[p];
+        // rows whose first byte start[p] + r * row_bytes lies in [b0, b1)
+        auto first = [&](int64_t b) {
+          return std::clamp<int64_t>((b - start[p] + q.row_bytes - 1) / q.row_bytes, 0, q.rows);
+        };
+        const int64_t r0 = b0 <= start[p] ? 0 : first(b0), r1 = b1 <= start[p] ? 0 : first(b1);
+        if (r1 > r0) q.fn(q.w, q.row_bytes, *q.xa, q.out, 0, r0, r1);
+      }
     }
   });
 }

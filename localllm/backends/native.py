@@ -253,20 +253,15 @@ class NativeOps(TorchOps):
         passes instead of five to seven calls and their Python). Otherwise :meth:`_routed`
         plus the shared expert."""
         if x.shape[0] == 1:
-            mats = (gate, down) if up is None else (gate, up, down)
-            stacked = [m.stacked if isinstance(m, PackedExperts) else None for m in mats]
+            stacked = _q8_blocks(gate, up, down)
             sh = None if shared is None else _packed_shared(shared)
             weight = None if shared is None else shared.weight
-            if (act in cpu.GATED_ACTS and all(w is not None and w.q8 for w in stacked)
+            if (act in cpu.GATED_ACTS and stacked is not None
                     and (shared is None or sh is not None)
                     and (weight is None or isinstance(weight, float) or weight.numel() == 1)):
-                bias = [m.bias for m in mats]
-                if up is None:  # fused: the gate and up halves of each expert's bias
-                    bias[:1] = [None, None] if bias[0] is None else bias[0].chunk(2, -1)
-                    bias = [None if b is None else b.contiguous() for b in bias]
                 return cpu.moe_token_q8(
                     x, chosen[0], weights[0], stacked[0], None if up is None else stacked[1],
-                    stacked[-1], biases=tuple(bias), act=act, shared=sh,
+                    stacked[-1], biases=_expert_biases(gate, up, down), act=act, shared=sh,
                     shared_weight=1.0 if weight is None else float(weight),
                     shared_x=None if shared is None else shared.x)
         return super().experts(x, chosen, weights, gate, up, down, act, shared=shared)
@@ -282,14 +277,14 @@ class NativeOps(TorchOps):
         or not, MXFP4 included; the per-expert loop spent most of a MoE prefill in small
         products and Python).
         Otherwise the torch grouping."""
-        mats = (gate, down) if up is None else (gate, up, down)  # up None: gate_up fused
-        stacked = [m.stacked if isinstance(m, PackedExperts) else None for m in mats]
-        if all(w is not None and w.q8 for w in stacked):
+        stacked = _q8_blocks(gate, up, down)
+        if stacked is not None:
             n_expert, n_ff = gate.shape[0], gate.shape[1]
             if x.shape[0] == 1:
                 e = chosen[0]
+                mats = (gate,) if up is None else (gate, up)  # up None: gate_up fused
                 proj = [_biased(cpu.gemv_experts(x, w, e, n_ff), m.bias, e)
-                        for w, m in zip(stacked[:-1], mats[:-1])]
+                        for w, m in zip(stacked[:-1], mats)]
                 # fused: (k, 2 n_ff), its halves made contiguous for the kernel
                 g, u = proj if up is not None else (h.contiguous() for h in proj[0].chunk(2, -1))
                 h = self.gated(g, u, act, overwrite=True)  # (k, n_ff)
@@ -297,13 +292,27 @@ class NativeOps(TorchOps):
                                          down.bias, e)
             if (act in cpu.GATED_ACTS and cpu.moe_q8()
                     and x.shape[0] * chosen.shape[1] >= MOE_MIN_ROWS * n_expert):
-                bias = [m.bias for m in mats]
-                if up is None:  # fused: the gate and up halves of each expert's bias
-                    bias[:1] = [None, None] if bias[0] is None else bias[0].chunk(2, -1)
                 return cpu.moe_ffn_q8(x, chosen, weights, stacked[0],
                                       None if up is None else stacked[1], stacked[-1],
-                                      biases=tuple(bias), act=act)
+                                      biases=_expert_biases(gate, up, down), act=act)
         return super()._routed(x, chosen, weights, gate, up, down, act)
+
+
+def _q8_blocks(gate, up, down) -> list[cpu.PackedWeight] | None:
+    """The stacked blocks of gate, up (None: ``gate`` is the fused ``ffn_gate_up_exps``)
+    and down when all are int8-ready :class:`PackedExperts`, else None."""
+    mats = (gate, down) if up is None else (gate, up, down)
+    stacked = [m.stacked if isinstance(m, PackedExperts) else None for m in mats]
+    return stacked if all(w is not None and w.q8 for w in stacked) else None
+
+
+def _expert_biases(gate, up, down) -> tuple:
+    """The experts' (gate, up, down) biases, each (n_expert, rows) or None, as the native
+    expert calls take them: a fused ``ffn_gate_up_exps``'s bias split into its halves."""
+    if up is not None:
+        return gate.bias, up.bias, down.bias
+    halves = (None, None) if gate.bias is None else gate.bias.chunk(2, -1)
+    return (*halves, down.bias)
 
 
 def _packed_shared(shared) -> tuple[cpu.PackedWeight, ...] | None:

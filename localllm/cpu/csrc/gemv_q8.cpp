@@ -487,8 +487,9 @@ struct GemvPart {
 };
 
 // Every part's rows in one parallel region, split over the threads by weight bytes (parts
-// of other types have rows of other sizes: Q/K/V of Q4_K and Q6_K): a row goes to the
-// thread whose share of the bytes holds its first byte.
+// of other types have rows of other sizes: a shared expert of another type than the
+// routed ones, a Q6_K down beside Q4_K gate/up): a row goes to the thread whose share of
+// the bytes holds its first byte.
 void run_parts(const std::vector<GemvPart>& parts) {
   std::vector<int64_t> start(parts.size() + 1, 0);  // first byte of each part
   for (size_t i = 0; i < parts.size(); ++i)
@@ -577,16 +578,9 @@ void moe_token_q8(const at::Tensor& x, const at::Tensor& chosen, const at::Tenso
   for (int64_t j = 0; j < k; ++j)
     TORCH_CHECK(ch[j] >= 0 && ch[j] < n_expert, op, ": expert ", ch[j], " out of range [0, ",
                 n_expert, ")");
-  auto bias = [&](const std::optional<at::Tensor>& b, int64_t rows, const char* name) {
-    if (!b.has_value() || !b->defined()) return (const float*)nullptr;
-    TORCH_CHECK(b->dim() == 2 && b->size(0) == n_expert && b->size(1) == rows &&
-                    b->scalar_type() == at::kFloat && b->is_contiguous(),
-                op, ": ", name, " must be (", n_expert, ", ", rows, ") contiguous float32");
-    return (const float*)b->data_ptr<float>();
-  };
-  const float* gb = bias(gate_bias, n_ff, "gate_bias");
-  const float* ub = bias(up_bias, n_ff, "up_bias");
-  const float* db = bias(down_bias, d, "down_bias");
+  const float* gb = expert_bias(op, gate_bias, n_expert, n_ff, "gate_bias");
+  const float* ub = expert_bias(op, up_bias, n_expert, n_ff, "up_bias");
+  const float* db = expert_bias(op, down_bias, n_expert, d, "down_bias");
   const bool shared = sh_gate.has_value() && sh_gate->defined();
   QMat sg, su, sd;
   if (shared) {

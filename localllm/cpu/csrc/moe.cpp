@@ -200,17 +200,6 @@ struct MoeMatrix {
   }
 };
 
-// An optional per-expert bias (n_expert, rows) float32, or nullptr.
-const float* moe_bias(const std::optional<at::Tensor>& b, int64_t n_expert, int64_t rows,
-                      const char* name) {
-  if (!b.has_value() || !b->defined()) return nullptr;
-  TORCH_CHECK(b->dim() == 2 && b->size(0) == n_expert && b->size(1) == rows &&
-                  b->scalar_type() == at::kFloat && b->is_contiguous() && b->device().is_cpu(),
-              "localllm_cpu.moe_ffn_q8: ", name, " must be (", n_expert, ", ", rows,
-              ") contiguous float32");
-  return b->data_ptr<float>();
-}
-
 // y[p * ld + i] += bias[i] for the positions [p0, p1) and i in [0, n).
 void add_rows(float* y, int64_t ld, int64_t p0, int64_t p1, const float* bias, int64_t n) {
   for (int64_t p = p0; p < p1; ++p)
@@ -237,9 +226,9 @@ void moe_ffn_q8(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor&
   TORCH_CHECK(n_expert > 0 && n_ff > 0, "localllm_cpu.moe_ffn_q8: n_expert and n_ff must be > 0");
   TORCH_CHECK(act >= 0 && act <= 2, "localllm_cpu.moe_ffn_q8: act 0 (SiLU), 1 (GELU) or 2 "
               "(swiglu_oai), got ", act);
-  const float* gb = moe_bias(gate_bias, n_expert, n_ff, "gate_bias");
-  const float* ub = moe_bias(up_bias, n_expert, n_ff, "up_bias");
-  const float* db = moe_bias(down_bias, n_expert, d, "down_bias");
+  const float* gb = expert_bias("localllm_cpu.moe_ffn_q8", gate_bias, n_expert, n_ff, "gate_bias");
+  const float* ub = expert_bias("localllm_cpu.moe_ffn_q8", up_bias, n_expert, n_ff, "up_bias");
+  const float* db = expert_bias("localllm_cpu.moe_ffn_q8", down_bias, n_expert, d, "down_bias");
   // fused (llama.cpp's ffn_gate_up_exps): each expert's 2 n_ff rows of `gate` are its gate
   // rows then its up rows (`up` is not read); up's tiles start n_ff rows on
   const int64_t gu_rows = gate_up_fused ? 2 * n_ff : n_ff, up_off = gate_up_fused ? n_ff : 0;

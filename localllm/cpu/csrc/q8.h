@@ -13,6 +13,7 @@
 
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "blocks.h"
@@ -103,6 +104,17 @@ struct Q8Act {
     }
   }
 };
+
+// An optional per-expert bias (n_expert, rows) float32 of the expert kernels (moe.cpp's
+// moe_ffn_q8, gemv_q8.cpp's moe_token_q8; `op` names the caller in the error), or nullptr.
+inline const float* expert_bias(const char* op, const std::optional<at::Tensor>& b,
+                                int64_t n_expert, int64_t rows, const char* name) {
+  if (!b.has_value() || !b->defined()) return nullptr;
+  TORCH_CHECK(b->dim() == 2 && b->size(0) == n_expert && b->size(1) == rows &&
+                  b->scalar_type() == at::kFloat && b->is_contiguous() && b->device().is_cpu(),
+              op, ": ", name, " must be (", n_expert, ", ", rows, ") contiguous float32");
+  return b->data_ptr<float>();
+}
 
 }  // namespace
 #endif  // LOCALLLM_Q8
